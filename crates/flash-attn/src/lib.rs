@@ -1,0 +1,217 @@
+//! FlashAttention-3 for candle.
+//!
+//! Exact attention as a candle custom op, with a forward and a backward on every device:
+//! Hopper kernels under the `cuda` feature and a tiled, multi-threaded CPU path that never
+//! materialises the seqlen_q × seqlen_k score matrix.
+//!
+//! The free functions have the signatures of `candle-flash-attn`, so switching is one import:
+//!
+//! ```
+//! use candle_core::{Device, DType, Tensor};
+//! # fn main() -> candle_core::Result<()> {
+//! let dev = Device::Cpu;
+//! // (batch, seqlen, heads, head_dim); k and v may have fewer heads (GQA).
+//! let q = Tensor::randn(0f32, 1., (1, 7, 4, 64), &dev)?;
+//! let k = Tensor::randn(0f32, 1., (1, 9, 2, 64), &dev)?;
+//! let v = Tensor::randn(0f32, 1., (1, 9, 2, 64), &dev)?;
+//! let out = flash_attn3::flash_attn(&q, &k, &v, 0.125, true)?;
+//! assert_eq!(out.dims(), &[1, 7, 4, 64]);
+//!
+//! // The builder adds softcap and the log-sum-exp.
+//! let (out, lse) = flash_attn3::FlashAttn::new(0.125).causal(true).softcap(30.0).forward_with_lse(&q, &k, &v)?;
+//! assert_eq!(lse.dims(), &[1, 4, 7]);
+//! # Ok(()) }
+//! ```
+//!
+//! Semantics, shared by every device:
+//! - q is (batch, seqlen_q, heads, head_dim), k and v are (batch, seqlen_k, kv_heads, head_dim)
+//!   and (batch, seqlen_k, kv_heads, head_dim_v); `heads % kv_heads == 0` (GQA/MQA).
+//!   Varlen calls pack sequences as (total_tokens, heads, head_dim) with cumulative u32 lengths.
+//! - Causal and window masks are aligned bottom-right: query `i` sits on key `i + seqlen_k - seqlen_q`.
+//!   A window `(left, right)` lets it see keys `[diag - left, diag + right]`; `None` is unbounded and
+//!   causal is `(None, Some(0))`.
+//! - Softcap maps a scaled score `s` to `cap * tanh(s / cap)` before the softmax.
+//! - The LSE is f32, natural log, (batch, heads, seqlen_q) or (heads, total_q) for varlen calls.
+//!   A query that sees no key gets a zero output row and an LSE of `-inf`.
+//! - The output has the input's dtype. Gradients flow to q, k and v (summed over each GQA group).
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod op;
+mod params;
+
+use candle_core::{Result, Tensor};
+
+use op::FlashAttnFwd;
+use params::{AttnParams, Dims, Varlen};
+pub use params::MAX_HEAD_DIM;
+
+/// Multi-head attention with `softmax(q·kᵀ · softmax_scale) · v`, causal or not.
+///
+/// q: (batch, seqlen_q, heads, head_dim); k: (batch, seqlen_k, kv_heads, head_dim);
+/// v: (batch, seqlen_k, kv_heads, head_dim_v). Returns (batch, seqlen_q, heads, head_dim_v).
+pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32, causal: bool) -> Result<Tensor> {
+    FlashAttn::new(softmax_scale).causal(causal).forward(q, k, v)
+}
+
+/// Attention restricted to a sliding window around each query's diagonal:
+/// keys `[diag - window_size_left, diag + window_size_right]`, `None` meaning unbounded.
+/// `(None, Some(0))` is causal attention.
+pub fn flash_attn_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+) -> Result<Tensor> {
+    FlashAttn::new(softmax_scale).window(window_size_left, window_size_right).forward(q, k, v)
+}
+
+/// Attention over packed sequences of different lengths.
+///
+/// q: (total_q, heads, head_dim); k: (total_k, kv_heads, head_dim); v: (total_k, kv_heads, head_dim_v).
+/// `seqlens_q`/`seqlens_k` are u32 tensors of batch + 1 cumulative offsets into the packed dimension;
+/// `max_seqlen_*` bound every sequence's length.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    causal: bool,
+) -> Result<Tensor> {
+    FlashAttn::new(softmax_scale).causal(causal).forward_varlen(
+        q,
+        k,
+        v,
+        seqlens_q,
+        seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
+}
+
+/// [`flash_attn_varlen`] with a sliding window in place of the causal flag.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+) -> Result<Tensor> {
+    FlashAttn::new(softmax_scale).window(window_size_left, window_size_right).forward_varlen(
+        q,
+        k,
+        v,
+        seqlens_q,
+        seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
+}
+
+/// An attention call with every option: scale, causal mask, sliding window, softcap, LSE.
+///
+/// `causal(true)` and `window(l, r)` combine: causal caps the right window at 0.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FlashAttn {
+    params: AttnParams,
+}
+
+impl FlashAttn {
+    /// Plain attention scaled by `softmax_scale` (usually `1 / sqrt(head_dim)`).
+    pub fn new(softmax_scale: f32) -> Self {
+        Self { params: AttnParams { softmax_scale, window_left: None, window_right: None, softcap: None } }
+    }
+
+    /// Masks keys after each query's diagonal (bottom-right aligned when seqlen_q != seqlen_k).
+    pub fn causal(mut self, causal: bool) -> Self {
+        if causal {
+            self.params.window_right = Some(0);
+        }
+        self
+    }
+
+    /// Restricts each query to keys `[diag - left, diag + right]`; `None` is unbounded.
+    /// A causal mask set before or after keeps the right side at 0.
+    pub fn window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
+        self.params.window_left = left;
+        self.params.window_right = match (self.params.window_right, right) {
+            (Some(0), _) => Some(0),
+            (_, right) => right,
+        };
+        self
+    }
+
+    /// Caps scaled scores smoothly: `s -> cap * tanh(s / cap)` (Gemma 2, Grok).
+    pub fn softcap(mut self, cap: f32) -> Self {
+        self.params.softcap = Some(cap);
+        self
+    }
+
+    /// The attention output, (batch, seqlen_q, heads, head_dim_v).
+    pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_with_lse(q, k, v)?.0)
+    }
+
+    /// The output and the f32 log-sum-exp of each query row, (batch, heads, seqlen_q).
+    pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.params.validate()?;
+        let dims = params::check_fixed(q, k, v)?;
+        self.run(q, k, v, dims, None)
+    }
+
+    /// The varlen form of [`FlashAttn::forward`]; see [`flash_attn_varlen`] for the layout.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_varlen(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seqlens_q: &Tensor,
+        seqlens_k: &Tensor,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+    ) -> Result<Tensor> {
+        Ok(self.forward_varlen_with_lse(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)?.0)
+    }
+
+    /// The varlen output and its LSE, (heads, total_q).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_varlen_with_lse(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seqlens_q: &Tensor,
+        seqlens_k: &Tensor,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        self.params.validate()?;
+        let (dims, varlen) = params::check_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)?;
+        self.run(q, k, v, dims, Some(varlen))
+    }
+
+    fn run(&self, q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, varlen: Option<Varlen>) -> Result<(Tensor, Tensor)> {
+        let op = FlashAttnFwd::new(self.params, dims, varlen);
+        let lse = op.lse.clone();
+        let out = q.apply_op3(k, v, op)?;
+        match lse.get() {
+            Some(lse) => Ok((out, lse.clone())),
+            None => candle_core::bail!("flash-attn3: the forward pass returned without its LSE"),
+        }
+    }
+}

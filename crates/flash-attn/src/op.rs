@@ -1,0 +1,194 @@
+//! The candle custom ops: [`FlashAttnFwd`] computes the attention output and keeps the
+//! log-sum-exp for its own backward; [`FlashAttnBwd`] computes dq, dk and dv from it.
+//!
+//! Each public call builds a fresh `FlashAttnFwd`, so the LSE slot belongs to exactly one
+//! forward pass and `bwd` never recomputes the forward.
+
+use std::sync::{Arc, OnceLock};
+
+use candle_core::op::BackpropOp;
+use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+
+use crate::cpu;
+use crate::params::{AttnParams, Dims, Varlen};
+
+/// The shape of the attention output: q's shape with v's head dim.
+fn output_shape(dims: &Dims, varlen: bool) -> Shape {
+    if varlen {
+        Shape::from((dims.total_q, dims.heads, dims.head_dim_v))
+    } else {
+        Shape::from((dims.batch, dims.seqlen_q, dims.heads, dims.head_dim_v))
+    }
+}
+
+/// The shape of the LSE: (batch, heads, seqlen_q), or (heads, total_q) for varlen calls.
+pub(crate) fn lse_shape(dims: &Dims, varlen: bool) -> Shape {
+    if varlen {
+        Shape::from((dims.heads, dims.total_q))
+    } else {
+        Shape::from((dims.batch, dims.heads, dims.seqlen_q))
+    }
+}
+
+/// Where each sequence starts in the packed token dimension. Fixed-length calls are the
+/// special case of equal lengths, so every path handles one layout.
+pub(crate) fn cumulative_lengths(dims: &Dims, varlen: Option<&Varlen>) -> (Vec<usize>, Vec<usize>) {
+    match varlen {
+        Some(v) => (v.cu_q.clone(), v.cu_k.clone()),
+        None => (
+            (0..=dims.batch).map(|b| b * dims.seqlen_q).collect(),
+            (0..=dims.batch).map(|b| b * dims.seqlen_k).collect(),
+        ),
+    }
+}
+
+/// The forward op. `apply_op3` stores it with the output tensor, so its `bwd` finds the
+/// LSE that `cpu_fwd`/`cuda_fwd` left in `lse`.
+pub(crate) struct FlashAttnFwd {
+    pub params: AttnParams,
+    pub dims: Dims,
+    pub varlen: Option<Varlen>,
+    pub lse: Arc<OnceLock<Tensor>>,
+}
+
+impl FlashAttnFwd {
+    pub fn new(params: AttnParams, dims: Dims, varlen: Option<Varlen>) -> Self {
+        Self { params, dims, varlen, lse: Arc::new(OnceLock::new()) }
+    }
+
+    fn keep_lse(&self, storage: Storage) {
+        let lse = Tensor::from_storage(storage, lse_shape(&self.dims, self.varlen.is_some()), BackpropOp::none(), false);
+        // A forward runs once per op; a second run (never done by candle) would keep the first LSE.
+        let _ = self.lse.set(lse);
+    }
+
+    fn saved_lse(&self) -> Result<Tensor> {
+        match self.lse.get() {
+            Some(lse) => Ok(lse.clone()),
+            None => bail!("flash-attn3: backward called before the forward pass stored its LSE"),
+        }
+    }
+}
+
+impl CustomOp3 for FlashAttnFwd {
+    fn name(&self) -> &'static str {
+        "flash-attn3"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        q_l: &Layout,
+        k: &CpuStorage,
+        k_l: &Layout,
+        v: &CpuStorage,
+        v_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (cu_q, cu_k) = cumulative_lengths(&self.dims, self.varlen.as_ref());
+        let problem = cpu::Problem::new(&self.dims, self.params, &cu_q, &cu_k, self.varlen.is_some());
+        let (out, lse) = cpu::forward(&problem, (q, q_l), (k, k_l), (v, v_l))?;
+        self.keep_lse(Storage::Cpu(lse));
+        Ok((out, output_shape(&self.dims, self.varlen.is_some())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        q_l: &Layout,
+        k: &candle_core::CudaStorage,
+        k_l: &Layout,
+        v: &candle_core::CudaStorage,
+        v_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (out, lse) = crate::cuda::forward(&self.dims, self.params, self.varlen.as_ref(), (q, q_l), (k, k_l), (v, v_l))?;
+        self.keep_lse(Storage::Cuda(lse));
+        Ok((out, output_shape(&self.dims, self.varlen.is_some())))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let backward = FlashAttnBwd {
+            params: self.params,
+            dims: self.dims,
+            varlen: self.varlen.clone(),
+            out: out.clone(),
+            grad_out: grad_out.contiguous()?,
+            lse: self.saved_lse()?,
+        };
+        // One op computes the three gradients into one flat buffer; split it here.
+        let packed = q.apply_op3_no_bwd(k, v, &backward)?;
+        let (nq, nk, nv) = (q.elem_count(), k.elem_count(), v.elem_count());
+        let dq = packed.narrow(0, 0, nq)?.reshape(q.shape())?;
+        let dk = packed.narrow(0, nq, nk)?.reshape(k.shape())?;
+        let dv = packed.narrow(0, nq + nk, nv)?.reshape(v.shape())?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// The backward op, applied to (q, k, v). Its output is dq, dk and dv flattened and
+/// concatenated (in q's dtype), each in the contiguous layout of its input.
+pub(crate) struct FlashAttnBwd {
+    pub params: AttnParams,
+    pub dims: Dims,
+    pub varlen: Option<Varlen>,
+    pub out: Tensor,
+    pub grad_out: Tensor,
+    pub lse: Tensor,
+}
+
+impl CustomOp3 for FlashAttnBwd {
+    fn name(&self) -> &'static str {
+        "flash-attn3-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        q_l: &Layout,
+        k: &CpuStorage,
+        k_l: &Layout,
+        v: &CpuStorage,
+        v_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (cu_q, cu_k) = cumulative_lengths(&self.dims, self.varlen.as_ref());
+        let problem = cpu::Problem::new(&self.dims, self.params, &cu_q, &cu_k, self.varlen.is_some());
+        let (out_s, out_l) = self.out.storage_and_layout();
+        let (dout_s, dout_l) = self.grad_out.storage_and_layout();
+        let (lse_s, lse_l) = self.lse.storage_and_layout();
+        let (Storage::Cpu(out_s), Storage::Cpu(dout_s), Storage::Cpu(lse_s)) = (&*out_s, &*dout_s, &*lse_s) else {
+            bail!("flash-attn3: backward tensors are not all on the CPU")
+        };
+        let grads = cpu::backward(
+            &problem,
+            (q, q_l),
+            (k, k_l),
+            (v, v_l),
+            (out_s, out_l),
+            (dout_s, dout_l),
+            (lse_s, lse_l),
+        )?;
+        let d = &self.dims;
+        let len = d.total_q * d.heads * d.head_dim + d.total_k * d.kv_heads * (d.head_dim + d.head_dim_v);
+        Ok((grads, Shape::from(len)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _q: &candle_core::CudaStorage,
+        _q_l: &Layout,
+        _k: &candle_core::CudaStorage,
+        _k_l: &Layout,
+        _v: &candle_core::CudaStorage,
+        _v_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        bail!("flash-attn3: the attention backward is not implemented on the GPU yet")
+    }
+}

@@ -1,0 +1,307 @@
+//! What an attention call computes (scale, mask, softcap) and the shape checks every
+//! device path relies on. All validation happens here, before any storage is touched,
+//! so the CPU and CUDA paths can assume well-formed inputs.
+
+use candle_core::{bail, DType, Layout, Result, Tensor};
+
+/// The largest head dimension any path supports (FA3's limit).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// The options of one attention call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct AttnParams {
+    /// Multiplies q·k before the softcap and the softmax.
+    pub softmax_scale: f32,
+    /// Keys more than this many positions left of the query's diagonal are masked (None: unbounded).
+    pub window_left: Option<usize>,
+    /// Keys more than this many positions right of the query's diagonal are masked (None: unbounded).
+    /// Causal attention is `Some(0)`.
+    pub window_right: Option<usize>,
+    /// When set, a scaled score s becomes `cap * tanh(s / cap)` before the softmax.
+    pub softcap: Option<f32>,
+}
+
+impl AttnParams {
+    pub fn validate(&self) -> Result<()> {
+        if !self.softmax_scale.is_finite() {
+            bail!("flash-attn3: softmax_scale must be finite, got {}", self.softmax_scale)
+        }
+        if let Some(cap) = self.softcap {
+            if !(cap.is_finite() && cap > 0.0) {
+                bail!("flash-attn3: softcap must be finite and > 0, got {cap}")
+            }
+        }
+        Ok(())
+    }
+
+    /// The key range `[lo, hi)` that query `i` of a sequence may see. Causal and window
+    /// masks are aligned bottom-right: the diagonal of query `i` is key `i + seqlen_k - seqlen_q`.
+    pub fn key_range(&self, i: usize, seqlen_q: usize, seqlen_k: usize) -> (usize, usize) {
+        let diagonal = i as i64 + seqlen_k as i64 - seqlen_q as i64;
+        let lo = match self.window_left {
+            Some(left) => (diagonal - left as i64).max(0),
+            None => 0,
+        };
+        let hi = match self.window_right {
+            Some(right) => (diagonal + right as i64 + 1).min(seqlen_k as i64),
+            None => seqlen_k as i64,
+        };
+        let lo = lo.min(seqlen_k as i64) as usize;
+        (lo, (hi.max(lo as i64)) as usize)
+    }
+}
+
+/// The sizes of one attention problem. For varlen calls `batch` is the number of
+/// sequences, `seqlen_q`/`seqlen_k` are the declared maxima and `total_*` the packed lengths;
+/// for fixed-length calls `total_q = batch * seqlen_q`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Dims {
+    pub batch: usize,
+    pub seqlen_q: usize,
+    pub seqlen_k: usize,
+    pub total_q: usize,
+    pub total_k: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub head_dim_v: usize,
+}
+
+impl Dims {
+    /// Query heads that share one key/value head.
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+}
+
+/// Sequence boundaries of a varlen call, read from the cumulative `seqlens` tensors.
+/// The CPU path reads the host copies; the CUDA path passes the device tensors to its kernels.
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct Varlen {
+    pub seqlens_q: Tensor,
+    pub seqlens_k: Tensor,
+    pub cu_q: Vec<usize>,
+    pub cu_k: Vec<usize>,
+}
+
+fn check_dtypes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+    let dtype = q.dtype();
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        bail!("flash-attn3: q, k and v must be f32, f16 or bf16, got {dtype:?}")
+    }
+    if k.dtype() != dtype || v.dtype() != dtype {
+        bail!(
+            "flash-attn3: q, k and v must share one dtype, got q {:?}, k {:?}, v {:?}",
+            dtype,
+            k.dtype(),
+            v.dtype()
+        )
+    }
+    if !q.device().same_device(k.device()) || !q.device().same_device(v.device()) {
+        bail!(
+            "flash-attn3: q, k and v must be on one device, got q {:?}, k {:?}, v {:?}",
+            q.device().location(),
+            k.device().location(),
+            v.device().location()
+        )
+    }
+    Ok(())
+}
+
+/// The kernels read rows of head_dim elements: the last dimension must be contiguous.
+pub(crate) fn check_last_dim_contiguous(name: &str, layout: &Layout) -> Result<()> {
+    let dims = layout.dims();
+    let last = dims.len() - 1;
+    if dims[last] > 1 && layout.stride()[last] != 1 {
+        bail!(
+            "flash-attn3: the last dimension of {name} must be contiguous (stride 1), got strides {:?}; call .contiguous() first",
+            layout.stride()
+        )
+    }
+    Ok(())
+}
+
+fn check_head_dims(head_dim: usize, head_dim_v: usize) -> Result<()> {
+    for (name, d) in [("q/k", head_dim), ("v", head_dim_v)] {
+        if d == 0 || d > MAX_HEAD_DIM {
+            bail!("flash-attn3: {name} head dim must be in 1..={MAX_HEAD_DIM}, got {d}")
+        }
+    }
+    Ok(())
+}
+
+fn check_heads(heads: usize, kv_heads: usize) -> Result<()> {
+    if kv_heads == 0 || heads == 0 {
+        bail!("flash-attn3: empty input: q has {heads} heads and k/v have {kv_heads}")
+    }
+    if heads % kv_heads != 0 {
+        bail!("flash-attn3: the number of q heads ({heads}) must be a multiple of the number of k/v heads ({kv_heads})")
+    }
+    Ok(())
+}
+
+fn check_common(q: &Tensor, k: &Tensor, v: &Tensor, rank: usize) -> Result<()> {
+    check_dtypes(q, k, v)?;
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.rank() != rank {
+            bail!(
+                "flash-attn3: {name} must have rank {rank} ({}), got shape {:?}",
+                if rank == 4 { "batch, seqlen, heads, head_dim" } else { "total_tokens, heads, head_dim" },
+                t.dims()
+            )
+        }
+        check_last_dim_contiguous(name, t.layout())?;
+    }
+    Ok(())
+}
+
+/// Checks q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv).
+pub(crate) fn check_fixed(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
+    check_common(q, k, v, 4)?;
+    let (batch, seqlen_q, heads, head_dim) = q.dims4()?;
+    let (kb, seqlen_k, kv_heads, kd) = k.dims4()?;
+    let (vb, vs, vh, head_dim_v) = v.dims4()?;
+    if kb != batch || vb != batch || vs != seqlen_k || vh != kv_heads || kd != head_dim {
+        bail!(
+            "flash-attn3: shapes do not match: q {:?} (batch, seqlen_q, heads, d), k {:?} and v {:?} must be (batch, seqlen_k, kv_heads, d) and (batch, seqlen_k, kv_heads, d_v)",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )
+    }
+    if batch == 0 || seqlen_q == 0 || seqlen_k == 0 {
+        bail!("flash-attn3: empty input: q {:?}, k {:?}", q.dims(), k.dims())
+    }
+    check_heads(heads, kv_heads)?;
+    check_head_dims(head_dim, head_dim_v)?;
+    Ok(Dims {
+        batch,
+        seqlen_q,
+        seqlen_k,
+        total_q: batch * seqlen_q,
+        total_k: batch * seqlen_k,
+        heads,
+        kv_heads,
+        head_dim,
+        head_dim_v,
+    })
+}
+
+fn read_cumulative(name: &str, seqlens: &Tensor, total: usize, max_seqlen: usize) -> Result<Vec<usize>> {
+    if seqlens.dtype() != DType::U32 || seqlens.rank() != 1 {
+        bail!(
+            "flash-attn3: {name} must be a rank-1 u32 tensor of cumulative lengths, got {:?} of shape {:?}",
+            seqlens.dtype(),
+            seqlens.dims()
+        )
+    }
+    let cu: Vec<usize> = seqlens.to_vec1::<u32>()?.into_iter().map(|x| x as usize).collect();
+    if cu.len() < 2 {
+        bail!("flash-attn3: {name} must hold batch + 1 >= 2 offsets, got {}", cu.len())
+    }
+    if cu[0] != 0 {
+        bail!("flash-attn3: {name} must start at 0, got {}", cu[0])
+    }
+    for w in cu.windows(2) {
+        if w[1] < w[0] {
+            bail!("flash-attn3: {name} must be non-decreasing, got {:?}", cu)
+        }
+        if w[1] - w[0] > max_seqlen {
+            bail!(
+                "flash-attn3: {name} holds a sequence of length {} longer than the declared maximum {max_seqlen}",
+                w[1] - w[0]
+            )
+        }
+    }
+    if *cu.last().unwrap() != total {
+        bail!(
+            "flash-attn3: {name} must end at the number of packed tokens ({total}), got {}",
+            cu.last().unwrap()
+        )
+    }
+    Ok(cu)
+}
+
+/// Checks packed q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv) and the
+/// cumulative u32 sequence lengths (batch + 1 entries each).
+pub(crate) fn check_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+) -> Result<(Dims, Varlen)> {
+    check_common(q, k, v, 3)?;
+    let (total_q, heads, head_dim) = q.dims3()?;
+    let (total_k, kv_heads, kd) = k.dims3()?;
+    let (vt, vh, head_dim_v) = v.dims3()?;
+    if vt != total_k || vh != kv_heads || kd != head_dim {
+        bail!(
+            "flash-attn3: shapes do not match: q {:?} (total_q, heads, d), k {:?} and v {:?} must be (total_k, kv_heads, d) and (total_k, kv_heads, d_v)",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )
+    }
+    if total_q == 0 || total_k == 0 {
+        bail!("flash-attn3: empty input: q {:?}, k {:?}", q.dims(), k.dims())
+    }
+    check_heads(heads, kv_heads)?;
+    check_head_dims(head_dim, head_dim_v)?;
+    for (name, t) in [("seqlens_q", seqlens_q), ("seqlens_k", seqlens_k)] {
+        if !t.device().same_device(q.device()) {
+            bail!("flash-attn3: {name} must be on the device of q ({:?}), got {:?}", q.device().location(), t.device().location())
+        }
+    }
+    let cu_q = read_cumulative("seqlens_q", seqlens_q, total_q, max_seqlen_q)?;
+    let cu_k = read_cumulative("seqlens_k", seqlens_k, total_k, max_seqlen_k)?;
+    if cu_q.len() != cu_k.len() {
+        bail!(
+            "flash-attn3: seqlens_q and seqlens_k must describe the same batch, got {} and {} offsets",
+            cu_q.len(),
+            cu_k.len()
+        )
+    }
+    let dims = Dims {
+        batch: cu_q.len() - 1,
+        seqlen_q: max_seqlen_q,
+        seqlen_k: max_seqlen_k,
+        total_q,
+        total_k,
+        heads,
+        kv_heads,
+        head_dim,
+        head_dim_v,
+    };
+    let varlen = Varlen { seqlens_q: seqlens_q.clone(), seqlens_k: seqlens_k.clone(), cu_q, cu_k };
+    Ok((dims, varlen))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(left: Option<usize>, right: Option<usize>) -> AttnParams {
+        AttnParams { softmax_scale: 1.0, window_left: left, window_right: right, softcap: None }
+    }
+
+    #[test]
+    fn key_range_is_bottom_right_aligned() {
+        // Causal with sq < sk: the last query sees every key.
+        let causal = params(None, Some(0));
+        assert_eq!(causal.key_range(0, 2, 5), (0, 4));
+        assert_eq!(causal.key_range(1, 2, 5), (0, 5));
+        // Causal with sq > sk: early queries see nothing.
+        assert_eq!(causal.key_range(0, 5, 2), (0, 0));
+        assert_eq!(causal.key_range(3, 5, 2), (0, 1));
+        // A window of 1 left, 1 right around the diagonal.
+        let window = params(Some(1), Some(1));
+        assert_eq!(window.key_range(0, 4, 4), (0, 2));
+        assert_eq!(window.key_range(2, 4, 4), (1, 4));
+        // Unbounded.
+        assert_eq!(params(None, None).key_range(3, 4, 9), (0, 9));
+    }
+}

@@ -1,0 +1,1 @@
+//! Llama-family models (in progress).
