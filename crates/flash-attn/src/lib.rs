@@ -44,8 +44,8 @@ mod params;
 use candle_core::{Result, Tensor};
 
 use op::FlashAttnFwd;
-use params::{AttnParams, Dims, Varlen};
 pub use params::MAX_HEAD_DIM;
+use params::{AttnParams, Dims, Varlen};
 
 /// Multi-head attention with `softmax(q·kᵀ · softmax_scale) · v`, causal or not.
 ///
@@ -66,7 +66,9 @@ pub fn flash_attn_windowed(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    FlashAttn::new(softmax_scale).window(window_size_left, window_size_right).forward(q, k, v)
+    FlashAttn::new(softmax_scale)
+        .window(window_size_left, window_size_right)
+        .forward(q, k, v)
 }
 
 /// Attention over packed sequences of different lengths.
@@ -111,15 +113,9 @@ pub fn flash_attn_varlen_windowed(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    FlashAttn::new(softmax_scale).window(window_size_left, window_size_right).forward_varlen(
-        q,
-        k,
-        v,
-        seqlens_q,
-        seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-    )
+    FlashAttn::new(softmax_scale)
+        .window(window_size_left, window_size_right)
+        .forward_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)
 }
 
 /// An attention call with every option: scale, causal mask, sliding window, softcap, LSE.
@@ -133,7 +129,14 @@ pub struct FlashAttn {
 impl FlashAttn {
     /// Plain attention scaled by `softmax_scale` (usually `1 / sqrt(head_dim)`).
     pub fn new(softmax_scale: f32) -> Self {
-        Self { params: AttnParams { softmax_scale, window_left: None, window_right: None, softcap: None } }
+        Self {
+            params: AttnParams {
+                softmax_scale,
+                window_left: None,
+                window_right: None,
+                softcap: None,
+            },
+        }
     }
 
     /// Masks keys after each query's diagonal (bottom-right aligned when seqlen_q != seqlen_k).
@@ -185,7 +188,9 @@ impl FlashAttn {
         max_seqlen_q: usize,
         max_seqlen_k: usize,
     ) -> Result<Tensor> {
-        Ok(self.forward_varlen_with_lse(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)?.0)
+        Ok(self
+            .forward_varlen_with_lse(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)?
+            .0)
     }
 
     /// The varlen output and its LSE, (heads, total_q).

@@ -53,11 +53,21 @@ pub(crate) struct FlashAttnFwd {
 
 impl FlashAttnFwd {
     pub fn new(params: AttnParams, dims: Dims, varlen: Option<Varlen>) -> Self {
-        Self { params, dims, varlen, lse: Arc::new(OnceLock::new()) }
+        Self {
+            params,
+            dims,
+            varlen,
+            lse: Arc::new(OnceLock::new()),
+        }
     }
 
     fn keep_lse(&self, storage: Storage) {
-        let lse = Tensor::from_storage(storage, lse_shape(&self.dims, self.varlen.is_some()), BackpropOp::none(), false);
+        let lse = Tensor::from_storage(
+            storage,
+            lse_shape(&self.dims, self.varlen.is_some()),
+            BackpropOp::none(),
+            false,
+        );
         // A forward runs once per op; a second run (never done by candle) would keep the first LSE.
         let _ = self.lse.set(lse);
     }
@@ -101,7 +111,14 @@ impl CustomOp3 for FlashAttnFwd {
         v: &candle_core::CudaStorage,
         v_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (out, lse) = crate::cuda::forward(&self.dims, self.params, self.varlen.as_ref(), (q, q_l), (k, k_l), (v, v_l))?;
+        let (out, lse) = crate::cuda::forward(
+            &self.dims,
+            self.params,
+            self.varlen.as_ref(),
+            (q, q_l),
+            (k, k_l),
+            (v, v_l),
+        )?;
         self.keep_lse(Storage::Cuda(lse));
         Ok((out, output_shape(&self.dims, self.varlen.is_some())))
     }

@@ -147,7 +147,11 @@ fn check_common(q: &Tensor, k: &Tensor, v: &Tensor, rank: usize) -> Result<()> {
         if t.rank() != rank {
             bail!(
                 "flash-attn3: {name} must have rank {rank} ({}), got shape {:?}",
-                if rank == 4 { "batch, seqlen, heads, head_dim" } else { "total_tokens, heads, head_dim" },
+                if rank == 4 {
+                    "batch, seqlen, heads, head_dim"
+                } else {
+                    "total_tokens, heads, head_dim"
+                },
                 t.dims()
             )
         }
@@ -253,7 +257,11 @@ pub(crate) fn check_varlen(
     check_head_dims(head_dim, head_dim_v)?;
     for (name, t) in [("seqlens_q", seqlens_q), ("seqlens_k", seqlens_k)] {
         if !t.device().same_device(q.device()) {
-            bail!("flash-attn3: {name} must be on the device of q ({:?}), got {:?}", q.device().location(), t.device().location())
+            bail!(
+                "flash-attn3: {name} must be on the device of q ({:?}), got {:?}",
+                q.device().location(),
+                t.device().location()
+            )
         }
     }
     let cu_q = read_cumulative("seqlens_q", seqlens_q, total_q, max_seqlen_q)?;
@@ -276,7 +284,12 @@ pub(crate) fn check_varlen(
         head_dim,
         head_dim_v,
     };
-    let varlen = Varlen { seqlens_q: seqlens_q.clone(), seqlens_k: seqlens_k.clone(), cu_q, cu_k };
+    let varlen = Varlen {
+        seqlens_q: seqlens_q.clone(),
+        seqlens_k: seqlens_k.clone(),
+        cu_q,
+        cu_k,
+    };
     Ok((dims, varlen))
 }
 
@@ -285,7 +298,12 @@ mod tests {
     use super::*;
 
     fn params(left: Option<usize>, right: Option<usize>) -> AttnParams {
-        AttnParams { softmax_scale: 1.0, window_left: left, window_right: right, softcap: None }
+        AttnParams {
+            softmax_scale: 1.0,
+            window_left: left,
+            window_right: right,
+            softcap: None,
+        }
     }
 
     #[test]

@@ -57,8 +57,11 @@ pub(crate) fn backward(
     let dims = p.dims;
     let mut lse_log2 = vec![0f32; dims.heads * dims.total_q];
     let mut delta = vec![0f32; dims.heads * dims.total_q];
-    lse_log2.par_chunks_mut(dims.total_q).zip(delta.par_chunks_mut(dims.total_q)).enumerate().for_each(
-        |(h, (lse_row, delta_row))| {
+    lse_log2
+        .par_chunks_mut(dims.total_q)
+        .zip(delta.par_chunks_mut(dims.total_q))
+        .enumerate()
+        .for_each(|(h, (lse_row, delta_row))| {
             for b in 0..dims.batch {
                 for i in 0..p.len_q(b) {
                     let t = p.cu_q[b] + i;
@@ -66,10 +69,15 @@ pub(crate) fn backward(
                     delta_row[t] = o.row(t, h).iter().zip(dout_rows.row(t, h)).map(|(a, b)| a * b).sum();
                 }
             }
-        },
-    );
-    let saved =
-        Saved { q: Rows::new(q.0, q.1)?, k: Rows::new(k.0, k.1)?, v: Rows::new(v.0, v.1)?, dout: dout_rows, lse_log2, delta };
+        });
+    let saved = Saved {
+        q: Rows::new(q.0, q.1)?,
+        k: Rows::new(k.0, k.1)?,
+        v: Rows::new(v.0, v.1)?,
+        dout: dout_rows,
+        lse_log2,
+        delta,
+    };
     Ok(match q.0 {
         CpuStorage::F32(_) => run::<f32>(p, &saved),
         CpuStorage::F16(_) => run::<f16>(p, &saved),
@@ -105,7 +113,10 @@ impl Scratch {
         self.ranges.clear();
         self.ranges.extend((r0..r0 + rows).map(|i| p.key_range(b, i)));
         let live = self.ranges.iter().filter(|r| r.0 < r.1);
-        (live.clone().map(|r| r.0).min().unwrap_or(0), live.map(|r| r.1).max().unwrap_or(0))
+        (
+            live.clone().map(|r| r.0).min().unwrap_or(0),
+            live.map(|r| r.1).max().unwrap_or(0),
+        )
     }
 
     /// P, dS (in `scores`, `dp`) of `rows` queries from packed `tq`, head `h`, against `cols`
@@ -178,8 +189,12 @@ fn run<T: Element>(p: &Problem, saved: &Saved) -> CpuStorage {
     let mut grads = vec![T::from_f32(0.0); nq + nk + nv];
     let dst = SharedMut(grads.as_mut_ptr());
     let scratch = || Scratch::new(dims.head_dim, dims.head_dim_v);
-    p.query_blocks().into_par_iter().for_each_init(scratch, |s, task| grad_q(p, saved, task, s, dst));
-    key_blocks(p).into_par_iter().for_each_init(scratch, |s, task| grad_kv(p, saved, task, s, dst, nq, nk));
+    p.query_blocks()
+        .into_par_iter()
+        .for_each_init(scratch, |s, task| grad_q(p, saved, task, s, dst));
+    key_blocks(p)
+        .into_par_iter()
+        .for_each_init(scratch, |s, task| grad_kv(p, saved, task, s, dst, nq, nk));
     T::to_cpu_storage_owned(grads)
 }
 
@@ -196,7 +211,13 @@ fn key_blocks(p: &Problem) -> Vec<(usize, usize, usize)> {
     tasks
 }
 
-fn grad_q<T: Element>(p: &Problem, saved: &Saved, (b, h, r0): (usize, usize, usize), s: &mut Scratch, dst: SharedMut<T>) {
+fn grad_q<T: Element>(
+    p: &Problem,
+    saved: &Saved,
+    (b, h, r0): (usize, usize, usize),
+    s: &mut Scratch,
+    dst: SharedMut<T>,
+) {
     let d = p.dims.head_dim;
     let rows = BLOCK_Q.min(p.len_q(b) - r0);
     let kv_head = h / p.dims.group();

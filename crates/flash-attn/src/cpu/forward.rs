@@ -76,7 +76,10 @@ fn attend_rows<T: Element>(
     s.ranges.clear();
     s.ranges.extend((r0..r0 + rows).map(|i| p.key_range(b, i)));
     let live = s.ranges.iter().filter(|r| r.0 < r.1);
-    let span = (live.clone().map(|r| r.0).min().unwrap_or(0), live.map(|r| r.1).max().unwrap_or(0));
+    let span = (
+        live.clone().map(|r| r.0).min().unwrap_or(0),
+        live.map(|r| r.1).max().unwrap_or(0),
+    );
 
     let acc = &mut s.acc[..rows * dv];
     acc.fill(0.0);

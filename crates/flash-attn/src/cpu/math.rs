@@ -33,7 +33,7 @@ pub(crate) fn exp2(x: f32) -> f32 {
     let x = if x < -127.0 { -127.0 } else { x };
     let n = x.round_ties_even();
     let f = x - n; // in [-0.5, 0.5]
-    // Taylor series of 2^f = e^(f ln 2) to degree 6; truncation error < 1.2e-7 on [-0.5, 0.5].
+                   // Taylor series of 2^f = e^(f ln 2) to degree 6; truncation error < 1.2e-7 on [-0.5, 0.5].
     const C: [f32; 7] = [
         1.0,
         std::f32::consts::LN_2,

@@ -32,7 +32,13 @@ pub(crate) struct Problem<'a> {
 
 impl<'a> Problem<'a> {
     pub fn new(dims: &'a Dims, params: AttnParams, cu_q: &'a [usize], cu_k: &'a [usize], varlen: bool) -> Self {
-        Self { dims, params, cu_q, cu_k, varlen }
+        Self {
+            dims,
+            params,
+            cu_q,
+            cu_k,
+            varlen,
+        }
     }
 
     fn len_q(&self, b: usize) -> usize {
@@ -59,7 +65,10 @@ impl<'a> Problem<'a> {
     }
 
     fn map(&self) -> math::ScoreMap {
-        math::ScoreMap { scale: self.params.softmax_scale, softcap: self.params.softcap }
+        math::ScoreMap {
+            scale: self.params.softmax_scale,
+            softcap: self.params.softcap,
+        }
     }
 
     /// Row blocks `(sequence, head, first row)` of the query side, the unit of parallel work.
@@ -86,12 +95,20 @@ struct Operand {
 
 impl Operand {
     fn rows(ptr: *const f32, row_stride: usize) -> Self {
-        Self { ptr, row_stride, col_stride: 1 }
+        Self {
+            ptr,
+            row_stride,
+            col_stride: 1,
+        }
     }
 
     /// The transpose of a row-major block whose rows are `row_stride` apart.
     fn transposed(ptr: *const f32, row_stride: usize) -> Self {
-        Self { ptr, row_stride: 1, col_stride: row_stride }
+        Self {
+            ptr,
+            row_stride: 1,
+            col_stride: row_stride,
+        }
     }
 }
 
@@ -100,7 +117,17 @@ impl Operand {
 /// # Safety
 /// Every element the operands and `dst` describe must be in bounds.
 #[allow(clippy::too_many_arguments)]
-unsafe fn matmul(m: usize, n: usize, k: usize, dst: *mut f32, ld: usize, accumulate: bool, a: Operand, b: Operand, beta: f32) {
+unsafe fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ld: usize,
+    accumulate: bool,
+    a: Operand,
+    b: Operand,
+    beta: f32,
+) {
     if m == 0 || n == 0 {
         return;
     }

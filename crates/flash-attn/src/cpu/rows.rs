@@ -85,8 +85,14 @@ impl<'a> Rows<'a> {
     pub fn new(storage: &'a CpuStorage, layout: &Layout) -> Result<Self> {
         let (data, layout) = match storage {
             CpuStorage::F32(data) => (Cow::Borrowed(data.as_slice()), layout.clone()),
-            CpuStorage::F16(data) => (Cow::Owned(to_f32_contiguous(data, layout)), Layout::contiguous(layout.shape())),
-            CpuStorage::BF16(data) => (Cow::Owned(to_f32_contiguous(data, layout)), Layout::contiguous(layout.shape())),
+            CpuStorage::F16(data) => (
+                Cow::Owned(to_f32_contiguous(data, layout)),
+                Layout::contiguous(layout.shape()),
+            ),
+            CpuStorage::BF16(data) => (
+                Cow::Owned(to_f32_contiguous(data, layout)),
+                Layout::contiguous(layout.shape()),
+            ),
             other => bail!("flash-attn3: unsupported dtype {:?} on the CPU", other.dtype()),
         };
         let dims = layout.dims();
