@@ -53,9 +53,39 @@ fn reset_peak() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// A long causal forward must need memory linear in the sequence length. Runs first, on a
+/// fresh heap, so freed blocks of other runs cannot hide its allocations.
+fn long_sequence_memory(dev: &Device) -> Result<()> {
+    let (s, heads, dim) = (32 * 1024, 2, 64);
+    let q = Tensor::randn(0f32, 1., (1, s, heads, dim), dev)?;
+    let k = Tensor::randn(0f32, 1., (1, s, heads, dim), dev)?;
+    let v = Tensor::randn(0f32, 1., (1, s, heads, dim), dev)?;
+    let output_bytes = (s * heads * dim * DType::F32.size_in_bytes()) as f64;
+    // After the reset the peak equals the current resident size: the baseline.
+    let measured = reset_peak();
+    let before = peak_rss();
+    let start = Instant::now();
+    let out = flash_attn3::flash_attn(&q, &k, &v, 1.0 / (dim as f32).sqrt(), true)?;
+    let elapsed = start.elapsed().as_secs_f64();
+    match (measured, before, peak_rss()) {
+        (true, Some(before), Some(after)) => {
+            let extra = after as f64 - before as f64 - output_bytes;
+            println!(
+                "seqlen {s}, {heads} heads, head dim {dim}, causal forward: {elapsed:.1} s, peak memory beyond inputs and output {:.1} MB (the score matrix alone would be {:.0} MB)\n",
+                extra / 1e6,
+                (s * s * heads * 4) as f64 / 1e6
+            );
+        }
+        _ => println!("seqlen {s}: {elapsed:.1} s (peak memory not measurable here: no /proc/self/clear_refs)\n"),
+    }
+    assert_eq!(out.dims(), &[1, s, heads, dim]);
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let dev = Device::Cpu;
+    long_sequence_memory(&dev)?;
     let (heads, dim) = (8, 128);
     let repeats = if quick { 3 } else { 5 };
     let seqlens: &[usize] = if quick { &[512, 2048] } else { &[512, 1024, 2048, 4096] };
@@ -107,30 +137,5 @@ fn main() -> Result<()> {
             );
         }
     }
-
-    // Memory: a long forward must need memory linear in the sequence length.
-    let (s, heads, dim) = (32 * 1024, 2, 64);
-    let q = Tensor::randn(0f32, 1., (1, s, heads, dim), &dev)?;
-    let k = Tensor::randn(0f32, 1., (1, s, heads, dim), &dev)?;
-    let v = Tensor::randn(0f32, 1., (1, s, heads, dim), &dev)?;
-    let output_bytes = (s * heads * dim * DType::F32.size_in_bytes()) as f64;
-    // After the reset the peak equals the current resident size: the baseline.
-    let measured = reset_peak();
-    let before = peak_rss();
-    let start = Instant::now();
-    let out = flash_attn3::flash_attn(&q, &k, &v, 1.0 / (dim as f32).sqrt(), true)?;
-    let elapsed = start.elapsed().as_secs_f64();
-    match (measured, before, peak_rss()) {
-        (true, Some(before), Some(after)) => {
-            let extra = after.saturating_sub(before) as f64 - output_bytes;
-            println!(
-                "\nseqlen {s}, {heads} heads, head dim {dim}, causal forward: {elapsed:.1} s, peak memory beyond inputs and output {:.1} MB (the score matrix alone would be {:.0} MB)",
-                extra.max(0.0) / 1e6,
-                (s * s * heads * 4) as f64 / 1e6
-            );
-        }
-        _ => println!("\nseqlen {s}: {elapsed:.1} s (peak memory not measurable here: no /proc/self/clear_refs)"),
-    }
-    assert_eq!(out.dims(), &[1, s, heads, dim]);
     Ok(())
 }
