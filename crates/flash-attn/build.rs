@@ -1,0 +1,81 @@
+//! Compiles the Hopper kernels (kernels/ at the workspace root) into one cubin when the `cuda`
+//! feature is on. The crate embeds it with `include_bytes!` and loads it at run time through
+//! candle's cudarc; nothing links against the CUDA runtime.
+
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed=NVCC");
+    if env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let kernels = manifest.join("../../kernels");
+    let kernels = kernels.canonicalize().unwrap_or(kernels);
+    println!("cargo:rerun-if-changed={}", kernels.display());
+    watch(&kernels);
+
+    let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
+    let cubin = out_dir.join("flash_fwd.cubin");
+    let nvcc = find_nvcc();
+    let status = Command::new(&nvcc)
+        .args([
+            "-cubin",
+            "-gencode=arch=compute_90a,code=sm_90a",
+            "-O3",
+            "-std=c++17",
+            "-Xptxas=-warn-spills",
+        ])
+        .arg(kernels.join("flash_fwd/kernel.cu"))
+        .arg("-o")
+        .arg(&cubin)
+        .status()
+        .unwrap_or_else(|e| panic!("flash-attn3: could not run {} ({e})", nvcc.display()));
+    if !status.success() {
+        panic!("flash-attn3: nvcc failed to compile kernels/flash_fwd/kernel.cu ({status})");
+    }
+}
+
+/// Registers every file under `dir` so that editing a header rebuilds the cubin.
+fn watch(dir: &Path) {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                watch(&path);
+            } else {
+                println!("cargo:rerun-if-changed={}", path.display());
+            }
+        }
+    }
+}
+
+/// nvcc from $NVCC, $CUDA_HOME/bin or the PATH.
+fn find_nvcc() -> PathBuf {
+    if let Some(nvcc) = env::var_os("NVCC") {
+        return PathBuf::from(nvcc);
+    }
+    if let Some(home) = env::var_os("CUDA_HOME").or_else(|| env::var_os("CUDA_PATH")) {
+        let nvcc = PathBuf::from(home).join("bin/nvcc");
+        if nvcc.exists() {
+            return nvcc;
+        }
+    }
+    if let Some(path) = env::var_os("PATH") {
+        for dir in env::split_paths(&path) {
+            let nvcc = dir.join("nvcc");
+            if nvcc.exists() {
+                return nvcc;
+            }
+        }
+    }
+    panic!(
+        "flash-attn3: the `cuda` feature needs nvcc (CUDA >= 12.3 for sm_90a), found none in $NVCC, \
+         $CUDA_HOME/bin or the PATH. Install a toolkit with scripts/install-cuda-toolkit.sh and export \
+         the CUDA_HOME/PATH lines it prints."
+    )
+}

@@ -1,0 +1,88 @@
+// The Hopper (sm_90a) FlashAttention-3 forward: warp-specialised TMA + wgmma.
+//
+// A persistent CTA (one per SM, looping over tiles, scheduler.cuh) of 3 warpgroups: warpgroup 0
+// is the producer (one thread issues TMA copies; the warpgroup gives its registers away with
+// setmaxnreg), warpgroups 1 and 2 are consumers that each own 64 rows of the 128-row query tile.
+// See docs/kernels/forward-sm90.md.
+#include "../primitives/warp.cuh"
+#include "load.cuh"
+#include "mainloop.cuh"
+
+namespace fa3 {
+
+template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(const FwdParams& p) {
+    extern __shared__ uint8_t smem_raw[];
+    // TMA's 128B swizzle and the wgmma descriptors assume 1024-byte aligned tiles.
+    uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
+    SharedStorage<Tr>& s = *reinterpret_cast<SharedStorage<Tr>*>(base);
+
+    const int wg = threadIdx.x / 128;
+    const int tid = threadIdx.x % 128;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&s.bar_q, 1);
+        mbar_init(&s.q_empty, 128 * Tr::kConsumerWGs);
+#pragma unroll
+        for (int i = 0; i < Tr::kStages; ++i) {
+            mbar_init(&s.full_k[i], 1);
+            mbar_init(&s.full_v[i], 1);
+            mbar_init(&s.empty_k[i], 128 * Tr::kConsumerWGs);
+            mbar_init(&s.empty_v[i], 128 * Tr::kConsumerWGs);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        warpgroup_reg_dealloc<24>();
+        if (tid == 0) producer<Tr>(p, s);
+    } else {
+        warpgroup_reg_alloc<240>();
+        // it: K/V blocks consumed so far (ring position); tc: tiles with keys so far (Q parity).
+        int it = 0, tc = 0;
+        for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
+            TileInfo t;
+            if (!get_tile<Tr>(p, tile, t)) continue;  // past this sequence's end (varlen)
+            if (t.n_max <= t.n_min) {
+                // No row of the tile sees a key: zero output, LSE -inf; nothing was loaded.
+                float o[Tr::kORegs];
+#pragma unroll
+                for (int i = 0; i < Tr::kORegs; ++i) o[i] = 0.f;
+                const float inv[2] = {0.f, 0.f}, lse[2] = {-INFINITY, -INFINITY};
+                const int warp = tid / 32, lane = tid % 32;
+                epilogue<Tr>(p, t, o, inv, lse, (wg - 1) * 64 + warp * 16 + lane / 4, lane % 4);
+                continue;
+            }
+            if constexpr (kPingpong) {
+                consumer_pingpong<Tr>(p, s, t, wg - 1, tid, it, tc);
+            } else {
+                consumer<Tr>(p, s, t, wg - 1, tid, it, tc);
+            }
+            ++tc;
+        }
+    }
+}
+
+}  // namespace fa3
+
+#define FA3_FWD_KERNEL(NAME, D, BN, DT, PP)                                                              \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ fa3::FwdParams p) { \
+        fa3::flash_fwd<fa3::FwdTraits<D, BN, DT>, PP>(p);                                               \
+    }
+
+// Instantiations: (padded head dim, key block) per dtype. Head dims 96 and 192, and any other
+// multiple of 8, run on the next one up with TMA zero-filling the missing columns.
+// flash_fwd_*: the pingpong + overlap consumers (stage 2); flash_fwd_simple_*: the stage-1
+// consumers (one block at a time), kept as a reference path (env FA3_FWD_SIMPLE=1).
+FA3_FWD_KERNEL(flash_fwd_d64_bf16, 64, 128, fa3::DT_BF16, true)
+FA3_FWD_KERNEL(flash_fwd_d128_bf16, 128, 128, fa3::DT_BF16, true)
+FA3_FWD_KERNEL(flash_fwd_d256_bf16, 256, 64, fa3::DT_BF16, true)
+FA3_FWD_KERNEL(flash_fwd_d64_f16, 64, 128, fa3::DT_F16, true)
+FA3_FWD_KERNEL(flash_fwd_d128_f16, 128, 128, fa3::DT_F16, true)
+FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 64, fa3::DT_F16, true)
+FA3_FWD_KERNEL(flash_fwd_simple_d64_bf16, 64, 128, fa3::DT_BF16, false)
+FA3_FWD_KERNEL(flash_fwd_simple_d128_bf16, 128, 128, fa3::DT_BF16, false)
+FA3_FWD_KERNEL(flash_fwd_simple_d256_bf16, 256, 64, fa3::DT_BF16, false)
+FA3_FWD_KERNEL(flash_fwd_simple_d64_f16, 64, 128, fa3::DT_F16, false)
+FA3_FWD_KERNEL(flash_fwd_simple_d128_f16, 128, 128, fa3::DT_F16, false)
+FA3_FWD_KERNEL(flash_fwd_simple_d256_f16, 256, 64, fa3::DT_F16, false)

@@ -1,0 +1,59 @@
+// The producer: one thread of the producer warpgroup issues every TMA copy of the tile.
+// Q is loaded once; K and V go through kStages-deep rings, each slot guarded by a "full"
+// barrier (TMA bytes landed) and an "empty" barrier (both consumer warpgroups are done with it).
+// K and V have separate barriers: Q·Kᵀ can start while V is still landing, and a K slot is
+// refilled as soon as its S = Q·Kᵀ has retired, while P·V of the same block may still run.
+#pragma once
+#include "../primitives/mbarrier.cuh"
+#include "../primitives/tma.cuh"
+#include "params.cuh"
+#include "scheduler.cuh"
+#include "traits.cuh"
+
+namespace fa3 {
+
+template <class Tr>
+__device__ __forceinline__ void load_tile_rows(const TmaDesc* desc, uint16_t* dst, uint64_t* bar, int rows, int row,
+                                               int head, int batch) {
+    // One box per 64-column block: a 128-byte swizzle span is the widest box row TMA allows.
+#pragma unroll
+    for (int c = 0; c < Tr::kColBlocks; ++c) tma_load_4d(desc, dst + c * rows * 64, bar, c * 64, row, head, batch);
+}
+
+// it: K/V blocks issued so far by this CTA (the ring position, continued across tiles);
+// tc: tiles with keys processed so far (the parity of the Q barriers).
+template <class Tr>
+__device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int& it, int tc) {
+    // Q's buffer is free once both consumer warpgroups issued their last Q·Kᵀ of the previous tile.
+    mbar_wait(&s.q_empty, (tc & 1) ^ 1);
+    mbar_arrive_expect_tx(&s.bar_q, Tr::kQBytes);
+    load_tile_rows<Tr>(&p.tma_q, s.q, &s.bar_q, Tr::kBlockM, t.q_row0 + t.m_block * Tr::kBlockM, t.head, t.tma_batch);
+
+    for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
+        const int stage = it % Tr::kStages;
+        const uint32_t phase = (it / Tr::kStages) & 1;
+        const int row = t.k_row0 + n * Tr::kBlockN;
+        // A slot is free once the consumers released it last round (passes at once in round 0).
+        mbar_wait(&s.empty_k[stage], phase ^ 1);
+        mbar_arrive_expect_tx(&s.full_k[stage], Tr::kKVBytes);
+        load_tile_rows<Tr>(&p.tma_k, s.k[stage], &s.full_k[stage], Tr::kBlockN, row, t.kv_head, t.tma_batch);
+        mbar_wait(&s.empty_v[stage], phase ^ 1);
+        mbar_arrive_expect_tx(&s.full_v[stage], Tr::kKVBytes);
+        load_tile_rows<Tr>(&p.tma_v, s.v[stage], &s.full_v[stage], Tr::kBlockN, row, t.kv_head, t.tma_batch);
+    }
+}
+
+template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<Tr>& s) {
+    tma_prefetch_desc(&p.tma_q);
+    tma_prefetch_desc(&p.tma_k);
+    tma_prefetch_desc(&p.tma_v);
+    int it = 0, tc = 0;
+    for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
+        TileInfo t;
+        if (!get_tile<Tr>(p, tile, t) || t.n_max <= t.n_min) continue;  // the consumers skip it too
+        producer_tile<Tr>(p, s, t, it, tc);
+        ++tc;
+    }
+}
+
+}  // namespace fa3

@@ -1,0 +1,309 @@
+// A consumer warpgroup: 64 query rows of the tile against every key block the producer streams.
+//   S  = Q·Kᵀ      wgmma, A = Q and B = K both from 128B-swizzled shared memory (K-major)
+//   P  = softmax   online, fp32 in registers (softmax.cuh); masks only on boundary blocks
+//   O += P·V       wgmma, A = P from registers (16-bit), B = V from shared memory read transposed
+#pragma once
+#include "../primitives/mbarrier.cuh"
+#include "../primitives/wgmma.cuh"
+#include "epilogue.cuh"
+#include "params.cuh"
+#include "scheduler.cuh"
+#include "softmax.cuh"
+#include "traits.cuh"
+
+namespace fa3 {
+
+// Per-thread view of the rows it owns, for masking.
+struct RowMask {
+    int lo[2], hi[2];  // visible keys [lo, hi) of the thread's two rows
+};
+
+// Sets masked scores to -inf. k0: the first key of the block; col0 = 2 * (lane % 4).
+template <int kSRegs>
+__device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const RowMask& rm, int k0, int col0) {
+#pragma unroll
+    for (int j = 0; j < kSRegs / 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int k = k0 + 8 * j + col0 + e;
+                if (k < rm.lo[h] || k >= rm.hi[h]) s[4 * j + 2 * h + e] = -INFINITY;
+            }
+        }
+    }
+}
+
+template <class Tr>
+__device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid, int& it,
+                         int tc) {
+    constexpr int BN = Tr::kBlockN;
+    const int warp = tid / 32, lane = tid % 32;
+    const int row_in_tile = wg * 64 + warp * 16 + lane / 4;  // this thread's first row; +8 is the second
+    const int quad_lane = lane % 4;
+
+    RowMask rm;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        key_range(p, t.m_block * Tr::kBlockM + row_in_tile + 8 * h, t.seqlen_q, t.seqlen_k, rm.lo[h], rm.hi[h]);
+
+    float o[Tr::kORegs];
+#pragma unroll
+    for (int i = 0; i < Tr::kORegs; ++i) o[i] = 0.f;
+    OnlineSoftmax<Tr::kSRegs> softmax;
+    softmax.init();
+
+    // Descriptor bases. Q: this warpgroup's 64 rows inside each 128-row column block.
+    const uint32_t q_base = smem_u32(s.q) + wg * 64 * 128;
+    mbar_wait(&s.bar_q, tc & 1);
+
+    for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
+        const int stage = it % Tr::kStages;
+        const uint32_t phase = (it / Tr::kStages) & 1;
+        const uint32_t k_base = smem_u32(s.k[stage]);
+        const uint32_t v_base = smem_u32(s.v[stage]);
+
+        // ---- S = Q·Kᵀ
+        float sc[Tr::kSRegs];
+        mbar_wait(&s.full_k[stage], phase);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
+            // k-step kk: column block kk/4, 32-byte slice kk%4 inside the 128-byte swizzled row.
+            const uint32_t off = (kk / 4), in_row = (kk % 4) * 32;
+            const uint64_t da = smem_desc_sw128(q_base + off * Tr::kBlockM * 128 + in_row, 16, 1024);
+            const uint64_t db = smem_desc_sw128(k_base + off * BN * 128 + in_row, 16, 1024);
+            wgmma_ss<BN, Tr::kDtype>(sc, da, db, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operand(sc);
+        mbar_arrive(&s.empty_k[stage]);  // K of this stage has been read: the producer may refill it
+
+        // ---- score transforms and masking (uniform branches: same for the whole CTA)
+        if (p.softcap_pre != 0.f) {
+#pragma unroll
+            for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = tanhf(sc[i] * p.softcap_pre);
+        } else if (p.negate) {
+#pragma unroll
+            for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = -sc[i];
+        }
+        const int k0 = n * BN;
+        if (!(k0 >= t.full_lo && k0 + BN <= t.full_hi)) apply_mask(sc, rm, k0, 2 * quad_lane);
+
+        float corr[2];
+        softmax.step(sc, p.scale_log2, corr);
+#pragma unroll
+        for (int j = 0; j < Tr::kORegs / 4; ++j) {
+            o[4 * j + 0] *= corr[0];
+            o[4 * j + 1] *= corr[0];
+            o[4 * j + 2] *= corr[1];
+            o[4 * j + 3] *= corr[1];
+        }
+
+        // ---- P to 16 bits, laid out as wgmma's register A operand: k-step kk's four registers
+        // are the accumulator pairs 8kk..8kk+7 in order (rows r, r+8; columns +0, +8).
+        uint32_t pa[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<Tr::kDtype>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+        }
+
+        // ---- O += P·V; V (keys x head_dim, head_dim contiguous) is B read MN-major: LBO steps
+        // between 64-column blocks of head_dim, SBO between groups of 8 keys.
+        mbar_wait(&s.full_v[stage], phase);
+        fence_operand(o);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const uint64_t db = smem_desc_sw128(v_base + kk * 16 * 128, BN * 128, 1024);
+            wgmma_rs<Tr::kHeadDim, Tr::kDtype>(o, pa[kk], db);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operand(o);
+        mbar_arrive(&s.empty_v[stage]);
+    }
+    mbar_arrive(&s.q_empty);
+
+    float inv_sum[2], lse[2];
+    softmax.finalize(p.scale_log2, inv_sum, lse);
+    epilogue<Tr>(p, t, o, inv_sum, lse, row_in_tile, quad_lane);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Stage 2 consumer: intra-warpgroup overlap + inter-warpgroup pingpong.
+//  * Overlap: Q·Kᵀ of block j+1 and P·V of block j are issued together; the softmax of block
+//    j+1 runs while P·V of block j is still on the tensor cores (wgmma_wait<1>).
+//  * Pingpong: two named barriers hand the tensor cores back and forth, so one warpgroup's
+//    softmax overlaps the other's GEMMs. Warpgroup 0 issues first.
+// ---------------------------------------------------------------------------------------------
+
+// Named barrier of consumer warpgroup wg (0 is __syncthreads).
+__device__ __forceinline__ int sched_barrier(int wg) { return 1 + wg; }
+
+template <class Tr>
+__device__ __forceinline__ void issue_qk(float (&sc)[Tr::kSRegs], uint32_t q_base, uint32_t k_base) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
+        const uint32_t off = (kk / 4), in_row = (kk % 4) * 32;
+        const uint64_t da = smem_desc_sw128(q_base + off * Tr::kBlockM * 128 + in_row, 16, 1024);
+        const uint64_t db = smem_desc_sw128(k_base + off * Tr::kBlockN * 128 + in_row, 16, 1024);
+        wgmma_ss<Tr::kBlockN, Tr::kDtype>(sc, da, db, kk > 0 ? 1 : 0);
+    }
+}
+
+template <class Tr>
+__device__ __forceinline__ void issue_pv(float (&o)[Tr::kORegs], const uint32_t (&pa)[Tr::kBlockN / 16][4],
+                                         uint32_t v_base) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+        const uint64_t db = smem_desc_sw128(v_base + kk * 16 * 128, Tr::kBlockN * 128, 1024);
+        wgmma_rs<Tr::kHeadDim, Tr::kDtype>(o, pa[kk], db);
+    }
+}
+
+// Softcap / sign, boundary mask and online softmax of one S block; P to 16 bits.
+template <class Tr>
+__device__ __forceinline__ void scores_to_p(const FwdParams& p, const TileInfo& t, const RowMask& rm,
+                                            OnlineSoftmax<Tr::kSRegs>& softmax, float (&sc)[Tr::kSRegs], int n,
+                                            int quad_lane, float (&corr)[2], uint32_t (&pa)[Tr::kBlockN / 16][4]) {
+    if (p.softcap_pre != 0.f) {
+#pragma unroll
+        for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = tanhf(sc[i] * p.softcap_pre);
+    } else if (p.negate) {
+#pragma unroll
+        for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = -sc[i];
+    }
+    const int k0 = n * Tr::kBlockN;
+    if (!(k0 >= t.full_lo && k0 + Tr::kBlockN <= t.full_hi)) apply_mask(sc, rm, k0, 2 * quad_lane);
+    softmax.step(sc, p.scale_log2, corr);
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<Tr::kDtype>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+    }
+}
+
+template <class Tr>
+__device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid,
+                                  int& it, int tc) {
+    const int warp = tid / 32, lane = tid % 32;
+    const int row_in_tile = wg * 64 + warp * 16 + lane / 4;
+    const int quad_lane = lane % 4;
+    const int my_bar = sched_barrier(wg), other_bar = sched_barrier(wg ^ 1);
+    constexpr int kBoth = 256;  // threads of the two consumer warpgroups
+
+    RowMask rm;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        key_range(p, t.m_block * Tr::kBlockM + row_in_tile + 8 * h, t.seqlen_q, t.seqlen_k, rm.lo[h], rm.hi[h]);
+
+    float o[Tr::kORegs];
+#pragma unroll
+    for (int i = 0; i < Tr::kORegs; ++i) o[i] = 0.f;
+    OnlineSoftmax<Tr::kSRegs> softmax;
+    softmax.init();
+    float sc[Tr::kSRegs];
+    uint32_t pa[Tr::kBlockN / 16][4];
+    float corr[2];
+
+    const uint32_t q_base = smem_u32(s.q) + wg * 64 * 128;
+    if (wg == 1) named_barrier_arrive(other_bar, kBoth);  // warpgroup 0 goes first
+    mbar_wait(&s.bar_q, tc & 1);
+
+    // Prologue: S of the first (last-indexed) block alone.
+    int n = t.n_max - 1;
+    {
+        const int stage = it % Tr::kStages;
+        mbar_wait(&s.full_k[stage], (it / Tr::kStages) & 1);
+        named_barrier_sync(my_bar, kBoth);
+        wgmma_fence();
+        issue_qk<Tr>(sc, q_base, smem_u32(s.k[stage]));
+        wgmma_commit();
+        named_barrier_arrive(other_bar, kBoth);
+        wgmma_wait<0>();
+        fence_operand(sc);
+        mbar_arrive(&s.empty_k[stage]);
+    }
+    scores_to_p<Tr>(p, t, rm, softmax, sc, n, quad_lane, corr, pa);
+
+    for (; n > t.n_min; --n, ++it) {
+        const int stage = it % Tr::kStages, next = (it + 1) % Tr::kStages;
+        const uint32_t phase = (it / Tr::kStages) & 1, next_phase = ((it + 1) / Tr::kStages) & 1;
+        mbar_wait(&s.full_k[next], next_phase);
+        named_barrier_sync(my_bar, kBoth);
+        wgmma_fence();
+        issue_qk<Tr>(sc, q_base, smem_u32(s.k[next]));  // S of block n-1
+        wgmma_commit();
+        // While Q·Kᵀ runs: bring O to the running max of block n, whose P·V comes next.
+#pragma unroll
+        for (int j = 0; j < Tr::kORegs / 4; ++j) {
+            o[4 * j + 0] *= corr[0];
+            o[4 * j + 1] *= corr[0];
+            o[4 * j + 2] *= corr[1];
+            o[4 * j + 3] *= corr[1];
+        }
+        mbar_wait(&s.full_v[stage], phase);
+        fence_operand(o);
+        wgmma_fence();
+        issue_pv<Tr>(o, pa, smem_u32(s.v[stage]));  // O += P·V of block n
+        wgmma_commit();
+        named_barrier_arrive(other_bar, kBoth);
+        wgmma_wait<1>();  // S done; P·V may still run
+        fence_operand(sc);
+        mbar_arrive(&s.empty_k[next]);
+        uint32_t pa_next[Tr::kBlockN / 16][4];
+        scores_to_p<Tr>(p, t, rm, softmax, sc, n - 1, quad_lane, corr, pa_next);
+        wgmma_wait<0>();
+        fence_operand(o);
+        // Keep P alive until its wgmma has retired, or the compiler may put P of the next block
+        // into the same registers while the tensor cores still read them (ptxas then serialises
+        // every wgmma, warning C7513).
+#pragma unroll
+        for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) fence_operand(pa[kk]);
+        mbar_arrive(&s.empty_v[stage]);
+#pragma unroll
+        for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pa[kk][r] = pa_next[kk][r];
+    }
+
+    // Every Q·Kᵀ of the tile has retired: the producer may load the next tile's Q.
+    mbar_arrive(&s.q_empty);
+
+    // Tail: P·V of the last block.
+    {
+        const int stage = it % Tr::kStages;
+        const uint32_t phase = (it / Tr::kStages) & 1;
+#pragma unroll
+        for (int j = 0; j < Tr::kORegs / 4; ++j) {
+            o[4 * j + 0] *= corr[0];
+            o[4 * j + 1] *= corr[0];
+            o[4 * j + 2] *= corr[1];
+            o[4 * j + 3] *= corr[1];
+        }
+        mbar_wait(&s.full_v[stage], phase);
+        named_barrier_sync(my_bar, kBoth);
+        fence_operand(o);
+        wgmma_fence();
+        issue_pv<Tr>(o, pa, smem_u32(s.v[stage]));
+        wgmma_commit();
+        named_barrier_arrive(other_bar, kBoth);
+        wgmma_wait<0>();
+        fence_operand(o);
+        mbar_arrive(&s.empty_v[stage]);
+        ++it;
+    }
+    // Warpgroup 1's last arrive on warpgroup 0's barrier is still pending: consume it so the
+    // barrier is balanced when the CTA exits.
+    if (wg == 0) named_barrier_sync(my_bar, kBoth);
+
+    float inv_sum[2], lse[2];
+    softmax.finalize(p.scale_log2, inv_sum, lse);
+    epilogue<Tr>(p, t, o, inv_sum, lse, row_in_tile, quad_lane);
+}
+
+}  // namespace fa3

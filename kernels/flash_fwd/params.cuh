@@ -1,0 +1,38 @@
+// The forward kernel's parameters: one POD passed by value as a __grid_constant__ kernel parameter,
+// so the TMA descriptors live in parameter space where cp.async.bulk.tensor can read them.
+// Mirrored field for field by `FwdParams` in crates/flash-attn/src/cuda/mod.rs.
+#pragma once
+#include <cstdint>
+
+#include "../primitives/tma.cuh"
+
+namespace fa3 {
+
+struct alignas(64) FwdParams {
+    // 4-D maps (head_dim, tokens, heads, batch) over q, k and v with their own strides; varlen
+    // calls use batch = 1 and address sequences by token offset.
+    TmaDesc tma_q;
+    TmaDesc tma_k;
+    TmaDesc tma_v;
+    void* out;              // (total_q, heads, head_dim_v), contiguous, q's dtype
+    float* lse;             // (batch, heads, seqlen_q) or (heads, total_q)
+    const uint32_t* cu_q;   // varlen: batch + 1 cumulative offsets; null for fixed-length calls
+    const uint32_t* cu_k;
+    int64_t out_row_stride; // elements between tokens of out (heads * head_dim_v)
+    int64_t lse_head_stride;
+    int64_t lse_batch_stride; // fixed-length only; varlen rows are offset by cu_q[b]
+    int seqlen_q;           // fixed-length calls: every sequence's length
+    int seqlen_k;
+    int heads;
+    int group;              // heads / kv_heads: q heads that share a kv head
+    int head_dim_v;         // columns of out actually written
+    int window_left;        // -1: unbounded
+    int window_right;       // -1: unbounded; causal is 0
+    float scale_log2;       // softmax scale * log2(e) (softcap: cap * log2(e)), > 0
+    float softcap_pre;      // != 0: s <- tanh(s * softcap_pre) with softcap_pre = scale / cap
+    int negate;             // 1 when the softmax scale is negative: s <- -s, scale_log2 = |scale| log2 e
+    int num_m_blocks;       // query tiles per (batch, head): ceil(max seqlen_q / kBlockM)
+    int batch;              // sequences
+};
+
+}  // namespace fa3

@@ -1,0 +1,77 @@
+// Which tile a CTA works on and the key range that tile needs.
+//
+// Persistent grid: one CTA per SM loops over the tiles (query tile, head, batch), taking tile
+// blockIdx.x, then every gridDim.x-th after it (static striding; FA3 uses an atomic counter).
+// Within a (batch, head), query tiles are numbered last first: under a causal mask the last tiles
+// see the most keys, so the long tiles of a head start before its short ones.
+#pragma once
+#include "params.cuh"
+
+namespace fa3 {
+
+struct TileInfo {
+    int m_block, head, kv_head, batch;
+    int seqlen_q, seqlen_k;   // this sequence's lengths
+    int q_row0, k_row0;       // TMA row coordinate of the sequence's first token
+    int tma_batch;            // TMA batch coordinate (0 for varlen)
+    int64_t out_tok0;         // token index of the sequence's first query in out
+    int64_t lse_row0;         // lse index of (head, query 0)
+    int n_min, n_max;         // key blocks [n_min, n_max) that some row of the tile sees
+    int full_lo, full_hi;     // keys [full_lo, full_hi) are visible to every row of the tile
+};
+
+// The keys [lo, hi) that query i sees (bottom-right aligned window; params.rs key_range).
+__device__ __forceinline__ void key_range(const FwdParams& p, int i, int sq, int sk, int& lo, int& hi) {
+    int diag = i + sk - sq;
+    lo = p.window_left < 0 ? 0 : max(diag - p.window_left, 0);
+    hi = p.window_right < 0 ? sk : min(diag + p.window_right + 1, sk);
+    lo = min(lo, sk);
+    hi = max(hi, lo);
+}
+
+__device__ __forceinline__ int num_tiles(const FwdParams& p) { return p.num_m_blocks * p.heads * p.batch; }
+
+// Decodes tile index `tile`; false when the tile lies past its sequence's end (varlen).
+template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p, int tile, TileInfo& t) {
+    // (batch, head) outer, query tiles inner: the CTAs running at the same time share a few heads,
+    // so their K/V blocks are read from L2 rather than HBM (an order with heads inner streams
+    // many heads' K/V at once and ran up to 25% slower at seqlen 512).
+    const int hb = tile / p.num_m_blocks;
+    t.m_block = p.num_m_blocks - 1 - tile % p.num_m_blocks;
+    t.head = hb % p.heads;
+    t.kv_head = t.head / p.group;
+    t.batch = hb / p.heads;
+    if (p.cu_q != nullptr) {
+        int q0 = (int)p.cu_q[t.batch], k0 = (int)p.cu_k[t.batch];
+        t.seqlen_q = (int)p.cu_q[t.batch + 1] - q0;
+        t.seqlen_k = (int)p.cu_k[t.batch + 1] - k0;
+        t.q_row0 = q0;
+        t.k_row0 = k0;
+        t.tma_batch = 0;
+        t.out_tok0 = q0;
+        t.lse_row0 = (int64_t)t.head * p.lse_head_stride + q0;
+    } else {
+        t.seqlen_q = p.seqlen_q;
+        t.seqlen_k = p.seqlen_k;
+        t.q_row0 = 0;
+        t.k_row0 = 0;
+        t.tma_batch = t.batch;
+        t.out_tok0 = (int64_t)t.batch * p.seqlen_q;
+        t.lse_row0 = (int64_t)t.batch * p.lse_batch_stride + (int64_t)t.head * p.lse_head_stride;
+    }
+    int m0 = t.m_block * Tr::kBlockM;
+    if (m0 >= t.seqlen_q) return false;
+    int m1 = min(m0 + Tr::kBlockM, t.seqlen_q) - 1;
+    int lo0, hi0, lo1, hi1;
+    key_range(p, m0, t.seqlen_q, t.seqlen_k, lo0, hi0);
+    key_range(p, m1, t.seqlen_q, t.seqlen_k, lo1, hi1);
+    // lo and hi never decrease with i: the union of the rows' ranges is [lo0, hi1), the
+    // intersection [lo1, hi0).
+    t.n_min = lo0 / Tr::kBlockN;
+    t.n_max = hi1 > lo0 ? (hi1 + Tr::kBlockN - 1) / Tr::kBlockN : t.n_min;
+    t.full_lo = lo1;
+    t.full_hi = hi0;
+    return true;
+}
+
+}  // namespace fa3

@@ -1,0 +1,67 @@
+// Online softmax over the S accumulators of one consumer warpgroup, in registers.
+//
+// wgmma's m64nN f32 accumulator layout: thread (warp w, lane l) of the warpgroup holds rows
+// r = 16w + l/4 and r + 8; accumulator 4j + 2h + e is row (h ? r + 8 : r), column 8j + 2(l%4) + e.
+// A row is therefore spread over the 4 lanes of a quad: row reductions are 2 xor-shuffles.
+//
+// Scores stay in raw units (q·k, or tanh(.) under softcap); scale·log2(e) is folded into one FFMA
+// per element: p = exp2(s·scale_log2 - max·scale_log2).
+#pragma once
+#include <cmath>
+
+#include "../primitives/warp.cuh"
+
+namespace fa3 {
+
+template <int kSRegs> struct OnlineSoftmax {
+    float row_max[2];
+    float row_sum[2];  // this thread's partial sums; reduced over the quad at the end
+
+    __device__ __forceinline__ void init() {
+        row_max[0] = row_max[1] = -INFINITY;
+        row_sum[0] = row_sum[1] = 0.f;
+    }
+
+    // Turns s into unnormalised probabilities; returns the factors by which O must be rescaled.
+    __device__ __forceinline__ void step(float (&s)[kSRegs], float scale_log2, float (&corr)[2]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = row_max[h];
+#pragma unroll
+            for (int j = 0; j < kSRegs / 4; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2(-inf) = 0.
+            const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+            corr[h] = fast_exp2(row_max[h] * scale_log2 - m_scaled);
+            row_max[h] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < kSRegs / 4; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float pv = fast_exp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -m_scaled));
+                    s[4 * j + 2 * h + e] = pv;
+                    sum += pv;
+                }
+            }
+            row_sum[h] = row_sum[h] * corr[h] + sum;
+        }
+    }
+
+    // The final row sums (over the quad) and natural-log LSE; a row with no visible key gets
+    // inv_sum 0 (a zero output row) and LSE -inf.
+    __device__ __forceinline__ void finalize(float scale_log2, float (&inv_sum)[2], float (&lse)[2]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float sum = row_sum[h];
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            const bool empty = !(sum > 0.f) || row_max[h] == -INFINITY;
+            inv_sum[h] = empty ? 0.f : 1.f / sum;
+            lse[h] = empty ? -INFINITY : (row_max[h] * scale_log2 + log2f(sum)) * 0.69314718055994531f;
+        }
+    }
+};
+
+}  // namespace fa3

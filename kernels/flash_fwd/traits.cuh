@@ -1,0 +1,39 @@
+// Compile-time shape of one kernel instantiation and its shared-memory layout.
+#pragma once
+#include <cstdint>
+
+namespace fa3 {
+
+// kHeadDim: the (padded) head dim of q, k and v; kBlockN: keys per pipeline stage;
+// kDtype: DT_BF16 or DT_F16.
+template <int kHeadDim_, int kBlockN_, int kDtype_> struct FwdTraits {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kDtype = kDtype_;
+    static constexpr int kBlockM = 128;             // 2 consumer warpgroups x 64 rows
+    static constexpr int kConsumerWGs = 2;
+    static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+    static constexpr int kStages = 2;
+    // Tiles are stored as head_dim / 64 column blocks of [rows][64] elements (128-byte rows,
+    // 128B-swizzled by TMA), the layout wgmma reads through smem_desc_sw128.
+    static constexpr int kColBlocks = kHeadDim / 64;
+    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
+    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
+    static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
+    static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
+    static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
+};
+
+template <class Tr> struct SharedStorage {
+    alignas(1024) uint16_t q[Tr::kBlockM * Tr::kHeadDim];
+    alignas(1024) uint16_t k[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
+    alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
+    alignas(8) uint64_t bar_q;                    // Q of the current tile landed
+    alignas(8) uint64_t q_empty;                  // both consumer warpgroups are done with Q
+    alignas(8) uint64_t full_k[Tr::kStages];      // K of a stage landed
+    alignas(8) uint64_t full_v[Tr::kStages];      // V of a stage landed
+    alignas(8) uint64_t empty_k[Tr::kStages];     // both consumer warpgroups are done with K of a stage
+    alignas(8) uint64_t empty_v[Tr::kStages];     // ... and with V of a stage
+};
+
+}  // namespace fa3

@@ -1,0 +1,31 @@
+// The tensor memory accelerator: bulk tensor copies global -> shared, described by a CUtensorMap
+// encoded on the host (cuTensorMapEncodeTiled) and passed in the __grid_constant__ kernel params.
+#pragma once
+#include <cstdint>
+
+#include "mbarrier.cuh"
+
+namespace fa3 {
+
+// The 128-byte opaque CUtensorMap, without including cuda.h.
+struct alignas(64) TmaDesc {
+    uint64_t opaque[16];
+};
+
+// Pulls the descriptor into the constant cache ahead of the first copy.
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* desc) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(desc)) : "memory");
+}
+
+// Loads the box at coordinates (c0 innermost .. c3) into shared memory at `dst`; completion is
+// signalled to `bar` as transaction bytes. Out-of-bounds elements are filled with zeros.
+__device__ __forceinline__ void tma_load_4d(const TmaDesc* desc, void* dst, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+        : "memory");
+}
+
+}  // namespace fa3
