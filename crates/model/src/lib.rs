@@ -1,1 +1,24 @@
-//! Llama-family models (in progress).
+//! Llama-family decoders for candle whose attention runs through [`flash_attn3`].
+//!
+//! - [`Config`] / [`Architecture`]: Llama 2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
+//! - [`Llama`]: the decoder; [`Llama::forward`] for full (differentiable) passes,
+//!   [`Llama::step`] with a [`KvCache`] for prefill and decoding of one or many sequences.
+//! - [`load`]: a model and its tokenizer from an HF directory or a GGUF file.
+//! - [`TextTokenizer`], [`TokenStream`]: encoding, chat templates, incremental decoding.
+//! - [`generate()`]: batched sampling loop ([`Sampler`]: temperature, top-k, top-p, repeat penalty).
+
+pub mod config;
+pub mod generate;
+pub mod loader;
+pub mod model;
+pub mod nn;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use config::{Architecture, Config, Llama3RopeScaling};
+pub use generate::{generate, GenerateOptions, Generation};
+pub use loader::{load, LoadedModel};
+pub use model::{KvCache, Llama};
+pub use nn::Kernels;
+pub use sampling::{Sampler, SamplingParams};
+pub use tokenizer::{ChatMessage, TextTokenizer, TokenStream};

@@ -1,0 +1,469 @@
+//! The decoder: embeddings, `num_hidden_layers` pre-norm blocks (attention + SwiGLU MLP), a
+//! final norm and the output head. Every attention call goes through flash-attn3.
+//!
+//! Tokens always travel *packed*: a forward call sees a (tokens, hidden) matrix holding the new
+//! tokens of every sequence one after the other, plus each sequence's lengths. The projections
+//! and the MLP are then single matmuls whatever the mix of lengths, and attention is a varlen
+//! call. See [`KvCache`] for how cached keys are addressed.
+
+use candle_core::{bail, DType, Device, Module, Result, Tensor};
+use candle_nn::{Embedding, Linear, VarBuilder};
+use flash_attn3::FlashAttn;
+
+use crate::config::Config;
+use crate::nn::{apply_rope, rope_angles, Kernels, RmsNorm};
+
+/// Keys and values of every layer for a batch of sequences, preallocated and written in place.
+///
+/// Layout: per layer, one contiguous tensor of shape (batch × max_seq, kv_heads, head_dim) for
+/// k and one for v. Sequence `i` owns rows `[i·max_seq, (i+1)·max_seq)`, of which the first
+/// `lens[i]` are filled. That is flash-attn3's (batch, max_seq, kv_heads, head_dim) layout with
+/// the first two axes merged, so appending a token is one `slice_set` of its row (no
+/// concatenation, no reallocation) and the whole cache can be handed to the varlen op as it is.
+///
+/// Sequences of different lengths: the varlen op reads sequence `b`'s keys from the cumulative
+/// offsets `seqlens_k[b]..seqlens_k[b+1]`, which must tile the packed axis without holes. The
+/// unused tail of each slot is described as an extra *gap* sequence that has no query, so the
+/// call sees 2 × batch sequences:
+///
+/// ```text
+/// rows      | seq 0: lens[0] keys | gap 0 | seq 1: lens[1] keys | gap 1 | ...
+/// seqlens_k   0      lens[0]        S      S + lens[1]          2S      ...   (S = max_seq)
+/// seqlens_q   0      n0             n0     n0 + n1              n0 + n1 ...   (n_i new tokens)
+/// ```
+///
+/// A gap has zero queries, so the op does no work for it; each real sequence attends to exactly
+/// its own keys, with the causal mask aligned bottom-right (its new tokens are its last keys).
+///
+/// Not `Clone`: a tensor clone shares storage, and the in-place writes would show in both.
+#[derive(Debug)]
+pub struct KvCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    lens: Vec<usize>,
+    max_seq: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `batch` sequences of at most `max_seq` tokens each.
+    pub fn new(cfg: &Config, batch: usize, max_seq: usize, dtype: DType, device: &Device) -> Result<Self> {
+        if batch == 0 || max_seq == 0 {
+            bail!("a KV cache needs batch >= 1 and max_seq >= 1, got batch {batch}, max_seq {max_seq}")
+        }
+        let shape = (batch * max_seq, cfg.num_key_value_heads, cfg.head_dim);
+        let zeros = || Tensor::zeros(shape, dtype, device);
+        let layers = cfg.num_hidden_layers;
+        Ok(Self {
+            k: (0..layers).map(|_| zeros()).collect::<Result<_>>()?,
+            v: (0..layers).map(|_| zeros()).collect::<Result<_>>()?,
+            lens: vec![0; batch],
+            max_seq,
+        })
+    }
+
+    /// Tokens held for each sequence.
+    pub fn lens(&self) -> &[usize] {
+        &self.lens
+    }
+
+    pub fn batch(&self) -> usize {
+        self.lens.len()
+    }
+
+    pub fn max_seq(&self) -> usize {
+        self.max_seq
+    }
+
+    /// Forgets every sequence (the memory is kept and overwritten by the next prefill).
+    pub fn reset(&mut self) {
+        self.lens.iter_mut().for_each(|l| *l = 0);
+    }
+}
+
+/// Where the keys of one forward call come from; shared by all layers of the call.
+enum KeySource {
+    /// Attend to the new tokens only: a prefill into an empty cache, or no cache at all.
+    /// Queries and keys have the same offsets.
+    Fresh { cu: Tensor, max_len: usize },
+    /// Attend to the whole cache, gaps included (see [`KvCache`]), after the new tokens were
+    /// written into it.
+    Cached {
+        cu_q: Tensor,
+        cu_k: Tensor,
+        max_q: usize,
+        max_k: usize,
+    },
+}
+
+/// Per-call state that every layer reads: the rotary angles of each token, where the keys
+/// come from and where the new keys go in the cache.
+struct Plan {
+    cos: Tensor,
+    sin: Tensor,
+    keys: KeySource,
+    /// Runs of new tokens to store: (first packed row, how many, destination cache row).
+    writes: Vec<(usize, usize, usize)>,
+}
+
+fn cumulative(lens: impl IntoIterator<Item = usize>, device: &Device) -> Result<Tensor> {
+    let mut cu = vec![0u32];
+    for len in lens {
+        cu.push(cu[cu.len() - 1] + len as u32);
+    }
+    Tensor::new(cu, device)
+}
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    attn: FlashAttn,
+    rope_interleaved: bool,
+    kernels: Kernels,
+}
+
+fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool, name: &str) -> Result<Linear> {
+    let vb = vb.pp(name);
+    let weight = vb.get((out_dim, in_dim), "weight")?;
+    let bias = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
+    Ok(Linear::new(weight, bias))
+}
+
+fn rms_norm(vb: &VarBuilder, dim: usize, eps: f64, kernels: Kernels, name: &str) -> Result<RmsNorm> {
+    Ok(RmsNorm::new(vb.pp(name).get(dim, "weight")?, eps, kernels))
+}
+
+impl Attention {
+    fn load(vb: &VarBuilder, cfg: &Config, kernels: Kernels) -> Result<Self> {
+        let (h, hk, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let bias = cfg.attention_bias;
+        let (q_norm, k_norm) = if cfg.qk_norm {
+            (
+                Some(rms_norm(vb, d, cfg.rms_norm_eps, kernels, "q_norm")?),
+                Some(rms_norm(vb, d, cfg.rms_norm_eps, kernels, "k_norm")?),
+            )
+        } else {
+            (None, None)
+        };
+        // Causal; a sliding window of w lets each token see itself and the w - 1 keys before it
+        // (HF Mistral's mask).
+        let mut attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(true);
+        if let Some(w) = cfg.sliding_window {
+            attn = attn.window(Some(w.saturating_sub(1)), Some(0));
+        }
+        Ok(Self {
+            q_proj: linear(vb, cfg.hidden_size, h * d, bias, "q_proj")?,
+            k_proj: linear(vb, cfg.hidden_size, hk * d, bias, "k_proj")?,
+            v_proj: linear(vb, cfg.hidden_size, hk * d, bias, "v_proj")?,
+            o_proj: linear(vb, h * d, cfg.hidden_size, false, "o_proj")?,
+            q_norm,
+            k_norm,
+            heads: h,
+            kv_heads: hk,
+            head_dim: d,
+            attn,
+            rope_interleaved: cfg.rope_interleaved,
+            kernels,
+        })
+    }
+
+    /// x: (tokens, hidden) → (tokens, hidden). `cache` is this layer's (k, v), if any: the
+    /// new keys and values are stored there before attending.
+    fn forward(&self, x: &Tensor, plan: &Plan, cache: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
+        let tokens = x.dim(0)?;
+        let mut q = self.q_proj.forward(x)?.reshape((tokens, self.heads, self.head_dim))?;
+        let mut k = self
+            .k_proj
+            .forward(x)?
+            .reshape((tokens, self.kv_heads, self.head_dim))?;
+        let v = self
+            .v_proj
+            .forward(x)?
+            .reshape((tokens, self.kv_heads, self.head_dim))?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let q = apply_rope(&q, &plan.cos, &plan.sin, self.rope_interleaved, self.kernels)?;
+        let k = apply_rope(&k, &plan.cos, &plan.sin, self.rope_interleaved, self.kernels)?;
+        if let Some((ck, cv)) = cache {
+            write_rows(ck, &k, &plan.writes)?;
+            write_rows(cv, &v, &plan.writes)?;
+        }
+        // GQA is the op's business: k/v keep their kv_heads, no repeat.
+        let out = match (&plan.keys, cache) {
+            (KeySource::Fresh { cu, max_len }, _) => {
+                self.attn
+                    .forward_varlen(&q, &k, &v.contiguous()?, cu, cu, *max_len, *max_len)?
+            }
+            (
+                KeySource::Cached {
+                    cu_q,
+                    cu_k,
+                    max_q,
+                    max_k,
+                },
+                Some((ck, cv)),
+            ) => self.attn.forward_varlen(&q, ck, cv, cu_q, cu_k, *max_q, *max_k)?,
+            (KeySource::Cached { .. }, None) => bail!("internal error: a cached plan without a cache"),
+        };
+        self.o_proj.forward(&out.reshape((tokens, self.heads * self.head_dim))?)
+    }
+}
+
+/// Copies runs of packed rows of `src` into the cache rows given by `writes`, in place.
+fn write_rows(cache: &Tensor, src: &Tensor, writes: &[(usize, usize, usize)]) -> Result<()> {
+    let src = src.contiguous()?;
+    for &(from, n, to) in writes {
+        cache.slice_set(&src.narrow(0, from, n)?, 0, to)?;
+    }
+    Ok(())
+}
+
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn load(vb: &VarBuilder, cfg: &Config) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Self {
+            gate_proj: linear(vb, h, i, false, "gate_proj")?,
+            up_proj: linear(vb, h, i, false, "up_proj")?,
+            down_proj: linear(vb, i, h, false, "down_proj")?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.gate_proj.forward(x)?.silu()?;
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+    }
+}
+
+struct Block {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3; see [`Config`]).
+pub struct Llama {
+    cfg: Config,
+    embed_tokens: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    inv_freq: Tensor,
+    dtype: DType,
+    device: Device,
+}
+
+impl Llama {
+    /// Builds the model from HF tensor names (`model.layers.0.self_attn.q_proj.weight`, ...).
+    /// Missing or mis-shaped tensors are errors naming the tensor.
+    pub fn load(vb: VarBuilder, cfg: &Config, kernels: Kernels) -> Result<Self> {
+        cfg.validate().map_err(candle_core::Error::wrap)?;
+        let m = vb.pp("model");
+        let embed = m.get((cfg.vocab_size, cfg.hidden_size), "embed_tokens.weight")?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let l = m.pp(format!("layers.{i}"));
+            let eps = cfg.rms_norm_eps;
+            layers.push(Block {
+                input_layernorm: rms_norm(&l, cfg.hidden_size, eps, kernels, "input_layernorm")?,
+                self_attn: Attention::load(&l.pp("self_attn"), cfg, kernels)?,
+                post_attention_layernorm: rms_norm(&l, cfg.hidden_size, eps, kernels, "post_attention_layernorm")?,
+                mlp: Mlp::load(&l.pp("mlp"), cfg)?,
+            });
+        }
+        let norm = rms_norm(&m, cfg.hidden_size, cfg.rms_norm_eps, kernels, "norm")?;
+        // Tied models reuse the embedding matrix as the output head (same storage, no copy).
+        let head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            vb.get((cfg.vocab_size, cfg.hidden_size), "lm_head.weight")?
+        };
+        let device = vb.device().clone();
+        Ok(Self {
+            inv_freq: Tensor::new(cfg.rope_inv_freq(), &device)?,
+            embed_tokens: Embedding::new(embed, cfg.hidden_size),
+            layers,
+            norm,
+            lm_head: Linear::new(head, None),
+            cfg: cfg.clone(),
+            dtype: vb.dtype(),
+            device,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// An empty cache in this model's dtype and device.
+    pub fn new_cache(&self, batch: usize, max_seq: usize) -> Result<KvCache> {
+        KvCache::new(&self.cfg, batch, max_seq, self.dtype, &self.device)
+    }
+
+    /// Full causal forward without a cache: input_ids (batch, seq) u32 → logits (batch, seq, vocab)
+    /// in f32. This is the training / reference path; it is differentiable end to end.
+    pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (b, s) = input_ids.dims2()?;
+        let ids = input_ids.flatten_all()?;
+        self.check_ids(&ids.to_vec1::<u32>()?)?;
+        let positions = Tensor::arange(0u32, s as u32, &self.device)?.repeat(b)?;
+        let (cos, sin) = rope_angles(&positions, &self.inv_freq)?;
+        let plan = Plan {
+            cos,
+            sin,
+            keys: KeySource::Fresh {
+                cu: cumulative(std::iter::repeat_n(s, b), &self.device)?,
+                max_len: s,
+            },
+            writes: Vec::new(),
+        };
+        let hidden = self.run_layers(&ids, &plan, None)?;
+        let logits = self.lm_head.forward(&self.norm.forward(&hidden)?)?;
+        logits.to_dtype(DType::F32)?.reshape((b, s, self.cfg.vocab_size))
+    }
+
+    /// Appends `inputs[i]` to sequence `i` of `cache` and returns the logits that follow each
+    /// sequence's last new token, (batch, vocab) in f32.
+    ///
+    /// A prefill is a step with whole prompts (different lengths are fine: one varlen call);
+    /// decoding is a step with one token per sequence. A sequence given no tokens is left as it
+    /// is and its logits row is zero (finished sequences of a batch).
+    pub fn step(&self, inputs: &[Vec<u32>], cache: &mut KvCache) -> Result<Tensor> {
+        if inputs.len() != cache.batch() {
+            bail!(
+                "step: {} input sequences for a cache of batch {}",
+                inputs.len(),
+                cache.batch()
+            )
+        }
+        let new: Vec<usize> = inputs.iter().map(Vec::len).collect();
+        if new.iter().all(|&n| n == 0) {
+            bail!("step: no input tokens")
+        }
+        let max_seq = cache.max_seq;
+        for (i, (&len, &n)) in cache.lens.iter().zip(&new).enumerate() {
+            if len + n > max_seq {
+                bail!(
+                    "step: sequence {i} would hold {} tokens, more than the cache's max_seq {max_seq}",
+                    len + n
+                )
+            }
+        }
+        let flat: Vec<u32> = inputs.iter().flatten().copied().collect();
+        self.check_ids(&flat)?;
+        let dev = &self.device;
+
+        // Each token's position continues its own sequence.
+        let lens = &cache.lens;
+        let positions: Vec<u32> = lens
+            .iter()
+            .zip(&new)
+            .flat_map(|(&len, &n)| (len..len + n).map(|p| p as u32))
+            .collect();
+        let (cos, sin) = rope_angles(&Tensor::new(positions, dev)?, &self.inv_freq)?;
+        let max_new = new.iter().copied().max().unwrap_or(0);
+        let keys = if lens.iter().all(|&l| l == 0) {
+            // Empty cache: the prompts only see themselves, so attend to the fresh keys (cheaper
+            // than reading the whole cache); they are stored for the next steps all the same.
+            KeySource::Fresh {
+                cu: cumulative(new.iter().copied(), dev)?,
+                max_len: max_new,
+            }
+        } else {
+            // Each sequence is followed by a gap sequence without queries (see KvCache).
+            let k_lens = lens.iter().zip(&new).flat_map(|(&l, &n)| [l + n, max_seq - l - n]);
+            KeySource::Cached {
+                cu_q: cumulative(new.iter().flat_map(|&n| [n, 0]), dev)?,
+                cu_k: cumulative(k_lens, dev)?,
+                max_q: max_new,
+                max_k: max_seq,
+            }
+        };
+        let mut writes = Vec::new();
+        let mut packed = 0;
+        for (i, (&len, &n)) in lens.iter().zip(&new).enumerate() {
+            if n > 0 {
+                writes.push((packed, n, i * max_seq + len));
+            }
+            packed += n;
+        }
+        let plan = Plan { cos, sin, keys, writes };
+        let ids = Tensor::new(flat, dev)?;
+        let hidden = self.run_layers(&ids, &plan, Some(cache))?;
+        for (len, n) in cache.lens.iter_mut().zip(&new) {
+            *len += n;
+        }
+
+        // Only the last new token of each sequence needs the (vocab-wide) output head.
+        let mut last = Vec::new();
+        let mut rows = Vec::new();
+        let mut end = 0;
+        for (i, &n) in new.iter().enumerate() {
+            end += n;
+            if n > 0 {
+                last.push((end - 1) as u32);
+                rows.push(i as u32);
+            }
+        }
+        let hidden = hidden.index_select(&Tensor::new(last, dev)?, 0)?;
+        let logits = self
+            .lm_head
+            .forward(&self.norm.forward(&hidden)?)?
+            .to_dtype(DType::F32)?;
+        if rows.len() == inputs.len() {
+            return Ok(logits);
+        }
+        Tensor::zeros((inputs.len(), self.cfg.vocab_size), DType::F32, dev)?.index_add(
+            &Tensor::new(rows, dev)?,
+            &logits,
+            0,
+        )
+    }
+
+    fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            bail!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.cfg.vocab_size
+            )
+        }
+        Ok(())
+    }
+
+    /// Embeds `ids` (tokens,) and runs every block, storing the new keys in `cache` if given.
+    fn run_layers(&self, ids: &Tensor, plan: &Plan, cache: Option<&KvCache>) -> Result<Tensor> {
+        let mut x = self.embed_tokens.forward(ids)?;
+        for (i, block) in self.layers.iter().enumerate() {
+            let layer_cache = cache.map(|c| (&c.k[i], &c.v[i]));
+            let h = block
+                .self_attn
+                .forward(&block.input_layernorm.forward(&x)?, plan, layer_cache)?;
+            x = (x + h)?;
+            let h = block.mlp.forward(&block.post_attention_layernorm.forward(&x)?)?;
+            x = (x + h)?;
+        }
+        Ok(x)
+    }
+}

@@ -1,0 +1,128 @@
+//! Choosing the next token from a row of logits: repeat penalty, then greedy or
+//! temperature / top-k / top-p sampling with a seeded generator (runs are reproducible).
+
+use candle_core::{Result, Tensor};
+
+/// How to pick tokens. `temperature <= 0` is greedy (argmax); `top_k = 0` and `top_p >= 1`
+/// disable those filters; `repeat_penalty = 1` disables the penalty.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f64,
+    pub top_k: usize,
+    pub top_p: f64,
+    pub repeat_penalty: f32,
+    /// How many of the latest tokens the penalty looks at.
+    pub repeat_last_n: usize,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 299792458,
+        }
+    }
+}
+
+/// A sampler with its own random state; use one per sequence so that a sequence's tokens do not
+/// depend on what else is in the batch.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    state: u64,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let state = params.seed;
+        Self { params, state }
+    }
+
+    /// SplitMix64: tiny, fast and good enough to draw one uniform number per token.
+    fn next_f64(&mut self) -> f64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Picks the next token from `logits` (vocab,) given the tokens so far (`history`).
+    pub fn sample(&mut self, logits: &Tensor, history: &[u32]) -> Result<u32> {
+        let mut logits: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        if logits.is_empty() {
+            candle_core::bail!("cannot sample from empty logits")
+        }
+        let p = &self.params;
+        if p.repeat_penalty != 1.0 {
+            // CTRL-style penalty (as HF): make every recently seen token less likely, once.
+            let start = history.len().saturating_sub(p.repeat_last_n);
+            let mut seen = std::collections::HashSet::new();
+            for &t in &history[start..] {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    if seen.insert(t) {
+                        *l = if *l >= 0.0 {
+                            *l / p.repeat_penalty
+                        } else {
+                            *l * p.repeat_penalty
+                        };
+                    }
+                }
+            }
+        }
+        if p.temperature <= 0.0 {
+            return Ok(argmax(&logits));
+        }
+        // Softmax over temperature-scaled logits, most likely first.
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut probs: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, (((l - max) as f64) / p.temperature).exp()))
+            .collect();
+        probs.sort_by(|a, b| b.1.total_cmp(&a.1));
+        if p.top_k > 0 {
+            probs.truncate(p.top_k);
+        }
+        if p.top_p < 1.0 {
+            // Keep the smallest prefix whose mass reaches top_p (at least one token).
+            let total: f64 = probs.iter().map(|x| x.1).sum();
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, x) in probs.iter().enumerate() {
+                acc += x.1 / total;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep.max(1));
+        }
+        let total: f64 = probs.iter().map(|x| x.1).sum();
+        let mut r = self.next_f64() * total;
+        for &(token, weight) in &probs {
+            if r < weight {
+                return Ok(token);
+            }
+            r -= weight;
+        }
+        Ok(probs[probs.len() - 1].0)
+    }
+}
+
+/// The index of the largest value (the first one on ties), NaN-safe.
+pub fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

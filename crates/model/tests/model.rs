@@ -1,0 +1,188 @@
+//! The decoder on tiny random-weight models: loading (HF directory and GGUF), shapes, the KV
+//! cache against full recomputation, batched against single-prompt generation, dtypes.
+
+mod common;
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+use common::{hf_model, max_diff, Family, VOCAB};
+use flash_llama::loader::{load_gguf, load_hf_dir};
+use flash_llama::{generate, GenerateOptions, Kernels, Llama, SamplingParams};
+
+fn load(family: Family, dtype: DType) -> Llama {
+    load_hf_dir(&hf_model(family), dtype, &Device::Cpu, Kernels::Composed).unwrap()
+}
+
+fn tokens(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 7 + salt * 13 + 3) % VOCAB as u32).collect()
+}
+
+#[test]
+fn hf_directory_loads_and_gives_logit_shapes() {
+    for family in Family::ALL {
+        let model = load(family, DType::F32);
+        let ids = Tensor::new(vec![tokens(5, 0), tokens(5, 1)], &Device::Cpu).unwrap();
+        assert_eq!(model.forward(&ids).unwrap().dims(), &[2, 5, VOCAB], "{family:?}");
+        let mut cache = model.new_cache(3, 16).unwrap();
+        let logits = model
+            .step(&[tokens(4, 0), tokens(2, 1), tokens(6, 2)], &mut cache)
+            .unwrap();
+        assert_eq!(logits.dims(), &[3, VOCAB]);
+        assert_eq!(cache.lens(), &[4, 2, 6]);
+    }
+}
+
+/// Prefill part of the sequence, then decode token by token: every step's logits must equal
+/// the full forward's logits at that position.
+#[test]
+fn cached_decoding_equals_full_recomputation() {
+    for family in Family::ALL {
+        let model = load(family, DType::F32);
+        let seq = tokens(11, 4);
+        let full = model
+            .forward(&Tensor::new(seq.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap())
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
+        let prefill = 4;
+        let mut cache = model.new_cache(1, 16).unwrap();
+        let logits = model.step(&[seq[..prefill].to_vec()], &mut cache).unwrap();
+        let diff = max_diff(&logits.i(0).unwrap(), &full.i(prefill - 1).unwrap());
+        assert!(diff < 1e-4, "{family:?} prefill: {diff}");
+        for (pos, &token) in seq.iter().enumerate().skip(prefill) {
+            let logits = model.step(&[vec![token]], &mut cache).unwrap();
+            let diff = max_diff(&logits.i(0).unwrap(), &full.i(pos).unwrap());
+            assert!(diff < 1e-4, "{family:?} position {pos}: {diff}");
+        }
+    }
+}
+
+/// Prompts of different lengths in one batch (varlen prefill, then decode over the gapped cache)
+/// give the logits and greedy tokens of each prompt alone.
+#[test]
+fn batched_generation_equals_single_prompt_generation() {
+    for family in [Family::Llama, Family::Mistral, Family::Qwen3] {
+        let model = load(family, DType::F32);
+        let prompts = vec![tokens(3, 1), tokens(9, 2), tokens(6, 3)];
+        let opts = GenerateOptions {
+            max_tokens: 7,
+            sampling: SamplingParams::default(),
+            stop_tokens: vec![],
+        };
+        let batched = generate(&model, &prompts, &opts, |_, _| Ok(())).unwrap();
+        for (i, prompt) in prompts.iter().enumerate() {
+            let single = generate(&model, std::slice::from_ref(prompt), &opts, |_, _| Ok(())).unwrap();
+            assert_eq!(batched.tokens[i], single.tokens[0], "{family:?} prompt {i}");
+        }
+
+        // The logits themselves, step by step, with a sequence sitting out one step.
+        let mut batch_cache = model.new_cache(3, 24).unwrap();
+        let first = model.step(&prompts, &mut batch_cache).unwrap();
+        let second = model.step(&[vec![5], vec![], vec![9]], &mut batch_cache).unwrap();
+        assert_eq!(batch_cache.lens(), &[4, 9, 7]);
+        assert_eq!(
+            second
+                .i(1)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
+        for (i, next) in [(0usize, Some(5u32)), (1, None), (2, Some(9))] {
+            let mut cache = model.new_cache(1, 24).unwrap();
+            let alone = model.step(&[prompts[i].clone()], &mut cache).unwrap();
+            assert!(max_diff(&alone.i(0).unwrap(), &first.i(i).unwrap()) < 1e-4);
+            if let Some(t) = next {
+                let alone = model.step(&[vec![t]], &mut cache).unwrap();
+                let diff = max_diff(&alone.i(0).unwrap(), &second.i(i).unwrap());
+                assert!(diff < 1e-4, "{family:?} sequence {i}: {diff}");
+            }
+        }
+    }
+}
+
+/// The GGUF file stores the same weights with llama.cpp's names and permuted q/k rows; with
+/// the interleaved RoPE that layout implies, it must compute exactly what the HF model does.
+#[test]
+fn gguf_matches_hf_directory() {
+    let dir = common::temp_dir("gguf");
+    let path = dir.join("tiny.gguf");
+    common::write_gguf(&path);
+    let gguf = load_gguf(&path, DType::F32, &Device::Cpu, Kernels::Composed).unwrap();
+    assert!(gguf.config().rope_interleaved);
+    let hf = load(Family::Llama, DType::F32);
+    let ids = Tensor::new(vec![tokens(9, 5)], &Device::Cpu).unwrap();
+    let diff = max_diff(&gguf.forward(&ids).unwrap(), &hf.forward(&ids).unwrap());
+    assert!(diff < 1e-4, "{diff}");
+}
+
+#[test]
+fn bf16_and_fused_kernels_follow_f32() {
+    let reference = load(Family::Qwen3, DType::F32);
+    let ids = Tensor::new(vec![tokens(8, 6)], &Device::Cpu).unwrap();
+    let expected = reference.forward(&ids).unwrap();
+
+    let bf16 = load(Family::Qwen3, DType::BF16);
+    let got = bf16.forward(&ids).unwrap();
+    assert_eq!(got.dtype(), DType::F32);
+    let scale = expected.abs().unwrap().max_keepdim(2).unwrap().max_keepdim(1).unwrap();
+    let scale = scale.flatten_all().unwrap().to_vec1::<f32>().unwrap()[0];
+    let diff = max_diff(&got, &expected);
+    assert!(
+        diff < 0.1 * scale.max(1.0),
+        "bf16 differs by {diff} (logit scale {scale})"
+    );
+    let mut cache = bf16.new_cache(1, 12).unwrap();
+    bf16.step(&[tokens(8, 6)], &mut cache).unwrap();
+    bf16.step(&[vec![3]], &mut cache).unwrap();
+
+    for family in [Family::Llama, Family::Qwen3] {
+        let composed = load(family, DType::F32);
+        let fused = load_hf_dir(&hf_model(family), DType::F32, &Device::Cpu, Kernels::Fused).unwrap();
+        let diff = max_diff(&fused.forward(&ids).unwrap(), &composed.forward(&ids).unwrap());
+        assert!(diff < 1e-4, "{family:?} fused vs composed: {diff}");
+    }
+}
+
+/// The composed RMSNorm and RoPE are differentiable: gradients reach every weight.
+#[test]
+fn forward_is_differentiable() {
+    let dir = hf_model(Family::Qwen3);
+    let json = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let cfg = flash_llama::Config::from_hf_json(&json).unwrap();
+    let weights = common::weights(Family::Qwen3);
+    let varmap = candle_nn::VarMap::new();
+    {
+        let mut data = varmap.data().lock().unwrap();
+        for (name, t) in weights {
+            data.insert(name, candle_core::Var::from_tensor(&t).unwrap());
+        }
+    }
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let model = Llama::load(vb, &cfg, Kernels::Composed).unwrap();
+    let ids = Tensor::new(vec![tokens(6, 7)], &Device::Cpu).unwrap();
+    let loss = model.forward(&ids).unwrap().sqr().unwrap().mean_all().unwrap();
+    let grads = loss.backward().unwrap();
+    for (name, var) in varmap.data().lock().unwrap().iter() {
+        let g = grads
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
+        let norm = g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(norm.is_finite() && norm > 0.0, "{name}: gradient norm {norm}");
+    }
+}
+
+#[test]
+fn cache_overflow_and_bad_tokens_are_errors() {
+    let model = load(Family::Llama, DType::F32);
+    let mut cache = model.new_cache(1, 4).unwrap();
+    let err = model.step(&[tokens(5, 0)], &mut cache).unwrap_err().to_string();
+    assert!(err.contains("max_seq"), "{err}");
+    let err = model.step(&[vec![VOCAB as u32]], &mut cache).unwrap_err().to_string();
+    assert!(err.contains("outside the vocabulary"), "{err}");
+    let err = model.step(&[vec![1], vec![2]], &mut cache).unwrap_err().to_string();
+    assert!(err.contains("batch"), "{err}");
+}

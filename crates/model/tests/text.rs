@@ -1,0 +1,125 @@
+//! Chat templates, incremental detokenisation and sampling.
+
+use candle_core::{Device, Tensor};
+use flash_llama::{ChatMessage, Sampler, SamplingParams, TextTokenizer, TokenStream};
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::Tokenizer;
+
+/// A byte-level tokenizer with one token per byte (no merges): every multi-byte character
+/// spans several tokens, the hard case for streaming.
+fn byte_tokenizer(chat_template: Option<&str>) -> TextTokenizer {
+    let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+    alphabet.sort_unstable();
+    let vocab: Vocab = alphabet
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), i as u32))
+        .collect();
+    let bpe = BPE::builder().vocab_and_merges(vocab, vec![]).build().unwrap();
+    let mut tokenizer = Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    tokenizer.with_decoder(Some(ByteLevel::default()));
+    TextTokenizer {
+        tokenizer,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+        chat_template: chat_template.map(String::from),
+    }
+}
+
+const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+#[test]
+fn chat_template_renders_with_generation_prompt() {
+    let tok = byte_tokenizer(Some(SMOLLM2_TEMPLATE));
+    let text = tok.apply_chat_template(&[ChatMessage::user("Hi there")]).unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn chat_template_has_python_methods_and_raise_exception() {
+    let source =
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first turn must be the user') }}{% endif %}\
+                  [{{ messages[0]['content'].strip() }}]{% if messages[0]['content'].startswith(' ') %}!{% endif %}";
+    let tok = byte_tokenizer(Some(source));
+    assert_eq!(
+        tok.apply_chat_template(&[ChatMessage::user("  padded  ")]).unwrap(),
+        "[padded]!"
+    );
+    let system = ChatMessage {
+        role: "system".into(),
+        content: "x".into(),
+    };
+    let err = format!("{:#}", tok.apply_chat_template(&[system]).unwrap_err());
+    assert!(err.contains("first turn must be the user"), "{err}");
+    let err = format!("{:#}", byte_tokenizer(None).apply_chat_template(&[]).unwrap_err());
+    assert!(err.contains("no chat template"), "{err}");
+}
+
+#[test]
+fn token_stream_never_splits_characters() {
+    let tok = byte_tokenizer(None);
+    let text = "héllo wörld, ✓ 日本 🦀!";
+    let ids = tok.encode(text, false).unwrap();
+    assert!(
+        ids.len() > text.chars().count(),
+        "multi-byte characters span several tokens"
+    );
+    let mut stream = TokenStream::new(&tok);
+    let mut out = String::new();
+    for &id in &ids {
+        if let Some(piece) = stream.push(id).unwrap() {
+            assert!(!piece.contains('\u{FFFD}'), "emitted a partial character: {piece:?}");
+            out.push_str(&piece);
+        }
+    }
+    if let Some(rest) = stream.finish().unwrap() {
+        out.push_str(&rest);
+    }
+    assert_eq!(out, text);
+}
+
+#[test]
+fn sampling_is_greedy_filtered_and_reproducible() {
+    let logits = Tensor::new(&[0.5f32, 3.0, 1.0, 2.9, -1.0], &Device::Cpu).unwrap();
+    let mut greedy = Sampler::new(SamplingParams::default());
+    assert_eq!(greedy.sample(&logits, &[]).unwrap(), 1);
+
+    // The repeat penalty pushes the seen token 1 below token 3.
+    let mut penalised = Sampler::new(SamplingParams {
+        repeat_penalty: 1.5,
+        ..SamplingParams::default()
+    });
+    assert_eq!(penalised.sample(&logits, &[1]).unwrap(), 3);
+
+    let top1 = SamplingParams {
+        temperature: 1.0,
+        top_k: 1,
+        ..SamplingParams::default()
+    };
+    let mut s = Sampler::new(top1);
+    assert!((0..20).all(|_| s.sample(&logits, &[]).unwrap() == 1));
+
+    let hot = SamplingParams {
+        temperature: 2.0,
+        top_p: 0.9,
+        seed: 7,
+        ..SamplingParams::default()
+    };
+    let draw = |params: &SamplingParams| {
+        let mut s = Sampler::new(params.clone());
+        (0..50).map(|_| s.sample(&logits, &[]).unwrap()).collect::<Vec<_>>()
+    };
+    let a = draw(&hot);
+    assert_eq!(a, draw(&hot), "same seed, same tokens");
+    assert!(
+        a.iter().any(|&t| t != 1),
+        "temperature 2 should not always pick the argmax"
+    );
+    assert!(a.iter().all(|&t| t != 4), "top-p 0.9 drops the least likely token");
+}
