@@ -120,48 +120,63 @@ pub fn flash_attn_varlen_windowed(
 
 /// An attention call with every option: scale, causal mask, sliding window, softcap, LSE.
 ///
-/// `causal(true)` and `window(l, r)` combine: causal caps the right window at 0.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// `causal(true)` and `window(l, r)` combine: the causal mask caps the right window at 0.
+/// Each setter replaces its own earlier value, so `causal(false)` undoes `causal(true)`.
+/// Two builders are equal when they compute the same attention.
+#[derive(Debug, Clone, Copy)]
 pub struct FlashAttn {
-    params: AttnParams,
+    softmax_scale: f32,
+    causal: bool,
+    window_left: Option<usize>,
+    window_right: Option<usize>,
+    softcap: Option<f32>,
 }
 
 impl FlashAttn {
     /// Plain attention scaled by `softmax_scale` (usually `1 / sqrt(head_dim)`).
     pub fn new(softmax_scale: f32) -> Self {
         Self {
-            params: AttnParams {
-                softmax_scale,
-                window_left: None,
-                window_right: None,
-                softcap: None,
-            },
+            softmax_scale,
+            causal: false,
+            window_left: None,
+            window_right: None,
+            softcap: None,
         }
     }
 
     /// Masks keys after each query's diagonal (bottom-right aligned when seqlen_q != seqlen_k).
     pub fn causal(mut self, causal: bool) -> Self {
-        if causal {
-            self.params.window_right = Some(0);
-        }
+        self.causal = causal;
         self
     }
 
     /// Restricts each query to keys `[diag - left, diag + right]`; `None` is unbounded.
-    /// A causal mask set before or after keeps the right side at 0.
     pub fn window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
-        self.params.window_left = left;
-        self.params.window_right = match (self.params.window_right, right) {
-            (Some(0), _) => Some(0),
-            (_, right) => right,
-        };
+        self.window_left = left;
+        self.window_right = right;
         self
     }
 
     /// Caps scaled scores smoothly: `s -> cap * tanh(s / cap)` (Gemma 2, Grok).
     pub fn softcap(mut self, cap: f32) -> Self {
-        self.params.softcap = Some(cap);
+        self.softcap = Some(cap);
         self
+    }
+
+    /// The options as the kernels see them: causal is a right window of 0.
+    fn attn_params(&self) -> AttnParams {
+        AttnParams {
+            softmax_scale: self.softmax_scale,
+            window_left: self.window_left,
+            window_right: if self.causal { Some(0) } else { self.window_right },
+            softcap: self.softcap,
+        }
+    }
+
+    fn params(&self) -> Result<AttnParams> {
+        let params = self.attn_params();
+        params.validate()?;
+        Ok(params)
     }
 
     /// The attention output, (batch, seqlen_q, heads, head_dim_v).
@@ -171,9 +186,9 @@ impl FlashAttn {
 
     /// The output and the f32 log-sum-exp of each query row, (batch, heads, seqlen_q).
     pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        self.params.validate()?;
+        let params = self.params()?;
         let dims = params::check_fixed(q, k, v)?;
-        self.run(q, k, v, dims, None)
+        run(params, q, k, v, dims, None)
     }
 
     /// The varlen form of [`FlashAttn::forward`]; see [`flash_attn_varlen`] for the layout.
@@ -205,18 +220,32 @@ impl FlashAttn {
         max_seqlen_q: usize,
         max_seqlen_k: usize,
     ) -> Result<(Tensor, Tensor)> {
-        self.params.validate()?;
+        let params = self.params()?;
         let (dims, varlen) = params::check_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)?;
-        self.run(q, k, v, dims, Some(varlen))
+        run(params, q, k, v, dims, Some(varlen))
     }
+}
 
-    fn run(&self, q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, varlen: Option<Varlen>) -> Result<(Tensor, Tensor)> {
-        let op = FlashAttnFwd::new(self.params, dims, varlen);
-        let lse = op.lse.clone();
-        let out = q.apply_op3(k, v, op)?;
-        match lse.get() {
-            Some(lse) => Ok((out, lse.clone())),
-            None => candle_core::bail!("flash-attn3: the forward pass returned without its LSE"),
-        }
+impl PartialEq for FlashAttn {
+    fn eq(&self, other: &Self) -> bool {
+        self.attn_params() == other.attn_params()
+    }
+}
+
+/// Applies the forward op and hands back the LSE it kept for its backward.
+fn run(
+    params: AttnParams,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dims: Dims,
+    varlen: Option<Varlen>,
+) -> Result<(Tensor, Tensor)> {
+    let op = FlashAttnFwd::new(params, dims, varlen);
+    let lse = op.lse.clone();
+    let out = q.apply_op3(k, v, op)?;
+    match lse.get() {
+        Some(lse) => Ok((out, lse.clone())),
+        None => candle_core::bail!("flash-attn3: the forward pass returned without its LSE"),
     }
 }

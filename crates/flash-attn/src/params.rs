@@ -88,7 +88,7 @@ pub(crate) struct Varlen {
 fn check_dtypes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
     let dtype = q.dtype();
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        bail!("flash-attn3: q, k and v must be f32, f16 or bf16, got {dtype:?}")
+        bail!("flash-attn3: unsupported dtype {dtype:?}: q, k and v must be f32, f16 or bf16")
     }
     if k.dtype() != dtype || v.dtype() != dtype {
         bail!(
