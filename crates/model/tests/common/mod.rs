@@ -121,14 +121,29 @@ pub fn weights(family: Family) -> HashMap<String, Tensor> {
     w
 }
 
-/// A fresh empty directory under the system temp dir.
-pub fn temp_dir(tag: &str) -> PathBuf {
+/// A fresh empty directory under the system temp dir, removed when dropped.
+pub struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn temp_dir(tag: &str) -> TempDir {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let n = COUNTER.fetch_add(1, Ordering::SeqCst);
     let dir = std::env::temp_dir().join(format!("flash-llama-test-{}-{tag}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TempDir(dir)
 }
 
 /// Writes `config_json` and `weights` as an HF model directory.
@@ -138,7 +153,7 @@ pub fn write_hf_dir(dir: &Path, config_json: &str, weights: &HashMap<String, Ten
 }
 
 /// A tiny model of `family` as an HF directory.
-pub fn hf_model(family: Family) -> PathBuf {
+pub fn hf_model(family: Family) -> TempDir {
     let dir = temp_dir(&format!("{family:?}"));
     write_hf_dir(&dir, &family.config_json(), &weights(family));
     dir
