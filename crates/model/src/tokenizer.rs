@@ -10,7 +10,12 @@ use serde::Serialize;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::tokenizer::SplitDelimiterBehavior;
 use tokenizers::Tokenizer;
+
+/// Llama 3's pre-tokenizer regex (its tokenizer.json; the same as candle's for `llama3`).
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// One turn of a conversation, as chat templates expect it.
 #[derive(Debug, Clone, Serialize)]
@@ -52,13 +57,26 @@ impl TextTokenizer {
         // candle's builder knows the qwen2 and llama3 pre-tokenizers; for the others it falls back
         // to GPT-2's ByteLevel, which *adds a leading space* to the text. llama.cpp does not (and
         // neither do the HF tokenizers of these models), so prompts would differ by one token.
-        if !matches!(pre, Some("qwen2" | "llama3" | "smaug-bpe" | "lfm2")) {
-            let byte_level = ByteLevel::new(false, true, true);
-            if pre == Some("smollm") {
-                // SmolLM splits digits one by one before the byte-level regex.
+        match pre {
+            Some("qwen2" | "llama3" | "smaug-bpe" | "lfm2") => {}
+            // llama.cpp's name for Llama 3's pre-tokenizer, which candle does not map.
+            Some("llama-bpe") => {
+                let split = Split::new(
+                    SplitPattern::Regex(LLAMA3_SPLIT.into()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .map_err(|e| anyhow!("building the llama3 pre-tokenizer: {e}"))?;
+                let byte_level = ByteLevel::new(false, true, false);
+                tokenizer.with_pre_tokenizer(Some(Sequence::new(vec![split.into(), byte_level.into()])));
+            }
+            // SmolLM splits digits one by one before the byte-level regex.
+            Some("smollm") => {
+                let byte_level = ByteLevel::new(false, true, true);
                 tokenizer.with_pre_tokenizer(Some(Sequence::new(vec![Digits::new(true).into(), byte_level.into()])));
-            } else {
-                tokenizer.with_pre_tokenizer(Some(byte_level));
+            }
+            _ => {
+                tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
             }
         }
         let id = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());

@@ -123,3 +123,46 @@ fn sampling_is_greedy_filtered_and_reproducible() {
     );
     assert!(a.iter().all(|&t| t != 4), "top-p 0.9 drops the least likely token");
 }
+
+/// A GGUF file holding only a byte-level vocabulary plus the token "12" (merge "1 2"), with the
+/// given `tokenizer.ggml.pre`, read back into a TextTokenizer.
+fn gguf_tokenizer(pre: &str) -> TextTokenizer {
+    use candle_core::quantized::gguf_file::{self, Value};
+    let mut tokens: Vec<String> = ByteLevel::alphabet().into_iter().map(String::from).collect();
+    tokens.sort_unstable();
+    tokens.push("12".into());
+    let strings = |xs: &[String]| Value::Array(xs.iter().map(|x| Value::String(x.clone())).collect());
+    let metadata = [
+        ("tokenizer.ggml.model", Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre", Value::String(pre.into())),
+        ("tokenizer.ggml.tokens", strings(&tokens)),
+        ("tokenizer.ggml.merges", strings(&["1 2".to_string()])),
+        ("tokenizer.ggml.eos_token_id", Value::U32(0)),
+    ];
+    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let mut bytes = std::io::Cursor::new(Vec::new());
+    gguf_file::write(&mut bytes, &md, &[]).unwrap();
+    bytes.set_position(0);
+    let content = gguf_file::Content::read(&mut bytes).unwrap();
+    TextTokenizer::from_gguf(&content).unwrap()
+}
+
+#[test]
+fn gguf_tokenizers_follow_their_pre_tokenizer() {
+    for pre in ["smollm", "llama-bpe", "gpt2"] {
+        let tok = gguf_tokenizer(pre);
+        let id = |s: &str| tok.tokenizer.token_to_id(s).unwrap();
+        // No GPT-2 style leading space: "hi" starts with the token "h", not "Ġh".
+        assert_eq!(tok.encode("hi", false).unwrap(), vec![id("h"), id("i")], "{pre}");
+        let digits = tok.encode("x12", false).unwrap();
+        let expected = match pre {
+            // SmolLM splits digits one by one, so "1 2" never merges.
+            "smollm" => vec![id("x"), id("1"), id("2")],
+            _ => vec![id("x"), id("12")],
+        };
+        assert_eq!(digits, expected, "{pre}");
+        let text = "héllo 12, wörld";
+        assert_eq!(tok.decode(&tok.encode(text, false).unwrap()).unwrap(), text, "{pre}");
+        assert_eq!(tok.eos_token_ids, vec![0]);
+    }
+}
