@@ -79,8 +79,15 @@ fn device(cpu: bool) -> Result<Device> {
     Ok(Device::cuda_if_available(0)?)
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn main() {
+    // Errors print as one chain of causes ("loading X: ... : ..."), without a backtrace.
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<()> {
     let dtype = match args.dtype.as_str() {
         "f32" => DType::F32,
         "bf16" => DType::BF16,
