@@ -5,7 +5,8 @@
 //! causal, sliding windows, softcap, negative/zero scale; odd seqlens (not multiples of the
 //! tiles, sq < sk and sq > sk); GQA ratios 1/2/4/8; batch > 1; varlen with an empty sequence;
 //! non-contiguous inputs (transposed / narrowed views, read through TMA strides without copies);
-//! NaN-poisoned output memory; the LSE; and the errors (f32, bad head dims, mixed devices).
+//! NaN-poisoned output memory; the persistent grid with many tiles per CTA; the LSE; and the
+//! errors (f32, bad head dims, mixed devices).
 //!
 //! Tolerances (relative to the largest reference value, `assert_close`): outputs 1e-2 (P is
 //! rounded to 16 bits before P·V, as in FA3), LSE 1e-3.
@@ -343,5 +344,23 @@ fn errors_not_fallbacks() -> Result<()> {
     let kg = Tensor::zeros((1, 8, 2, 64), DType::BF16, &dev)?;
     let e = err(flash_attn3::flash_attn(&qc, &kg, &kg, 0.125, false));
     assert!(e.contains("device"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn persistent_grid_many_tiles_per_cta() -> Result<()> {
+    // Unmasked fixed-length calls run on a persistent grid (one CTA per SM); with hundreds of
+    // query tiles every CTA processes several, reloading Q and continuing its K/V ring.
+    let mut rng = TestRng::fresh("gpu-persistent");
+    for (d, dtype) in [(128, DType::BF16), (64, DType::F16), (256, DType::BF16)] {
+        let shape = AttnShape::new((3, 700, rng.odd_len(100, 300), 16, 4, d, d));
+        let o = Opts::new(1.0 / (d as f64).sqrt());
+        check_shape(shape, dtype, o, &mut rng, "persistent")?;
+        let o = Opts {
+            softcap: Some(15.0),
+            ..o
+        };
+        check_shape(shape, dtype, o, &mut rng, "persistent softcap")?;
+    }
     Ok(())
 }
