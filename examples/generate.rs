@@ -14,7 +14,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
-use flash_llama::{generate, ChatMessage, GenerateOptions, Kernels, SamplingParams, TokenStream};
+use flash_llama::{
+    generate, ChatMessage, GenerateOptions, Kernels, LoadedModel, SamplingParams, TextTokenizer, TokenStream,
+};
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a Llama-family model (attention through flash-attn3)")]
@@ -22,6 +24,11 @@ struct Args {
     /// A .gguf file or an HF model directory.
     #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     model: PathBuf,
+
+    /// An HF directory whose tokenizer.json (and tokenizer_config.json) to use instead of the
+    /// model's own, e.g. for GGUF files with a SentencePiece vocabulary (Llama 2, Mistral).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
 
     /// The prompt; repeat the flag to generate for several prompts in one batch.
     #[arg(long, required = true)]
@@ -51,9 +58,11 @@ struct Args {
     #[arg(long, default_value_t = 1.0)]
     repeat_penalty: f32,
 
+    /// How many of the latest tokens the repeat penalty looks at.
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
 
+    /// Sampling seed; prompt i of a batch uses seed + i.
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
 
@@ -102,8 +111,15 @@ fn run(args: Args) -> Result<()> {
     };
 
     let t0 = std::time::Instant::now();
-    let loaded = flash_llama::load(&args.model, dtype, &device, kernels)
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let loaded = match &args.tokenizer {
+        None => flash_llama::load(&args.model, dtype, &device, kernels),
+        Some(dir) => flash_llama::loader::load_model(&args.model, dtype, &device, kernels).and_then(|model| {
+            let cfg = model.config();
+            let tokenizer = TextTokenizer::from_hf_dir(dir, &cfg.eos_token_ids, cfg.bos_token_id)?;
+            Ok(LoadedModel { model, tokenizer })
+        }),
+    }
+    .with_context(|| format!("loading {}", args.model.display()))?;
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let cfg = model.config();
     eprintln!(

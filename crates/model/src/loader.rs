@@ -44,6 +44,21 @@ pub fn load(path: &Path, dtype: DType, device: &Device, kernels: Kernels) -> Res
     }
 }
 
+/// The decoder alone at `path` (an HF directory or a `.gguf` file), for when the tokenizer comes
+/// from elsewhere (e.g. a GGUF whose SentencePiece vocabulary candle cannot rebuild).
+pub fn load_model(path: &Path, dtype: DType, device: &Device, kernels: Kernels) -> Result<Llama> {
+    if path.is_dir() {
+        load_hf_dir(path, dtype, device, kernels)
+    } else if path.is_file() {
+        load_gguf(path, dtype, device, kernels)
+    } else {
+        bail!(
+            "no model at {}: pass an HF model directory or a .gguf file",
+            path.display()
+        )
+    }
+}
+
 /// The decoder of an HF directory: `config.json` and `model.safetensors` or the shards listed by
 /// `model.safetensors.index.json`.
 pub fn load_hf_dir(dir: &Path, dtype: DType, device: &Device, kernels: Kernels) -> Result<Llama> {
