@@ -133,3 +133,31 @@ fn gguf_with_unknown_architecture_is_rejected() {
     );
     assert!(err.contains("unsupported GGUF architecture `falcon`"), "{err}");
 }
+
+/// Interrupted downloads: a GGUF cut anywhere (header, metadata, tensor table, data) is an error.
+#[test]
+fn gguf_cut_anywhere_is_an_error() {
+    let dir = temp_dir("gguf-cuts");
+    let path = dir.join("tiny.gguf");
+    common::write_gguf(&path);
+    let bytes = std::fs::read(&path).unwrap();
+    let cut = dir.join("cut.gguf");
+    for len in (0..bytes.len()).step_by(251) {
+        std::fs::write(&cut, &bytes[..len]).unwrap();
+        let result = load_gguf(&cut, DType::F32, &Device::Cpu, Kernels::Composed);
+        assert!(result.is_err(), "a file cut at {len} of {} bytes loaded", bytes.len());
+    }
+}
+
+/// The same for safetensors files.
+#[test]
+fn safetensors_cut_anywhere_is_an_error() {
+    let dir = common::hf_model(Family::Llama);
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    for len in (0..bytes.len()).step_by(251) {
+        std::fs::write(&path, &bytes[..len]).unwrap();
+        let result = load_hf_dir(&dir, DType::F32, &Device::Cpu, Kernels::Composed);
+        assert!(result.is_err(), "a file cut at {len} of {} bytes loaded", bytes.len());
+    }
+}
