@@ -4,7 +4,8 @@
 //! - [`Llama`]: the decoder; [`Llama::forward`] for full (differentiable) passes,
 //!   [`Llama::step`] with a [`KvCache`] for prefill and decoding of one or many sequences.
 //! - [`load`]: a model and its tokenizer from an HF directory or a GGUF file.
-//! - [`TextTokenizer`], [`TokenStream`]: encoding, chat templates, incremental decoding.
+//! - [`TextTokenizer`], [`TokenStream`]: encoding, chat templates, incremental decoding;
+//!   [`spm`] rebuilds SentencePiece vocabularies of GGUF files.
 //! - [`generate()`]: batched sampling loop ([`Sampler`]: temperature, top-k, top-p, repeat penalty).
 
 pub mod config;
@@ -13,6 +14,7 @@ pub mod loader;
 pub mod model;
 pub mod nn;
 pub mod sampling;
+pub mod spm;
 pub mod tokenizer;
 
 pub use config::{Architecture, Config, Llama3RopeScaling};

@@ -49,6 +49,18 @@ impl TextTokenizer {
     /// (candle's `TokenizerFromGguf`), plus the ids and template stored beside them.
     pub fn from_gguf(content: &gguf_file::Content) -> Result<Self> {
         let md = &content.metadata;
+        let kind = md
+            .get("tokenizer.ggml.model")
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str);
+        if kind == Some("llama") {
+            // SentencePiece vocabularies (Llama 2, Mistral): candle has no builder for these.
+            return Ok(Self {
+                tokenizer: crate::spm::tokenizer_from_gguf(content)
+                    .context("building the tokenizer from GGUF metadata")?,
+                ..Self::gguf_extras(content)
+            });
+        }
         let mut tokenizer = Tokenizer::from_gguf(content).context("building the tokenizer from GGUF metadata")?;
         let pre = md
             .get("tokenizer.ggml.pre")
@@ -79,16 +91,25 @@ impl TextTokenizer {
                 tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
             }
         }
-        let id = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
         Ok(Self {
             tokenizer,
+            ..Self::gguf_extras(content)
+        })
+    }
+
+    /// BOS/EOS ids and the chat template stored beside a GGUF vocabulary, with an empty tokenizer.
+    fn gguf_extras(content: &gguf_file::Content) -> Self {
+        let md = &content.metadata;
+        let id = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
+        Self {
+            tokenizer: Tokenizer::new(tokenizers::models::bpe::BPE::default()),
             bos_token_id: id("tokenizer.ggml.bos_token_id"),
             eos_token_ids: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
             chat_template: md
                 .get("tokenizer.chat_template")
                 .and_then(|v| v.to_string().ok())
                 .cloned(),
-        })
+        }
     }
 
     /// From an HF model directory: `tokenizer.json`, plus `tokenizer_config.json` (chat template,

@@ -166,3 +166,68 @@ fn gguf_tokenizers_follow_their_pre_tokenizer() {
         assert_eq!(tok.eos_token_ids, vec![0]);
     }
 }
+
+/// A SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`, as Llama 2 and Mistral GGUFs
+/// have): merges come from the scores, unknown characters fall back to byte pieces.
+#[test]
+fn gguf_sentencepiece_vocabulary() {
+    use candle_core::quantized::gguf_file::{self, Value};
+    let mut pieces: Vec<(String, f32, i32)> = vec![
+        ("<unk>".into(), 0.0, 2),
+        ("<s>".into(), 0.0, 3),
+        ("</s>".into(), 0.0, 3),
+    ];
+    pieces.extend((0..=255u8).map(|b| (format!("<0x{b:02X}>"), 0.0, 6)));
+    let normal = [
+        "▁", "h", "e", "l", "o", "w", "r", "d", "ll", "▁h", "▁he", "llo", "▁hello",
+    ];
+    pieces.extend(
+        normal
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.to_string(), -(i as f32) - 1.0, 1)),
+    );
+    let metadata = [
+        ("tokenizer.ggml.model", Value::String("llama".into())),
+        (
+            "tokenizer.ggml.tokens",
+            Value::Array(pieces.iter().map(|p| Value::String(p.0.clone())).collect()),
+        ),
+        (
+            "tokenizer.ggml.scores",
+            Value::Array(pieces.iter().map(|p| Value::F32(p.1)).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type",
+            Value::Array(pieces.iter().map(|p| Value::I32(p.2)).collect()),
+        ),
+        ("tokenizer.ggml.unknown_token_id", Value::U32(0)),
+        ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+    ];
+    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let mut bytes = std::io::Cursor::new(Vec::new());
+    gguf_file::write(&mut bytes, &md, &[]).unwrap();
+    bytes.set_position(0);
+    let content = gguf_file::Content::read(&mut bytes).unwrap();
+    let tok = TextTokenizer::from_gguf(&content).unwrap();
+    let id = |s: &str| tok.tokenizer.token_to_id(s).unwrap();
+
+    let ids = tok.encode("hello world", true).unwrap();
+    let expected: Vec<u32> = ["<s>", "▁hello", "▁", "w", "o", "r", "l", "d"]
+        .iter()
+        .map(|p| id(p))
+        .collect();
+    assert_eq!(ids, expected);
+    // é is no piece: its UTF-8 bytes are.
+    let ids = tok.encode("hé", false).unwrap();
+    assert_eq!(ids, vec![id("▁h"), id("<0xC3>"), id("<0xA9>")]);
+    assert_eq!(tok.decode(&ids).unwrap(), "hé");
+    assert_eq!(
+        tok.decode(&tok.encode("hello world", true).unwrap()).unwrap(),
+        "hello world"
+    );
+    // Control tokens written in the text (chat templates) are matched whole.
+    assert_eq!(tok.encode("<s>hello", false).unwrap()[0], 1);
+    assert_eq!((tok.bos_token_id, tok.eos_token_ids.clone()), (Some(1), vec![2]));
+}
