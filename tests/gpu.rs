@@ -364,3 +364,12 @@ fn persistent_grid_many_tiles_per_cta() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn persistent_small_for_racecheck() -> Result<()> {
+    // Just over one tile per SM (140 heads x 1 query tile): the first CTAs take a second tile.
+    // Small enough for compute-sanitizer racecheck.
+    let mut rng = TestRng::fresh("gpu-persistent-small");
+    let shape = AttnShape::new((1, 100, 70, 140, 35, 64, 64));
+    check_shape(shape, DType::BF16, Opts::new(0.125), &mut rng, "persistent small")
+}
