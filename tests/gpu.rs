@@ -373,3 +373,59 @@ fn persistent_small_for_racecheck() -> Result<()> {
     let shape = AttnShape::new((1, 100, 70, 140, 35, 64, 64));
     check_shape(shape, DType::BF16, Opts::new(0.125), &mut rng, "persistent small")
 }
+
+#[test]
+fn dynamic_scheduler_causal_window_varlen() -> Result<()> {
+    // Masked and varlen calls run on a persistent grid whose CTAs claim tiles through an atomic
+    // counter: hundreds of uneven tiles (and, varlen, tiles past a sequence's end) per launch.
+    let mut rng = TestRng::fresh("gpu-dynamic");
+    let dev = gpu()?;
+    for (d, dtype) in [(128, DType::BF16), (64, DType::F16), (256, DType::BF16)] {
+        let shape = AttnShape::new((3, 700, rng.odd_len(600, 800), 16, 4, d, d));
+        let o = Opts::new(1.0 / (d as f64).sqrt());
+        check_shape(shape, dtype, Opts { right: Some(0), ..o }, &mut rng, "dynamic causal")?;
+        let o = Opts {
+            left: Some(rng.range(1, 300)),
+            right: Some(rng.range(0, 40)),
+            ..o
+        };
+        check_shape(shape, dtype, o, &mut rng, "dynamic window")?;
+
+        // Varlen, causal: 6 sequences of very different lengths, 32 heads.
+        let batch = 6;
+        let lq: Vec<usize> = (0..batch).map(|_| rng.odd_len(1, 700)).collect();
+        let lk: Vec<usize> = lq.iter().map(|&l| l + rng.range(0, 50)).collect();
+        let (cu_q, cu_k) = (cumulative(&lq), cumulative(&lk));
+        let (h, hk) = (32, 8);
+        let q = rng.randn((cu_q[batch], h, d), dtype, &dev)?;
+        let k = rng.randn((cu_k[batch], hk, d), dtype, &dev)?;
+        let v = rng.randn((cu_k[batch], hk, d), dtype, &dev)?;
+        poison(&dev, 2 * cu_q[batch] * h * d)?;
+        let o = Opts {
+            right: Some(0),
+            ..Opts::new(1.0 / (d as f64).sqrt())
+        };
+        let (sq_t, sk_t) = (seqlens_tensor(&cu_q, &dev)?, seqlens_tensor(&cu_k, &dev)?);
+        let (out, lse) = o
+            .lib()
+            .forward_varlen_with_lse(&q, &k, &v, &sq_t, &sk_t, max_len(&cu_q), max_len(&cu_k))?;
+        let (want, want_lse) = attention_ref_varlen(&q, &k, &v, &cu_q, &cu_k, &o.reference())?;
+        let what = format!("dynamic varlen {dtype:?} d{d} lq {lq:?} lk {lk:?} seed {}", rng.seed());
+        assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+        assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn dynamic_small_causal_for_sanitizer() -> Result<()> {
+    // 140 heads x 2 query tiles, causal: more tiles than SMs, claimed through the atomic counter.
+    // Small enough for compute-sanitizer.
+    let mut rng = TestRng::fresh("gpu-dynamic-small");
+    let shape = AttnShape::new((1, 200, 200, 140, 35, 64, 64));
+    let o = Opts {
+        right: Some(0),
+        ..Opts::new(0.125)
+    };
+    check_shape(shape, DType::BF16, o, &mut rng, "dynamic small causal")
+}

@@ -1,8 +1,9 @@
 // The Hopper (sm_90a) FlashAttention-3 forward: warp-specialised TMA + wgmma.
 //
-// A persistent CTA (one per SM, looping over tiles, scheduler.cuh) of 3 warpgroups: warpgroup 0
-// is the producer (one thread issues TMA copies; the warpgroup gives its registers away with
-// setmaxnreg), warpgroups 1 and 2 are consumers that each own 64 rows of the 128-row query tile.
+// A persistent CTA (one per SM, looping over tiles claimed statically or through an atomic
+// counter, scheduler.cuh) of 3 warpgroups: warpgroup 0 is the producer (one thread issues TMA
+// copies, one claims tiles; the warpgroup gives its registers away with setmaxnreg), warpgroups
+// 1 and 2 are consumers that each own 64 rows of the 128-row query tile.
 // See docs/kernels/forward-sm90.md.
 #include "../primitives/warp.cuh"
 #include "load.cuh"
@@ -29,18 +30,23 @@ template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(co
             mbar_init(&s.empty_k[i], 128 * Tr::kConsumerWGs);
             mbar_init(&s.empty_v[i], 128 * Tr::kConsumerWGs);
         }
+        mbar_init(&s.tile_full, 1);
+        mbar_init(&s.tile_empty, 128 * Tr::kConsumerWGs + 1);
         mbar_init_fence();
     }
     __syncthreads();
 
     if (wg == 0) {
-        warpgroup_reg_dealloc<24>();
-        if (tid == 0) producer<Tr>(p, s);
+        warpgroup_reg_dealloc<Tr::kProducerRegs>();
+        if (tid == 0) producer<Tr>(p, s);        // the TMA thread
+        if (tid == 32) scheduler<Tr>(p, s);      // claims tiles (scheduler.cuh)
     } else {
-        warpgroup_reg_alloc<240>();
+        warpgroup_reg_alloc<Tr::kConsumerRegs>();
         // it: K/V blocks consumed so far (ring position); tc: tiles with keys so far (Q parity).
         int it = 0, tc = 0;
-        for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
+        for (int k = 0;; ++k) {
+            const int tile = receive_tile<Tr>(s, k, true);  // claimed by the scheduler thread
+            if (tile >= num_tiles(p)) break;
             TileInfo t;
             if (!get_tile<Tr>(p, tile, t)) continue;  // past this sequence's end (varlen)
             if (t.n_max <= t.n_min) {

@@ -48,11 +48,15 @@ template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<T
     tma_prefetch_desc(&p.tma_k);
     tma_prefetch_desc(&p.tma_v);
     int it = 0, tc = 0;
-    for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
+    for (int k = 0;; ++k) {
+        const int tile = receive_tile<Tr>(s, k, false);
+        if (tile >= num_tiles(p)) break;  // the consumers stop on the same index
         TileInfo t;
-        if (!get_tile<Tr>(p, tile, t) || t.n_max <= t.n_min) continue;  // the consumers skip it too
-        producer_tile<Tr>(p, s, t, it, tc);
-        ++tc;
+        if (get_tile<Tr>(p, tile, t) && t.n_max > t.n_min) {  // else the consumers skip it too
+            producer_tile<Tr>(p, s, t, it, tc);
+            ++tc;
+        }
+        mbar_arrive(&s.tile_empty);  // loads issued: the scheduler may claim the next tile
     }
 }
 

@@ -1,11 +1,23 @@
 // Which tile a CTA works on and the key range that tile needs.
 //
-// Persistent grid: one CTA per SM loops over the tiles (query tile, head, batch), taking tile
-// blockIdx.x, then every gridDim.x-th after it (static striding; FA3 uses an atomic counter).
+// Persistent grid: one CTA per SM loops over the tiles (query tile, head, batch). Its first tile
+// is blockIdx.x; the next one is either
+//   - static striding (p.tile_counter null; unmasked fixed-length calls, where all tiles cost the
+//     same): every gridDim.x-th tile after the current one, or
+//   - dynamic (causal/windows, varlen): gridDim.x + atomicAdd(p.tile_counter, 1), a global counter
+//     zeroed per launch, so a CTA that finished early takes the next unclaimed tile.
 // Within a (batch, head), query tiles are numbered last first: under a causal mask the last tiles
-// see the most keys, so the long tiles of a head start before its short ones.
+// see the most keys, so every head's long tiles are claimed before its short ones and the tail of
+// the launch is made of the shortest tiles. (batch, head) stays outer so that the CTAs running at
+// the same time work on one or a few heads and share their K/V blocks in L2.
+//
+// A scheduler thread claims the tiles and hands each index to the TMA thread and the consumer
+// warpgroups through one slot in shared memory (tile_idx, tile_full / tile_empty barriers); an
+// index past the last tile tells everyone to stop.
 #pragma once
+#include "../primitives/mbarrier.cuh"
 #include "params.cuh"
+#include "traits.cuh"
 
 namespace fa3 {
 
@@ -72,6 +84,42 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
     t.full_lo = lo1;
     t.full_hi = hi0;
     return true;
+}
+
+// The tile after `tile` for this CTA (scheduler thread only).
+__device__ __forceinline__ int next_tile(const FwdParams& p, int tile) {
+    if (p.tile_counter == nullptr) return tile + (int)gridDim.x;
+    return (int)gridDim.x + atomicAdd(p.tile_counter, 1);
+}
+
+// The scheduler thread (lane 0 of the producer warpgroup's second warp, so that the TMA thread
+// keeps its few registers for the loads): claims this CTA's k-th tile once the (k-1)-th has been
+// read by every consumer thread and fully issued by the TMA thread (tile_empty: 256 + 1
+// arrivals), i.e. close to when the CTA finishes it, so a claim reflects real progress. The TMA
+// thread needs the index only for the next tile's Q, which also waits for the consumers' last
+// Q·Kᵀ (q_empty), so the atomic's latency stays hidden.
+template <class Tr> __device__ void scheduler(const FwdParams& p, SharedStorage<Tr>& s) {
+    int tile = blockIdx.x;
+    for (int k = 0;; ++k) {
+        mbar_wait(&s.tile_empty, (k & 1) ^ 1);  // passes at once for k = 0
+        if (k > 0) tile = next_tile(p, tile);
+        s.tile_idx = tile;
+        mbar_arrive(&s.tile_full);  // release: the store is visible to the waiters
+        if (tile >= num_tiles(p)) break;  // everyone stops on this index
+    }
+}
+
+// The k-th tile index of this CTA, for the TMA thread and the consumer threads. The consumers
+// release the slot at once (release = true); the TMA thread after issuing the tile's loads.
+template <class Tr> __device__ __forceinline__ int receive_tile(SharedStorage<Tr>& s, int k, bool release) {
+    mbar_wait(&s.tile_full, k & 1);
+    const int tile = s.tile_idx;
+    if (release) mbar_arrive(&s.tile_empty);
+    // The value is the same in every lane, but ptxas cannot know that for a shared-memory load;
+    // redux.sync's result lives in a uniform register, so the tile's fields, loop bounds and ring
+    // counters stay on the uniform datapath as they did with blockIdx-based striding (without it
+    // the whole kernel ran 5-8% slower, full and causal).
+    return (int)__reduce_max_sync(release ? 0xffffffffu : 1u, (unsigned)tile);
 }
 
 }  // namespace fa3

@@ -14,6 +14,11 @@ template <int kHeadDim_, int kBlockN_, int kDtype_> struct FwdTraits {
     static constexpr int kConsumerWGs = 2;
     static constexpr int kThreads = 128 * (1 + kConsumerWGs);
     static constexpr int kStages = 2;
+    // setmaxnreg split of the 168 x 384 registers a CTA starts with (128 P + 256 C <= 64512):
+    // 40 / 232 leaves the producer's TMA loop spill-free; d256's consumers need 240 (they spill
+    // at 232), so its producer gets 24 (and spills a few values to local memory).
+    static constexpr int kProducerRegs = kHeadDim_ <= 128 ? 40 : 24;
+    static constexpr int kConsumerRegs = kHeadDim_ <= 128 ? 232 : 240;
     // Tiles are stored as head_dim / 64 column blocks of [rows][64] elements (128-byte rows,
     // 128B-swizzled by TMA), the layout wgmma reads through smem_desc_sw128.
     static constexpr int kColBlocks = kHeadDim / 64;
@@ -34,6 +39,9 @@ template <class Tr> struct SharedStorage {
     alignas(8) uint64_t full_v[Tr::kStages];      // V of a stage landed
     alignas(8) uint64_t empty_k[Tr::kStages];     // both consumer warpgroups are done with K of a stage
     alignas(8) uint64_t empty_v[Tr::kStages];     // ... and with V of a stage
+    alignas(8) uint64_t tile_full;                // the scheduler thread published the next tile index
+    alignas(8) uint64_t tile_empty;               // the consumers read it and the TMA thread issued its loads
+    int tile_idx;                                 // the tile index, scheduler -> TMA thread, consumers
 };
 
 }  // namespace fa3

@@ -43,6 +43,7 @@ struct FwdParams {
     lse: u64,
     cu_q: u64,
     cu_k: u64,
+    tile_counter: u64,
     out_row_stride: i64,
     lse_head_stride: i64,
     lse_batch_stride: i64,
@@ -125,6 +126,13 @@ impl Variant {
         let tiles = 2 * self.head_dim * (BLOCK_M + 2 * 2 * self.block_n);
         tiles + 1024 + 1024
     }
+}
+
+/// `FA3_FWD_PER_TILE=1`: one CTA per tile for masked/varlen calls instead of the dynamic
+/// persistent scheduler.
+fn per_tile() -> bool {
+    static PER_TILE: OnceLock<bool> = OnceLock::new();
+    *PER_TILE.get_or_init(|| std::env::var("FA3_FWD_PER_TILE").is_ok_and(|v| v == "1"))
 }
 
 /// The device's multiprocessor count (the persistent grid size), cached per device.
@@ -333,19 +341,26 @@ fn forward_t<T: CudaDType + DeviceRepr>(
 
     let num_m_blocks = dims.seqlen_q.div_ceil(BLOCK_M);
     let num_tiles = num_m_blocks * dims.heads * dims.batch;
-    if num_tiles > i32::MAX as usize {
-        bail!("flash-attn3: too many query tiles for one launch ({num_tiles})")
-    }
-    // Tiles of equal work (no mask, fixed lengths): a persistent grid, one CTA per SM (a CTA's
-    // shared memory fills most of an SM), so that a CTA's next Q and K/V loads overlap its
-    // current tile's last P·V and epilogue. Uneven tiles (causal/windows, varlen): one CTA per
-    // tile and the hardware's block scheduler balances them (the kernel's static striding would
-    // not: measured 30% slower causal at 16k); an atomic tile counter is the FA3 answer.
+    // A persistent grid, one CTA per SM (a CTA's shared memory fills most of an SM), so that a
+    // CTA's next Q and K/V loads overlap its current tile's last P·V and epilogue. Tiles of equal
+    // work (no mask, fixed lengths) are strided statically; uneven tiles (causal/windows, varlen)
+    // are claimed through an atomic counter, longest first (kernels/flash_fwd/scheduler.cuh).
+    // `FA3_FWD_PER_TILE=1` launches one CTA per uneven tile instead (the hardware's block
+    // scheduler balances them; the path before the counter, kept for comparison).
     let uneven = varlen.is_some() || params.window_left.is_some() || params.window_right.is_some();
-    let grid = if uneven {
+    let grid = if uneven && per_tile() {
         num_tiles
     } else {
         num_tiles.min(sm_count(&dev)?)
+    };
+    // The counter ends at (tiles past the first grid) + grid: stay inside i32.
+    if num_tiles + grid > i32::MAX as usize {
+        bail!("flash-attn3: too many query tiles for one launch ({num_tiles})")
+    }
+    // Zeroed on candle's stream, in order before the launch; freed in stream order after it.
+    let mut counter = match uneven && grid < num_tiles {
+        true => Some(dev.alloc_zeros::<i32>(1)?),
+        false => None,
     };
 
     let out_len = dims.total_q * dims.heads * dims.head_dim_v;
@@ -410,6 +425,13 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         let (kp, _kg) = ks.device_ptr(&stream);
         let (vp, _vg) = vs.device_ptr(&stream);
         let _ = (qp, kp, vp);
+        let (tile_counter, _counter_sync) = match counter.as_mut() {
+            Some(c) => {
+                let (ptr, sync) = c.device_ptr_mut(&stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
         let p = FwdParams {
             tma_q,
             tma_k,
@@ -418,6 +440,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             lse: lse_ptr,
             cu_q,
             cu_k,
+            tile_counter,
             out_row_stride: (dims.heads * dims.head_dim_v) as i64,
             lse_head_stride,
             lse_batch_stride,
@@ -448,5 +471,6 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     }
     // The uploaded offsets (if any) are freed in stream order after the kernel.
     drop(uploads);
+    drop(counter);
     Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
 }
