@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Builds, here (no GPU needed), what scripts/gpu-run.sh runs on the GPU machine, into .device/
+# (git-ignored): the GPU test binary (tests/gpu.rs) and the GPU benchmark binary
+# (crates/flash-attn/benches/gpu_attention.rs), stripped and xz-compressed.
+#
+#   scripts/gpu-pack.sh [--anchors]
+#
+# --anchors  also puts the anchor benchmark (../shared/anchors/anchors_bench.py) and its wheels
+#            (../shared/anchors/get-wheels.sh, about 50 MB) into .device/anchors/.
+#
+# The toolkit comes from $CUDA_DIR (default ~/.cache/flash-attn3/cuda, as in .ci/run), installed there by
+# scripts/install-cuda-toolkit.sh if absent. Then, with the device tool:
+#   run  carry [".device"]  command "bash scripts/gpu-run.sh [--anchors] [--sanitize]"
+# What travels (working tree + .device) must stay under 64 MiB: the sizes are printed last.
+set -euo pipefail
+
+log() { printf '[gpu-pack] %s\n' "$*" >&2; }
+die() { printf '[gpu-pack] error: %s\n' "$*" >&2; exit 1; }
+
+ANCHORS=0
+for arg in "$@"; do
+    case $arg in
+        --anchors) ANCHORS=1 ;;
+        -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+        *) die "unknown argument: $arg (usage: $0 [--anchors])" ;;
+    esac
+done
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+DEV=$REPO/.device
+SHARED=$(cd "$REPO/.." && pwd)/shared
+LIMIT=$((64 * 1024 * 1024))
+
+git check-ignore -q .device/x 2>/dev/null || die ".device/ is not git-ignored: add /.device/ to .gitignore"
+for tool in cargo python3 strip xz; do
+    command -v $tool >/dev/null || die "$tool not found"
+done
+
+CUDA_DIR=${CUDA_DIR:-$HOME/.cache/flash-attn3/cuda}
+env_lines=$("$REPO/scripts/install-cuda-toolkit.sh" "$CUDA_DIR") || die "toolkit install into $CUDA_DIR failed"
+eval "$env_lines"
+log "CUDA_HOME=$CUDA_HOME"
+
+# build_exe OUTVAR TARGET_NAME CARGO_ARGS...: runs cargo with JSON messages, picks the executable
+# of TARGET_NAME out of them (diagnostics still render on stderr).
+build_exe() {
+    local var=$1 name=$2 json exe t0=$SECONDS
+    shift 2
+    log "cargo $*"
+    json=$(cargo "$@" --message-format=json-render-diagnostics) || die "cargo $* failed"
+    exe=$(printf '%s\n' "$json" | python3 -c '
+import json, sys
+name = sys.argv[1]
+exes = []
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == name and m.get("executable"):
+        exes.append(m["executable"])
+print(exes[-1] if exes else "")
+' "$name")
+    [[ -n $exe && -x $exe ]] || die "no executable for target $name in cargo's output"
+    log "built $exe in $((SECONDS - t0)) s"
+    printf -v "$var" '%s' "$exe"
+}
+
+build_exe TEST_EXE gpu test --release -p flash-attn3-tests --features cuda --test gpu --no-run
+build_exe BENCH_EXE gpu_attention bench -p flash-attn3 --features cuda --bench gpu_attention --no-run
+
+mkdir -p "$DEV"
+pack() { # pack SRC NAME: strip and compress SRC into .device/NAME.xz
+    local src=$1 dst=$DEV/$2 t0=$SECONDS
+    cp -f "$src" "$dst.tmp"
+    strip --strip-debug "$dst.tmp" # plain strip fails on the .nv_fatbin section
+    xz -T2 -6 -f -c "$dst.tmp" >"$dst.xz.tmp"
+    rm -f "$dst.tmp"
+    mv -f "$dst.xz.tmp" "$dst.xz"
+    log "packed $2.xz ($(du -h "$src" | cut -f1) -> $(du -h "$dst.xz" | cut -f1), $((SECONDS - t0)) s)"
+}
+pack "$TEST_EXE" gpu-test
+pack "$BENCH_EXE" gpu-bench
+
+{
+    echo "packed:  $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
+    echo "commit:  $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' (+ uncommitted changes)')"
+    echo "nvcc:    $(nvcc --version | grep -o 'release [0-9.]*, V[0-9.]*')"
+    echo "test:    $(basename "$TEST_EXE")"
+    echo "bench:   $(basename "$BENCH_EXE")"
+} >"$DEV/manifest.txt"
+
+if ((ANCHORS)); then
+    [[ -f $SHARED/anchors/anchors_bench.py && -x $SHARED/anchors/get-wheels.sh ]] ||
+        die "$SHARED/anchors/{anchors_bench.py,get-wheels.sh} missing"
+    mkdir -p "$DEV/anchors"
+    cp -f "$SHARED/anchors/anchors_bench.py" "$DEV/anchors/"
+    log "downloading the anchor wheels into .device/anchors"
+    "$SHARED/anchors/get-wheels.sh" "$DEV/anchors" >&2 || die "get-wheels.sh failed"
+else
+    rm -rf "$DEV/anchors" # only carry anchors when asked for
+fi
+
+# Sizes: what travels is the working tree (tracked + untracked-not-ignored files) plus .device.
+tree_bytes=$( (git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null || true) | tail -n1 | cut -f1)
+dev_bytes=$(du -sb "$DEV" | cut -f1)
+total=$((tree_bytes + dev_bytes))
+echo "== .device contents"
+(cd "$DEV" && find . -type f -printf '%s\t%p\n' | sort -k2 | awk -F'\t' '{printf "%10.2f MiB  %s\n", $1/1048576, $2}')
+mib() { awk -v b="$1" 'BEGIN { printf "%10.2f MiB", b / 1048576 }'; }
+echo "$(mib "$dev_bytes")  .device total"
+echo "$(mib "$tree_bytes")  working tree (tracked + untracked, not ignored)"
+echo "$(mib "$total")  carried in all (limit 64 MiB)"
+((total < LIMIT)) || die "what would travel is over 64 MiB"

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine, from the repo root, with .device/ carried (made by scripts/gpu-pack.sh):
+#
+#   bash scripts/gpu-run.sh [--anchors] [--sanitize]
+#
+# Steps: GPU name; the GPU test binary (--test-threads=1); the GPU benchmark binary;
+#   --anchors   the anchor benchmark (.device/anchors, from gpu-pack.sh --anchors);
+#               env SEQS, HDIMS, PASSES, IMPLS pass through to anchors_bench.py
+#   --sanitize  compute-sanitizer memcheck and racecheck on the test binary, with the test filter
+#               in env SANITIZE_FILTER (empty: every test; racecheck is slow, so filter)
+# Env: TEST_ARGS / BENCH_ARGS: extra arguments to the test / benchmark binary (e.g. a filter).
+#      DEADLINE (default 570): seconds from the start after which no step runs any more, and each
+#      step is stopped by then, so the summary prints inside a 600 s call; STEP_TIMEOUT (default
+#      DEADLINE) caps each step.
+# A failing step does not stop the others. Full logs: $OUT/<step>.log (or /tmp/gpu-run/ without
+# $OUT; at most 8 files come back from $OUT: this writes at most 6, plus the anchors.json of
+# anchors_bench.py). The summary table prints last; the exit code is non-zero if any step failed.
+set -uo pipefail
+
+ANCHORS=0 SANITIZE=0
+for arg in "$@"; do
+    case $arg in
+        --anchors) ANCHORS=1 ;;
+        --sanitize) SANITIZE=1 ;;
+        -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
+        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize])" >&2; exit 2 ;;
+    esac
+done
+
+START=$SECONDS
+DEADLINE=${DEADLINE:-570}
+STEP_TIMEOUT=${STEP_TIMEOUT:-$DEADLINE}
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+DEV=$PWD/.device
+LOGS=${OUT:-/tmp/gpu-run}
+mkdir -p "$LOGS"
+BIN=/tmp/gpu-run-bin
+mkdir -p "$BIN"
+
+declare -a NAMES=() STATUS=() SECS=()
+FAILED=0
+
+# step NAME CMD...: runs CMD with output to the terminal and $LOGS/NAME.log (not with NOLOG=1),
+# and records the result.
+step() {
+    local name=$1 rc t0 left limit status
+    shift
+    left=$((DEADLINE - (SECONDS - START)))
+    if ((left < 5)); then
+        NAMES+=("$name") STATUS+=("SKIP (deadline)") SECS+=(0)
+        FAILED=1
+        return
+    fi
+    limit=$((left < STEP_TIMEOUT ? left : STEP_TIMEOUT))
+    printf '\n===== %s (limit %d s)\n' "$name" "$limit"
+    t0=$SECONDS
+    local log=$LOGS/$name.log
+    [[ -n ${NOLOG:-} ]] && log=/dev/null
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    if ((rc == 0)); then
+        status=pass
+    elif ((rc == 124 || rc == 137)); then
+        status="FAIL (timeout ${limit} s)"
+        FAILED=1
+    else
+        status="FAIL (rc $rc)"
+        FAILED=1
+    fi
+    NAMES+=("$name") STATUS+=("$status") SECS+=($((SECONDS - t0)))
+}
+
+# skip_step NAME WHY: records a step that cannot run (missing input) as failed.
+skip_step() {
+    echo "gpu-run: $1: $2"
+    NAMES+=("$1") STATUS+=("FAIL ($2)") SECS+=(0)
+    FAILED=1
+}
+
+unxz_to() { # unxz_to SRC.xz DST
+    if command -v xz >/dev/null; then
+        xz -dc "$1" >"$2"
+    else
+        python3 -c "import lzma,shutil,sys;shutil.copyfileobj(lzma.open(sys.argv[1]),open(sys.argv[2],'wb'))" "$1" "$2"
+    fi && chmod +x "$2"
+}
+
+[[ -f $DEV/manifest.txt ]] && cat "$DEV/manifest.txt"
+TEST_BIN= BENCH_BIN=
+if [[ -f $DEV/gpu-test.xz ]] && unxz_to "$DEV/gpu-test.xz" "$BIN/gpu-test"; then TEST_BIN=$BIN/gpu-test; fi
+if [[ -f $DEV/gpu-bench.xz ]] && unxz_to "$DEV/gpu-bench.xz" "$BIN/gpu-bench"; then BENCH_BIN=$BIN/gpu-bench; fi
+
+NOLOG=1 step gpu nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+GPU_NAME=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n1)
+
+# shellcheck disable=SC2086 # TEST_ARGS / BENCH_ARGS / SANITIZE_FILTER are word lists
+if [[ -n $TEST_BIN ]]; then
+    step tests "$TEST_BIN" --test-threads=1 ${TEST_ARGS:-}
+else
+    skip_step tests "no .device/gpu-test.xz: run scripts/gpu-pack.sh and carry .device"
+fi
+
+if [[ -n $BENCH_BIN ]]; then
+    step bench "$BENCH_BIN" ${BENCH_ARGS:-}
+else
+    skip_step bench "no .device/gpu-bench.xz: run scripts/gpu-pack.sh and carry .device"
+fi
+
+if ((ANCHORS)); then
+    shopt -s nullglob
+    wheels=("$DEV"/anchors/*.whl)
+    shopt -u nullglob
+    if [[ -f $DEV/anchors/anchors_bench.py && ${#wheels[@]} -gt 0 ]]; then
+        # SEQS, HDIMS, PASSES, IMPLS come through the environment; the script also writes
+        # $OUT/anchors.json.
+        step anchors bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${@:2}" &&
+            PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 exec python3 "$1"' \
+            bash "$DEV/anchors/anchors_bench.py" "${wheels[@]}"
+    else
+        skip_step anchors "no .device/anchors: run scripts/gpu-pack.sh --anchors"
+    fi
+fi
+
+if ((SANITIZE)); then
+    CS=$(command -v compute-sanitizer ||
+        ls /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
+            /usr/local/cuda*/compute-sanitizer/compute-sanitizer 2>/dev/null | head -n1)
+    if [[ -z $CS ]]; then
+        skip_step sanitize "compute-sanitizer not found"
+    elif [[ -z $TEST_BIN ]]; then
+        skip_step sanitize "no test binary"
+    else
+        echo "compute-sanitizer: $CS; filter: '${SANITIZE_FILTER:-}' (empty: all tests)"
+        step memcheck "$CS" --tool memcheck --error-exitcode 1 \
+            "$TEST_BIN" --test-threads=1 ${SANITIZE_FILTER:-}
+        step racecheck "$CS" --tool racecheck --racecheck-report analysis --error-exitcode 1 \
+            "$TEST_BIN" --test-threads=1 ${SANITIZE_FILTER:-}
+    fi
+fi
+
+{
+    printf '\n===== summary (%d s in all, logs in %s)\n' $((SECONDS - START)) "$LOGS"
+    echo "GPU: ${GPU_NAME:-?}"
+    [[ -f $DEV/manifest.txt ]] && grep -E '^(packed|commit):' "$DEV/manifest.txt"
+    printf '%-16s %-40s %6s\n' step result seconds
+    for i in "${!NAMES[@]}"; do
+        printf '%-16s %-40s %6d\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}"
+    done
+    printf '%s\n' "$([[ $FAILED == 0 ]] && echo 'all steps passed' || echo 'SOME STEPS FAILED')"
+} | tee "$LOGS/summary.txt"
+exit $FAILED
