@@ -9,59 +9,13 @@ use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::{flash_attn, flash_attn_varlen, flash_attn_varlen_windowed, flash_attn_windowed, FlashAttn};
 use flash_attn3_tests::{
     assert_close, assert_identical, attention_ref, attention_ref_varlen, cumulative, max_len, seqlens_tensor,
-    to_f64_vec, AttnShape, RefOptions, TestRng,
+    to_f64_vec, AttnShape, Opts, RefOptions, TestRng,
 };
 
 const CPU: Device = Device::Cpu;
 const F32_TOL: f64 = 1e-5;
 const HALF_TOL: f64 = 1e-2;
 const HALF_LSE_TOL: f64 = 1e-4;
-
-/// The options of one call, in the library's f32 (the reference gets the same rounded values).
-#[derive(Debug, Clone, Copy)]
-struct Opts {
-    scale: f32,
-    left: Option<usize>,
-    right: Option<usize>,
-    softcap: Option<f32>,
-}
-
-impl Opts {
-    fn new(scale: f64) -> Self {
-        Self {
-            scale: scale as f32,
-            left: None,
-            right: None,
-            softcap: None,
-        }
-    }
-    fn causal(self) -> Self {
-        Self { right: Some(0), ..self }
-    }
-    fn window(self, left: Option<usize>, right: Option<usize>) -> Self {
-        Self { left, right, ..self }
-    }
-    fn softcap(self, cap: f32) -> Self {
-        Self {
-            softcap: Some(cap),
-            ..self
-        }
-    }
-    fn builder(&self) -> FlashAttn {
-        let fa = FlashAttn::new(self.scale).window(self.left, self.right);
-        match self.softcap {
-            Some(cap) => fa.softcap(cap),
-            None => fa,
-        }
-    }
-    fn reference(&self) -> RefOptions {
-        let r = RefOptions::new(self.scale as f64).window(self.left, self.right);
-        match self.softcap {
-            Some(cap) => r.softcap(cap as f64),
-            None => r,
-        }
-    }
-}
 
 fn tolerances(dtype: DType) -> (f64, f64) {
     match dtype {

@@ -13,10 +13,8 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Result, Tensor};
-use flash_attn3::FlashAttn;
 use flash_attn3_tests::{
-    assert_close, attention_ref, attention_ref_varlen, cumulative, max_len, seqlens_tensor, AttnShape, RefOptions,
-    TestRng,
+    assert_close, attention_ref, attention_ref_varlen, cumulative, max_len, seqlens_tensor, AttnShape, Opts, TestRng,
 };
 
 const OUT_TOL: f64 = 1e-2;
@@ -24,40 +22,6 @@ const LSE_TOL: f64 = 1e-3;
 
 fn gpu() -> Result<Device> {
     Device::new_cuda(0)
-}
-
-/// One call's options, applied both to the library (f32) and to the reference (f64).
-#[derive(Debug, Clone, Copy)]
-struct Opts {
-    scale: f32,
-    left: Option<usize>,
-    right: Option<usize>,
-    softcap: Option<f32>,
-}
-
-impl Opts {
-    fn new(scale: f64) -> Self {
-        Self {
-            scale: scale as f32,
-            left: None,
-            right: None,
-            softcap: None,
-        }
-    }
-    fn lib(&self) -> FlashAttn {
-        let mut f = FlashAttn::new(self.scale).window(self.left, self.right);
-        if let Some(c) = self.softcap {
-            f = f.softcap(c);
-        }
-        f
-    }
-    fn reference(&self) -> RefOptions {
-        let mut r = RefOptions::new(self.scale as f64).window(self.left, self.right);
-        if let Some(c) = self.softcap {
-            r = r.softcap(c as f64);
-        }
-        r
-    }
 }
 
 /// Every mask/softcap variant, scaled for a head dim.
@@ -120,7 +84,7 @@ fn poison(dev: &Device, elems: usize) -> Result<()> {
 fn check(q: &Tensor, k: &Tensor, v: &Tensor, o: Opts, what: &str) -> Result<()> {
     let (b, sq, h, _) = q.dims4()?;
     poison(q.device(), 2 * b * sq * h * v.dim(3)?)?;
-    let (out, lse) = o.lib().forward_with_lse(q, k, v)?;
+    let (out, lse) = o.builder().forward_with_lse(q, k, v)?;
     assert_eq!(out.dtype(), q.dtype(), "{what}: out dtype");
     assert_eq!(lse.dtype(), DType::F32, "{what}: lse dtype");
     let (want, want_lse) = attention_ref(q, k, v, &o.reference())?;
@@ -289,7 +253,7 @@ fn varlen_with_empty_sequences() -> Result<()> {
                 poison(&dev, 2 * cu_q[batch] * h * dv)?;
                 let (sq_t, sk_t) = (seqlens_tensor(&cu_q, &dev)?, seqlens_tensor(&cu_k, &dev)?);
                 let (out, lse) =
-                    o.lib()
+                    o.builder()
                         .forward_varlen_with_lse(&q, &k, &v, &sq_t, &sk_t, max_len(&cu_q), max_len(&cu_k))?;
                 let (want, want_lse) = attention_ref_varlen(&q, &k, &v, &cu_q, &cu_k, &o.reference())?;
                 let what = format!(
@@ -406,9 +370,9 @@ fn dynamic_scheduler_causal_window_varlen() -> Result<()> {
             ..Opts::new(1.0 / (d as f64).sqrt())
         };
         let (sq_t, sk_t) = (seqlens_tensor(&cu_q, &dev)?, seqlens_tensor(&cu_k, &dev)?);
-        let (out, lse) = o
-            .lib()
-            .forward_varlen_with_lse(&q, &k, &v, &sq_t, &sk_t, max_len(&cu_q), max_len(&cu_k))?;
+        let (out, lse) =
+            o.builder()
+                .forward_varlen_with_lse(&q, &k, &v, &sq_t, &sk_t, max_len(&cu_q), max_len(&cu_k))?;
         let (want, want_lse) = attention_ref_varlen(&q, &k, &v, &cu_q, &cu_k, &o.reference())?;
         let what = format!("dynamic varlen {dtype:?} d{d} lq {lq:?} lk {lk:?} seed {}", rng.seed());
         assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;

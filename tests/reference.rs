@@ -31,6 +31,53 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 // Options and masks
 // ------------------------------------------------------------------------------------------
 
+/// The options of one test call, in the library's f32: [`Opts::builder`] gives the call and
+/// [`Opts::reference`] the same options (the same rounded values) for the f64 reference.
+#[derive(Debug, Clone, Copy)]
+pub struct Opts {
+    pub scale: f32,
+    pub left: Option<usize>,
+    pub right: Option<usize>,
+    pub softcap: Option<f32>,
+}
+
+impl Opts {
+    pub fn new(scale: f64) -> Self {
+        Self {
+            scale: scale as f32,
+            left: None,
+            right: None,
+            softcap: None,
+        }
+    }
+    pub fn causal(self) -> Self {
+        Self { right: Some(0), ..self }
+    }
+    pub fn window(self, left: Option<usize>, right: Option<usize>) -> Self {
+        Self { left, right, ..self }
+    }
+    pub fn softcap(self, cap: f32) -> Self {
+        Self {
+            softcap: Some(cap),
+            ..self
+        }
+    }
+    pub fn builder(&self) -> flash_attn3::FlashAttn {
+        let fa = flash_attn3::FlashAttn::new(self.scale).window(self.left, self.right);
+        match self.softcap {
+            Some(cap) => fa.softcap(cap),
+            None => fa,
+        }
+    }
+    pub fn reference(&self) -> RefOptions {
+        let r = RefOptions::new(self.scale as f64).window(self.left, self.right);
+        match self.softcap {
+            Some(cap) => r.softcap(cap as f64),
+            None => r,
+        }
+    }
+}
+
 /// What the reference computes: the same options as `flash_attn3::FlashAttn`, in f64.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RefOptions {
