@@ -11,8 +11,8 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use flash_attn3::FlashAttn;
 use flash_attn3_tests::{
     assert_close, assert_close_with_floor, assert_identical, attention_grads_ref, attention_grads_ref_varlen,
-    attention_ref, attention_ref_varlen, cumulative, max_abs, max_len, seqlens_tensor, to_f64_vec, AttnShape, Opts,
-    RefOptions, TestRng,
+    attention_ref, attention_ref_varlen, cumulative, max_abs, max_len, naive_attention, seqlens_tensor, to_f64_vec,
+    AttnShape, Opts, RefOptions, TestRng,
 };
 
 const CPU: Device = Device::Cpu;
@@ -560,30 +560,6 @@ fn reference_grads_match_f64_finite_differences() -> Result<()> {
 // ------------------------------------------------------------------------------------------
 // The naive composite
 // ------------------------------------------------------------------------------------------
-
-/// softmax(q·kᵀ·scale [+ causal mask]) · v with differentiable candle ops (candle_nn's composite
-/// `softmax`); kv heads broadcast for GQA. Needs sq <= sk when causal.
-fn naive_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
-    let (_, sq, h, _) = q.dims4()?;
-    let sk = k.dim(1)?;
-    let repeat = |t: &Tensor| -> Result<Tensor> {
-        let (b, s, hk, d) = t.dims4()?;
-        t.unsqueeze(3)?
-            .broadcast_as((b, s, hk, h / hk, d))?
-            .reshape((b, s, h, d))
-    };
-    let (q, k, v) = (q.transpose(1, 2)?.contiguous()?, repeat(k)?, repeat(v)?);
-    let (k, v) = (k.transpose(1, 2)?.contiguous()?, v.transpose(1, 2)?.contiguous()?);
-    let mut s = (q.matmul(&k.t()?)? * scale)?;
-    if causal {
-        let mask: Vec<f32> = (0..sq)
-            .flat_map(|i| (0..sk).map(move |j| if j + sq > i + sk { f32::NEG_INFINITY } else { 0.0 }))
-            .collect();
-        s = s.broadcast_add(&Tensor::from_vec(mask, (sq, sk), &CPU)?)?;
-    }
-    let p = candle_nn::ops::softmax(&s, candle_core::D::Minus1)?;
-    p.matmul(&v)?.transpose(1, 2)?.contiguous()
-}
 
 #[test]
 fn grads_match_candle_autograd_of_the_composite() -> Result<()> {

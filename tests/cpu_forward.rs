@@ -8,8 +8,8 @@
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::{flash_attn, flash_attn_varlen, flash_attn_varlen_windowed, flash_attn_windowed, FlashAttn};
 use flash_attn3_tests::{
-    assert_close, assert_identical, attention_ref, attention_ref_varlen, cumulative, max_len, seqlens_tensor,
-    to_f64_vec, AttnShape, Opts, RefOptions, TestRng,
+    assert_close, assert_identical, attention_ref, attention_ref_varlen, cumulative, max_len, naive_attention,
+    seqlens_tensor, to_f64_vec, AttnShape, Opts, RefOptions, TestRng,
 };
 
 const CPU: Device = Device::Cpu;
@@ -821,28 +821,4 @@ fn matches_naive_candle_composite() -> Result<()> {
         )?;
     }
     Ok(())
-}
-
-/// softmax(q·kᵀ·scale [+ causal mask]) · v with candle ops; kv heads repeated for GQA.
-/// Needs sq <= sk when causal (every row must see a key).
-fn naive_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
-    let (_, sq, h, _) = q.dims4()?;
-    let sk = k.dim(1)?;
-    let repeat = |t: &Tensor| -> Result<Tensor> {
-        let (b, s, hk, d) = t.dims4()?;
-        t.unsqueeze(3)?
-            .broadcast_as((b, s, hk, h / hk, d))?
-            .reshape((b, s, h, d))
-    };
-    let (q, k, v) = (q.transpose(1, 2)?.contiguous()?, repeat(k)?, repeat(v)?);
-    let (k, v) = (k.transpose(1, 2)?.contiguous()?, v.transpose(1, 2)?.contiguous()?);
-    let mut s = (q.matmul(&k.t()?)? * scale)?;
-    if causal {
-        let mask: Vec<f32> = (0..sq)
-            .flat_map(|i| (0..sk).map(move |j| if j + sq > i + sk { f32::NEG_INFINITY } else { 0.0 }))
-            .collect();
-        s = s.broadcast_add(&Tensor::from_vec(mask, (sq, sk), &CPU)?)?;
-    }
-    let p = candle_nn::ops::softmax_last_dim(&s)?;
-    p.matmul(&v)?.transpose(1, 2)?.contiguous()
 }

@@ -848,3 +848,28 @@ pub fn seqlens_tensor(cu: &[usize], device: &Device) -> Result<Tensor> {
 pub fn max_len(cu: &[usize]) -> usize {
     cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
 }
+
+/// The naive candle composite: softmax(q·kᵀ·scale [+ causal mask]) · v with differentiable candle
+/// ops (candle_nn's composite `softmax`: `softmax_last_dim` has no backward); kv heads broadcast for
+/// GQA. Needs sq <= sk when causal (every row must see a key).
+pub fn naive_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+    let (_, sq, h, _) = q.dims4()?;
+    let sk = k.dim(1)?;
+    let repeat = |t: &Tensor| -> Result<Tensor> {
+        let (b, s, hk, d) = t.dims4()?;
+        t.unsqueeze(3)?
+            .broadcast_as((b, s, hk, h / hk, d))?
+            .reshape((b, s, h, d))
+    };
+    let (q, k, v) = (q.transpose(1, 2)?.contiguous()?, repeat(k)?, repeat(v)?);
+    let (k, v) = (k.transpose(1, 2)?.contiguous()?, v.transpose(1, 2)?.contiguous()?);
+    let mut s = (q.matmul(&k.t()?)? * scale)?;
+    if causal {
+        let mask: Vec<f32> = (0..sq)
+            .flat_map(|i| (0..sk).map(move |j| if j + sq > i + sk { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        s = s.broadcast_add(&Tensor::from_vec(mask, (sq, sk), q.device())?)?;
+    }
+    let p = candle_nn::ops::softmax(&s, candle_core::D::Minus1)?;
+    p.matmul(&v)?.transpose(1, 2)?.contiguous()
+}
