@@ -1,15 +1,22 @@
-// Writes the normalised O tile and the LSE of one consumer warpgroup straight from registers.
-// Each thread stores pairs of 16-bit values (4 bytes) of its two rows; rows past the sequence end
-// and columns past head_dim_v (the padding of a rounded-up head dim) are skipped, which handles
-// partial tiles and varlen without a bounds-checked TMA store. (Stage 2: stage through shared
-// memory and TMA-store full tiles.)
+// Writes the normalised O rows and the LSE of one consumer warpgroup (64 rows of the tile).
+//
+// TMA-store path (kTmaStoreO: d <= 128): the warpgroup writes its O rows into the shared staging
+// buffer in TMA's 128B-swizzled layout and one thread issues a bulk tensor store per 64-column
+// block; the store drains while the CTA starts its next tile. TMA clips rows past seqlen_q and
+// columns past head_dim_v. Varlen packs sequences back to back, so a warpgroup whose rows run past
+// its sequence's end would overwrite the next sequence: those rows take the direct path.
+// Direct path (d256, and the varlen case above): each thread stores pairs of 16-bit values
+// (4 bytes) of its two rows, skipping rows past the sequence end and padding columns.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../primitives/tma.cuh"
+#include "../primitives/warp.cuh"
 #include "../primitives/wgmma.cuh"
 #include "params.cuh"
 #include "scheduler.cuh"
+#include "traits.cuh"
 
 namespace fa3 {
 
@@ -25,10 +32,15 @@ template <int kDtype> __device__ __forceinline__ uint32_t pack2(float lo, float 
     }
 }
 
+// Named barriers: 1..3 order the consumer warpgroups' GEMMs (mainloop.cuh), 4..6 are each
+// consumer warpgroup's own epilogue barrier.
+constexpr int kPingpongBarrier0 = 1;
+constexpr int kEpilogueBarrier0 = 4;
+__device__ __forceinline__ int epilogue_barrier(int wg) { return kEpilogueBarrier0 + wg; }
+
 template <class Tr>
-__device__ __forceinline__ void epilogue(const FwdParams& p, const TileInfo& t, const float (&o)[Tr::kORegs],
-                                         const float (&inv_sum)[2], const float (&lse)[2], int row_in_tile,
-                                         int quad_lane) {
+__device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInfo& t, const float (&o)[Tr::kORegs],
+                                               const float (&inv_sum)[2], int row_in_tile, int quad_lane) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int i = t.m_block * Tr::kBlockM + row_in_tile + 8 * h;
@@ -43,8 +55,62 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, const TileInfo& t, 
                     pack2<Tr::kDtype>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
             }
         }
-        if (quad_lane == 0) p.lse[t.lse_row0 + i] = lse[h];
     }
+}
+
+// wg: the consumer warpgroup (0 or 1); tid: thread in the warpgroup; row_in_tile: the thread's
+// first row in the tile (+8 is its second).
+template <class Tr>
+__device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t,
+                                         const float (&o)[Tr::kORegs], const float (&inv_sum)[2],
+                                         const float (&lse)[2], int wg, int tid, int row_in_tile, int quad_lane) {
+    const int wg_row0 = t.m_block * Tr::kBlockM + wg * 64;  // first query row of this warpgroup
+    const bool tma_store = Tr::kTmaStoreO && !p.direct_store && (p.cu_q == nullptr || wg_row0 + 64 <= t.seqlen_q);
+    if (tma_store) {
+        const int bar = epilogue_barrier(wg);
+        // The staging rows are free once this warpgroup's previous store has read them.
+        if (tid == 0) bulk_wait_group_read<0>();
+        named_barrier_sync(bar, 128);
+        const uint32_t o_smem = smem_u32(s.o);
+        // Tile layout as for Q: column block c at c * kBlockM * 64 elements, 128-byte rows, the
+        // 16-byte chunk u of row r stored at chunk u ^ (r % 8) (TMA's 128B swizzle).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row_in_tile + 8 * h;
+#pragma unroll
+            for (int j = 0; j < Tr::kORegs / 4; ++j) {
+                const int c = j / 8, chunk = (j % 8) ^ (r % 8);
+                const uint32_t elem = c * Tr::kBlockM * 64 + r * 64 + chunk * 8 + 2 * quad_lane;
+                st_shared_u32(o_smem + 2 * elem,
+                              pack2<Tr::kDtype>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]));
+            }
+        }
+        fence_proxy_async_smem();
+        named_barrier_sync(bar, 128);
+        if (tid == 0) {
+#pragma unroll
+            for (int c = 0; c < Tr::kColBlocks; ++c) {
+                if (c * 64 < p.head_dim_v)
+                    tma_store_4d(&p.tma_o, s.o + c * Tr::kBlockM * 64 + wg * 64 * 64, c * 64, t.q_row0 + wg_row0,
+                                 t.head, t.tma_batch);
+            }
+            bulk_commit_group();
+        }
+    } else {
+        store_o_direct<Tr>(p, t, o, inv_sum, row_in_tile, quad_lane);
+    }
+    if (quad_lane == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int i = t.m_block * Tr::kBlockM + row_in_tile + 8 * h;
+            if (i < t.seqlen_q) p.lse[t.lse_row0 + i] = lse[h];
+        }
+    }
+}
+
+// Before the CTA exits: the last O store must have read its shared-memory source.
+template <class Tr> __device__ __forceinline__ void epilogue_drain(int tid) {
+    if (Tr::kTmaStoreO && tid == 0) bulk_wait_group_read<0>();
 }
 
 }  // namespace fa3

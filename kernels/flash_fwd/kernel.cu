@@ -1,9 +1,9 @@
 // The Hopper (sm_90a) FlashAttention-3 forward: warp-specialised TMA + wgmma.
 //
 // A persistent CTA (one per SM, looping over tiles claimed statically or through an atomic
-// counter, scheduler.cuh) of 3 warpgroups: warpgroup 0 is the producer (one thread issues TMA
-// copies, one claims tiles; the warpgroup gives its registers away with setmaxnreg), warpgroups
-// 1 and 2 are consumers that each own 64 rows of the 128-row query tile.
+// counter, scheduler.cuh) of 3 or 4 warpgroups: warpgroup 0 is the producer (one thread issues
+// TMA copies, one claims tiles; the warpgroup gives its registers away with setmaxnreg), the
+// others are consumers that each own 64 rows of the 128- or 192-row query tile.
 // See docs/kernels/forward-sm90.md.
 #include "../primitives/warp.cuh"
 #include "load.cuh"
@@ -56,7 +56,7 @@ template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(co
                 for (int i = 0; i < Tr::kORegs; ++i) o[i] = 0.f;
                 const float inv[2] = {0.f, 0.f}, lse[2] = {-INFINITY, -INFINITY};
                 const int warp = tid / 32, lane = tid % 32;
-                epilogue<Tr>(p, t, o, inv, lse, (wg - 1) * 64 + warp * 16 + lane / 4, lane % 4);
+                epilogue<Tr>(p, s, t, o, inv, lse, wg - 1, tid, (wg - 1) * 64 + warp * 16 + lane / 4, lane % 4);
                 continue;
             }
             if constexpr (kPingpong) {
@@ -66,15 +66,18 @@ template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(co
             }
             ++tc;
         }
+        epilogue_drain<Tr>(tid);
     }
 }
 
 }  // namespace fa3
 
-#define FA3_FWD_KERNEL(NAME, D, BN, DT, PP)                                                              \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ fa3::FwdParams p) { \
-        fa3::flash_fwd<fa3::FwdTraits<D, BN, DT>, PP>(p);                                               \
+#define FA3_FWD_KERNEL_WG(NAME, D, BN, DT, PP, WGS)                                                   \
+    extern "C" __global__ void __launch_bounds__(128 * (1 + WGS), 1)                                    \
+        NAME(const __grid_constant__ fa3::FwdParams p) {                                                \
+        fa3::flash_fwd<fa3::FwdTraits<D, BN, DT, WGS>, PP>(p);                                          \
     }
+#define FA3_FWD_KERNEL(NAME, D, BN, DT, PP) FA3_FWD_KERNEL_WG(NAME, D, BN, DT, PP, 2)
 
 // Instantiations: (padded head dim, key block) per dtype. Head dims 96 and 192, and any other
 // multiple of 8, run on the next one up with TMA zero-filling the missing columns.
@@ -86,6 +89,10 @@ FA3_FWD_KERNEL(flash_fwd_d256_bf16, 256, 64, fa3::DT_BF16, true)
 FA3_FWD_KERNEL(flash_fwd_d64_f16, 64, 128, fa3::DT_F16, true)
 FA3_FWD_KERNEL(flash_fwd_d128_f16, 128, 128, fa3::DT_F16, true)
 FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 64, fa3::DT_F16, true)
+// d64 with 3 consumer warpgroups (192-row tiles, FA3's d64 shape): the default for head dims <= 64
+// except short masked calls (crates/flash-attn/src/cuda/mod.rs, Variant::pick).
+FA3_FWD_KERNEL_WG(flash_fwd_d64x3_bf16, 64, 128, fa3::DT_BF16, true, 3)
+FA3_FWD_KERNEL_WG(flash_fwd_d64x3_f16, 64, 128, fa3::DT_F16, true, 3)
 FA3_FWD_KERNEL(flash_fwd_simple_d64_bf16, 64, 128, fa3::DT_BF16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d128_bf16, 128, 128, fa3::DT_BF16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d256_bf16, 256, 64, fa3::DT_BF16, false)

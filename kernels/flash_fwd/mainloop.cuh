@@ -129,7 +129,7 @@ __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInf
 
     float inv_sum[2], lse[2];
     softmax.finalize(p.scale_log2, inv_sum, lse);
-    epilogue<Tr>(p, t, o, inv_sum, lse, row_in_tile, quad_lane);
+    epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane);
 }
 
 
@@ -137,39 +137,55 @@ __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInf
 // Stage 2 consumer: intra-warpgroup overlap + inter-warpgroup pingpong.
 //  * Overlap: Q·Kᵀ of block j+1 and P·V of block j are issued together; the softmax of block
 //    j+1 runs while P·V of block j is still on the tensor cores (wgmma_wait<1>).
-//  * Pingpong: two named barriers hand the tensor cores back and forth, so one warpgroup's
-//    softmax overlaps the other's GEMMs. Warpgroup 0 issues first.
+//  * Pingpong: named barriers hand the tensor cores from warpgroup to warpgroup in a ring
+//    (0 -> 1 [-> 2] -> 0), so one warpgroup's softmax overlaps the others' GEMMs. Warpgroup 0
+//    issues first.
 // ---------------------------------------------------------------------------------------------
 
-// Named barrier of consumer warpgroup wg (0 is __syncthreads).
-__device__ __forceinline__ int sched_barrier(int wg) { return 1 + wg; }
+// Named barrier of consumer warpgroup wg's turn at the tensor cores (0 is __syncthreads; the
+// epilogue's barriers follow, epilogue.cuh).
+__device__ __forceinline__ int sched_barrier(int wg) { return kPingpongBarrier0 + wg; }
 
+// Descriptor low words (smem_desc_lo) of this warpgroup's Q rows and of stage 0 of the K and V
+// rings; stage s of a ring is kStageStep further.
+template <class Tr> struct OperandDescs {
+    static constexpr uint32_t kStageStep = Tr::kKVBytes >> 4;  // s.k[1] - s.k[0], in 16-byte units
+    uint32_t q, k0, v0;
+    __device__ __forceinline__ OperandDescs(SharedStorage<Tr>& s, int wg)
+        : q(uniform(smem_desc_lo(smem_u32(s.q) + wg * 64 * 128, 16))),
+          k0(uniform(smem_desc_lo(smem_u32(s.k[0]), 16))),
+          v0(uniform(smem_desc_lo(smem_u32(s.v[0]), Tr::kBlockN * 128))) {}
+    // The ring position lives in per-thread registers; uniform() moves the result back to the
+    // uniform datapath so the wgmma loop adds its k-step offsets there.
+    __device__ __forceinline__ uint32_t k(int stage) const { return uniform(k0 + stage * kStageStep); }
+    __device__ __forceinline__ uint32_t v(int stage) const { return uniform(v0 + stage * kStageStep); }
+};
+
+// S = Q·Kᵀ: k-step kk reads column block kk/4 and its 32-byte slice kk%4 of the 128-byte rows.
 template <class Tr>
-__device__ __forceinline__ void issue_qk(float (&sc)[Tr::kSRegs], uint32_t q_base, uint32_t k_base) {
+__device__ __forceinline__ void issue_qk(float (&sc)[Tr::kSRegs], uint32_t q_lo, uint32_t k_lo) {
 #pragma unroll
     for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
         const uint32_t off = (kk / 4), in_row = (kk % 4) * 32;
-        const uint64_t da = smem_desc_sw128(q_base + off * Tr::kBlockM * 128 + in_row, 16, 1024);
-        const uint64_t db = smem_desc_sw128(k_base + off * Tr::kBlockN * 128 + in_row, 16, 1024);
-        wgmma_ss<Tr::kBlockN, Tr::kDtype>(sc, da, db, kk > 0 ? 1 : 0);
+        wgmma_ss<Tr::kBlockN, Tr::kDtype>(sc, smem_desc_at<1024>(q_lo, off * Tr::kBlockM * 128 + in_row),
+                                          smem_desc_at<1024>(k_lo, off * Tr::kBlockN * 128 + in_row), kk > 0 ? 1 : 0);
     }
 }
 
+// O += P·V: k-step kk reads keys 16kk..16kk+15 of V, MN-major.
 template <class Tr>
 __device__ __forceinline__ void issue_pv(float (&o)[Tr::kORegs], const uint32_t (&pa)[Tr::kBlockN / 16][4],
-                                         uint32_t v_base) {
+                                         uint32_t v_lo) {
 #pragma unroll
-    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
-        const uint64_t db = smem_desc_sw128(v_base + kk * 16 * 128, Tr::kBlockN * 128, 1024);
-        wgmma_rs<Tr::kHeadDim, Tr::kDtype>(o, pa[kk], db);
-    }
+    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
+        wgmma_rs<Tr::kHeadDim, Tr::kDtype>(o, pa[kk], smem_desc_at<1024>(v_lo, kk * 16 * 128));
 }
 
-// Softcap / sign, boundary mask and online softmax of one S block; P to 16 bits.
+// Softcap / sign, boundary mask and online softmax of one S block, in place (fp32).
 template <class Tr>
-__device__ __forceinline__ void scores_to_p(const FwdParams& p, const TileInfo& t, const RowMask& rm,
-                                            OnlineSoftmax<Tr::kSRegs>& softmax, float (&sc)[Tr::kSRegs], int n,
-                                            int quad_lane, float (&corr)[2], uint32_t (&pa)[Tr::kBlockN / 16][4]) {
+__device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileInfo& t, const RowMask& rm,
+                                                OnlineSoftmax<Tr::kSRegs>& softmax, float (&sc)[Tr::kSRegs], int n,
+                                                int quad_lane, float (&corr)[2]) {
     if (p.softcap_pre != 0.f) {
 #pragma unroll
         for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = tanhf(sc[i] * p.softcap_pre);
@@ -180,6 +196,12 @@ __device__ __forceinline__ void scores_to_p(const FwdParams& p, const TileInfo& 
     const int k0 = n * Tr::kBlockN;
     if (!(k0 >= t.full_lo && k0 + Tr::kBlockN <= t.full_hi)) apply_mask(sc, rm, k0, 2 * quad_lane);
     softmax.step(sc, p.scale_log2, corr);
+}
+
+// P to 16 bits, laid out as wgmma's register A operand: k-step kk's four registers are the
+// accumulator pairs 8kk..8kk+7 in order (rows r, r+8; columns +0, +8).
+template <class Tr>
+__device__ __forceinline__ void probs_to_a_operand(const float (&sc)[Tr::kSRegs], uint32_t (&pa)[Tr::kBlockN / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
 #pragma unroll
@@ -193,8 +215,9 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     const int warp = tid / 32, lane = tid % 32;
     const int row_in_tile = wg * 64 + warp * 16 + lane / 4;
     const int quad_lane = lane % 4;
-    const int my_bar = sched_barrier(wg), other_bar = sched_barrier(wg ^ 1);
-    constexpr int kBoth = 256;  // threads of the two consumer warpgroups
+    constexpr int kWGs = Tr::kConsumerWGs;
+    const int my_bar = sched_barrier(wg), next_bar = sched_barrier(wg + 1 == kWGs ? 0 : wg + 1);
+    constexpr int kBoth = 256;  // a warpgroup waiting on its barrier + the one before it arriving
 
     RowMask rm;
 #pragma unroll
@@ -210,8 +233,8 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     uint32_t pa[Tr::kBlockN / 16][4];
     float corr[2];
 
-    const uint32_t q_base = smem_u32(s.q) + wg * 64 * 128;
-    if (wg == 1) named_barrier_arrive(other_bar, kBoth);  // warpgroup 0 goes first
+    const OperandDescs<Tr> desc(s, wg);
+    if (wg == kWGs - 1) named_barrier_arrive(next_bar, kBoth);  // warpgroup 0 goes first
     mbar_wait(&s.bar_q, tc & 1);
 
     // Prologue: S of the first (last-indexed) block alone.
@@ -221,14 +244,15 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         mbar_wait(&s.full_k[stage], (it / Tr::kStages) & 1);
         named_barrier_sync(my_bar, kBoth);
         wgmma_fence();
-        issue_qk<Tr>(sc, q_base, smem_u32(s.k[stage]));
+        issue_qk<Tr>(sc, desc.q, desc.k(stage));
         wgmma_commit();
-        named_barrier_arrive(other_bar, kBoth);
+        named_barrier_arrive(next_bar, kBoth);
         wgmma_wait<0>();
         fence_operand(sc);
         mbar_arrive(&s.empty_k[stage]);
     }
-    scores_to_p<Tr>(p, t, rm, softmax, sc, n, quad_lane, corr, pa);
+    scores_to_probs<Tr>(p, t, rm, softmax, sc, n, quad_lane, corr);
+    probs_to_a_operand<Tr>(sc, pa);
 
     for (; n > t.n_min; --n, ++it) {
         const int stage = it % Tr::kStages, next = (it + 1) % Tr::kStages;
@@ -236,7 +260,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         mbar_wait(&s.full_k[next], next_phase);
         named_barrier_sync(my_bar, kBoth);
         wgmma_fence();
-        issue_qk<Tr>(sc, q_base, smem_u32(s.k[next]));  // S of block n-1
+        issue_qk<Tr>(sc, desc.q, desc.k(next));  // S of block n-1
         wgmma_commit();
         // While Q·Kᵀ runs: bring O to the running max of block n, whose P·V comes next.
 #pragma unroll
@@ -249,14 +273,15 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         mbar_wait(&s.full_v[stage], phase);
         fence_operand(o);
         wgmma_fence();
-        issue_pv<Tr>(o, pa, smem_u32(s.v[stage]));  // O += P·V of block n
+        issue_pv<Tr>(o, pa, desc.v(stage));  // O += P·V of block n
         wgmma_commit();
-        named_barrier_arrive(other_bar, kBoth);
+        named_barrier_arrive(next_bar, kBoth);
         wgmma_wait<1>();  // S done; P·V may still run
         fence_operand(sc);
         mbar_arrive(&s.empty_k[next]);
-        uint32_t pa_next[Tr::kBlockN / 16][4];
-        scores_to_p<Tr>(p, t, rm, softmax, sc, n - 1, quad_lane, corr, pa_next);
+        // The softmax of block n-1 runs in fp32 in S's registers while P·V of block n is still on
+        // the tensor cores; P (one register copy, as FA3) is overwritten only after that retires.
+        scores_to_probs<Tr>(p, t, rm, softmax, sc, n - 1, quad_lane, corr);
         wgmma_wait<0>();
         fence_operand(o);
         // Keep P alive until its wgmma has retired, or the compiler may put P of the next block
@@ -265,10 +290,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
 #pragma unroll
         for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) fence_operand(pa[kk]);
         mbar_arrive(&s.empty_v[stage]);
-#pragma unroll
-        for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) pa[kk][r] = pa_next[kk][r];
+        probs_to_a_operand<Tr>(sc, pa);
     }
 
     // Every Q·Kᵀ of the tile has retired: the producer may load the next tile's Q.
@@ -289,21 +311,21 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         named_barrier_sync(my_bar, kBoth);
         fence_operand(o);
         wgmma_fence();
-        issue_pv<Tr>(o, pa, smem_u32(s.v[stage]));
+        issue_pv<Tr>(o, pa, desc.v(stage));
         wgmma_commit();
-        named_barrier_arrive(other_bar, kBoth);
+        named_barrier_arrive(next_bar, kBoth);
         wgmma_wait<0>();
         fence_operand(o);
         mbar_arrive(&s.empty_v[stage]);
         ++it;
     }
-    // Warpgroup 1's last arrive on warpgroup 0's barrier is still pending: consume it so the
-    // barrier is balanced when the CTA exits.
+    // The last warpgroup's final arrive on warpgroup 0's barrier is still pending: consume it so
+    // the ring starts balanced on the next tile and at exit.
     if (wg == 0) named_barrier_sync(my_bar, kBoth);
 
     float inv_sum[2], lse[2];
     softmax.finalize(p.scale_log2, inv_sum, lse);
-    epilogue<Tr>(p, t, o, inv_sum, lse, row_in_tile, quad_lane);
+    epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane);
 }
 
 }  // namespace fa3

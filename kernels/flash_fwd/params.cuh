@@ -14,6 +14,8 @@ struct alignas(64) FwdParams {
     TmaDesc tma_q;
     TmaDesc tma_k;
     TmaDesc tma_v;
+    TmaDesc tma_o;          // (head_dim_v, tokens, heads, batch) over out, boxes of 64 x 64 (TMA-store
+                            // epilogue, kTmaStoreO instantiations)
     void* out;              // (total_q, heads, head_dim_v), contiguous, q's dtype
     float* lse;             // (batch, heads, seqlen_q) or (heads, total_q)
     const uint32_t* cu_q;   // varlen: batch + 1 cumulative offsets; null for fixed-length calls
@@ -35,6 +37,7 @@ struct alignas(64) FwdParams {
     int negate;             // 1 when the softmax scale is negative: s <- -s, scale_log2 = |scale| log2 e
     int num_m_blocks;       // query tiles per (batch, head): ceil(max seqlen_q / kBlockM)
     int batch;              // sequences
+    int direct_store;       // 1: store O straight from registers even where the TMA store applies
 };
 
 }  // namespace fa3

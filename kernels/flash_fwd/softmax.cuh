@@ -24,28 +24,32 @@ template <int kSRegs> struct OnlineSoftmax {
 
     // Turns s into unnormalised probabilities; returns the factors by which O must be rescaled.
     __device__ __forceinline__ void step(float (&s)[kSRegs], float scale_log2, float (&corr)[2]) {
+        // Row max and row sum each run as 4 independent chains (then combined): one chain through
+        // all 32 elements of a row would serialise on the FMNMX / FADD latency.
+        static_assert(kSRegs % 16 == 0, "at least 4 column groups per row");
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float mx = row_max[h];
+            float m4[4] = {row_max[h], -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-            for (int j = 0; j < kSRegs / 4; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+            for (int j = 0; j < kSRegs / 4; ++j) m4[j % 4] = fmaxf(m4[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+            float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
             // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2(-inf) = 0.
             const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
             corr[h] = fast_exp2(row_max[h] * scale_log2 - m_scaled);
             row_max[h] = mx;
-            float sum = 0.f;
+            float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < kSRegs / 4; ++j) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float pv = fast_exp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -m_scaled));
                     s[4 * j + 2 * h + e] = pv;
-                    sum += pv;
+                    s4[(2 * j + e) % 4] += pv;
                 }
             }
-            row_sum[h] = row_sum[h] * corr[h] + sum;
+            row_sum[h] = row_sum[h] * corr[h] + ((s4[0] + s4[1]) + (s4[2] + s4[3]));
         }
     }
 

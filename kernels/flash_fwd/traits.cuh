@@ -5,25 +5,31 @@
 namespace fa3 {
 
 // kHeadDim: the (padded) head dim of q, k and v; kBlockN: keys per pipeline stage;
-// kDtype: DT_BF16 or DT_F16.
-template <int kHeadDim_, int kBlockN_, int kDtype_> struct FwdTraits {
+// kDtype: DT_BF16 or DT_F16; kConsumerWGs: consumer warpgroups of 64 query rows each.
+template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2> struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kDtype = kDtype_;
-    static constexpr int kBlockM = 128;             // 2 consumer warpgroups x 64 rows
-    static constexpr int kConsumerWGs = 2;
+    static constexpr int kConsumerWGs = kConsumerWGs_;
+    static constexpr int kBlockM = 64 * kConsumerWGs;  // query rows per tile
     static constexpr int kThreads = 128 * (1 + kConsumerWGs);
     static constexpr int kStages = 2;
-    // setmaxnreg split of the 168 x 384 registers a CTA starts with (128 P + 256 C <= 64512):
-    // 40 / 232 leaves the producer's TMA loop spill-free; d256's consumers need 240 (they spill
-    // at 232), so its producer gets 24 (and spills a few values to local memory).
-    static constexpr int kProducerRegs = kHeadDim_ <= 128 ? 40 : 24;
-    static constexpr int kConsumerRegs = kHeadDim_ <= 128 ? 232 : 240;
+    // setmaxnreg split of the 64K registers (128 producer + 128·kConsumerWGs consumer threads).
+    // 2 consumer warpgroups: 40 / 232 leaves the producer's TMA loop spill-free; d256's consumers
+    // need 240 (they spill at 232), so its producer gets 24 (and spills a few values to local
+    // memory). 3 consumer warpgroups: 32 / 160 (128·32 + 384·160 = 65536).
+    static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kHeadDim_ <= 128 ? 40 : 24;
+    static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kHeadDim_ <= 128 ? 232 : 240;
+    static_assert(kConsumerWGs == 2 || kConsumerWGs == 3, "2 or 3 consumer warpgroups");
+    static_assert(128 * kProducerRegs + 128 * kConsumerWGs * kConsumerRegs <= 65536, "register split");
     // Tiles are stored as head_dim / 64 column blocks of [rows][64] elements (128-byte rows,
     // 128B-swizzled by TMA), the layout wgmma reads through smem_desc_sw128.
     static constexpr int kColBlocks = kHeadDim / 64;
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
+    // The epilogue stages O in shared memory and TMA-stores it (d <= 128; d256 has no room next
+    // to Q and the K/V ring, and stores straight from registers).
+    static constexpr bool kTmaStoreO = kHeadDim_ <= 128;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
@@ -33,6 +39,7 @@ template <class Tr> struct SharedStorage {
     alignas(1024) uint16_t q[Tr::kBlockM * Tr::kHeadDim];
     alignas(1024) uint16_t k[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
     alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
+    alignas(1024) uint16_t o[Tr::kTmaStoreO ? Tr::kBlockM * Tr::kHeadDim : 8];  // O staging, same layout as q
     alignas(8) uint64_t bar_q;                    // Q of the current tile landed
     alignas(8) uint64_t q_empty;                  // both consumer warpgroups are done with Q
     alignas(8) uint64_t full_k[Tr::kStages];      // K of a stage landed

@@ -1,5 +1,6 @@
-// The tensor memory accelerator: bulk tensor copies global -> shared, described by a CUtensorMap
+// The tensor memory accelerator: bulk tensor copies global <-> shared, described by a CUtensorMap
 // encoded on the host (cuTensorMapEncodeTiled) and passed in the __grid_constant__ kernel params.
+// Loads complete on an mbarrier; stores are tracked per thread in bulk groups.
 #pragma once
 #include <cstdint>
 
@@ -26,6 +27,30 @@ __device__ __forceinline__ void tma_load_4d(const TmaDesc* desc, void* dst, uint
         " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_u32(dst)),
         "l"(reinterpret_cast<uint64_t>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
         : "memory");
+}
+
+// Stores the box at coordinates (c0 .. c3) from shared memory at `src`; elements outside the
+// tensor are not written. Shared-memory writes of other threads must be fenced into the async
+// proxy first (fence_proxy_async_smem + a barrier).
+__device__ __forceinline__ void tma_store_4d(const TmaDesc* desc, const void* src, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+            reinterpret_cast<uint64_t>(desc)),
+        "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(src))
+        : "memory");
+}
+
+// Closes the issuing thread's pending bulk stores into one group.
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Waits until at most N of this thread's store groups still read their shared-memory source.
+template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+// Makes this thread's generic-proxy shared-memory writes visible to the async proxy (TMA).
+__device__ __forceinline__ void fence_proxy_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 }  // namespace fa3

@@ -22,6 +22,19 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// A value that is the same in every lane of the warp, moved to the uniform datapath: redux.sync's
+// result lives in a uniform register, so ptxas keeps what derives from it (loop bounds,
+// descriptors) there instead of in per-thread registers plus R2UR moves.
+__device__ __forceinline__ uint32_t uniform(uint32_t warp_uniform_value) {
+    return __reduce_max_sync(0xffffffffu, warp_uniform_value);
+}
+
+// 4-byte store to shared memory through its 32-bit shared-window address (a generic pointer
+// into dynamic shared memory may compile to a generic ST).
+__device__ __forceinline__ void st_shared_u32(uint32_t smem_addr, uint32_t value) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem_addr), "r"(value) : "memory");
+}
+
 // exp2 on the SFU; ex2.approx(-inf) = +0, which the masked softmax relies on.
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;

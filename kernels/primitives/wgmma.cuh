@@ -30,6 +30,19 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t smem_addr, uint32_t
     return desc;
 }
 
+// The same descriptor in two parts, for loops that step through a tile: the low word (start
+// address and LBO) is computed once per buffer and advanced by adding byte_offset >> 4 (no carry
+// leaves the 14-bit address field: shared memory is < 256 KiB); the high word (SBO, swizzle) is
+// a constant. Keeping the low word in a uniform register (see uniform()) lets the wgmma loop
+// issue back to back instead of rebuilding every descriptor with integer ops.
+__device__ __forceinline__ uint32_t smem_desc_lo(uint32_t smem_addr, uint32_t lbo_bytes) {
+    return ((smem_addr & 0x3FFFF) >> 4) | (((lbo_bytes >> 4) & 0x3FFF) << 16);
+}
+template <uint32_t kSboBytes> __device__ __forceinline__ uint64_t smem_desc_at(uint32_t lo, uint32_t byte_offset) {
+    constexpr uint32_t hi = ((kSboBytes >> 4) & 0x3FFF) | (1u << 30);  // bits 32-45 SBO, 62-63 swizzle
+    return ((uint64_t)hi << 32) | (lo + (byte_offset >> 4));
+}
+
 // Orders this warpgroup's register and shared-memory accesses before the wgmmas that follow.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 

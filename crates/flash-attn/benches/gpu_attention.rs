@@ -8,7 +8,8 @@
 //! device synchronisations; the mean per call is reported. Each call includes the op's host
 //! work (validation, TMA descriptor encoding, output allocation) like a user's call would.
 //!
-//! Env: BENCH_SEQS="512,1024", BENCH_HDIMS="64,128", BENCH_DECODE=0 to skip the decode rows.
+//! Env: BENCH_SEQS="512,1024", BENCH_HDIMS="64,128", BENCH_CAUSAL="0" (or "1", default both),
+//! BENCH_DECODE=0 to skip the decode rows.
 
 use std::time::Instant;
 
@@ -47,7 +48,7 @@ fn main() -> Result<()> {
     let hdims = list("BENCH_HDIMS", &[64, 128, 256]);
     let mut table = Vec::new();
     for &d in &hdims {
-        for causal in [false, true] {
+        for causal in list("BENCH_CAUSAL", &[0, 1]).into_iter().map(|c| c != 0) {
             let mut row = Vec::new();
             for &s in &seqs {
                 let (b, h) = (16384 / s, 2048 / d);
@@ -100,7 +101,7 @@ fn main() -> Result<()> {
         let v = Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?.to_dtype(DType::BF16)?;
         for sq in [1, 4, 16] {
             let q = Tensor::randn(0f32, 1., (b, sq, h, d), &dev)?.to_dtype(DType::BF16)?;
-            for causal in [false, true] {
+            for causal in list("BENCH_CAUSAL", &[0, 1]).into_iter().map(|c| c != 0) {
                 let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
                 let secs = time(&dev, || attn.forward(&q, &k, &v))?;
                 let bytes = (2 * b * sk * hk * d * 2) as f64;

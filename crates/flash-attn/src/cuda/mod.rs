@@ -22,10 +22,8 @@ use crate::params::{AttnParams, Dims, Varlen};
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_fwd.cubin"));
 
-/// Query rows per CTA (two consumer warpgroups of 64 rows).
-const BLOCK_M: usize = 128;
-/// Threads per CTA: one producer and two consumer warpgroups.
-const THREADS: u32 = 384;
+/// Query rows per consumer warpgroup (wgmma's M), and of each box of the epilogue's O store.
+const WG_ROWS: usize = 64;
 
 /// The opaque 128-byte CUtensorMap (`fa3::TmaDesc`).
 #[repr(C, align(64))]
@@ -39,6 +37,7 @@ struct FwdParams {
     tma_q: TmaDesc,
     tma_k: TmaDesc,
     tma_v: TmaDesc,
+    tma_o: TmaDesc,
     out: u64,
     lse: u64,
     cu_q: u64,
@@ -59,20 +58,25 @@ struct FwdParams {
     negate: i32,
     num_m_blocks: i32,
     batch: i32,
+    direct_store: i32,
 }
 
 // SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
 unsafe impl DeviceRepr for FwdParams {}
 
-/// One compiled instantiation: padded head dim and keys per pipeline stage.
+/// One compiled instantiation: padded head dim, keys per pipeline stage, consumer warpgroups.
 struct Variant {
     head_dim: usize,
     block_n: usize,
+    consumer_wgs: usize,
 }
 
 impl Variant {
     /// Head dims round up to the next instantiation; TMA zero-fills the padding columns.
-    fn pick(head_dim: usize, head_dim_v: usize) -> Result<Self> {
+    /// `short_masked`: a causal/windowed/varlen call whose longest query sequence is under 1024,
+    /// where d64's 192-row tiles waste too many masked rows (measured: -9% at seqlen 512 causal,
+    /// +2..+11% everywhere else; docs/kernels/forward-sm90.md, version 9).
+    fn pick(head_dim: usize, head_dim_v: usize, short_masked: bool) -> Result<Self> {
         for (name, d) in [("q/k", head_dim), ("v", head_dim_v)] {
             if d % 8 != 0 {
                 bail!(
@@ -84,14 +88,21 @@ impl Variant {
             0..=64 => Self {
                 head_dim: 64,
                 block_n: 128,
+                consumer_wgs: if short_masked || simple_kernels() || d64_two_wgs() {
+                    2
+                } else {
+                    3
+                },
             },
             65..=128 => Self {
                 head_dim: 128,
                 block_n: 128,
+                consumer_wgs: 2,
             },
             129..=256 => Self {
                 head_dim: 256,
                 block_n: 64,
+                consumer_wgs: 2,
             },
             d => bail!("flash-attn3: the GPU kernel supports head dims up to 256, got {d}"),
         })
@@ -100,9 +111,15 @@ impl Variant {
     /// The pingpong kernels by default; `FA3_FWD_SIMPLE=1` selects the stage-1 kernels (one key
     /// block at a time per warpgroup), kept as a reference path for debugging.
     fn kernel_name(&self, dtype: DType) -> &'static str {
-        static SIMPLE: OnceLock<bool> = OnceLock::new();
-        let simple = *SIMPLE.get_or_init(|| std::env::var("FA3_FWD_SIMPLE").is_ok_and(|v| v == "1"));
+        let simple = simple_kernels();
         let bf16 = dtype == DType::BF16;
+        if self.consumer_wgs == 3 {
+            return if bf16 {
+                "flash_fwd_d64x3_bf16"
+            } else {
+                "flash_fwd_d64x3_f16"
+            };
+        }
         match (simple, self.head_dim, bf16) {
             (false, 64, true) => "flash_fwd_d64_bf16",
             (false, 128, true) => "flash_fwd_d128_bf16",
@@ -121,11 +138,43 @@ impl Variant {
         }
     }
 
-    /// `fa3::SharedStorage` plus slack to align its start to 1024 bytes.
+    /// `fa3::SharedStorage` plus slack to align its start to 1024 bytes: Q, the 2-stage K/V ring,
+    /// the O staging tile of the TMA-store epilogue (d <= 128, `kTmaStoreO`) and the barriers.
     fn smem_bytes(&self) -> usize {
-        let tiles = 2 * self.head_dim * (BLOCK_M + 2 * 2 * self.block_n);
+        let o_rows = if self.head_dim <= 128 { self.block_m() } else { 0 };
+        let tiles = 2 * self.head_dim * (self.block_m() + 2 * 2 * self.block_n + o_rows);
         tiles + 1024 + 1024
     }
+
+    /// Query rows per tile: 64 per consumer warpgroup.
+    fn block_m(&self) -> usize {
+        WG_ROWS * self.consumer_wgs
+    }
+
+    /// Threads per CTA: the producer warpgroup and the consumers.
+    fn threads(&self) -> u32 {
+        128 * (1 + self.consumer_wgs as u32)
+    }
+}
+
+/// `FA3_FWD_SIMPLE=1`: the stage-1 consumers (no pingpong, no overlap).
+fn simple_kernels() -> bool {
+    static SIMPLE: OnceLock<bool> = OnceLock::new();
+    *SIMPLE.get_or_init(|| std::env::var("FA3_FWD_SIMPLE").is_ok_and(|v| v == "1"))
+}
+
+/// `FA3_FWD_D64_2WG=1`: head dims <= 64 always run on 128-row tiles (2 consumer warpgroups), the
+/// pre-version-9 kernel, for comparison.
+fn d64_two_wgs() -> bool {
+    static TWO: OnceLock<bool> = OnceLock::new();
+    *TWO.get_or_init(|| std::env::var("FA3_FWD_D64_2WG").is_ok_and(|v| v == "1"))
+}
+
+/// `FA3_FWD_DIRECT_STORE=1`: the epilogue stores O from registers instead of through shared
+/// memory and TMA (for comparison).
+fn direct_store() -> bool {
+    static DIRECT: OnceLock<bool> = OnceLock::new();
+    *DIRECT.get_or_init(|| std::env::var("FA3_FWD_DIRECT_STORE").is_ok_and(|v| v == "1"))
 }
 
 /// `FA3_FWD_PER_TILE=1`: one CTA per tile for masked/varlen calls instead of the dynamic
@@ -191,7 +240,7 @@ fn kernel(dev: &CudaDevice, name: &'static str, smem: usize) -> Result<CudaFunct
 }
 
 /// A 4-D TMA map (head_dim, rows, heads, batch) over 16-bit elements at `addr` with element
-/// strides `strides` = (row, head, batch), loading boxes of 64 columns x `box_rows` rows with the
+/// strides `strides` = (row, head, batch), moving boxes of 64 columns x `box_rows` rows in the
 /// 128-byte swizzle the wgmma descriptors expect.
 #[allow(clippy::too_many_arguments)]
 fn tensor_map(
@@ -304,7 +353,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     if !(k.0.device.id() == dev.id() && v.0.device.id() == dev.id()) {
         bail!("flash-attn3: q, k and v must be on the same GPU")
     }
-    let variant = Variant::pick(dims.head_dim, dims.head_dim_v)?;
+    let uneven = varlen.is_some() || params.window_left.is_some() || params.window_right.is_some();
+    let variant = Variant::pick(dims.head_dim, dims.head_dim_v, uneven && dims.seqlen_q < 1024)?;
     let stream = dev.cuda_stream();
 
     let (qs, ks, vs) = (T::as_cuda_slice(q.0)?, T::as_cuda_slice(k.0)?, T::as_cuda_slice(v.0)?);
@@ -318,7 +368,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         dims.head_dim,
         q_sizes,
         q_strides,
-        BLOCK_M,
+        variant.block_m(),
     )?;
     let tma_k = tensor_map(
         "k",
@@ -339,7 +389,34 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         variant.block_n,
     )?;
 
-    let num_m_blocks = dims.seqlen_q.div_ceil(BLOCK_M);
+    // The output is ours, contiguous (total_q, heads, head_dim_v); the epilogue stores 64-row
+    // boxes, one per consumer warpgroup.
+    let out_len = dims.total_q * dims.heads * dims.head_dim_v;
+    let lse_len = dims.total_q * dims.heads;
+    // SAFETY: the kernel writes every element of both (every row of every sequence and head).
+    let mut out = unsafe { dev.alloc::<T>(out_len)? };
+    let mut lse = unsafe { dev.alloc::<f32>(lse_len)? };
+    let (o_sizes, o_strides) = {
+        let row = dims.heads * dims.head_dim_v;
+        match varlen {
+            Some(_) => ([dims.total_q, dims.heads, 1], [row, dims.head_dim_v, 0]),
+            None => (
+                [dims.seqlen_q, dims.heads, dims.batch],
+                [row, dims.head_dim_v, dims.seqlen_q * row],
+            ),
+        }
+    };
+    let tma_o = tensor_map(
+        "out",
+        dtype,
+        device_addr(&out, &stream, &Layout::contiguous(out_len)),
+        dims.head_dim_v,
+        o_sizes,
+        o_strides,
+        WG_ROWS,
+    )?;
+
+    let num_m_blocks = dims.seqlen_q.div_ceil(variant.block_m());
     let num_tiles = num_m_blocks * dims.heads * dims.batch;
     // A persistent grid, one CTA per SM (a CTA's shared memory fills most of an SM), so that a
     // CTA's next Q and K/V loads overlap its current tile's last P·V and epilogue. Tiles of equal
@@ -347,7 +424,6 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // are claimed through an atomic counter, longest first (kernels/flash_fwd/scheduler.cuh).
     // `FA3_FWD_PER_TILE=1` launches one CTA per uneven tile instead (the hardware's block
     // scheduler balances them; the path before the counter, kept for comparison).
-    let uneven = varlen.is_some() || params.window_left.is_some() || params.window_right.is_some();
     let grid = if uneven && per_tile() {
         num_tiles
     } else {
@@ -363,11 +439,6 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         false => None,
     };
 
-    let out_len = dims.total_q * dims.heads * dims.head_dim_v;
-    let lse_len = dims.total_q * dims.heads;
-    // SAFETY: the kernel writes every element of both (every row of every sequence and head).
-    let mut out = unsafe { dev.alloc::<T>(out_len)? };
-    let mut lse = unsafe { dev.alloc::<f32>(lse_len)? };
     // Varlen offsets: the caller's u32 device tensors when contiguous, else a fresh upload of
     // the host copies that validation already read.
     let (cu_q_t, cu_k_t) = match varlen {
@@ -436,6 +507,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             tma_q,
             tma_k,
             tma_v,
+            tma_o,
             out: out_ptr,
             lse: lse_ptr,
             cu_q,
@@ -456,10 +528,11 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             negate,
             num_m_blocks: num_m_blocks as i32,
             batch: dims.batch as i32,
+            direct_store: direct_store() as i32,
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (variant.threads(), 1, 1),
             shared_mem_bytes: smem as u32,
         };
         let mut launch = stream.launch_builder(&func);

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine, from the repo root, with .device/ carried (scripts/gpu-pack.sh):
+# Nsight Compute on one forward launch per case of the GPU benchmark binary.
+#
+#   PROFILE_CASES="128:2048:0 64:8192:0" bash scripts/gpu-profile.sh
+#
+# A case is HEAD_DIM:SEQLEN:CAUSAL on the benchmark's grid (16k tokens, hidden 2048, bf16). For
+# each, ncu (--set full, clocks left alone) profiles the 4th launch (after the bench's warm-ups)
+# and prints the headline metrics and the SASS instructions with the most stall samples.
+# $OUT/profile.tar.xz (or /tmp/gpu-profile/) gets each case's details page and per-instruction CSV.
+# Env: PROFILE_SET (default full), PROFILE_TOP (default 30 instructions).
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+DEV=$PWD/.device
+WORK=/tmp/gpu-profile
+mkdir -p "$WORK"
+BENCH=$WORK/gpu-bench
+[[ -x $BENCH ]] || { xz -dc "$DEV/gpu-bench.xz" >"$BENCH" && chmod +x "$BENCH"; } || exit 2
+command -v ncu >/dev/null || { echo "gpu-profile: ncu not found" >&2; exit 2; }
+
+for case in ${PROFILE_CASES:-128:2048:0}; do
+    IFS=: read -r d s c <<<"$case"
+    name=d${d}_s${s}_c${c}
+    echo "===== $name"
+    BENCH_HDIMS=$d BENCH_SEQS=$s BENCH_CAUSAL=$c BENCH_DECODE=0 \
+        ncu --clock-control none --set "${PROFILE_SET:-full}" -k regex:flash_fwd --launch-skip 3 --launch-count 1 \
+        --import-source no -f -o "$WORK/$name" "$BENCH" >"$WORK/$name.run.log" 2>&1 ||
+        { tail -20 "$WORK/$name.run.log"; continue; }
+    ncu -i "$WORK/$name.ncu-rep" --page details --print-units base >"$WORK/$name.details.txt" 2>&1
+    ncu -i "$WORK/$name.ncu-rep" --page source --csv --print-source sass >"$WORK/$name.sass.csv" 2>&1
+    grep -E "^  [A-Za-z]" "$WORK/$name.details.txt" | grep -E \
+        "Duration|Elapsed Cycles|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc Active|No Eligible|Achieved Occupancy|Local Memory|Shared Memory Configuration" |
+        sort -u | head -30
+    python3 - "$WORK/$name.sass.csv" "${PROFILE_TOP:-30}" <<'EOF'
+import csv, sys
+path, top = sys.argv[1], int(sys.argv[2])
+rows = list(csv.reader(open(path, errors="replace")))
+hdr = next((i for i, r in enumerate(rows) if "Source" in r and any("Sampling" in c for c in r)), None)
+if hdr is None:
+    print("no per-instruction sampling columns in", path); print("\n".join(",".join(r) for r in rows[:5])); sys.exit()
+h = rows[hdr]
+src = h.index("Source")
+samp = next(i for i, c in enumerate(h) if c.startswith("Warp Stall Sampling (All"))
+addr = h.index("Address") if "Address" in h else None
+data = []
+for r in rows[hdr + 1:]:
+    try:
+        data.append((float(r[samp] or 0), r[addr] if addr is not None else "", r[src]))
+    except (ValueError, IndexError):
+        pass
+total = sum(x[0] for x in data) or 1
+print(f"top {top} of {len(data)} SASS instructions by stall samples (total {int(total)}):")
+for n, a, s in sorted(data, reverse=True)[:top]:
+    print(f"{100 * n / total:6.2f}%  {a:>6}  {s[:110]}")
+EOF
+done
+tar -C "$WORK" -cJf "${OUT:-$WORK}/profile.tar.xz" $(cd "$WORK" && ls *.details.txt *.sass.csv 2>/dev/null)
