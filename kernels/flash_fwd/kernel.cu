@@ -21,8 +21,11 @@ template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(co
     const int tid = threadIdx.x % 128;
 
     if (threadIdx.x == 0) {
-        mbar_init(&s.bar_q, 1);
-        mbar_init(&s.q_empty, 128 * Tr::kConsumerWGs);
+#pragma unroll
+        for (int i = 0; i < Tr::kQStages; ++i) {
+            mbar_init(&s.bar_q[i], 1);
+            mbar_init(&s.q_empty[i], 128 * Tr::kConsumerWGs);
+        }
 #pragma unroll
         for (int i = 0; i < Tr::kStages; ++i) {
             mbar_init(&s.full_k[i], 1);

@@ -21,13 +21,17 @@ __device__ __forceinline__ void load_tile_rows(const TmaDesc* desc, uint16_t* ds
 }
 
 // it: K/V blocks issued so far by this CTA (the ring position, continued across tiles);
-// tc: tiles with keys processed so far (the parity of the Q barriers).
+// tc: tiles with keys processed so far (the Q buffer and the parity of its barriers).
 template <class Tr>
 __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int& it, int tc) {
-    // Q's buffer is free once both consumer warpgroups issued their last Q·Kᵀ of the previous tile.
-    mbar_wait(&s.q_empty, (tc & 1) ^ 1);
-    mbar_arrive_expect_tx(&s.bar_q, Tr::kQBytes);
-    load_tile_rows<Tr>(&p.tma_q, s.q, &s.bar_q, Tr::kBlockM, t.q_row0 + t.m_block * Tr::kBlockM, t.head, t.tma_batch);
+    // A Q buffer is free once every consumer warpgroup retired its last Q·Kᵀ of the tile that used
+    // it (kQStages tiles ago). With two buffers this load goes out as soon as the previous tile's
+    // last K/V load did, a few key blocks before the consumers need it.
+    const int qs = tc % Tr::kQStages;
+    mbar_wait(&s.q_empty[qs], ((tc / Tr::kQStages) & 1) ^ 1);
+    mbar_arrive_expect_tx(&s.bar_q[qs], Tr::kQBytes);
+    load_tile_rows<Tr>(&p.tma_q, s.q[qs], &s.bar_q[qs], Tr::kBlockM, t.q_row0 + t.m_block * Tr::kBlockM, t.head,
+                       t.tma_batch);
 
     for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
         const int stage = it % Tr::kStages;

@@ -54,8 +54,9 @@ __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInf
     softmax.init();
 
     // Descriptor bases. Q: this warpgroup's 64 rows inside each 128-row column block.
-    const uint32_t q_base = smem_u32(s.q) + wg * 64 * 128;
-    mbar_wait(&s.bar_q, tc & 1);
+    const int qs = tc % Tr::kQStages;
+    const uint32_t q_base = smem_u32(s.q[qs]) + wg * 64 * 128;
+    mbar_wait(&s.bar_q[qs], (tc / Tr::kQStages) & 1);
 
     for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
         const int stage = it % Tr::kStages;
@@ -125,7 +126,7 @@ __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInf
         fence_operand(o);
         mbar_arrive(&s.empty_v[stage]);
     }
-    mbar_arrive(&s.q_empty);
+    mbar_arrive(&s.q_empty[qs]);
 
     float inv_sum[2], lse[2];
     softmax.finalize(p.scale_log2, inv_sum, lse);
@@ -146,13 +147,13 @@ __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInf
 // epilogue's barriers follow, epilogue.cuh).
 __device__ __forceinline__ int sched_barrier(int wg) { return kPingpongBarrier0 + wg; }
 
-// Descriptor low words (smem_desc_lo) of this warpgroup's Q rows and of stage 0 of the K and V
-// rings; stage s of a ring is kStageStep further.
+// Descriptor low words (smem_desc_lo) of this warpgroup's Q rows (in Q buffer q_stage) and of
+// stage 0 of the K and V rings; stage s of a ring is kStageStep further.
 template <class Tr> struct OperandDescs {
     static constexpr uint32_t kStageStep = Tr::kKVBytes >> 4;  // s.k[1] - s.k[0], in 16-byte units
     uint32_t q, k0, v0;
-    __device__ __forceinline__ OperandDescs(SharedStorage<Tr>& s, int wg)
-        : q(uniform(smem_desc_lo(smem_u32(s.q) + wg * 64 * 128, 16))),
+    __device__ __forceinline__ OperandDescs(SharedStorage<Tr>& s, int wg, int q_stage)
+        : q(uniform(smem_desc_lo(smem_u32(s.q[q_stage]) + wg * 64 * 128, 16))),
           k0(uniform(smem_desc_lo(smem_u32(s.k[0]), 16))),
           v0(uniform(smem_desc_lo(smem_u32(s.v[0]), Tr::kBlockN * 128))) {}
     // The ring position lives in per-thread registers; uniform() moves the result back to the
@@ -233,9 +234,10 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     uint32_t pa[Tr::kBlockN / 16][4];
     float corr[2];
 
-    const OperandDescs<Tr> desc(s, wg);
+    const int qs = tc % Tr::kQStages;
+    const OperandDescs<Tr> desc(s, wg, qs);
     if (wg == kWGs - 1) named_barrier_arrive(next_bar, kBoth);  // warpgroup 0 goes first
-    mbar_wait(&s.bar_q, tc & 1);
+    mbar_wait(&s.bar_q[qs], (tc / Tr::kQStages) & 1);
 
     // Prologue: S of the first (last-indexed) block alone.
     int n = t.n_max - 1;
@@ -294,7 +296,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     }
 
     // Every Q·Kᵀ of the tile has retired: the producer may load the next tile's Q.
-    mbar_arrive(&s.q_empty);
+    mbar_arrive(&s.q_empty[qs]);
 
     // Tail: P·V of the last block.
     {

@@ -94,10 +94,11 @@ __device__ __forceinline__ int next_tile(const FwdParams& p, int tile) {
 
 // The scheduler thread (lane 0 of the producer warpgroup's second warp, so that the TMA thread
 // keeps its few registers for the loads): claims this CTA's k-th tile once the (k-1)-th has been
-// read by every consumer thread and fully issued by the TMA thread (tile_empty: 256 + 1
-// arrivals), i.e. close to when the CTA finishes it, so a claim reflects real progress. The TMA
-// thread needs the index only for the next tile's Q, which also waits for the consumers' last
-// Q·Kᵀ (q_empty), so the atomic's latency stays hidden.
+// read by every consumer thread and fully issued by the TMA thread (tile_empty: 128 per consumer
+// warpgroup + 1 arrivals), i.e. a couple of key blocks before the CTA finishes it, so a claim
+// reflects real progress. The TMA thread waits for the index before the next tile's Q load; with
+// two Q buffers (d <= 128) that load still lands before the consumers need it unless the atomic
+// is slow.
 template <class Tr> __device__ void scheduler(const FwdParams& p, SharedStorage<Tr>& s) {
     int tile = blockIdx.x;
     for (int k = 0;; ++k) {

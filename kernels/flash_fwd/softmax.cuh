@@ -26,7 +26,7 @@ template <int kSRegs> struct OnlineSoftmax {
     __device__ __forceinline__ void step(float (&s)[kSRegs], float scale_log2, float (&corr)[2]) {
         // Row max and row sum each run as 4 independent chains (then combined): one chain through
         // all 32 elements of a row would serialise on the FMNMX / FADD latency.
-        static_assert(kSRegs % 16 == 0, "at least 4 column groups per row");
+        static_assert(kSRegs % 4 == 0 && kSRegs >= 16, "at least 4 column groups per row");
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float m4[4] = {row_max[h], -INFINITY, -INFINITY, -INFINITY};

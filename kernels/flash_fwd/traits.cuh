@@ -14,6 +14,9 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2> struc
     static constexpr int kBlockM = 64 * kConsumerWGs;  // query rows per tile
     static constexpr int kThreads = 128 * (1 + kConsumerWGs);
     static constexpr int kStages = 2;
+    // Q buffers: with two, the producer loads the next tile's Q while the consumers still work
+    // on the current one (same room condition as kTmaStoreO).
+    static constexpr int kQStages = kHeadDim_ <= 128 && kBlockN_ <= 128 ? 2 : 1;
     // setmaxnreg split of the 64K registers (128 producer + 128·kConsumerWGs consumer threads).
     // 2 consumer warpgroups: 40 / 232 leaves the producer's TMA loop spill-free; d256's consumers
     // need 240 (they spill at 232), so its producer gets 24 (and spills a few values to local
@@ -27,21 +30,22 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2> struc
     static constexpr int kColBlocks = kHeadDim / 64;
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
-    // The epilogue stages O in shared memory and TMA-stores it (d <= 128; d256 has no room next
-    // to Q and the K/V ring, and stores straight from registers).
-    static constexpr bool kTmaStoreO = kHeadDim_ <= 128;
+    // The epilogue stages O in shared memory and TMA-stores it (d <= 128 with 128-key blocks;
+    // d256 and the 176-key blocks have no room next to Q and the K/V ring, and store straight
+    // from registers).
+    static constexpr bool kTmaStoreO = kHeadDim_ <= 128 && kBlockN_ <= 128;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
 };
 
 template <class Tr> struct SharedStorage {
-    alignas(1024) uint16_t q[Tr::kBlockM * Tr::kHeadDim];
+    alignas(1024) uint16_t q[Tr::kQStages][Tr::kBlockM * Tr::kHeadDim];
     alignas(1024) uint16_t k[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
     alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
     alignas(1024) uint16_t o[Tr::kTmaStoreO ? Tr::kBlockM * Tr::kHeadDim : 8];  // O staging, same layout as q
-    alignas(8) uint64_t bar_q;                    // Q of the current tile landed
-    alignas(8) uint64_t q_empty;                  // both consumer warpgroups are done with Q
+    alignas(8) uint64_t bar_q[Tr::kQStages];      // Q of a tile landed
+    alignas(8) uint64_t q_empty[Tr::kQStages];    // every consumer warpgroup is done with that Q
     alignas(8) uint64_t full_k[Tr::kStages];      // K of a stage landed
     alignas(8) uint64_t full_v[Tr::kStages];      // V of a stage landed
     alignas(8) uint64_t empty_k[Tr::kStages];     // both consumer warpgroups are done with K of a stage

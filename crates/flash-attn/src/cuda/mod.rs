@@ -73,10 +73,12 @@ struct Variant {
 
 impl Variant {
     /// Head dims round up to the next instantiation; TMA zero-fills the padding columns.
-    /// `short_masked`: a causal/windowed/varlen call whose longest query sequence is under 1024,
-    /// where d64's 192-row tiles waste too many masked rows (measured: -9% at seqlen 512 causal,
-    /// +2..+11% everywhere else; docs/kernels/forward-sm90.md, version 9).
-    fn pick(head_dim: usize, head_dim_v: usize, short_masked: bool) -> Result<Self> {
+    /// `uneven`: a causal/windowed/varlen call (tiles of unequal work). d64 runs on 192-row tiles
+    /// except for uneven calls whose longest query sequence is under 1024, where they waste too
+    /// many masked rows (measured: -9% at seqlen 512 causal, +2..+11% everywhere else;
+    /// docs/kernels/forward-sm90.md, version 9).
+    fn pick(head_dim: usize, head_dim_v: usize, uneven: bool, seqlen_q: usize) -> Result<Self> {
+        let short_masked = uneven && seqlen_q < 1024;
         for (name, d) in [("q/k", head_dim), ("v", head_dim_v)] {
             if d % 8 != 0 {
                 bail!(
@@ -138,12 +140,14 @@ impl Variant {
         }
     }
 
-    /// `fa3::SharedStorage` plus slack to align its start to 1024 bytes: Q, the 2-stage K/V ring,
-    /// the O staging tile of the TMA-store epilogue (d <= 128, `kTmaStoreO`) and the barriers.
+    /// `fa3::SharedStorage` plus slack to align its start to 1024 bytes: Q (two buffers for
+    /// d <= 128, `kQStages`), the 2-stage K/V ring, the O staging tile of the TMA-store epilogue
+    /// (d <= 128, `kTmaStoreO`) and the barriers.
     fn smem_bytes(&self) -> usize {
-        let o_rows = if self.head_dim <= 128 { self.block_m() } else { 0 };
-        let tiles = 2 * self.head_dim * (self.block_m() + 2 * 2 * self.block_n + o_rows);
-        tiles + 1024 + 1024
+        let roomy = self.head_dim <= 128 && self.block_n <= 128;
+        let (q_tiles, o_tiles) = if roomy { (2, 1) } else { (1, 0) };
+        let rows = (q_tiles + o_tiles) * self.block_m() + 2 * 2 * self.block_n;
+        2 * self.head_dim * rows + 1024 + 1024
     }
 
     /// Query rows per tile: 64 per consumer warpgroup.
@@ -354,7 +358,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         bail!("flash-attn3: q, k and v must be on the same GPU")
     }
     let uneven = varlen.is_some() || params.window_left.is_some() || params.window_right.is_some();
-    let variant = Variant::pick(dims.head_dim, dims.head_dim_v, uneven && dims.seqlen_q < 1024)?;
+    let variant = Variant::pick(dims.head_dim, dims.head_dim_v, uneven, dims.seqlen_q)?;
     let stream = dev.cuda_stream();
 
     let (qs, ks, vs) = (T::as_cuda_slice(q.0)?, T::as_cuda_slice(k.0)?, T::as_cuda_slice(v.0)?);
