@@ -74,11 +74,12 @@ struct Variant {
 impl Variant {
     /// Head dims round up to the next instantiation; TMA zero-fills the padding columns.
     /// `uneven`: a causal/windowed/varlen call (tiles of unequal work). d64 runs on 192-row tiles
-    /// except for uneven calls whose longest query sequence is under 1024, where they waste too
-    /// many masked rows (measured: -9% at seqlen 512 causal, +2..+11% everywhere else;
-    /// docs/kernels/forward-sm90.md, version 9).
+    /// except for uneven calls whose longest query sequence is under 4096, where the coarser
+    /// tiles cost more in masked rows and balance than they gain (measured, causal: -8% at 512,
+    /// -2..-20% at 1k-2k, +6% at 8k; unmasked +4..+13% everywhere; docs/kernels/forward-sm90.md,
+    /// version 9).
     fn pick(head_dim: usize, head_dim_v: usize, uneven: bool, seqlen_q: usize) -> Result<Self> {
-        let short_masked = uneven && seqlen_q < 1024;
+        let short_masked = uneven && seqlen_q < 4096;
         for (name, d) in [("q/k", head_dim), ("v", head_dim_v)] {
             if d % 8 != 0 {
                 bail!(
