@@ -20,7 +20,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
 use flash_llama::train::{self, data, Corpus, Tokenization, TrainConfig, Trainer};
-use flash_llama::TextTokenizer;
+use flash_llama::{generate, GenerateOptions, SamplingParams, TextTokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser, Debug)]
@@ -128,6 +128,19 @@ struct Args {
     /// A .ttf/.otf font for the loss curve's text (default: a common system font, if any).
     #[arg(long)]
     font: Option<PathBuf>,
+
+    /// At the end, sample up to this many tokens from the trained model after --prompt, within
+    /// its training context (0: none).
+    #[arg(long, default_value_t = 200)]
+    sample: usize,
+
+    /// The text the sample continues.
+    #[arg(long, default_value = "def ")]
+    prompt: String,
+
+    /// Sampling temperature for the sample (0: greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
 }
 
 fn main() {
@@ -325,7 +338,36 @@ fn run(args: Args) -> Result<()> {
         rate,
         checkpoint.display()
     );
+    if args.sample > 0 {
+        let text = sample(&trainer, &tokenization, &args)?;
+        eprintln!("sample (temperature {}):", args.temperature);
+        println!("{}{}", args.prompt, text);
+    }
     Ok(())
+}
+
+/// `args.sample` tokens from the trained model after `args.prompt`, as text.
+fn sample(trainer: &Trainer, tokenization: &Tokenization, args: &Args) -> Result<String> {
+    let prompt = tokenization.encode(args.prompt.as_bytes())?;
+    if prompt.is_empty() {
+        bail!("--prompt must not be empty when sampling")
+    }
+    // The model has only seen windows of seq_len tokens: stay within them.
+    let context = trainer.config().seq_len;
+    if prompt.len() >= context {
+        bail!("--prompt has {} tokens, the model's context is {context}", prompt.len())
+    }
+    let opts = GenerateOptions {
+        max_tokens: args.sample.min(context - prompt.len()),
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            seed: 0,
+            ..SamplingParams::default()
+        },
+        stop_tokens: tokenization.end_of_text().into_iter().collect(),
+    };
+    let out = generate(&trainer.inference_model()?, &[prompt], &opts, |_, _| Ok(()))?;
+    tokenization.decode(&out.tokens[0])
 }
 
 /// The Python standard library directory, as python3 reports it.

@@ -46,6 +46,17 @@ impl Tokenization {
         }
     }
 
+    /// Text of `ids` (bytes that do not form UTF-8 are replaced; specials are dropped).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        match self {
+            Self::Bytes => {
+                let bytes: Vec<u8> = ids.iter().filter(|&&t| t < 256).map(|&t| t as u8).collect();
+                Ok(String::from_utf8_lossy(&bytes).into_owned())
+            }
+            Self::Hf(t) => t.decode(ids),
+        }
+    }
+
     /// A short description for logs and checkpoints (a resumed run must tokenize alike).
     pub fn describe(&self) -> String {
         match self {

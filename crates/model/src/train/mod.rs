@@ -369,6 +369,12 @@ impl Trainer {
         self.build_model(false)
     }
 
+    /// The model at the current weights for inference (sampling): no autograd graph is
+    /// recorded through it.
+    pub fn inference_model(&self) -> Result<Llama> {
+        self.build_model(true)
+    }
+
     fn build_model(&self, detached: bool) -> Result<Llama> {
         let tensors: HashMap<String, Tensor> = self
             .parameters()
@@ -454,7 +460,7 @@ impl Trainer {
         let c = &self.config;
         data.check_fits(c.seq_len)?;
         // Detached weights: no graph is recorded for a forward that is never differentiated.
-        let model = self.build_model(true)?;
+        let model = self.inference_model()?;
         let mut sum = 0f64;
         for i in 0..c.eval_batches {
             let (inputs, targets) = data.eval_batch(i, c.eval_batches, c.batch_size, c.seq_len);
