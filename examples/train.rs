@@ -186,15 +186,18 @@ fn run(args: Args) -> Result<()> {
         )
     }
     let corpus = Corpus::from_files(&files, &tokenization, args.max_bytes)?;
+    let held_out = if corpus.eval_docs > 0 {
+        format!("every 20th of {} documents", corpus.train_docs + corpus.eval_docs)
+    } else {
+        format!("the last 5% of {} documents", corpus.train_docs)
+    };
     eprintln!(
-        "corpus: {} ({} files, {:.1} MB) → {} training tokens ({} documents), {} held-out ({} documents); {}; read in {:.1}s",
+        "corpus: {} ({} files, {:.1} MB read) → {} training tokens, {} held-out ({held_out}); {}; read in {:.1}s",
         data_path.display(),
         files.len(),
         corpus.bytes as f64 / 1e6,
         corpus.train.len(),
-        corpus.train_docs,
         corpus.eval.len(),
-        corpus.eval_docs,
         tokenization.describe(),
         t0.elapsed().as_secs_f64()
     );
