@@ -86,7 +86,7 @@ struct Args {
     #[arg(long)]
     seed: Option<u64>,
 
-    /// Evaluate on the held-out split every N steps (default: 50 for tiny, 250 for 125m).
+    /// Evaluate on the held-out split every N steps (default: 25 for tiny, 250 for 125m).
     #[arg(long)]
     eval_every: Option<usize>,
 
@@ -135,7 +135,7 @@ struct Args {
     sample: usize,
 
     /// The text the sample continues.
-    #[arg(long, default_value = "def ")]
+    #[arg(long, default_value = "class ")]
     prompt: String,
 
     /// Sampling temperature for the sample (0: greedy).
@@ -202,7 +202,7 @@ fn run(args: Args) -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
 
-    let default_eval_every = if args.preset == "125m" { 250 } else { 50 };
+    let default_eval_every = if args.preset == "125m" { 250 } else { 25 };
     let eval_every = args.eval_every.unwrap_or(default_eval_every).max(1);
     let save_every = args.save_every.unwrap_or(eval_every).max(1);
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
@@ -228,7 +228,7 @@ fn run(args: Args) -> Result<()> {
     let peak_tflops = args.peak_tflops.or(device.is_cuda().then_some(989.0));
     eprintln!(
         "model: {} parameters ({} layers, hidden {}, {} heads / {} kv heads, vocab {}), {:?} compute on {:?}; \
-         {} tokens per step ({} × {} × {} accumulated), {:.2} GFLOP per token",
+         {} tokens per step ({} × {} × {} accumulated), {:.1} MFLOP per token",
         trainer.num_parameters(),
         model_cfg.num_hidden_layers,
         model_cfg.hidden_size,
@@ -241,7 +241,7 @@ fn run(args: Args) -> Result<()> {
         cfg.batch_size,
         cfg.seq_len,
         cfg.grad_accum,
-        flops_per_token / 1e9
+        flops_per_token / 1e6
     );
 
     if trainer.step() == 0 {
