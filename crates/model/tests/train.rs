@@ -61,6 +61,24 @@ fn a_few_tiny_steps_lower_the_loss() {
     assert_eq!(t.history().eval, vec![(0, eval_before), (25, eval_after)]);
 }
 
+/// bf16 compute over f32 master weights (the GPU's setting), here on the CPU: the masters and
+/// their gradients stay f32 and the loss falls as in f32.
+#[test]
+fn bf16_compute_trains_f32_master_weights() {
+    let data = corpus();
+    let (model, cfg) = tiny(12, 1);
+    let mut t = Trainer::new(model, cfg, DType::BF16, &Device::Cpu).unwrap();
+    assert_eq!(t.model().unwrap().dtype(), DType::BF16);
+    let losses: Vec<f32> = (0..12).map(|_| t.train_step(&data).unwrap().loss).collect();
+    assert!(t.parameters().all(|(_, v)| v.dtype() == DType::F32));
+    let last = losses[9..].iter().sum::<f32>() / 3.0;
+    assert!(
+        last < losses[0] - 0.8,
+        "bf16 train loss {} -> {last}: {losses:?}",
+        losses[0]
+    );
+}
+
 #[test]
 fn resuming_repeats_the_uninterrupted_run() {
     let data = corpus();
