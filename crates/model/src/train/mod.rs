@@ -84,7 +84,7 @@ impl TrainConfig {
 
 /// The model shapes and training settings of a preset, for a vocabulary of `vocab_size` ids.
 ///
-/// - `tiny`: 4 layers of width 128 (GQA 4:2), 128-token windows; about 0.9M parameters, trains
+/// - `tiny`: 4 layers of width 128 (GQA 4:2), 128-token windows; 0.86M parameters, trains
 ///   in a few minutes on a 2-core CPU.
 /// - `125m`: 12 layers of width 768, 12 heads of 64, SwiGLU width 3456, 2048-token windows;
 ///   124M parameters with the byte vocabulary, for the GPU (bf16).
