@@ -97,6 +97,8 @@ fn resuming_repeats_the_uninterrupted_run() {
     drop(first);
     let mut resumed = Trainer::resume(&path, &data, DType::F32, &dev).unwrap();
     assert_eq!(resumed.step(), 4);
+    assert_eq!(resumed.model_config(), whole.model_config());
+    assert_eq!(resumed.config(), whole.config());
     losses.extend((0..4).map(|_| resumed.train_step(&data).unwrap().loss));
 
     // Bit for bit: same weights, moments, schedule and batches after the restart.

@@ -163,8 +163,16 @@ pub fn llama_config(
 /// `cfg` as an HF `config.json` that [`Config::from_hf_json`] reads back identically (for the
 /// configs [`llama_config`] makes: Llama architecture, no RoPE scaling).
 pub fn hf_config_json(cfg: &Config) -> Result<String> {
-    if cfg.architecture != Architecture::Llama || cfg.rope_scaling.is_some() || cfg.rope_freq_factors.is_some() {
-        bail!("only plain Llama configs are written by the trainer")
+    // What config.json cannot say for a `llama` model_type (a window needs Mistral's type, the
+    // frequency factors come from GGUF files) would not survive the round trip.
+    if cfg.architecture != Architecture::Llama
+        || cfg.rope_scaling.is_some()
+        || cfg.rope_freq_factors.is_some()
+        || cfg.sliding_window.is_some()
+        || cfg.qk_norm
+        || cfg.rope_interleaved
+    {
+        bail!("the trainer checkpoints plain Llama configs only (no RoPE scaling, sliding window, q/k norm)")
     }
     Ok(serde_json::json!({
         "model_type": "llama",
