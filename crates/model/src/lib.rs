@@ -7,6 +7,7 @@
 //! - [`TextTokenizer`], [`TokenStream`]: encoding, chat templates, incremental decoding;
 //!   [`spm`] rebuilds SentencePiece vocabularies of GGUF files.
 //! - [`generate()`]: batched sampling loop ([`Sampler`]: temperature, top-k, top-p, repeat penalty).
+//! - [`train`]: training from scratch (presets, AdamW, checkpoints that resume the same run).
 
 pub mod config;
 pub mod generate;
@@ -16,6 +17,7 @@ pub mod nn;
 pub mod sampling;
 pub mod spm;
 pub mod tokenizer;
+pub mod train;
 
 pub use config::{Architecture, Config, Llama3RopeScaling};
 pub use generate::{generate, GenerateOptions, Generation};

@@ -6,7 +6,7 @@
 //! and the MLP are then single matmuls whatever the mix of lengths, and attention is a varlen
 //! call. See [`KvCache`] for how cached keys are addressed.
 
-use candle_core::{bail, DType, Device, Module, Result, Tensor};
+use candle_core::{bail, DType, Device, Module, Result, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
 use flash_attn3::FlashAttn;
 
@@ -93,6 +93,9 @@ enum KeySource {
         max_q: usize,
         max_k: usize,
     },
+    /// `batch` sequences of `seq` fresh tokens each, through the textbook attention composite
+    /// instead of flash-attn3 ([`Llama::forward_reference`]).
+    Reference { batch: usize, seq: usize },
 }
 
 /// Per-call state that every layer reads: the rotary angles of each token, where the keys
@@ -124,6 +127,9 @@ struct Attention {
     kv_heads: usize,
     head_dim: usize,
     attn: FlashAttn,
+    /// What `attn` was built with, kept for the reference composite.
+    scale: f64,
+    window_left: Option<usize>,
     rope_interleaved: bool,
     kernels: Kernels,
 }
@@ -153,9 +159,11 @@ impl Attention {
         };
         // Causal; a sliding window of w lets each token see itself and the w - 1 keys before it
         // (HF Mistral's mask).
-        let mut attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(true);
-        if let Some(w) = cfg.sliding_window {
-            attn = attn.window(Some(w.saturating_sub(1)), Some(0));
+        let scale = 1.0 / (d as f32).sqrt();
+        let window_left = cfg.sliding_window.map(|w| w.saturating_sub(1));
+        let mut attn = FlashAttn::new(scale).causal(true);
+        if window_left.is_some() {
+            attn = attn.window(window_left, Some(0));
         }
         Ok(Self {
             q_proj: linear(vb, cfg.hidden_size, h * d, bias, "q_proj")?,
@@ -168,6 +176,8 @@ impl Attention {
             kv_heads: hk,
             head_dim: d,
             attn,
+            scale: scale as f64,
+            window_left,
             rope_interleaved: cfg.rope_interleaved,
             kernels,
         })
@@ -212,8 +222,47 @@ impl Attention {
                 Some((ck, cv)),
             ) => self.attn.forward_varlen(&q, ck, cv, cu_q, cu_k, *max_q, *max_k)?,
             (KeySource::Cached { .. }, None) => bail!("internal error: a cached plan without a cache"),
+            (KeySource::Reference { batch, seq }, _) => self.reference_attention(&q, &k, &v, *batch, *seq)?,
         };
         self.o_proj.forward(&out.reshape((tokens, self.heads * self.head_dim))?)
+    }
+
+    /// softmax(q·kᵀ·scale + mask)·v over `batch` sequences of `seq` tokens, written with plain
+    /// candle ops (k/v repeated over each GQA group, the full seq × seq score matrix). The
+    /// reference that flash-attn3 must match, gradients included; q, k, v are (tokens, heads, d).
+    fn reference_attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, batch: usize, seq: usize) -> Result<Tensor> {
+        let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
+        // (tokens, heads, d) → (batch, heads, seq, d); kv head j serves q heads j·g .. (j+1)·g.
+        let per_head = |x: &Tensor, heads: usize| x.reshape((batch, seq, heads, d))?.transpose(1, 2);
+        let repeat = |x: Tensor| -> Result<Tensor> {
+            let group = h / hk;
+            x.unsqueeze(2)?
+                .broadcast_as((batch, hk, group, seq, d))?
+                .reshape((batch, h, seq, d))
+        };
+        let q = per_head(q, h)?.contiguous()?;
+        let k = repeat(per_head(k, hk)?)?;
+        let v = repeat(per_head(v, hk)?)?;
+        // Query i sees key j when j <= i (and i - j <= left with a sliding window).
+        let mask: Vec<f32> = (0..seq)
+            .flat_map(|i| {
+                (0..seq).map(move |j| {
+                    let visible = j <= i && self.window_left.is_none_or(|left| i - j <= left);
+                    if visible {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (seq, seq), q.device())?.to_dtype(q.dtype())?;
+        let scores = (q.matmul(&k.t()?)? * self.scale)?.broadcast_add(&mask)?;
+        // Softmax from basic ops; the row maximum only keeps exp in range, so it needs no gradient.
+        let max = scores.max_keepdim(D::Minus1)?.detach();
+        let p = scores.broadcast_sub(&max)?.exp()?;
+        let p = p.broadcast_div(&p.sum_keepdim(D::Minus1)?)?;
+        p.matmul(&v)?.transpose(1, 2)?.reshape((batch * seq, h, d))
     }
 }
 
@@ -323,8 +372,26 @@ impl Llama {
     }
 
     /// Full causal forward without a cache: input_ids (batch, seq) u32 → logits (batch, seq, vocab)
-    /// in f32. This is the training / reference path; it is differentiable end to end.
+    /// in f32. This is the training path; with [`Kernels::Composed`] it is differentiable end to
+    /// end, attention's backward being flash-attn3's.
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (b, s) = input_ids.dims2()?;
+        let keys = KeySource::Fresh {
+            cu: cumulative(std::iter::repeat_n(s, b), &self.device)?,
+            max_len: s,
+        };
+        self.forward_full(input_ids, keys)
+    }
+
+    /// [`Llama::forward`] with the textbook attention composite (matmul, masked softmax, matmul)
+    /// in place of flash-attn3: the reference for checking the op inside a whole model, gradients
+    /// included. Memory grows with seq²; not for real runs.
+    pub fn forward_reference(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (batch, seq) = input_ids.dims2()?;
+        self.forward_full(input_ids, KeySource::Reference { batch, seq })
+    }
+
+    fn forward_full(&self, input_ids: &Tensor, keys: KeySource) -> Result<Tensor> {
         let (b, s) = input_ids.dims2()?;
         let ids = input_ids.flatten_all()?;
         self.check_ids(&ids.to_vec1::<u32>()?)?;
@@ -333,10 +400,7 @@ impl Llama {
         let plan = Plan {
             cos,
             sin,
-            keys: KeySource::Fresh {
-                cu: cumulative(std::iter::repeat_n(s, b), &self.device)?,
-                max_len: s,
-            },
+            keys,
             writes: Vec::new(),
         };
         let hidden = self.run_layers(&ids, &plan, None)?;

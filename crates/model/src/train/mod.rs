@@ -1,0 +1,597 @@
+//! Training a [`Llama`] from scratch: presets, fresh weights as f32 master [`Var`]s, the
+//! cross-entropy loss, AdamW steps with gradient accumulation and clipping, held-out
+//! evaluation, and checkpoints that resume the identical run. `examples/train.rs` is the
+//! command-line front end (docs/train.md).
+//!
+//! Mixed precision: the trainable weights are f32 `Var`s (master weights, updated by AdamW in
+//! f32). Each step builds the model from them cast to the compute dtype (bf16 on the GPU);
+//! the casts are graph nodes, so the backward hands f32 gradients back to the masters. On the
+//! CPU the compute dtype is f32 and the model uses the `Var`s themselves.
+//!
+//! Every op of the training forward has a backward: RMSNorm and RoPE are the composed forms
+//! ([`Kernels::Composed`]), the loss is a log-softmax written with basic ops, and attention is
+//! flash-attn3, whose backward the op provides.
+
+pub mod data;
+pub mod optim;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Architecture, Config};
+use crate::model::Llama;
+use crate::nn::Kernels;
+pub use data::{Corpus, Rng, Tokenization};
+pub use optim::{AdamW, AdamWParams};
+
+/// The optimisation side of a run: everything but the model's shape. Stored in checkpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    pub seq_len: usize,
+    /// Micro-batches whose gradients are summed into one update.
+    pub grad_accum: usize,
+    /// Updates in the whole run (the cosine schedule ends here).
+    pub steps: usize,
+    pub warmup_steps: usize,
+    pub lr: f64,
+    /// The learning rate the cosine decay ends at.
+    pub min_lr: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Maximum global gradient norm; 0 disables clipping.
+    pub grad_clip: f64,
+    /// Held-out micro-batches per evaluation.
+    pub eval_batches: usize,
+    /// Seeds the initial weights and the batch sampler.
+    pub seed: u64,
+}
+
+impl TrainConfig {
+    /// Tokens consumed by one update.
+    pub fn tokens_per_step(&self) -> usize {
+        self.batch_size * self.seq_len * self.grad_accum
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("batch_size", self.batch_size),
+            ("seq_len", self.seq_len),
+            ("grad_accum", self.grad_accum),
+            ("steps", self.steps),
+            ("eval_batches", self.eval_batches),
+        ] {
+            if v == 0 {
+                bail!("invalid training config: {name} is 0")
+            }
+        }
+        if !(self.lr > 0.0 && self.min_lr >= 0.0 && self.lr.is_finite()) {
+            bail!("invalid training config: lr must be > 0 and min_lr >= 0")
+        }
+        Ok(())
+    }
+}
+
+/// The model shapes and training settings of a preset, for a vocabulary of `vocab_size` ids.
+///
+/// - `tiny`: 4 layers of width 128 (GQA 4:2), 128-token windows; 0.86M parameters, trains
+///   in a few minutes on a 2-core CPU.
+/// - `125m`: 12 layers of width 768, 12 heads of 64, SwiGLU width 3456, 2048-token windows;
+///   124M parameters with the byte vocabulary, for the GPU (bf16).
+pub fn preset(name: &str, vocab_size: usize) -> Result<(Config, TrainConfig)> {
+    let common = TrainConfig {
+        batch_size: 8,
+        seq_len: 128,
+        grad_accum: 1,
+        steps: 300,
+        warmup_steps: 30,
+        lr: 3e-3,
+        min_lr: 3e-4,
+        weight_decay: 0.1,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        grad_clip: 1.0,
+        eval_batches: 4,
+        seed: 0,
+    };
+    match name {
+        "tiny" => Ok((llama_config(vocab_size, 128, 384, 4, 4, 2, 128), common)),
+        "125m" => Ok((
+            llama_config(vocab_size, 768, 3456, 12, 12, 12, 2048),
+            TrainConfig {
+                batch_size: 8,
+                seq_len: 2048,
+                grad_accum: 4,
+                steps: 5000,
+                warmup_steps: 200,
+                lr: 6e-4,
+                min_lr: 6e-5,
+                eval_batches: 8,
+                ..common
+            },
+        )),
+        other => bail!("unknown preset `{other}`: use tiny or 125m"),
+    }
+}
+
+/// A Llama decoder of the given shape (head_dim = hidden / heads, untied output head, no
+/// biases, RoPE θ = 10000), trained from scratch.
+pub fn llama_config(
+    vocab_size: usize,
+    hidden: usize,
+    intermediate: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    max_positions: usize,
+) -> Config {
+    Config {
+        architecture: Architecture::Llama,
+        vocab_size,
+        hidden_size: hidden,
+        intermediate_size: intermediate,
+        num_hidden_layers: layers,
+        num_attention_heads: heads,
+        num_key_value_heads: kv_heads,
+        head_dim: hidden / heads,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_scaling: None,
+        rope_freq_factors: None,
+        rope_interleaved: false,
+        max_position_embeddings: max_positions,
+        tie_word_embeddings: false,
+        attention_bias: false,
+        qk_norm: false,
+        sliding_window: None,
+        bos_token_id: None,
+        eos_token_ids: Vec::new(),
+    }
+}
+
+/// `cfg` as an HF `config.json` that [`Config::from_hf_json`] reads back identically (for the
+/// configs [`llama_config`] makes: Llama architecture, no RoPE scaling).
+pub fn hf_config_json(cfg: &Config) -> Result<String> {
+    // What config.json cannot say for a `llama` model_type (a window needs Mistral's type, the
+    // frequency factors come from GGUF files) would not survive the round trip.
+    if cfg.architecture != Architecture::Llama
+        || cfg.rope_scaling.is_some()
+        || cfg.rope_freq_factors.is_some()
+        || cfg.sliding_window.is_some()
+        || cfg.qk_norm
+        || cfg.rope_interleaved
+    {
+        bail!("the trainer checkpoints plain Llama configs only (no RoPE scaling, sliding window, q/k norm)")
+    }
+    Ok(serde_json::json!({
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "sliding_window": cfg.sliding_window,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_ids,
+    })
+    .to_string())
+}
+
+/// A `VarBuilder` backend that hands out zero-cost placeholders and notes what was asked for:
+/// running [`Llama::load`] over it lists the model's weights by name and shape, so the trainer
+/// never keeps a second copy of the naming scheme.
+struct ShapeRecorder(Arc<Mutex<Vec<(String, Shape)>>>);
+
+impl SimpleBackend for ShapeRecorder {
+    fn get(&self, s: Shape, name: &str, _: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.0.lock().unwrap().push((name.to_string(), s.clone()));
+        // A broadcast scalar: the right shape without allocating it.
+        Tensor::zeros((), dtype, dev)?.broadcast_as(s)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        candle_core::bail!("the model asked for `{name}` without a shape")
+    }
+
+    fn contains_tensor(&self, _: &str) -> bool {
+        true
+    }
+}
+
+/// Every weight of a model of `cfg`: HF name and shape, sorted by name.
+pub fn parameter_shapes(cfg: &Config) -> Result<Vec<(String, Shape)>> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let vb = VarBuilder::from_backend(Box::new(ShapeRecorder(seen.clone())), DType::F32, Device::Cpu);
+    Llama::load(vb, cfg, Kernels::Composed)?;
+    let mut shapes = std::mem::take(&mut *seen.lock().unwrap());
+    shapes.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(shapes)
+}
+
+/// Parameters that take part in matrix products: every weight matrix but the input embedding
+/// (a lookup) unless it doubles as the output head.
+pub fn matmul_parameters(cfg: &Config) -> Result<usize> {
+    Ok(parameter_shapes(cfg)?
+        .iter()
+        .filter(|(name, s)| s.rank() == 2 && (cfg.tie_word_embeddings || !name.ends_with("embed_tokens.weight")))
+        .map(|(_, s)| s.elem_count())
+        .sum())
+}
+
+/// Training FLOPs per token (forward + backward) at sequence length `seq_len`: 6 per
+/// matmul parameter (2 forward, 4 backward) plus attention's two products, 4·seq·head_dim per
+/// head and layer forward, ×3 with the backward and halved by the causal mask. MFU divides
+/// this by the device's peak.
+pub fn flops_per_token(cfg: &Config, seq_len: usize) -> Result<f64> {
+    let attention = 6.0 * (cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len) as f64;
+    Ok(6.0 * matmul_parameters(cfg)? as f64 + attention)
+}
+
+/// Mean cross-entropy of `logits` (tokens, vocab) against `targets` (tokens,) u32, through a
+/// log-softmax of basic ops (candle-nn's fused softmax has no backward).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    // The row maximum only keeps exp in range; the result does not depend on it, so it needs no
+    // gradient (and the backward skips the max's mask).
+    let max = logits.max_keepdim(1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let log_z = shifted.exp()?.sum_keepdim(1)?.log()?;
+    let picked = shifted.gather(&targets.unsqueeze(1)?, 1)?;
+    (log_z - picked)?.mean_all()
+}
+
+/// Losses so far: (step, loss) after each update and at each evaluation.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct History {
+    pub train: Vec<(usize, f32)>,
+    pub eval: Vec<(usize, f32)>,
+}
+
+/// What one update did.
+#[derive(Debug, Clone, Copy)]
+pub struct StepStats {
+    /// Updates done, this one included.
+    pub step: usize,
+    /// Mean loss over the step's micro-batches (before the update).
+    pub loss: f32,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub tokens: usize,
+}
+
+/// The state of a training run: master weights, optimizer moments, sampler, step, history.
+pub struct Trainer {
+    model_config: Config,
+    config: TrainConfig,
+    names: Vec<String>,
+    /// f32 master weights, in `names` order.
+    vars: Vec<Var>,
+    optimizer: AdamW,
+    rng: Rng,
+    step: usize,
+    /// The dtype the model computes in (bf16 on the GPU, f32 on the CPU).
+    dtype: DType,
+    device: Device,
+    history: History,
+}
+
+/// Checkpoint format tag (safetensors metadata key `format`).
+const FORMAT: &str = "flash-llama-train/1";
+/// The batch sampler's seed differs from the weights' so the two streams are unrelated.
+const DATA_SEED_SALT: u64 = 0x5EED_DA7A;
+
+impl Trainer {
+    /// A new run: weights drawn from `config.seed` (N(0, 0.02); the residual output projections
+    /// o_proj and down_proj scaled by 1/√(2·layers) as in GPT-2, so the residual stream does not
+    /// grow with depth; norm gains 1, biases 0) and zero optimizer moments.
+    pub fn new(model_config: Config, config: TrainConfig, dtype: DType, device: &Device) -> Result<Self> {
+        model_config.validate()?;
+        config.validate()?;
+        let mut rng = Rng(config.seed);
+        let residual_std = 0.02 / (2.0 * model_config.num_hidden_layers as f64).sqrt();
+        let mut names = Vec::new();
+        let mut vars = Vec::new();
+        for (name, shape) in parameter_shapes(&model_config)? {
+            let n = shape.elem_count();
+            let values = if name.ends_with("norm.weight") {
+                vec![1f32; n]
+            } else if name.ends_with(".bias") {
+                vec![0f32; n]
+            } else if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+                rng.normals(n, residual_std)
+            } else {
+                rng.normals(n, 0.02)
+            };
+            vars.push(Var::from_tensor(&Tensor::from_vec(values, shape, device)?)?);
+            names.push(name);
+        }
+        let optimizer = AdamW::new(&vars, adamw_params(&config))?;
+        Ok(Self {
+            rng: Rng(config.seed ^ DATA_SEED_SALT),
+            model_config,
+            config,
+            names,
+            vars,
+            optimizer,
+            step: 0,
+            dtype,
+            device: device.clone(),
+            history: History::default(),
+        })
+    }
+
+    pub fn model_config(&self) -> &Config {
+        &self.model_config
+    }
+
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// Updates done so far.
+    pub fn step(&self) -> usize {
+        self.step
+    }
+
+    pub fn history(&self) -> &History {
+        &self.history
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Number of trainable parameters.
+    pub fn num_parameters(&self) -> usize {
+        self.vars.iter().map(|v| v.elem_count()).sum()
+    }
+
+    /// The master weights by name (f32).
+    pub fn parameters(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.names.iter().map(String::as_str).zip(&self.vars)
+    }
+
+    /// The model at the current weights, in the compute dtype. Its weights are the master
+    /// `Var`s (f32) or casts of them, so a loss computed with it differentiates into the masters.
+    /// It does not follow later updates: build it again after a step.
+    pub fn model(&self) -> Result<Llama> {
+        self.build_model(false)
+    }
+
+    /// The model at the current weights for inference (sampling): no autograd graph is
+    /// recorded through it.
+    pub fn inference_model(&self) -> Result<Llama> {
+        self.build_model(true)
+    }
+
+    fn build_model(&self, detached: bool) -> Result<Llama> {
+        let tensors: HashMap<String, Tensor> = self
+            .parameters()
+            .map(|(n, v)| {
+                let t = if detached {
+                    v.as_tensor().detach()
+                } else {
+                    v.as_tensor().clone()
+                };
+                (n.to_string(), t)
+            })
+            .collect();
+        let vb = VarBuilder::from_tensors(tensors, self.dtype, &self.device);
+        Ok(Llama::load(vb, &self.model_config, Kernels::Composed)?)
+    }
+
+    /// Mean loss of `model` on one batch; `inputs`/`targets` are batch × seq_len ids.
+    fn batch_loss(&self, model: &Llama, inputs: Vec<u32>, targets: Vec<u32>) -> Result<Tensor> {
+        let (b, s) = (self.config.batch_size, self.config.seq_len);
+        let x = Tensor::from_vec(inputs, (b, s), &self.device)?;
+        let y = Tensor::from_vec(targets, b * s, &self.device)?;
+        let logits = model.forward(&x)?;
+        Ok(cross_entropy(
+            &logits.reshape((b * s, self.model_config.vocab_size))?,
+            &y,
+        )?)
+    }
+
+    /// One update: `grad_accum` micro-batches drawn from the training part, gradients summed,
+    /// clipped by their global norm, then AdamW at the scheduled learning rate.
+    pub fn train_step(&mut self, data: &Corpus) -> Result<StepStats> {
+        let c = self.config.clone();
+        data.check_fits(c.seq_len)?;
+        let model = self.model()?;
+        let mut sums: Vec<Option<Tensor>> = vec![None; self.vars.len()];
+        let mut loss_sum = 0f64;
+        for _ in 0..c.grad_accum {
+            let (inputs, targets) = data.sample_batch(&mut self.rng, c.batch_size, c.seq_len);
+            let loss = self.batch_loss(&model, inputs, targets)?;
+            // Dividing by the micro-batch count makes the summed gradient that of the mean loss.
+            let grads = (&loss / c.grad_accum as f64)?.backward()?;
+            loss_sum += loss.to_scalar::<f32>()? as f64;
+            for ((sum, var), name) in sums.iter_mut().zip(&self.vars).zip(&self.names) {
+                let g = grads
+                    .get(var)
+                    .with_context(|| format!("internal error: the loss does not depend on `{name}`"))?;
+                *sum = Some(match sum.take() {
+                    None => g.clone(),
+                    Some(s) => (s + g)?,
+                });
+            }
+        }
+        let grads: Vec<Tensor> = sums.into_iter().flatten().collect();
+        let loss = (loss_sum / c.grad_accum as f64) as f32;
+        if !loss.is_finite() {
+            bail!(
+                "the training loss is {loss} at step {}: the run diverged (try a lower --lr)",
+                self.step + 1
+            )
+        }
+        let grad_norm = optim::global_norm(&grads)?;
+        let scale = if c.grad_clip > 0.0 && grad_norm > c.grad_clip {
+            c.grad_clip / grad_norm
+        } else {
+            1.0
+        };
+        let lr = optim::learning_rate(self.step, c.warmup_steps, c.steps, c.lr, c.min_lr);
+        self.step += 1;
+        self.optimizer.update(&self.vars, &grads, scale, lr, self.step)?;
+        self.history.train.push((self.step, loss));
+        Ok(StepStats {
+            step: self.step,
+            loss,
+            grad_norm,
+            lr,
+            tokens: c.tokens_per_step(),
+        })
+    }
+
+    /// Mean loss over the held-out batches (the same windows every time), recorded in the
+    /// history at the current step.
+    pub fn evaluate(&mut self, data: &Corpus) -> Result<f32> {
+        let c = &self.config;
+        data.check_fits(c.seq_len)?;
+        // Detached weights: no graph is recorded for a forward that is never differentiated.
+        let model = self.inference_model()?;
+        let mut sum = 0f64;
+        for i in 0..c.eval_batches {
+            let (inputs, targets) = data.eval_batch(i, c.eval_batches, c.batch_size, c.seq_len);
+            sum += self.batch_loss(&model, inputs, targets)?.to_scalar::<f32>()? as f64;
+        }
+        let loss = (sum / c.eval_batches as f64) as f32;
+        self.history.eval.push((self.step, loss));
+        Ok(loss)
+    }
+
+    /// Writes a safetensors checkpoint: the master weights under their HF names, the AdamW
+    /// moments under `optimizer.m.NAME` / `optimizer.v.NAME`, and in the metadata the step, the
+    /// sampler state, both configs, the loss history and `data`'s fingerprint. Written to a
+    /// temporary file then renamed, so an interrupted save never leaves a torn checkpoint.
+    pub fn save(&self, path: &Path, data: &Corpus) -> Result<()> {
+        let mut tensors: Vec<(String, Tensor)> = Vec::new();
+        for (i, (name, var)) in self.parameters().enumerate() {
+            tensors.push((name.to_string(), var.as_tensor().clone()));
+            tensors.push((format!("optimizer.m.{name}"), self.optimizer.m[i].clone()));
+            tensors.push((format!("optimizer.v.{name}"), self.optimizer.v[i].clone()));
+        }
+        let metadata = HashMap::from([
+            ("format".to_string(), FORMAT.to_string()),
+            ("step".to_string(), self.step.to_string()),
+            ("rng".to_string(), self.rng.0.to_string()),
+            ("model_config".to_string(), hf_config_json(&self.model_config)?),
+            ("train_config".to_string(), serde_json::to_string(&self.config)?),
+            ("history".to_string(), serde_json::to_string(&self.history)?),
+            ("corpus".to_string(), data.fingerprint()),
+        ]);
+        let tmp = path.with_extension("safetensors.tmp");
+        safetensors::serialize_to_file(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata), &tmp)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+        Ok(())
+    }
+
+    /// Continues the run saved at `path` with the same data: the next [`Trainer::train_step`]
+    /// computes exactly what the uninterrupted run's would have. Only the compute dtype and
+    /// device come from the caller. A checkpoint of another corpus is refused.
+    pub fn resume(path: &Path, data: &Corpus, dtype: DType, device: &Device) -> Result<Self> {
+        let bytes = std::fs::read(path).with_context(|| format!("reading the checkpoint {}", path.display()))?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
+            .map_err(|e| anyhow!("{} is not a safetensors file ({e})", path.display()))?;
+        let md = header.metadata().clone().unwrap_or_default();
+        let get = |key: &str| {
+            md.get(key).map(String::as_str).with_context(|| {
+                format!(
+                    "{} is not a checkpoint of the train example (no `{key}` in its metadata)",
+                    path.display()
+                )
+            })
+        };
+        if get("format")? != FORMAT {
+            bail!(
+                "{} has checkpoint format {:?}, expected {FORMAT}",
+                path.display(),
+                get("format")?
+            )
+        }
+        let bad = |what: &str| format!("{}: unreadable `{what}` in the checkpoint metadata", path.display());
+        let step: usize = get("step")?.parse().with_context(|| bad("step"))?;
+        let rng = Rng(get("rng")?.parse().with_context(|| bad("rng"))?);
+        let model_config = Config::from_hf_json(get("model_config")?).with_context(|| bad("model_config"))?;
+        let config: TrainConfig = serde_json::from_str(get("train_config")?).with_context(|| bad("train_config"))?;
+        let history: History = serde_json::from_str(get("history")?).with_context(|| bad("history"))?;
+        let corpus = get("corpus")?;
+        if corpus != data.fingerprint() {
+            bail!(
+                "{} was trained on other data ({corpus}) than this run's ({}): resume with the same --data and tokenizer",
+                path.display(),
+                data.fingerprint()
+            )
+        }
+
+        let mut tensors = candle_core::safetensors::load_buffer(&bytes, device)
+            .with_context(|| format!("reading the tensors of {}", path.display()))?;
+        let mut take = |name: &str, shape: &Shape| -> Result<Tensor> {
+            let t = tensors
+                .remove(name)
+                .with_context(|| format!("{} lacks the tensor `{name}`", path.display()))?;
+            if t.shape() != shape || t.dtype() != DType::F32 {
+                bail!(
+                    "{}: tensor `{name}` is {:?} {:?}, expected F32 {shape:?}",
+                    path.display(),
+                    t.dtype(),
+                    t.shape()
+                )
+            }
+            Ok(t)
+        };
+        let (mut names, mut vars, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (name, shape) in parameter_shapes(&model_config)? {
+            vars.push(Var::from_tensor(&take(&name, &shape)?)?);
+            m.push(take(&format!("optimizer.m.{name}"), &shape)?);
+            v.push(take(&format!("optimizer.v.{name}"), &shape)?);
+            names.push(name);
+        }
+        let optimizer = AdamW {
+            params: adamw_params(&config),
+            m,
+            v,
+        };
+        Ok(Self {
+            model_config,
+            config,
+            names,
+            vars,
+            optimizer,
+            rng,
+            step,
+            dtype,
+            device: device.clone(),
+            history,
+        })
+    }
+}
+
+fn adamw_params(c: &TrainConfig) -> AdamWParams {
+    AdamWParams {
+        beta1: c.beta1,
+        beta2: c.beta2,
+        eps: c.eps,
+        weight_decay: c.weight_decay,
+    }
+}

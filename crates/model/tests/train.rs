@@ -1,0 +1,214 @@
+//! Training from scratch on the CPU: the loss falls, a resumed run repeats the uninterrupted one
+//! exactly, and the whole model's gradients through flash-attn3 equal those through the
+//! textbook attention composite.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use flash_llama::train::{self, cross_entropy, data, Corpus, Tokenization, TrainConfig, Trainer};
+
+/// Python-like text with some structure to learn, the same on every run.
+fn corpus() -> Corpus {
+    let mut rng = data::Rng(7);
+    let names = ["alpha", "beta", "gamma", "delta", "value", "count", "items", "result"];
+    let docs: Vec<Vec<u32>> = (0..40)
+        .map(|i| {
+            let mut text = String::new();
+            for _ in 0..12 {
+                let a = names[rng.below(names.len())];
+                let b = names[rng.below(names.len())];
+                text += &format!("def {a}_{i}({b}):\n    return {b} + {}\n\n", rng.below(100));
+            }
+            Tokenization::Bytes.encode(text.as_bytes()).unwrap()
+        })
+        .collect();
+    Corpus::from_documents(docs, Tokenization::Bytes.end_of_text())
+}
+
+/// The tiny preset with short windows and a short schedule, so each test takes seconds.
+fn tiny(steps: usize, grad_accum: usize) -> (flash_llama::Config, TrainConfig) {
+    let (model, cfg) = train::preset("tiny", data::BYTE_VOCAB_SIZE).unwrap();
+    let cfg = TrainConfig {
+        batch_size: 4,
+        seq_len: 64,
+        grad_accum,
+        steps,
+        warmup_steps: 3,
+        eval_batches: 2,
+        ..cfg
+    };
+    (model, cfg)
+}
+
+#[test]
+fn a_few_tiny_steps_lower_the_loss() {
+    let data = corpus();
+    let (model, cfg) = tiny(25, 1);
+    let mut t = Trainer::new(model, cfg, DType::F32, &Device::Cpu).unwrap();
+    let eval_before = t.evaluate(&data).unwrap();
+    let losses: Vec<f32> = (0..25).map(|_| t.train_step(&data).unwrap().loss).collect();
+    let eval_after = t.evaluate(&data).unwrap();
+    let first = losses[0];
+    let last = losses[20..].iter().sum::<f32>() / 5.0;
+    // From about ln(264) = 5.6 (uniform over the byte vocabulary) to well below.
+    assert!(first > 5.0, "first loss {first}");
+    assert!(last < first - 1.5, "train loss {first} -> {last}: {losses:?}");
+    assert!(
+        eval_after < eval_before - 1.5,
+        "eval loss {eval_before} -> {eval_after}"
+    );
+    assert_eq!(t.history().train.len(), 25);
+    assert_eq!(t.history().eval, vec![(0, eval_before), (25, eval_after)]);
+}
+
+/// bf16 compute over f32 master weights (the GPU's setting), here on the CPU: the masters and
+/// their gradients stay f32 and the loss falls as in f32.
+#[test]
+fn bf16_compute_trains_f32_master_weights() {
+    let data = corpus();
+    let (model, cfg) = tiny(12, 1);
+    let mut t = Trainer::new(model, cfg, DType::BF16, &Device::Cpu).unwrap();
+    assert_eq!(t.model().unwrap().dtype(), DType::BF16);
+    let losses: Vec<f32> = (0..12).map(|_| t.train_step(&data).unwrap().loss).collect();
+    assert!(t.parameters().all(|(_, v)| v.dtype() == DType::F32));
+    let last = losses[9..].iter().sum::<f32>() / 3.0;
+    assert!(
+        last < losses[0] - 0.8,
+        "bf16 train loss {} -> {last}: {losses:?}",
+        losses[0]
+    );
+}
+
+#[test]
+fn resuming_repeats_the_uninterrupted_run() {
+    let data = corpus();
+    let (model, cfg) = tiny(8, 2);
+    let dev = Device::Cpu;
+
+    let mut whole = Trainer::new(model.clone(), cfg.clone(), DType::F32, &dev).unwrap();
+    let expected: Vec<f32> = (0..8).map(|_| whole.train_step(&data).unwrap().loss).collect();
+    let expected_eval = whole.evaluate(&data).unwrap();
+
+    let dir = common::temp_dir("resume");
+    let path = dir.join("checkpoint.safetensors");
+    let mut first = Trainer::new(model, cfg, DType::F32, &dev).unwrap();
+    let mut losses: Vec<f32> = (0..4).map(|_| first.train_step(&data).unwrap().loss).collect();
+    first.save(&path, &data).unwrap();
+    drop(first);
+    let mut resumed = Trainer::resume(&path, &data, DType::F32, &dev).unwrap();
+    assert_eq!(resumed.step(), 4);
+    assert_eq!(resumed.model_config(), whole.model_config());
+    assert_eq!(resumed.config(), whole.config());
+    losses.extend((0..4).map(|_| resumed.train_step(&data).unwrap().loss));
+
+    // Bit for bit: same weights, moments, schedule and batches after the restart.
+    for (step, (a, b)) in expected.iter().zip(&losses).enumerate() {
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "step {}: {a} uninterrupted, {b} resumed",
+            step + 1
+        );
+    }
+    assert_eq!(resumed.evaluate(&data).unwrap().to_bits(), expected_eval.to_bits());
+    assert_eq!(resumed.history().train, whole.history().train);
+    for ((name, a), (_, b)) in whole.parameters().zip(resumed.parameters()) {
+        let diff = (a.as_tensor() - b.as_tensor())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap();
+        assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+    }
+}
+
+#[test]
+fn bad_checkpoints_and_data_are_errors() {
+    let data = corpus();
+    let dev = Device::Cpu;
+    let dir = common::temp_dir("bad-checkpoint");
+    let err = |r: anyhow::Result<Trainer>| format!("{:#}", r.err().expect("an error"));
+
+    let missing = dir.join("missing.safetensors");
+    assert!(err(Trainer::resume(&missing, &data, DType::F32, &dev)).contains("reading the checkpoint"));
+    let garbage = dir.join("garbage.safetensors");
+    std::fs::write(&garbage, b"not a checkpoint at all").unwrap();
+    assert!(err(Trainer::resume(&garbage, &data, DType::F32, &dev)).contains("not a safetensors file"));
+    // A plain weights file (no training metadata).
+    let weights = dir.join("weights.safetensors");
+    candle_core::safetensors::save(&common::weights(common::Family::Llama), &weights).unwrap();
+    assert!(err(Trainer::resume(&weights, &data, DType::F32, &dev)).contains("not a checkpoint of the train example"));
+
+    // A real checkpoint, resumed on other data.
+    let (model, cfg) = tiny(2, 1);
+    let path = dir.join("checkpoint.safetensors");
+    Trainer::new(model, cfg, DType::F32, &dev)
+        .unwrap()
+        .save(&path, &data)
+        .unwrap();
+    let other = Corpus::from_documents(
+        vec![b"print('hello')\n".repeat(50).iter().map(|&b| b as u32).collect()],
+        None,
+    );
+    assert!(err(Trainer::resume(&path, &other, DType::F32, &dev)).contains("other data"));
+    // Cut short: the header promises more bytes than the file has.
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    assert!(Trainer::resume(&path, &data, DType::F32, &dev).is_err());
+
+    // Too little data for one window.
+    let short = Corpus::from_documents(vec![vec![1, 2, 3]], None);
+    let (model, cfg) = tiny(2, 1);
+    let mut t = Trainer::new(model, cfg, DType::F32, &dev).unwrap();
+    let e = format!("{:#}", t.train_step(&short).unwrap_err());
+    assert!(e.contains("fewer than one window"), "{e}");
+    let empty = data::Corpus::from_files(&[], &Tokenization::Bytes, None);
+    assert!(format!("{:#}", empty.err().unwrap()).contains("empty"));
+}
+
+/// Gradients of every weight, through a loss over the whole model, with attention computed by
+/// flash-attn3 and by the matmul / masked softmax / matmul composite.
+#[test]
+fn model_gradients_match_reference_attention() {
+    let dev = Device::Cpu;
+    // GQA (4 heads on 2 kv heads), head_dim 16; plain causal and with a sliding window.
+    for window in [None, Some(9)] {
+        let mut model_cfg = train::llama_config(data::BYTE_VOCAB_SIZE, 64, 96, 2, 4, 2, 64);
+        model_cfg.sliding_window = window;
+        let (_, cfg) = tiny(1, 1);
+        let t = Trainer::new(model_cfg, cfg, DType::F32, &dev).unwrap();
+        let model = t.model().unwrap();
+        let (b, s) = (2, 37);
+        let mut rng = data::Rng(3);
+        let ids: Vec<u32> = (0..b * s + 1).map(|_| rng.below(256) as u32).collect();
+        let x = Tensor::from_vec(ids[..b * s].to_vec(), (b, s), &dev).unwrap();
+        let y = Tensor::from_vec(ids[1..].to_vec(), b * s, &dev).unwrap();
+        let loss =
+            |logits: Tensor| cross_entropy(&logits.reshape((b * s, data::BYTE_VOCAB_SIZE)).unwrap(), &y).unwrap();
+        let ours = loss(model.forward(&x).unwrap());
+        let reference = loss(model.forward_reference(&x).unwrap());
+        let (lo, lr) = (ours.to_scalar::<f32>().unwrap(), reference.to_scalar::<f32>().unwrap());
+        assert!((lo - lr).abs() < 1e-5, "window {window:?}: loss {lo} vs {lr}");
+        let g_ours = ours.backward().unwrap();
+        let g_ref = reference.backward().unwrap();
+        for (name, var) in t.parameters() {
+            let a = g_ours.get(var).unwrap_or_else(|| panic!("no gradient for {name}"));
+            let r = g_ref.get(var).unwrap();
+            let scale = r.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            let diff = (a - r)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(scale > 0.0, "{name}: zero gradient");
+            assert!(
+                diff <= 1e-4 * scale + 1e-7,
+                "window {window:?}, {name}: max |ours - reference| = {diff}, max |reference| = {scale}"
+            );
+        }
+    }
+}
