@@ -28,4 +28,15 @@ __device__ __forceinline__ void tma_load_4d(const TmaDesc* desc, void* dst, uint
         : "memory");
 }
 
+// Copies `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte aligned) from global to
+// shared memory with the bulk copy engine; completion is signalled to `bar` as transaction bytes.
+// The backward streams its per-row f32 vectors (log2-LSE, rowsum(dO∘O)) this way.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+            smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
+}
+
 }  // namespace fa3
