@@ -67,11 +67,9 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_preprocess_bf16(cons
 extern "C" __global__ void __launch_bounds__(256) flash_bwd_preprocess_f16(const __grid_constant__ fa3::BwdParams p) {
     fa3::bwd_preprocess<fa3::DT_F16>(p);
 }
-extern "C" __global__ void __launch_bounds__(256)
-    flash_bwd_postprocess_bf16(const __grid_constant__ fa3::BwdParams p, long long total_q) {
-    fa3::bwd_postprocess<fa3::DT_BF16>(p, total_q);
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_postprocess_bf16(const __grid_constant__ fa3::BwdParams p) {
+    fa3::bwd_postprocess<fa3::DT_BF16>(p);
 }
-extern "C" __global__ void __launch_bounds__(256)
-    flash_bwd_postprocess_f16(const __grid_constant__ fa3::BwdParams p, long long total_q) {
-    fa3::bwd_postprocess<fa3::DT_F16>(p, total_q);
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_postprocess_f16(const __grid_constant__ fa3::BwdParams p) {
+    fa3::bwd_postprocess<fa3::DT_F16>(p);
 }

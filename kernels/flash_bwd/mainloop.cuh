@@ -7,8 +7,8 @@
 //   dV += Pᵀ·dO,  dK += dSᵀ·Q   wgmma, A = Pᵀ / dSᵀ from registers, B = dO / Q read transposed
 //   dSᵀ -> shared memory; after a named barrier over both consumer warpgroups:
 //   dQ  = dS·K (this warpgroup's 64 x 64 share)  wgmma, A = dSᵀ and B = K both read transposed,
-//   added to the f32 dq_accum in global memory with vector reductions (deterministic mode: in
-//   key-block order through a per-(head, query block) semaphore).
+//   added to the f32 dq_accum in global memory with one bulk reduce-add per share (deterministic
+//   mode: vector reductions in key-block order through a per-(head, query block) semaphore).
 // dS here leaves out the softmax scale, which the epilogue (dK) and the postprocess (dQ) apply.
 #pragma once
 #include "../primitives/atomic.cuh"
@@ -123,37 +123,40 @@ __device__ __forceinline__ void store_ds(uint8_t* ds, const float (&dst)[Tr::kSR
     }
 }
 
-// Adds this warpgroup's 64 x 64 share of dQ (f32, without the scale) to dq_accum.
+// Adds this warpgroup's 64 x 64 share of dQ (f32, without the scale) to the accumulator block of
+// (head, query block m). Default: the share is staged in shared memory in register order and one
+// thread adds it with a single bulk reduce-add (asynchronous: the buffer is reused once the bulk
+// engine has read it, checked before the next dS barrier). Deterministic: every thread adds its
+// pairs with vector reductions once every earlier key block (both of its warpgroups) has added
+// its share: ordered per (head, query block) through a semaphore.
 template <class Tr>
-__device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, const float (&dq)[32], int head,
-                                       int m, int wg, int tid) {
-    const int warp = tid / 32, lane = tid % 32;
-    const int row0 = m * Tr::kBlockM + (Tr::kDqSplitRows ? wg * 64 : 0) + warp * 16 + lane / 4;
-    const int col0 = (Tr::kDqSplitRows ? 0 : wg * 64) + 2 * (lane % 4);
-    int* sem = nullptr;
-    if (p.dq_semaphore != nullptr) {
-        // Deterministic: wait until every earlier key block (both of its warpgroups) added its share.
-        sem = p.dq_semaphore + ((int64_t)kb.batch * p.heads + head) * p.num_m_blocks + m;
-        const int turn = 2 * (kb.n - first_key_block<Tr>(p, kb, m));
+__device__ __forceinline__ void add_dq(const BwdParams& p, BwdSharedStorage<Tr>& s, const KeyBlock& kb,
+                                       const float (&dq)[32], int head, int m, int wg, int tid) {
+    float* share = p.dq_accum + dq_share_base(p.padded_rows, Tr::kBlockM, head, kb.seq.pad0 + m * Tr::kBlockM, wg);
+    if (p.dq_semaphore == nullptr) {
+        float2* stage = reinterpret_cast<float2*>(s.dq_share[wg]);
+#pragma unroll
+        for (int pair = 0; pair < 16; ++pair) stage[pair * 128 + tid] = make_float2(dq[2 * pair], dq[2 * pair + 1]);
+        fence_proxy_async_smem();
+        named_barrier_sync(dq_barrier(wg), 128);
         if (tid == 0) {
-            while (ld_acquire(sem) < turn) {
-            }
+            bulk_reduce_add_f32(share, s.dq_share[wg], kDqShare * 4);
+            bulk_commit_group();
         }
-        named_barrier_sync(dq_barrier(wg), 128);
+        return;
     }
+    int* sem = p.dq_semaphore + ((int64_t)kb.batch * p.heads + head) * p.num_m_blocks + m;
+    const int turn = 2 * (kb.n - first_key_block<Tr>(p, kb, m));
+    if (tid == 0) {
+        while (ld_acquire(sem) < turn) {
+        }
+    }
+    named_barrier_sync(dq_barrier(wg), 128);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int i = row0 + 8 * h;
-        if (i >= kb.seq.seqlen_q) continue;
-        float* row = p.dq_accum + ((kb.seq.q_tok0 + i) * p.heads + head) * Tr::kHeadDim + col0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) red_add_f32x2(row + 8 * j, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
-    }
-    if (sem != nullptr) {
-        __threadfence();
-        named_barrier_sync(dq_barrier(wg), 128);
-        if (tid == 0) red_release_add(sem, 1);
-    }
+    for (int pair = 0; pair < 16; ++pair) red_add_f32x2(share + (pair * 128 + tid) * 2, dq[2 * pair], dq[2 * pair + 1]);
+    __threadfence();
+    named_barrier_sync(dq_barrier(wg), 128);
+    if (tid == 0) red_release_add(sem, 1);
 }
 
 template <class Tr>
@@ -212,6 +215,9 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
             uint8_t* ds = reinterpret_cast<uint8_t*>(s.ds[it & 1]);
             store_ds<Tr>(ds, dpt, key_in_tile, quad_lane);
             fence_proxy_async_smem();
+            // The barrier also tells this warpgroup that its dQ staging buffer is free again: the
+            // thread that issued the last bulk reduce-add waits until the engine has read it.
+            if (tid == 0) bulk_wait_group_read0();
             named_barrier_sync(kBarDsReady, 256);
 
             // ---- dQ share = dS·K: A = dSᵀ (keys x queries) and B = K (keys x head dim), both
@@ -237,9 +243,10 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
             }
             mbar_arrive(&s.empty[stage]);  // Q, dO, lse_log2, dpsum of this stage are no longer read
 
-            add_dq<Tr>(p, kb, dq, head, m, wg, tid);
+            add_dq<Tr>(p, s, kb, dq, head, m, wg, tid);
         }
     }
+    if (tid == 0) bulk_wait_group0();  // shared memory must outlive the last bulk reduce-add
 }
 
 // Stores this warpgroup's dK (times the softmax scale) and dV rows straight from registers: keys

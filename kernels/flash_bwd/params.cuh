@@ -21,7 +21,7 @@ struct alignas(64) BwdParams {
     const float* lse;        // the forward's LSE (natural log): (batch, heads, seqlen_q) or (heads, total_q)
     float* lse_log2;         // (heads, padded_rows): LSE * log2(e), +inf for rows that see no key or pad
     float* dpsum;            // (heads, padded_rows): D = rowsum(dO ∘ O), 0 in pad rows
-    float* dq_accum;         // (total_q, heads, kHeadDim) f32: dQ / scale, summed over key blocks
+    float* dq_accum;         // f32 dQ / scale summed over key blocks, zeroed by the host; blocked layout (dq_accum_offset)
     int* dq_semaphore;       // deterministic mode: (batch, heads, num_m_blocks) counters, zeroed; else null
     uint16_t* dq;            // (total_q, heads, head_dim), contiguous, q's dtype
     uint16_t* dk;            // (total_k, kv_heads, head_dim)
@@ -39,7 +39,8 @@ struct alignas(64) BwdParams {
     int group;               // heads / kv_heads
     int head_dim;
     int head_dim_v;
-    int head_dim_padded;     // kHeadDim of the main kernel's instantiation: dq_accum's row length
+    int head_dim_padded;     // kHeadDim of the main kernel's instantiation
+    int block_m;             // kBlockM of the main kernel's instantiation (dq_accum's blocks)
     int window_left;         // -1: unbounded
     int window_right;        // -1: unbounded; causal is 0
     float scale_log2;        // scale * log2(e) (softcap: cap * log2(e)); may be 0 or negative
@@ -53,6 +54,31 @@ struct alignas(64) BwdParams {
 // (cu_q[b] / 128 + b) * 128, which is >= the previous start plus its length rounded up to 128.
 constexpr int kRowPad = 128;
 __device__ __forceinline__ int64_t padded_row0(int q0, int b) { return ((int64_t)(q0 / kRowPad) + b) * kRowPad; }
+
+// The dQ accumulator is laid out the way the main kernel produces it, so that each consumer
+// warpgroup adds its 64 x 64 share of a query block with one contiguous bulk reduce-add:
+//   [head][padded row / block_m][share (2)][pair (16)][thread (128)][2 floats]
+// A query block (block_m padded rows x 128 f32 columns... i.e. 8192 values) holds two shares:
+// block_m = 128 (d64) splits its rows, block_m = 64 (d128) its columns. Inside a share, element
+// (row, col) sits where the wgmma accumulator fragment keeps it: thread 32·(row / 16) + 4·(row % 8)
+// + (col % 8) / 2, accumulator 4·(col / 8) + 2·((row % 16) / 8) + col % 2, stored as pairs so that
+// the kernel's shared-memory staging writes are conflict-free 8-byte stores.
+constexpr int kDqShare = 64 * 64;
+__device__ __forceinline__ int64_t dq_share_base(int64_t padded_rows, int block_m, int head, int64_t padded_row,
+                                                 int share) {
+    return (((int64_t)head * (padded_rows / block_m) + padded_row / block_m) * 2 + share) * kDqShare;
+}
+__device__ __forceinline__ int dq_share_offset(int row, int col) {
+    const int thread = 32 * (row / 16) + 4 * (row % 8) + (col % 8) / 2;
+    const int pair = 2 * (col / 8) + (row % 16) / 8;
+    return (pair * 128 + thread) * 2 + col % 2;
+}
+__device__ __forceinline__ int64_t dq_accum_offset(const BwdParams& p, int head, int64_t padded_row, int col) {
+    const int rr = (int)(padded_row % p.block_m);
+    const int share = p.block_m == 128 ? rr / 64 : col / 64;
+    const int row = p.block_m == 128 ? rr % 64 : rr;
+    return dq_share_base(p.padded_rows, p.block_m, head, padded_row, share) + dq_share_offset(row, col % 64);
+}
 
 // Sequence b's lengths and first token (TMA coordinates), fixed-length or varlen.
 struct SeqInfo {

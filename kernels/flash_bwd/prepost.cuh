@@ -1,7 +1,7 @@
 // The backward's small kernels around the main one.
 //   preprocess:  D = rowsum(dO ∘ O) in f32 and lse_log2 = LSE · log2(e) per (query, head), into the
 //                padded per-head vectors the main kernel bulk-copies (pad rows: D = 0,
-//                lse_log2 = +inf, so that their P = 0); zeroes each row of the f32 dQ accumulator.
+//                lse_log2 = +inf, so that their P = 0). (The host zeroes the f32 dQ accumulator.)
 //   postprocess: dQ = scale · dq_accum, converted to the output dtype.
 #pragma once
 #include "../primitives/convert.cuh"
@@ -52,20 +52,22 @@ template <int kDtype> __device__ void bwd_preprocess(const BwdParams& p) {
             // A row that saw no key has LSE -inf and P = 0 everywhere: +inf gives exp2(s - inf) = 0.
             p.lse_log2[slot] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
         }
-        float4* acc_row = reinterpret_cast<float4*>(p.dq_accum + (tok * p.heads + head) * p.head_dim_padded);
-        for (int c = lane; c < p.head_dim_padded / 4; c += 32) acc_row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
-// Grid-stride over (token, head, column pair) of dq.
-template <int kDtype> __device__ void bwd_postprocess(const BwdParams& p, int64_t total_q) {
-    const int pairs = p.head_dim / 2;
-    const int64_t n = total_q * p.heads * pairs;
-    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < n; idx += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t row = idx / pairs;
-        const int c = (int)(idx % pairs) * 2;
-        const float2 a = *reinterpret_cast<const float2*>(p.dq_accum + row * p.head_dim_padded + c);
-        *reinterpret_cast<uint32_t*>(p.dq + row * p.head_dim + c) = pack16x2<kDtype>(a.x * p.scale, a.y * p.scale);
+// Grid (ceil(max seqlen_q / 128), heads, batch), 256 threads: a warp per row, a column pair per lane.
+template <int kDtype> __device__ void bwd_postprocess(const BwdParams& p) {
+    const int head = blockIdx.y, b = blockIdx.z;
+    const SeqInfo seq = seq_info(p, b);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int r = warp; r < kPrepRows; r += 8) {
+        const int i = blockIdx.x * kPrepRows + r;
+        if (i >= seq.seqlen_q) return;
+        uint16_t* dq = p.dq + ((seq.q_tok0 + i) * p.heads + head) * p.head_dim;
+        for (int c = 2 * lane; c < p.head_dim; c += 64) {
+            const float2 a = *reinterpret_cast<const float2*>(p.dq_accum + dq_accum_offset(p, head, seq.pad0 + i, c));
+            *reinterpret_cast<uint32_t*>(dq + c) = pack16x2<kDtype>(a.x * p.scale, a.y * p.scale);
+        }
     }
 }
 

@@ -40,6 +40,9 @@ template <class Tr> struct BwdSharedStorage {
     // transposed. Two buffers so that a warpgroup writes block j+1 while the other may still
     // read block j.
     alignas(1024) uint16_t ds[2][Tr::kBlockN * Tr::kBlockM];
+    // Each consumer warpgroup's 64 x 64 share of dQ (f32) on its way to the bulk reduce-add, in the
+    // accumulator's register order (dq_share_offset).
+    alignas(128) float dq_share[Tr::kConsumerWGs][64 * 64];
     alignas(16) float lse_log2[Tr::kStages][Tr::kBlockM];
     alignas(16) float dpsum[Tr::kStages][Tr::kBlockM];
     alignas(8) uint64_t bar_kv;                // K and V of the CTA landed

@@ -29,4 +29,19 @@ __device__ __forceinline__ void red_release_add(int* addr, int v) {
 // TMA reading shared memory). Needed between st.shared and a wgmma that reads the same bytes.
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Bulk reduction shared -> global: adds `bytes` (a multiple of 16, both addresses 16-byte aligned)
+// of f32 values from shared memory to global memory element-wise, in L2, issued by one thread to
+// the bulk copy engine (far fewer L2 transactions than per-element red instructions). Completion
+// is tracked per thread through bulk async-groups.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, const float* ssrc, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gdst),
+                 "r"((uint32_t)__cvta_generic_to_shared(ssrc)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk groups have finished reading their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_group_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Waits until this thread's bulk groups are complete.
+__device__ __forceinline__ void bulk_wait_group0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 }  // namespace fa3

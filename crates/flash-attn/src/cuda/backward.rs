@@ -2,8 +2,8 @@
 //! compiled by build.rs into a second cubin that is embedded here and loaded once per device.
 //!
 //! Three launches on candle's stream, no host synchronisation:
-//! 1. preprocess: D = rowsum(dO ∘ O) and LSE · log2(e) into padded per-head f32 vectors, and the f32
-//!    dQ accumulator zeroed;
+//! 1. preprocess: D = rowsum(dO ∘ O) and LSE · log2(e) into padded per-head f32 vectors (the f32 dQ
+//!    accumulator is zeroed on the stream before);
 //! 2. main: one CTA per (key block of 128, kv head, sequence) computes dK and dV of its keys over
 //!    every query head of the GQA group and adds dS·K into the dQ accumulator;
 //! 3. postprocess: dQ = scale · accumulator, in the output dtype.
@@ -67,6 +67,7 @@ struct BwdParams {
     head_dim: i32,
     head_dim_v: i32,
     head_dim_padded: i32,
+    block_m: i32,
     window_left: i32,
     window_right: i32,
     scale_log2: f32,
@@ -131,8 +132,9 @@ impl Variant {
         let kv = 2 * BLOCK_N * d * 2;
         let q_do = 2 * 2 * bm * d * 2;
         let ds = 2 * BLOCK_N * bm * 2;
+        let dq_shares = 2 * 64 * 64 * 4;
         let rows = 2 * 2 * bm * 4;
-        kv + q_do + ds + rows + 64 + 1024
+        kv + q_do + ds + dq_shares + rows + 64 + 1024
     }
 }
 
@@ -305,11 +307,12 @@ fn backward_t<T: CudaDType + DeviceRepr>(
     // SAFETY: the kernels write every element: dq (postprocess, every row of every sequence),
     // dk and dv (the main kernel, every key of every sequence, zeros for keys no query sees).
     let mut grads = unsafe { dev.alloc::<T>(nq + nk + nv)? };
-    // SAFETY: the preprocess writes every slot the main kernel reads (pad rows included) and
-    // zeroes every row of the accumulator.
+    // SAFETY: the preprocess writes every slot the main kernel reads (pad rows included).
     let mut lse_log2 = unsafe { dev.alloc::<f32>(dims.heads * padded_rows)? };
     let mut dpsum = unsafe { dev.alloc::<f32>(dims.heads * padded_rows)? };
-    let mut dq_accum = unsafe { dev.alloc::<f32>(dims.total_q * dims.heads * variant.head_dim)? };
+    // The dQ accumulator, zeroed on the stream: (heads, padded rows, padded head dim) in the blocked
+    // order of `dq_accum_offset` (kernels/flash_bwd/params.cuh).
+    let mut dq_accum = dev.alloc_zeros::<f32>(dims.heads * padded_rows * variant.head_dim)?;
     // Zeroed on candle's stream, in order before the launch; freed in stream order after it.
     let mut semaphore = match saved.deterministic {
         true => Some(dev.alloc_zeros::<i32>(dims.batch * dims.heads * num_m_blocks)?),
@@ -409,6 +412,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
             head_dim: dims.head_dim as i32,
             head_dim_v: dims.head_dim_v as i32,
             head_dim_padded: variant.head_dim as i32,
+            block_m: bm as i32,
             window_left: window(params.window_left),
             window_right: window(params.window_right),
             scale_log2,
@@ -443,16 +447,17 @@ fn backward_t<T: CudaDType + DeviceRepr>(
         // SAFETY: as above.
         unsafe { launch.launch(cfg) }.map_err(|e| launch_err(name, e))?;
 
-        let pairs = nq / 2;
         let cfg = LaunchConfig {
-            grid_dim: (pairs.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
+            grid_dim: (
+                dims.seqlen_q.div_ceil(ROW_PAD) as u32,
+                dims.heads as u32,
+                dims.batch as u32,
+            ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let total_q = dims.total_q as i64;
         let mut launch = stream.launch_builder(&post);
         launch.arg(&p);
-        launch.arg(&total_q);
         // SAFETY: as above.
         unsafe { launch.launch(cfg) }.map_err(|e| launch_err(post_name, e))?;
     }
