@@ -1,5 +1,6 @@
-//! GPU forward tests (run on the GPU machine through scripts/gpu-run.sh): the Hopper kernel
-//! against the f64 reference of tests/reference.rs, with fresh random inputs for every check.
+//! GPU tests (run on the GPU machine through scripts/gpu-run.sh): the Hopper forward and backward
+//! kernels against the f64 reference of tests/reference.rs, with fresh random inputs for every
+//! check. The backward tests are at the end of the file.
 //!
 //! Covered: bf16 and f16; head dims 64/128/256 and the padded ones (32, 72, 96, 192, d != d_v);
 //! causal, sliding windows, softcap, negative/zero scale; odd seqlens (not multiples of the
@@ -12,9 +13,11 @@
 //! rounded to 16 bits before P·V, as in FA3), LSE 1e-3.
 #![cfg(feature = "cuda")]
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor, Var};
 use flash_attn3_tests::{
-    assert_close, attention_ref, attention_ref_varlen, cumulative, max_len, seqlens_tensor, AttnShape, Opts, TestRng,
+    assert_close, assert_close_with_floor, assert_identical, attention_grads_ref, attention_grads_ref_varlen,
+    attention_ref, attention_ref_varlen, cumulative, max_abs, max_len, relative_error_with_floor, seqlens_tensor,
+    AttnShape, Opts, TestRng,
 };
 
 const OUT_TOL: f64 = 1e-2;
@@ -392,4 +395,264 @@ fn dynamic_small_causal_for_sanitizer() -> Result<()> {
         ..Opts::new(0.125)
     };
     check_shape(shape, DType::BF16, o, &mut rng, "dynamic small causal")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward (kernels/flash_bwd/): gradients through candle's autograd (`loss.backward()` of
+// `sum(out ∘ w)`, so dL/dout = w) against the f64 analytic gradients of the reference.
+// Each gradient's error is relative to its own largest value, floored at the largest of the three
+// (dq is legitimately ~0 when every query sees one key), as in tests/cpu_backward.rs.
+// ---------------------------------------------------------------------------------------------
+
+const GRAD_TOL: f64 = 2e-2;
+
+/// dq, dk, dv of `sum(f(q, k, v) ∘ w)` through candle's autograd.
+fn autograd(
+    f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    w: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (qv, kv, vv) = (Var::from_tensor(q)?, Var::from_tensor(k)?, Var::from_tensor(v)?);
+    let out = f(qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
+    // Stale allocator memory is NaN: a gradient element the kernels forget to write fails.
+    poison(q.device(), 4 * (q.elem_count() + k.elem_count() + v.elem_count()))?;
+    let loss = (out * w)?.sum_all()?;
+    let grads = loss.backward()?;
+    let get = |x: &Var, name: &str| match grads.get(x.as_tensor()) {
+        Some(g) => Ok(g.clone()),
+        None => candle_core::bail!("no gradient for {name}"),
+    };
+    Ok((get(&qv, "q")?, get(&kv, "k")?, get(&vv, "v")?))
+}
+
+/// Checks the three gradients; returns the largest of their errors (for the log).
+fn check_grads(got: &(Tensor, Tensor, Tensor), want: &(Tensor, Tensor, Tensor), what: &str) -> Result<f64> {
+    let floor = max_abs(&want.0)?
+        .max(max_abs(&want.1)?)
+        .max(max_abs(&want.2)?)
+        .max(1e-6);
+    let mut worst = 0f64;
+    for (name, g, w) in [
+        ("dq", &got.0, &want.0),
+        ("dk", &got.1, &want.1),
+        ("dv", &got.2, &want.2),
+    ] {
+        assert_eq!(g.dims(), w.dims(), "{what}: {name} shape");
+        assert_close_with_floor(g, w, GRAD_TOL, floor, &format!("{what}: {name}"))?;
+        worst = worst.max(relative_error_with_floor(g, w, floor)?);
+    }
+    Ok(worst)
+}
+
+fn check_backward(shape: AttnShape, dtype: DType, o: Opts, rng: &mut TestRng, what: &str) -> Result<f64> {
+    let dev = gpu()?;
+    let (q, k, v) = shape.random_qkv(rng, dtype, &dev)?;
+    let w = rng.randn(shape.out_shape(), dtype, &dev)?;
+    let got = autograd(|q, k, v| o.builder().forward(q, k, v), &q, &k, &v, &w)?;
+    assert_eq!(got.0.dtype(), dtype, "{what}: dq dtype");
+    let want = attention_grads_ref(&q, &k, &v, &w, &o.reference())?;
+    check_grads(&got, &want, &format!("{what} {shape:?} {o:?} seed {}", rng.seed()))
+}
+
+#[test]
+fn backward_every_option_head_dims() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-bwd-options");
+    let (mut n, mut worst) = (0, 0f64);
+    for dtype in [DType::BF16, DType::F16] {
+        // 64 and 128 are instantiated; 40, 72 and 96 run padded; (64, 128) has d != d_v.
+        for (d, dv) in [(64, 64), (128, 128), (40, 40), (72, 72), (96, 96), (64, 128)] {
+            for (name, o) in variants(d, &mut rng) {
+                let ratio = rng.pick(&[1, 2, 4, 8]);
+                let kv_heads = rng.range(1, 2);
+                // Odd lengths around the tiles (64/128 queries, 128 keys), sq < sk and sq > sk.
+                let (sq, sk) = if rng.coin() {
+                    (rng.odd_len(1, 200), rng.odd_len(130, 330))
+                } else {
+                    (rng.odd_len(130, 330), rng.odd_len(1, 200))
+                };
+                let shape = AttnShape::new((rng.range(1, 2), sq, sk, kv_heads * ratio, kv_heads, d, dv));
+                let e = check_backward(shape, dtype, o, &mut rng, &format!("bwd {dtype:?} d{d}/{dv} {name}"))?;
+                worst = worst.max(e);
+                n += 1;
+            }
+        }
+    }
+    println!("backward_every_option_head_dims: {n} cases, max relative error {worst:.3e}");
+    Ok(())
+}
+
+#[test]
+fn backward_gqa_ratios_long_sequences() -> Result<()> {
+    // Many query blocks per key block (the Q/dO ring wraps many times) and every GQA ratio: a CTA
+    // sums dK/dV over the whole group of q heads.
+    let mut rng = TestRng::fresh("gpu-bwd-gqa");
+    let mut worst = 0f64;
+    for (ratio, d, dtype) in [
+        (1, 128, DType::BF16),
+        (2, 64, DType::F16),
+        (4, 128, DType::F16),
+        (8, 64, DType::BF16),
+    ] {
+        let (sq, sk) = (rng.odd_len(700, 1100), rng.odd_len(700, 1100));
+        let shape = AttnShape::new((2, sq, sk, 2 * ratio, 2, d, d));
+        let o = Opts::new(1.0 / (d as f64).sqrt());
+        worst = worst.max(check_backward(shape, dtype, o, &mut rng, "bwd gqa")?);
+        worst = worst.max(check_backward(
+            shape,
+            dtype,
+            Opts { right: Some(0), ..o },
+            &mut rng,
+            "bwd gqa causal",
+        )?);
+    }
+    println!("backward_gqa_ratios_long_sequences: 8 cases, max relative error {worst:.3e}");
+    Ok(())
+}
+
+#[test]
+fn backward_scales_negative_zero() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-bwd-scales");
+    let shape = AttnShape::new((1, 150, 190, 4, 2, 64, 64));
+    for scale in [-0.125, 0.0, 0.4] {
+        check_backward(
+            shape,
+            DType::BF16,
+            Opts::new(scale),
+            &mut rng,
+            &format!("bwd scale {scale}"),
+        )?;
+        let o = Opts {
+            softcap: Some(8.0),
+            right: Some(0),
+            ..Opts::new(scale)
+        };
+        check_backward(
+            shape,
+            DType::BF16,
+            o,
+            &mut rng,
+            &format!("bwd scale {scale} softcap causal"),
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn backward_varlen_with_empty_sequences() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-bwd-varlen");
+    let dev = gpu()?;
+    let (mut n, mut worst) = (0, 0f64);
+    for dtype in [DType::BF16, DType::F16] {
+        for d in [64, 128] {
+            for (name, o) in variants(d, &mut rng) {
+                let batch = rng.range(2, 5);
+                let mut lq: Vec<usize> = (0..batch).map(|_| rng.odd_len(1, 300)).collect();
+                let lk: Vec<usize> = (0..batch).map(|_| rng.odd_len(1, 300)).collect();
+                lq[rng.range(0, batch - 1)] = 0; // an empty query sequence: its keys get zero dk/dv
+                let (cu_q, cu_k) = (cumulative(&lq), cumulative(&lk));
+                if cu_q[batch] == 0 {
+                    continue;
+                }
+                let hk = rng.range(1, 2);
+                let h = hk * rng.pick(&[1, 2, 4]);
+                let q = rng.randn((cu_q[batch], h, d), dtype, &dev)?;
+                let k = rng.randn((cu_k[batch], hk, d), dtype, &dev)?;
+                let v = rng.randn((cu_k[batch], hk, d), dtype, &dev)?;
+                let w = rng.randn((cu_q[batch], h, d), dtype, &dev)?;
+                let (sq_t, sk_t) = (seqlens_tensor(&cu_q, &dev)?, seqlens_tensor(&cu_k, &dev)?);
+                let (mq, mk) = (max_len(&cu_q), max_len(&cu_k));
+                let f = |q: &Tensor, k: &Tensor, v: &Tensor| o.builder().forward_varlen(q, k, v, &sq_t, &sk_t, mq, mk);
+                let got = autograd(f, &q, &k, &v, &w)?;
+                let want = attention_grads_ref_varlen(&q, &k, &v, &w, &cu_q, &cu_k, &o.reference())?;
+                let what = format!(
+                    "bwd varlen {dtype:?} d{d} {name} lq {lq:?} lk {lk:?} h {h}/{hk} seed {}",
+                    rng.seed()
+                );
+                worst = worst.max(check_grads(&got, &want, &what)?);
+                n += 1;
+            }
+        }
+    }
+    println!("backward_varlen_with_empty_sequences: {n} cases, max relative error {worst:.3e}");
+    Ok(())
+}
+
+#[test]
+fn backward_deterministic_bitwise() -> Result<()> {
+    // dQ is summed over 8-9 key blocks per query block by concurrent CTAs: with
+    // .deterministic(true) three runs must give bit-identical gradients (and correct ones).
+    let mut rng = TestRng::fresh("gpu-bwd-deterministic");
+    let dev = gpu()?;
+    for (d, causal) in [(128, false), (64, true)] {
+        let shape = AttnShape::new((2, 1000, 1100, 8, 2, d, d));
+        let (q, k, v) = shape.random_qkv(&mut rng, DType::BF16, &dev)?;
+        let w = rng.randn(shape.out_shape(), DType::BF16, &dev)?;
+        let o = Opts {
+            right: causal.then_some(0),
+            ..Opts::new(1.0 / (d as f64).sqrt())
+        };
+        let f = |q: &Tensor, k: &Tensor, v: &Tensor| o.builder().deterministic(true).forward(q, k, v);
+        let first = autograd(f, &q, &k, &v, &w)?;
+        for run in 1..3 {
+            let again = autograd(f, &q, &k, &v, &w)?;
+            for (name, a, b) in [
+                ("dq", &first.0, &again.0),
+                ("dk", &first.1, &again.1),
+                ("dv", &first.2, &again.2),
+            ] {
+                assert_identical(
+                    b,
+                    a,
+                    &format!("deterministic d{d} causal {causal}: {name} of run {run}"),
+                )?;
+            }
+        }
+        let want = attention_grads_ref(&q, &k, &v, &w, &o.reference())?;
+        let e = check_grads(
+            &first,
+            &want,
+            &format!("deterministic d{d} causal {causal} seed {}", rng.seed()),
+        )?;
+        println!("backward_deterministic_bitwise d{d} causal {causal}: 3 identical runs, relative error {e:.3e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn backward_small_for_sanitizer() -> Result<()> {
+    // Two key blocks, causal, GQA 2, partial tiles; default and deterministic mode. Small enough
+    // for compute-sanitizer memcheck and racecheck.
+    let mut rng = TestRng::fresh("gpu-bwd-small");
+    let shape = AttnShape::new((1, 150, 200, 4, 2, 64, 64));
+    let o = Opts {
+        right: Some(0),
+        ..Opts::new(0.125)
+    };
+    check_backward(shape, DType::BF16, o, &mut rng, "bwd small causal")?;
+    let dev = gpu()?;
+    let (q, k, v) = shape.random_qkv(&mut rng, DType::BF16, &dev)?;
+    let w = rng.randn(shape.out_shape(), DType::BF16, &dev)?;
+    let got = autograd(
+        |q, k, v| o.builder().deterministic(true).forward(q, k, v),
+        &q,
+        &k,
+        &v,
+        &w,
+    )?;
+    let want = attention_grads_ref(&q, &k, &v, &w, &o.reference())?;
+    check_grads(&got, &want, "bwd small causal deterministic")?;
+    Ok(())
+}
+
+#[test]
+fn backward_errors_not_fallbacks() -> Result<()> {
+    // Head dims above 128 have a GPU forward but no GPU backward yet: a clear error.
+    let dev = gpu()?;
+    let q = Var::from_tensor(&Tensor::zeros((1, 8, 2, 256), DType::BF16, &dev)?)?;
+    let out = flash_attn3::flash_attn(q.as_tensor(), q.as_tensor(), q.as_tensor(), 0.0625, false)?;
+    let e = out.sum_all()?.backward().expect_err("expected an error").to_string();
+    assert!(e.contains("up to 128"), "{e}");
+    Ok(())
 }

@@ -1,6 +1,6 @@
-//! Compiles the Hopper kernels (kernels/ at the workspace root) into one cubin when the `cuda`
-//! feature is on. The crate embeds it with `include_bytes!` and loads it at run time through
-//! candle's cudarc; nothing links against the CUDA runtime.
+//! Compiles the Hopper kernels (kernels/ at the workspace root) into two cubins (forward and
+//! backward) when the `cuda` feature is on. The crate embeds them with `include_bytes!` and loads
+//! them at run time through candle's cudarc; nothing links against the CUDA runtime.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -20,23 +20,35 @@ fn main() {
     watch(&kernels);
 
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
-    let cubin = out_dir.join("flash_fwd.cubin");
     let nvcc = find_nvcc();
-    let status = Command::new(&nvcc)
-        .args([
-            "-cubin",
-            "-gencode=arch=compute_90a,code=sm_90a",
-            "-O3",
-            "-std=c++17",
-            "-Xptxas=-warn-spills",
-        ])
-        .arg(kernels.join("flash_fwd/kernel.cu"))
-        .arg("-o")
-        .arg(&cubin)
-        .status()
-        .unwrap_or_else(|e| panic!("flash-attn3: could not run {} ({e})", nvcc.display()));
-    if !status.success() {
-        panic!("flash-attn3: nvcc failed to compile kernels/flash_fwd/kernel.cu ({status})");
+    // The forward and the backward are separate cubins, compiled in parallel.
+    let jobs: Vec<_> = [
+        ("flash_fwd/kernel.cu", "flash_fwd.cubin"),
+        ("flash_bwd/kernel.cu", "flash_bwd.cubin"),
+    ]
+    .into_iter()
+    .map(|(src, cubin)| {
+        let child = Command::new(&nvcc)
+            .args([
+                "-cubin",
+                "-gencode=arch=compute_90a,code=sm_90a",
+                "-O3",
+                "-std=c++17",
+                "-Xptxas=-warn-spills",
+            ])
+            .arg(kernels.join(src))
+            .arg("-o")
+            .arg(out_dir.join(cubin))
+            .spawn()
+            .unwrap_or_else(|e| panic!("flash-attn3: could not run {} ({e})", nvcc.display()));
+        (src, child)
+    })
+    .collect();
+    for (src, mut child) in jobs {
+        let status = child.wait().expect("flash-attn3: waiting for nvcc");
+        if !status.success() {
+            panic!("flash-attn3: nvcc failed to compile kernels/{src} ({status})");
+        }
     }
 }
 

@@ -8,6 +8,8 @@ Run `python3 kernels/primitives/gen_wgmma.py` after changing it; the output is c
 import os
 
 NS = (64, 128, 256)
+# Shapes of the transposed-A wrappers: the backward's dQ tiles are 64 x 64 per warpgroup.
+NS_TT = (64,)
 TYPES = (("bf16", "bf16"), ("f16", "f16"))
 
 
@@ -25,6 +27,23 @@ template <> __device__ __forceinline__ void wgmma_ss<{n}, DT_{ptx_t.upper()}>(fl
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "
         "{{{acc_list(r, 0)}}}, "
         "%{r}, %{r + 1}, p, 1, 1, 0, 0;\\n}}\\n"
+        : {ops}
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}}
+'''
+
+
+def gen_ss_tt(n, ptx_t):
+    r = n // 2
+    ops = ", ".join(f'"+f"(d[{i}])' for i in range(r))
+    return f'''// D(64x{n}, f32) += A(64x16, smem, MN-major) * B(16x{n}, smem, MN-major): both operands read
+// transposed (the backward's dQ = dS·K with dS stored as dSᵀ and K as keys x head_dim).
+template <> __device__ __forceinline__ void wgmma_ss_tt<{n}, DT_{ptx_t.upper()}>(float (&d)[{r}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "
+        "{{{acc_list(r, 0)}}}, "
+        "%{r}, %{r + 1}, p, 1, 1, 1, 1;\\n}}\\n"
         : {ops}
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }}
@@ -59,6 +78,7 @@ def main():
         "enum WgmmaType { DT_BF16 = 0, DT_F16 = 1 };",
         "",
         "template <int N, int T> __device__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d);",
+        "template <int N, int T> __device__ void wgmma_ss_tt(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d);",
         "template <int N, int T> __device__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b);",
         "",
     ]
@@ -66,6 +86,8 @@ def main():
         for _, t in TYPES:
             out.append(gen_ss(n, t))
             out.append(gen_rs(n, t))
+            if n in NS_TT:
+                out.append(gen_ss_tt(n, t))
     out.append("}  // namespace fa3\n")
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wgmma_ops.cuh")
     with open(path, "w") as f:

@@ -48,9 +48,27 @@ template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
 
-// Makes this thread's generic-proxy shared-memory writes visible to the async proxy (TMA).
+// Waits until at most N of this thread's bulk groups are still incomplete (their global writes or
+// reductions not yet performed).
+template <int N> __device__ __forceinline__ void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Makes this thread's generic-proxy shared-memory writes visible to the async proxy (TMA, and
+// wgmma reading shared memory): needed between st.shared and a TMA store or wgmma of the same bytes.
 __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Copies `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte aligned) from global to
+// shared memory with the bulk copy engine; completion is signalled to `bar` as transaction bytes.
+// The backward streams its per-row f32 vectors (log2-LSE, rowsum(dO∘O)) this way.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+            smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
 }
 
 }  // namespace fa3

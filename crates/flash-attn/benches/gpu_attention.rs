@@ -9,7 +9,12 @@
 //! work (validation, TMA descriptor encoding, output allocation) like a user's call would.
 //!
 //! Env: BENCH_SEQS="512,1024", BENCH_HDIMS="64,128", BENCH_CAUSAL="0" (or "1", default both),
-//! BENCH_DECODE=0 to skip the decode rows.
+//! BENCH_DECODE=0 to skip the decode rows,
+//! BENCH_PASSES="fwd,bwd" (default fwd): `bwd` adds the backward over the same grid, timed as
+//! `out.backward()` of a kept forward (dO = ones; the op's backward plus candle's gradient
+//! bookkeeping), FLOPs 2.5 × the forward's (the FA3 paper's convention).
+
+use candle_core::Var;
 
 use std::time::Instant;
 
@@ -42,10 +47,86 @@ fn time(dev: &Device, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
     Ok(start.elapsed().as_secs_f64() / reps as f64)
 }
 
+fn seq_label(s: usize) -> String {
+    if s >= 1024 {
+        format!("{}k", s / 1024)
+    } else {
+        s.to_string()
+    }
+}
+
+/// The backward over the paper grid: TFLOP/s per (head dim, mask) row.
+fn backward_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
+    let mut table = Vec::new();
+    for &d in hdims {
+        for causal in [false, true] {
+            let mut row = Vec::new();
+            for &s in seqs {
+                let (b, h) = (16384 / s, 2048 / d);
+                let var = |dev: &Device| -> Result<Var> {
+                    Var::from_tensor(&Tensor::randn(0f32, 1., (b, s, h, d), dev)?.to_dtype(DType::BF16)?)
+                };
+                let (q, k, v) = (var(dev)?, var(dev)?, var(dev)?);
+                let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
+                let out = attn.forward(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+                let secs = time(dev, || {
+                    let grads = out.backward()?;
+                    match grads.get(q.as_tensor()) {
+                        Some(g) => Ok(g.clone()),
+                        None => candle_core::bail!("no gradient for q"),
+                    }
+                });
+                let secs = match secs {
+                    Ok(secs) => secs,
+                    Err(e) => {
+                        println!("ours         bwd d={d:>3} causal={} s={s:>5}: FAILED {e}", causal as u8);
+                        row.push(None);
+                        continue;
+                    }
+                };
+                let flops = 2.5 * 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
+                let tflops = flops / secs / 1e12;
+                println!(
+                    "ours         bwd d={d:>3} causal={} s={s:>5} b={b:>2} h={h:>2}: {:>8.3} ms {tflops:>7.1} TFLOP/s",
+                    causal as u8,
+                    secs * 1e3
+                );
+                row.push(Some(tflops));
+            }
+            table.push((d, causal, row));
+        }
+    }
+    println!("\nGPU backward, bf16, TFLOP/s (16k tokens, hidden 2048; FLOPs 2.5 x forward)");
+    print!("| head dim | mask |");
+    for s in seqs {
+        print!(" {} |", seq_label(*s));
+    }
+    println!();
+    println!("|---|---|{}", "---|".repeat(seqs.len()));
+    for (d, causal, row) in &table {
+        print!("| {d} | {} |", if *causal { "causal" } else { "full" });
+        for t in row {
+            match t {
+                Some(t) => print!(" {t:.0} |"),
+                None => print!(" - |"),
+            }
+        }
+        println!();
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let dev = Device::new_cuda(0)?;
     let seqs = list("BENCH_SEQS", &[512, 1024, 2048, 4096, 8192, 16384]);
     let hdims = list("BENCH_HDIMS", &[64, 128, 256]);
+    let passes = std::env::var("BENCH_PASSES").unwrap_or_else(|_| "fwd".into());
+    if passes.split(',').any(|p| p.trim() == "bwd") {
+        backward_grid(&dev, &seqs, &hdims)?;
+    }
+    if !passes.split(',').any(|p| p.trim() == "fwd") {
+        return Ok(());
+    }
     let mut table = Vec::new();
     for &d in &hdims {
         for causal in list("BENCH_CAUSAL", &[0, 1]).into_iter().map(|c| c != 0) {

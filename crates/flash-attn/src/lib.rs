@@ -130,6 +130,7 @@ pub struct FlashAttn {
     window_left: Option<usize>,
     window_right: Option<usize>,
     softcap: Option<f32>,
+    deterministic: bool,
 }
 
 impl FlashAttn {
@@ -141,6 +142,7 @@ impl FlashAttn {
             window_left: None,
             window_right: None,
             softcap: None,
+            deterministic: false,
         }
     }
 
@@ -160,6 +162,13 @@ impl FlashAttn {
     /// Caps scaled scores smoothly: `s -> cap * tanh(s / cap)` (Gemma 2, Grok).
     pub fn softcap(mut self, cap: f32) -> Self {
         self.softcap = Some(cap);
+        self
+    }
+
+    /// Makes the GPU backward bitwise reproducible: dQ is summed over key blocks in a fixed order
+    /// (slightly slower). The CPU backward is always deterministic; the forward is unaffected.
+    pub fn deterministic(mut self, deterministic: bool) -> Self {
+        self.deterministic = deterministic;
         self
     }
 
@@ -188,7 +197,7 @@ impl FlashAttn {
     pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let params = self.params()?;
         let dims = params::check_fixed(q, k, v)?;
-        run(params, q, k, v, dims, None)
+        run(params, q, k, v, dims, None, self.deterministic)
     }
 
     /// The varlen form of [`FlashAttn::forward`]; see [`flash_attn_varlen`] for the layout.
@@ -222,7 +231,7 @@ impl FlashAttn {
     ) -> Result<(Tensor, Tensor)> {
         let params = self.params()?;
         let (dims, varlen) = params::check_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)?;
-        run(params, q, k, v, dims, Some(varlen))
+        run(params, q, k, v, dims, Some(varlen), self.deterministic)
     }
 }
 
@@ -240,8 +249,10 @@ fn run(
     v: &Tensor,
     dims: Dims,
     varlen: Option<Varlen>,
+    deterministic: bool,
 ) -> Result<(Tensor, Tensor)> {
-    let op = FlashAttnFwd::new(params, dims, varlen);
+    let mut op = FlashAttnFwd::new(params, dims, varlen);
+    op.deterministic = deterministic;
     let lse = op.lse.clone();
     let out = q.apply_op3(k, v, op)?;
     match lse.get() {

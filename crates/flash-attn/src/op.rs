@@ -49,6 +49,8 @@ pub(crate) struct FlashAttnFwd {
     pub dims: Dims,
     pub varlen: Option<Varlen>,
     pub lse: Arc<OnceLock<Tensor>>,
+    /// The GPU backward sums dQ in a fixed order (bitwise reproducible gradients).
+    pub deterministic: bool,
 }
 
 impl FlashAttnFwd {
@@ -58,6 +60,7 @@ impl FlashAttnFwd {
             dims,
             varlen,
             lse: Arc::new(OnceLock::new()),
+            deterministic: false,
         }
     }
 
@@ -138,6 +141,7 @@ impl CustomOp3 for FlashAttnFwd {
             out: out.clone(),
             grad_out: grad_out.contiguous()?,
             lse: self.saved_lse()?,
+            deterministic: self.deterministic,
         };
         // One op computes the three gradients into one flat buffer; split it here.
         let packed = q.apply_op3_no_bwd(k, v, &backward)?;
@@ -158,6 +162,8 @@ pub(crate) struct FlashAttnBwd {
     pub out: Tensor,
     pub grad_out: Tensor,
     pub lse: Tensor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub deterministic: bool,
 }
 
 impl CustomOp3 for FlashAttnBwd {
@@ -199,13 +205,37 @@ impl CustomOp3 for FlashAttnBwd {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        _q: &candle_core::CudaStorage,
-        _q_l: &Layout,
-        _k: &candle_core::CudaStorage,
-        _k_l: &Layout,
-        _v: &candle_core::CudaStorage,
-        _v_l: &Layout,
+        q: &candle_core::CudaStorage,
+        q_l: &Layout,
+        k: &candle_core::CudaStorage,
+        k_l: &Layout,
+        v: &candle_core::CudaStorage,
+        v_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        bail!("flash-attn3: the attention backward is not implemented on the GPU yet")
+        // The preprocess reads O and dO rows as 16-byte vectors: contiguous, 8-element aligned starts.
+        let aligned = |t: &Tensor| -> Result<Tensor> {
+            match t.is_contiguous() && t.layout().start_offset() % 8 == 0 {
+                true => Ok(t.clone()),
+                false => t.force_contiguous(),
+            }
+        };
+        let saved = crate::cuda::SavedForBackward {
+            out: &aligned(&self.out)?,
+            grad_out: &aligned(&self.grad_out)?,
+            lse: &self.lse,
+            deterministic: self.deterministic,
+        };
+        let grads = crate::cuda::backward(
+            &self.dims,
+            self.params,
+            self.varlen.as_ref(),
+            (q, q_l),
+            (k, k_l),
+            (v, v_l),
+            &saved,
+        )?;
+        let d = &self.dims;
+        let len = d.total_q * d.heads * d.head_dim + d.total_k * d.kv_heads * (d.head_dim + d.head_dim_v);
+        Ok((grads, Shape::from(len)))
     }
 }

@@ -20,6 +20,9 @@ use half::{bf16, f16};
 
 use crate::params::{AttnParams, Dims, Varlen};
 
+mod backward;
+pub(crate) use backward::{backward, SavedForBackward};
+
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_fwd.cubin"));
 
 /// Query rows per consumer warpgroup (wgmma's M), and of each box of the epilogue's O store.

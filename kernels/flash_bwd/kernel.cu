@@ -1,0 +1,75 @@
+// The Hopper (sm_90a) FlashAttention-3 backward: preprocess, warp-specialised main kernel
+// (TMA + wgmma), postprocess. See docs/kernels/backward-sm90.md.
+//
+// Main kernel: one CTA per (key block of 128, kv head, sequence) with 3 warpgroups. Warpgroup 0
+// is the producer (one thread issues the copies; the warpgroup gives its registers away with
+// setmaxnreg); warpgroups 1 and 2 are consumers that each own 64 keys and keep their dK and dV in
+// registers while the query blocks of every q head of the kv head's group stream past. dK and dV
+// are therefore complete when the loop ends (GQA sums inside the CTA, no atomics); dQ is summed
+// over key blocks in an f32 buffer in global memory.
+#include "../primitives/warp.cuh"
+#include "load.cuh"
+#include "mainloop.cuh"
+#include "prepost.cuh"
+
+namespace fa3 {
+
+template <class Tr> __device__ __forceinline__ void flash_bwd(const BwdParams& p) {
+    extern __shared__ uint8_t smem_raw[];
+    // TMA's 128B swizzle and the wgmma descriptors assume 1024-byte aligned tiles.
+    uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
+    BwdSharedStorage<Tr>& s = *reinterpret_cast<BwdSharedStorage<Tr>*>(base);
+
+    KeyBlock kb;
+    if (!get_key_block<Tr>(p, kb)) return;  // the same for every thread of the CTA
+    const int wg = threadIdx.x / 128;
+    const int tid = threadIdx.x % 128;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&s.bar_kv, 1);
+#pragma unroll
+        for (int i = 0; i < Tr::kStages; ++i) {
+            mbar_init(&s.full[i], 1);
+            mbar_init(&s.empty[i], 128 * Tr::kConsumerWGs);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        warpgroup_reg_dealloc<Tr::kProducerRegs>();
+        if (tid == 0) bwd_producer<Tr>(p, s, kb);
+    } else {
+        warpgroup_reg_alloc<Tr::kConsumerRegs>();
+        float dk[Tr::kAccRegs], dv[Tr::kAccRegs];
+        bwd_consumer<Tr>(p, s, kb, wg - 1, tid, dk, dv);
+        store_dk_dv<Tr>(p, kb, dk, dv, wg - 1, tid);
+    }
+}
+
+}  // namespace fa3
+
+#define FA3_BWD_KERNEL(NAME, D, DT)                                                                      \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ fa3::BwdParams p) { \
+        fa3::flash_bwd<fa3::BwdTraits<D, DT>>(p);                                                        \
+    }
+
+// Instantiations: padded head dim 64 and 128 per dtype; any other multiple of 8 up to 128 runs on
+// the next one up with TMA zero-filling the missing columns.
+FA3_BWD_KERNEL(flash_bwd_d64_bf16, 64, fa3::DT_BF16)
+FA3_BWD_KERNEL(flash_bwd_d128_bf16, 128, fa3::DT_BF16)
+FA3_BWD_KERNEL(flash_bwd_d64_f16, 64, fa3::DT_F16)
+FA3_BWD_KERNEL(flash_bwd_d128_f16, 128, fa3::DT_F16)
+
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_preprocess_bf16(const __grid_constant__ fa3::BwdParams p) {
+    fa3::bwd_preprocess<fa3::DT_BF16>(p);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_preprocess_f16(const __grid_constant__ fa3::BwdParams p) {
+    fa3::bwd_preprocess<fa3::DT_F16>(p);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_postprocess_bf16(const __grid_constant__ fa3::BwdParams p) {
+    fa3::bwd_postprocess<fa3::DT_BF16>(p);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_postprocess_f16(const __grid_constant__ fa3::BwdParams p) {
+    fa3::bwd_postprocess<fa3::DT_F16>(p);
+}

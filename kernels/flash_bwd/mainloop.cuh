@@ -1,0 +1,278 @@
+// A consumer warpgroup: 64 keys of the CTA's key block against every query block the producer
+// streams. Per query block (kBlockM queries), with w = this warpgroup's 64 keys:
+//   Sᵀ  = K_w·Qᵀ        wgmma, both operands K-major in shared memory      (64 x kBlockM)
+//   dPᵀ = V_w·dOᵀ       wgmma, likewise
+//   Pᵀ  = exp2(Sᵀ·scale·log2e − lse_log2)   (softcap: through tanh), masked on boundary blocks
+//   dSᵀ = Pᵀ ∘ (dPᵀ − D)                    (softcap: times 1 − tanh²)
+//   dV += Pᵀ·dO,  dK += dSᵀ·Q   wgmma, A = Pᵀ / dSᵀ from registers, B = dO / Q read transposed
+//   dSᵀ -> shared memory; after a named barrier over both consumer warpgroups:
+//   dQ  = dS·K (this warpgroup's 64 x 64 share)  wgmma, A = dSᵀ and B = K both read transposed,
+//   added to the f32 dq_accum in global memory with one bulk reduce-add per share (deterministic
+//   mode: vector reductions in key-block order through a per-(head, query block) semaphore).
+// dS here leaves out the softmax scale, which the epilogue (dK) and the postprocess (dQ) apply.
+#pragma once
+#include "../primitives/atomic.cuh"
+#include "../primitives/convert.cuh"
+#include "../primitives/mbarrier.cuh"
+#include "../primitives/warp.cuh"
+#include "../primitives/wgmma.cuh"
+#include "block.cuh"
+#include "traits.cuh"
+
+namespace fa3 {
+
+// Named barriers (0 is __syncthreads): dSᵀ of a query block is in shared memory (both consumer
+// warpgroups, 256 threads); per-warpgroup barriers of the deterministic dQ hand-off.
+constexpr int kBarDsReady = 1;
+__device__ __forceinline__ int dq_barrier(int wg) { return 2 + wg; }
+
+// Byte offset of element (row, col) of a [rows][64] 16-bit tile in TMA's 128-byte swizzle: the
+// 16-byte chunk index inside a 128-byte row is XORed with the row index mod 8.
+__device__ __forceinline__ uint32_t swizzle128_offset(int row, int col) {
+    return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
+}
+
+template <class Tr>
+__device__ __forceinline__ void issue_k_major(float (&acc)[Tr::kSRegs], uint32_t a_base, uint32_t b_base) {
+    // A: 64 of kBlockN key rows (K or V), B: kBlockM query rows (Q or dO); both K-major over the
+    // head dim: k-step kk is column block kk / 4, 32-byte slice kk % 4 inside the swizzled row.
+#pragma unroll
+    for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
+        const uint32_t off = kk / 4, in_row = (kk % 4) * 32;
+        const uint64_t da = smem_desc_sw128(a_base + off * Tr::kBlockN * 128 + in_row, 16, 1024);
+        const uint64_t db = smem_desc_sw128(b_base + off * Tr::kBlockM * 128 + in_row, 16, 1024);
+        wgmma_ss<Tr::kBlockM, Tr::kDtype>(acc, da, db, kk > 0 ? 1 : 0);
+    }
+}
+
+template <class Tr>
+__device__ __forceinline__ void issue_rs(float (&acc)[Tr::kAccRegs], const uint32_t (&a)[Tr::kBlockM / 16][4],
+                                         uint32_t b_base) {
+    // B (queries x head dim, head dim contiguous) read MN-major: LBO steps between 64-column
+    // blocks of the head dim, SBO between groups of 8 query rows; k-step kk = 16 query rows.
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
+        const uint64_t db = smem_desc_sw128(b_base + kk * 16 * 128, Tr::kBlockM * 128, 1024);
+        wgmma_rs<Tr::kHeadDim, Tr::kDtype>(acc, a[kk], db);
+    }
+}
+
+// Pᵀ and dSᵀ of one query block, in place: st (scores) becomes Pᵀ, dpt becomes dSᵀ.
+// key: this thread's first key (the second is key + 8); i0: the block's first query.
+template <class Tr>
+__device__ __forceinline__ void probs_and_grads(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
+                                                float (&dpt)[Tr::kSRegs], const float* lse_log2, const float* dpsum,
+                                                int key, int i0, int quad_lane, bool masked) {
+    const bool softcap = p.softcap_pre != 0.f;
+#pragma unroll
+    for (int j = 0; j < Tr::kSRegs / 4; ++j) {
+        const int col = 8 * j + 2 * quad_lane;  // query column of accumulator pairs 4j.. (rows key, key + 8)
+        const float2 l = *reinterpret_cast<const float2*>(lse_log2 + col);
+        const float2 dd = *reinterpret_cast<const float2*>(dpsum + col);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            bool vis[2] = {true, true};
+            if (masked) {
+                const int i = i0 + col + e;
+                int lo, hi;
+                key_range(p, i, kb.seq.seqlen_q, kb.seq.seqlen_k, lo, hi);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) vis[h] = i < kb.seq.seqlen_q && key + 8 * h >= lo && key + 8 * h < hi;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 4 * j + 2 * h + e;
+                float x = st[r], dtanh = 1.f;
+                if (softcap) {
+                    const float t = tanhf(x * p.softcap_pre);
+                    dtanh = 1.f - t * t;
+                    x = t;
+                }
+                const float prob = vis[h] ? fast_exp2(x * p.scale_log2 - (e ? l.y : l.x)) : 0.f;
+                st[r] = prob;
+                dpt[r] = vis[h] ? prob * (dpt[r] - (e ? dd.y : dd.x)) * dtanh : 0.f;
+            }
+        }
+    }
+}
+
+// Accumulator pairs 8kk..8kk+7 are the four A registers of k-step kk (rows r, r+8; columns +0, +8).
+template <class Tr>
+__device__ __forceinline__ void to_a_operand(const float (&acc)[Tr::kSRegs], uint32_t (&a)[Tr::kBlockM / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[kk][r] = pack16x2<Tr::kDtype>(acc[8 * kk + 2 * r], acc[8 * kk + 2 * r + 1]);
+    }
+}
+
+// Writes this thread's dSᵀ values (rows key_in_tile, +8) into the swizzled [kBlockN][64] column
+// blocks of the ds buffer (one column block per 64 queries).
+template <class Tr>
+__device__ __forceinline__ void store_ds(uint8_t* ds, const float (&dst)[Tr::kSRegs], int key_in_tile, int quad_lane) {
+#pragma unroll
+    for (int j = 0; j < Tr::kSRegs / 4; ++j) {
+        const int col = 8 * j + 2 * quad_lane;
+        const int cb = col / 64, cc = col % 64;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = key_in_tile + 8 * h;
+            *reinterpret_cast<uint32_t*>(ds + cb * Tr::kBlockN * 128 + swizzle128_offset(row, cc)) =
+                pack16x2<Tr::kDtype>(dst[4 * j + 2 * h], dst[4 * j + 2 * h + 1]);
+        }
+    }
+}
+
+// Adds this warpgroup's 64 x 64 share of dQ (f32, without the scale) to the accumulator block of
+// (head, query block m). Default: the share is staged in shared memory in register order and one
+// thread adds it with a single bulk reduce-add (asynchronous: the buffer is reused once the bulk
+// engine has read it, checked before the next dS barrier). Deterministic: every thread adds its
+// pairs with vector reductions once every earlier key block (both of its warpgroups) has added
+// its share: ordered per (head, query block) through a semaphore.
+template <class Tr>
+__device__ __forceinline__ void add_dq(const BwdParams& p, BwdSharedStorage<Tr>& s, const KeyBlock& kb,
+                                       const float (&dq)[32], int head, int m, int wg, int tid) {
+    float* share = p.dq_accum + dq_share_base(p.padded_rows, Tr::kBlockM, head, kb.seq.pad0 + m * Tr::kBlockM, wg);
+    if (p.dq_semaphore == nullptr) {
+        float2* stage = reinterpret_cast<float2*>(s.dq_share[wg]);
+#pragma unroll
+        for (int pair = 0; pair < 16; ++pair) stage[pair * 128 + tid] = make_float2(dq[2 * pair], dq[2 * pair + 1]);
+        fence_proxy_async_smem();
+        named_barrier_sync(dq_barrier(wg), 128);
+        if (tid == 0) {
+            bulk_reduce_add_f32(share, s.dq_share[wg], kDqShare * 4);
+            bulk_commit_group();
+        }
+        return;
+    }
+    int* sem = p.dq_semaphore + ((int64_t)kb.batch * p.heads + head) * p.num_m_blocks + m;
+    const int turn = 2 * (kb.n - first_key_block<Tr>(p, kb, m));
+    if (tid == 0) {
+        while (ld_acquire(sem) < turn) {
+        }
+    }
+    named_barrier_sync(dq_barrier(wg), 128);
+#pragma unroll
+    for (int pair = 0; pair < 16; ++pair) red_add_f32x2(share + (pair * 128 + tid) * 2, dq[2 * pair], dq[2 * pair + 1]);
+    __threadfence();
+    named_barrier_sync(dq_barrier(wg), 128);
+    if (tid == 0) red_release_add(sem, 1);
+}
+
+template <class Tr>
+__device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const KeyBlock& kb, int wg, int tid,
+                             float (&dk)[Tr::kAccRegs], float (&dv)[Tr::kAccRegs]) {
+    const int warp = tid / 32, lane = tid % 32, quad_lane = lane % 4;
+    const int key_in_tile = wg * 64 + warp * 16 + lane / 4;  // this thread's first key row; +8 the second
+    const int key = kb.n * Tr::kBlockN + key_in_tile;
+#pragma unroll
+    for (int i = 0; i < Tr::kAccRegs; ++i) dk[i] = dv[i] = 0.f;
+
+    // This warpgroup's 64 key rows inside each 128-row column block of K and V.
+    const uint32_t k_rows = smem_u32(s.k) + wg * 64 * 128, v_rows = smem_u32(s.v) + wg * 64 * 128;
+    // dQ operands of this warpgroup's share: d64 takes query rows [64 wg, 64 wg + 64) of dS (a
+    // column block of dSᵀ) and all of K; d128 all of dS and K's column block wg.
+    const uint32_t ds_share = Tr::kDqSplitRows ? wg * Tr::kBlockN * 128 : 0;
+    const uint32_t k_share = smem_u32(s.k) + (Tr::kDqSplitRows ? 0 : wg * Tr::kBlockN * 128);
+    mbar_wait(&s.bar_kv, 0);
+
+    int it = 0;
+    for (int g = 0; g < p.group; ++g) {
+        const int head = kb.kv_head * p.group + g;
+        for (int m = kb.m_min; m < kb.m_max; ++m, ++it) {
+            const int stage = it % Tr::kStages;
+            const uint32_t phase = (it / Tr::kStages) & 1;
+            const uint32_t q_base = smem_u32(s.q[stage]), do_base = smem_u32(s.dout[stage]);
+            mbar_wait(&s.full[stage], phase);
+
+            // ---- Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, two groups in flight together
+            float st[Tr::kSRegs], dpt[Tr::kSRegs];
+            wgmma_fence();
+            issue_k_major<Tr>(st, k_rows, q_base);
+            wgmma_commit();
+            issue_k_major<Tr>(dpt, v_rows, do_base);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operand(st);
+            fence_operand(dpt);
+
+            // ---- Pᵀ, dSᵀ (f32), then both as 16-bit A operands
+            probs_and_grads<Tr>(p, kb, st, dpt, s.lse_log2[stage], s.dpsum[stage], key, m * Tr::kBlockM,
+                                quad_lane, !block_unmasked<Tr>(p, kb, m));
+            uint32_t pa[Tr::kBlockM / 16][4], dsa[Tr::kBlockM / 16][4];
+            to_a_operand<Tr>(st, pa);
+            to_a_operand<Tr>(dpt, dsa);
+
+            // ---- dV += Pᵀ·dO, dK += dSᵀ·Q
+            fence_operand(dv);
+            fence_operand(dk);
+            wgmma_fence();
+            issue_rs<Tr>(dv, pa, do_base);
+            issue_rs<Tr>(dk, dsa, q_base);
+            wgmma_commit();
+
+            // ---- dSᵀ to shared memory for dQ; the async proxy (wgmma) must see the stores
+            uint8_t* ds = reinterpret_cast<uint8_t*>(s.ds[it & 1]);
+            store_ds<Tr>(ds, dpt, key_in_tile, quad_lane);
+            fence_proxy_async_smem();
+            // The barrier also tells this warpgroup that its dQ staging buffer is free again: the
+            // thread that issued the last bulk reduce-add waits until the engine has read it.
+            if (tid == 0) bulk_wait_group_read<0>();
+            named_barrier_sync(kBarDsReady, 256);
+
+            // ---- dQ share = dS·K: A = dSᵀ (keys x queries) and B = K (keys x head dim), both
+            // MN-major; k-step kk = 16 keys = 16 rows of 128 bytes
+            float dq[32];
+            const uint32_t ds_base = smem_u32(ds) + ds_share;
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+                const uint64_t da = smem_desc_sw128(ds_base + kk * 16 * 128, Tr::kBlockN * 128, 1024);
+                const uint64_t db = smem_desc_sw128(k_share + kk * 16 * 128, Tr::kBlockN * 128, 1024);
+                wgmma_ss_tt<64, Tr::kDtype>(dq, da, db, kk > 0 ? 1 : 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operand(dv);
+            fence_operand(dk);
+            fence_operand(dq);
+#pragma unroll
+            for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
+                fence_operand(pa[kk]);
+                fence_operand(dsa[kk]);
+            }
+            mbar_arrive(&s.empty[stage]);  // Q, dO, lse_log2, dpsum of this stage are no longer read
+
+            add_dq<Tr>(p, s, kb, dq, head, m, wg, tid);
+        }
+    }
+    if (tid == 0) bulk_wait_group<0>();  // shared memory must outlive the last bulk reduce-add
+}
+
+// Stores this warpgroup's dK (times the softmax scale) and dV rows straight from registers: keys
+// past the sequence end and padding columns of a rounded-up head dim are skipped.
+template <class Tr>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const KeyBlock& kb, const float (&dk)[Tr::kAccRegs],
+                                            const float (&dv)[Tr::kAccRegs], int wg, int tid) {
+    const int warp = tid / 32, lane = tid % 32;
+    const int key0 = kb.n * Tr::kBlockN + wg * 64 + warp * 16 + lane / 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int key = key0 + 8 * h;
+        if (key >= kb.seq.seqlen_k) continue;
+        const int64_t row = (kb.seq.k_tok0 + key) * p.kv_heads + kb.kv_head;
+        uint16_t* dk_row = p.dk + row * p.head_dim;
+        uint16_t* dv_row = p.dv + row * p.head_dim_v;
+#pragma unroll
+        for (int j = 0; j < Tr::kAccRegs / 4; ++j) {
+            const int col = 8 * j + 2 * (lane % 4);
+            if (col < p.head_dim)
+                *reinterpret_cast<uint32_t*>(dk_row + col) =
+                    pack16x2<Tr::kDtype>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
+            if (col < p.head_dim_v)
+                *reinterpret_cast<uint32_t*>(dv_row + col) = pack16x2<Tr::kDtype>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+        }
+    }
+}
+
+}  // namespace fa3

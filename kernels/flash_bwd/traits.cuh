@@ -1,0 +1,53 @@
+// Compile-time shape of one backward instantiation and its shared-memory layout.
+#pragma once
+#include <cstdint>
+
+namespace fa3 {
+
+// One CTA owns kBlockN = 128 keys of one (kv head, sequence): consumer warpgroup w holds the
+// gradients dK, dV of keys [64w, 64w + 64) in registers while query blocks of kBlockM rows
+// stream past. kBlockM is 128 for head dim 64 and 64 for head dim 128, which keeps every
+// warpgroup's share of dQ = dS·K (kBlockM x kHeadDim) one 64 x 64 wgmma tile: d64 splits dQ's
+// rows between the warpgroups, d128 its columns.
+template <int kHeadDim_, int kDtype_> struct BwdTraits {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kDtype = kDtype_;
+    static constexpr int kBlockN = 128;
+    static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
+    static constexpr bool kDqSplitRows = kBlockM == 128;
+    static constexpr int kConsumerWGs = 2;
+    static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+    static constexpr int kStages = 2;
+    // 24 x 128 + 240 x 256 = 64512 registers: the consumers hold dK and dV (kHeadDim / 2 f32
+    // each per thread) across the whole loop, plus Sᵀ and dPᵀ (kBlockM / 2 each).
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+    static constexpr int kColBlocks = kHeadDim / 64;
+    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;   // also dO's
+    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;  // K's, also V's
+    static constexpr int kSRegs = kBlockM / 2;    // f32 accumulators of Sᵀ (and dPᵀ) per thread
+    static constexpr int kAccRegs = kHeadDim / 2;  // f32 accumulators of dK (and dV) per thread
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "head dims 64 and 128");
+    static_assert(kBlockM * kHeadDim == 2 * 64 * 64, "each consumer warpgroup computes a 64 x 64 share of dQ");
+};
+
+template <class Tr> struct BwdSharedStorage {
+    alignas(1024) uint16_t k[Tr::kBlockN * Tr::kHeadDim];
+    alignas(1024) uint16_t v[Tr::kBlockN * Tr::kHeadDim];
+    alignas(1024) uint16_t q[Tr::kStages][Tr::kBlockM * Tr::kHeadDim];
+    alignas(1024) uint16_t dout[Tr::kStages][Tr::kBlockM * Tr::kHeadDim];
+    // dSᵀ (keys x queries) of the last two query blocks: the A operand of dQ = dS·K, read
+    // transposed. Two buffers so that a warpgroup writes block j+1 while the other may still
+    // read block j.
+    alignas(1024) uint16_t ds[2][Tr::kBlockN * Tr::kBlockM];
+    // Each consumer warpgroup's 64 x 64 share of dQ (f32) on its way to the bulk reduce-add, in the
+    // accumulator's register order (dq_share_offset).
+    alignas(128) float dq_share[Tr::kConsumerWGs][64 * 64];
+    alignas(16) float lse_log2[Tr::kStages][Tr::kBlockM];
+    alignas(16) float dpsum[Tr::kStages][Tr::kBlockM];
+    alignas(8) uint64_t bar_kv;                // K and V of the CTA landed
+    alignas(8) uint64_t full[Tr::kStages];     // Q, dO, lse_log2, dpsum of a stage landed
+    alignas(8) uint64_t empty[Tr::kStages];    // both consumer warpgroups are done with a stage
+};
+
+}  // namespace fa3
