@@ -289,6 +289,48 @@ fn decode_shapes() -> Result<()> {
 }
 
 #[test]
+fn pack_gqa_decode_like() -> Result<()> {
+    // At most 64 queries with GQA: the q heads of a kv head share one tile (pack-GQA, rows
+    // token-major), with every option, groups that do and do not divide the 128-row tile, both
+    // dtypes, fixed-length and varlen (with an empty query sequence).
+    let mut rng = TestRng::fresh("gpu-pack-gqa");
+    let dev = gpu()?;
+    for d in [64, 128] {
+        for (name, o) in variants(d, &mut rng) {
+            let group = rng.pick(&[2, 3, 5, 8, 16]);
+            let sq = rng.pick(&[1, 2, 7, 33, 64]);
+            let sk = rng.odd_len(1, 700);
+            let dtype = rng.pick(&[DType::BF16, DType::F16]);
+            let shape = AttnShape::new((rng.range(1, 3), sq, sk, 2 * group, 2, d, d));
+            check_shape(shape, dtype, o, &mut rng, &format!("pack-gqa {name} group {group}"))?;
+
+            let batch = rng.range(2, 4);
+            let mut lq: Vec<usize> = (0..batch).map(|_| rng.range(1, 64)).collect();
+            let lk: Vec<usize> = (0..batch).map(|_| rng.odd_len(1, 500)).collect();
+            lq[0] = 0;
+            let (cu_q, cu_k) = (cumulative(&lq), cumulative(&lk));
+            let (hk, h) = (2, 2 * group);
+            let q = rng.randn((cu_q[batch], h, d), dtype, &dev)?;
+            let k = rng.randn((cu_k[batch], hk, d), dtype, &dev)?;
+            let v = rng.randn((cu_k[batch], hk, d), dtype, &dev)?;
+            poison(&dev, 2 * cu_q[batch] * h * d)?;
+            let (sq_t, sk_t) = (seqlens_tensor(&cu_q, &dev)?, seqlens_tensor(&cu_k, &dev)?);
+            let (out, lse) =
+                o.builder()
+                    .forward_varlen_with_lse(&q, &k, &v, &sq_t, &sk_t, max_len(&cu_q), max_len(&cu_k))?;
+            let (want, want_lse) = attention_ref_varlen(&q, &k, &v, &cu_q, &cu_k, &o.reference())?;
+            let what = format!(
+                "pack-gqa varlen {dtype:?} d{d} {name} group {group} lq {lq:?} lk {lk:?} seed {}",
+                rng.seed()
+            );
+            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn errors_not_fallbacks() -> Result<()> {
     let dev = gpu()?;
     let err = |r: Result<Tensor>| r.expect_err("expected an error").to_string();

@@ -43,10 +43,11 @@ __device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInf
                                                const float (&inv_sum)[2], int row_in_tile, int quad_lane) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int i = t.m_block * Tr::kBlockM + row_in_tile + 8 * h;
+        int i, head;
+        row_position(p, t, row_in_tile + 8 * h, i, head);
         if (i >= t.seqlen_q) continue;
         uint16_t* out = reinterpret_cast<uint16_t*>(p.out) + (t.out_tok0 + i) * p.out_row_stride +
-                        (int64_t)t.head * p.head_dim_v;
+                        (int64_t)head * p.head_dim_v;
 #pragma unroll
         for (int j = 0; j < Tr::kORegs / 4; ++j) {
             const int col = 8 * j + 2 * quad_lane;
@@ -65,7 +66,8 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
                                          const float (&o)[Tr::kORegs], const float (&inv_sum)[2],
                                          const float (&lse)[2], int wg, int tid, int row_in_tile, int quad_lane) {
     const int wg_row0 = t.m_block * Tr::kBlockM + wg * 64;  // first query row of this warpgroup
-    const bool tma_store = Tr::kTmaStoreO && !p.direct_store && (p.cu_q == nullptr || wg_row0 + 64 <= t.seqlen_q);
+    const bool tma_store =
+        Tr::kTmaStoreO && !p.direct_store && !p.pack_gqa && (p.cu_q == nullptr || wg_row0 + 64 <= t.seqlen_q);
     if (tma_store) {
         const int bar = epilogue_barrier(wg);
         // The staging rows are free once this warpgroup's previous store has read them.
@@ -102,8 +104,9 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
     if (quad_lane == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int i = t.m_block * Tr::kBlockM + row_in_tile + 8 * h;
-            if (i < t.seqlen_q) p.lse[t.lse_row0 + i] = lse[h];
+            int i, head;
+            row_position(p, t, row_in_tile + 8 * h, i, head);
+            if (i < t.seqlen_q) p.lse[t.lse_row0 + (int64_t)(head - t.head) * p.lse_head_stride + i] = lse[h];
         }
     }
 }

@@ -29,9 +29,18 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     // last K/V load did, a few key blocks before the consumers need it.
     const int qs = tc % Tr::kQStages;
     mbar_wait(&s.q_empty[qs], ((tc / Tr::kQStages) & 1) ^ 1);
-    mbar_arrive_expect_tx(&s.bar_q[qs], Tr::kQBytes);
-    load_tile_rows<Tr>(&p.tma_q, s.q[qs], &s.bar_q[qs], Tr::kBlockM, t.q_row0 + t.m_block * Tr::kBlockM, t.head,
-                       t.tma_batch);
+    mbar_arrive_expect_tx(&s.bar_q[qs], p.q_tile_bytes);
+    const int q_row = t.q_row0 + t.m_block * p.q_tile_queries;
+    if (p.pack_gqa) {
+        // Boxes of (64 columns, group heads, q_tile_queries tokens): 128-byte rows in the order
+        // (token, head in group), i.e. tile row r = token * group + head.
+#pragma unroll
+        for (int c = 0; c < Tr::kColBlocks; ++c)
+            tma_load_5d(&p.tma_q, s.q[qs] + c * Tr::kBlockM * 64, &s.bar_q[qs], c * 64, 0, q_row, t.kv_head,
+                        t.tma_batch);
+    } else {
+        load_tile_rows<Tr>(&p.tma_q, s.q[qs], &s.bar_q[qs], Tr::kBlockM, q_row, t.head, t.tma_batch);
+    }
 
     for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
         const int stage = it % Tr::kStages;

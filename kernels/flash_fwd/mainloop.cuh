@@ -45,7 +45,11 @@ __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInf
     RowMask rm;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-        key_range(p, t.m_block * Tr::kBlockM + row_in_tile + 8 * h, t.seqlen_q, t.seqlen_k, rm.lo[h], rm.hi[h]);
+    {
+        int query, head;
+        row_position(p, t, row_in_tile + 8 * h, query, head);
+        key_range(p, query, t.seqlen_q, t.seqlen_k, rm.lo[h], rm.hi[h]);
+    }
 
     float o[Tr::kORegs];
 #pragma unroll
@@ -223,7 +227,11 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     RowMask rm;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-        key_range(p, t.m_block * Tr::kBlockM + row_in_tile + 8 * h, t.seqlen_q, t.seqlen_k, rm.lo[h], rm.hi[h]);
+    {
+        int query, head;
+        row_position(p, t, row_in_tile + 8 * h, query, head);
+        key_range(p, query, t.seqlen_q, t.seqlen_k, rm.lo[h], rm.hi[h]);
+    }
 
     float o[Tr::kORegs];
 #pragma unroll

@@ -38,6 +38,13 @@ struct alignas(64) FwdParams {
     int num_m_blocks;       // query tiles per (batch, head): ceil(max seqlen_q / kBlockM)
     int batch;              // sequences
     int direct_store;       // 1: store O straight from registers even where the TMA store applies
+    // Pack-GQA (decode-like calls): the `group` q heads of a kv head share one tile, row r being
+    // query r / group, head r % group of the tile's first head; tma_q is then a 5-D map
+    // (head_dim, q head in group, token, kv head, batch).
+    int pack_gqa;
+    int tile_heads;         // heads walked by the tiles: heads, or kv_heads when packing
+    int q_tile_queries;     // queries per tile: kBlockM, or kBlockM / group when packing
+    uint32_t q_tile_bytes;  // bytes of one Q tile load (the TMA boxes)
 };
 
 }  // namespace fa3

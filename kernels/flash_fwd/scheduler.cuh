@@ -27,7 +27,7 @@ struct TileInfo {
     int q_row0, k_row0;       // TMA row coordinate of the sequence's first token
     int tma_batch;            // TMA batch coordinate (0 for varlen)
     int64_t out_tok0;         // token index of the sequence's first query in out
-    int64_t lse_row0;         // lse index of (head, query 0)
+    int64_t lse_row0;         // lse index of (head, query 0) of the tile's (first) head
     int n_min, n_max;         // key blocks [n_min, n_max) that some row of the tile sees
     int full_lo, full_hi;     // keys [full_lo, full_hi) are visible to every row of the tile
 };
@@ -41,7 +41,21 @@ __device__ __forceinline__ void key_range(const FwdParams& p, int i, int sq, int
     hi = max(hi, lo);
 }
 
-__device__ __forceinline__ int num_tiles(const FwdParams& p) { return p.num_m_blocks * p.heads * p.batch; }
+__device__ __forceinline__ int num_tiles(const FwdParams& p) { return p.num_m_blocks * p.tile_heads * p.batch; }
+
+// Tile row r -> its query (index in the sequence) and q head. Rows past the last packed query
+// group get query = seqlen_q, i.e. past the end: never stored.
+__device__ __forceinline__ void row_position(const FwdParams& p, const TileInfo& t, int r, int& query, int& head) {
+    const int m0 = t.m_block * p.q_tile_queries;
+    if (p.pack_gqa) {
+        const int q = r / p.group;
+        query = q < p.q_tile_queries ? m0 + q : t.seqlen_q;
+        head = t.head + r % p.group;
+    } else {
+        query = m0 + r;
+        head = t.head;
+    }
+}
 
 // Decodes tile index `tile`; false when the tile lies past its sequence's end (varlen).
 template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p, int tile, TileInfo& t) {
@@ -50,9 +64,14 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
     // many heads' K/V at once and ran up to 25% slower at seqlen 512).
     const int hb = tile / p.num_m_blocks;
     t.m_block = p.num_m_blocks - 1 - tile % p.num_m_blocks;
-    t.head = hb % p.heads;
-    t.kv_head = t.head / p.group;
-    t.batch = hb / p.heads;
+    if (p.pack_gqa) {  // a tile covers every q head of its kv head; t.head is the first
+        t.kv_head = hb % p.tile_heads;
+        t.head = t.kv_head * p.group;
+    } else {
+        t.head = hb % p.tile_heads;
+        t.kv_head = t.head / p.group;
+    }
+    t.batch = hb / p.tile_heads;
     if (p.cu_q != nullptr) {
         int q0 = (int)p.cu_q[t.batch], k0 = (int)p.cu_k[t.batch];
         t.seqlen_q = (int)p.cu_q[t.batch + 1] - q0;
@@ -71,9 +90,9 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
         t.out_tok0 = (int64_t)t.batch * p.seqlen_q;
         t.lse_row0 = (int64_t)t.batch * p.lse_batch_stride + (int64_t)t.head * p.lse_head_stride;
     }
-    int m0 = t.m_block * Tr::kBlockM;
+    int m0 = t.m_block * p.q_tile_queries;
     if (m0 >= t.seqlen_q) return false;
-    int m1 = min(m0 + Tr::kBlockM, t.seqlen_q) - 1;
+    int m1 = min(m0 + p.q_tile_queries, t.seqlen_q) - 1;
     int lo0, hi0, lo1, hi1;
     key_range(p, m0, t.seqlen_q, t.seqlen_k, lo0, hi0);
     key_range(p, m1, t.seqlen_q, t.seqlen_k, lo1, hi1);

@@ -28,7 +28,6 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2> struc
     // Tiles are stored as head_dim / 64 column blocks of [rows][64] elements (128-byte rows,
     // 128B-swizzled by TMA), the layout wgmma reads through smem_desc_sw128.
     static constexpr int kColBlocks = kHeadDim / 64;
-    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
     // The epilogue stages O in shared memory and TMA-stores it (d <= 128 with 128-key blocks;
     // d256 and the 176-key blocks have no room next to Q and the K/V ring, and store straight

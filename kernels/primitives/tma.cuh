@@ -29,6 +29,16 @@ __device__ __forceinline__ void tma_load_4d(const TmaDesc* desc, void* dst, uint
         : "memory");
 }
 
+// The same for a 5-D map (pack-GQA's Q: head_dim, q head in group, token, kv head, batch).
+__device__ __forceinline__ void tma_load_5d(const TmaDesc* desc, void* dst, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3, int c4) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_u32(bar))
+        : "memory");
+}
+
 // Stores the box at coordinates (c0 .. c3) from shared memory at `src`; elements outside the
 // tensor are not written. Shared-memory writes of other threads must be fenced into the async
 // proxy first (fence_proxy_async_smem + a barrier).

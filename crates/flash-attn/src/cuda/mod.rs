@@ -62,6 +62,10 @@ struct FwdParams {
     num_m_blocks: i32,
     batch: i32,
     direct_store: i32,
+    pack_gqa: i32,
+    tile_heads: i32,
+    q_tile_queries: i32,
+    q_tile_bytes: u32,
 }
 
 // SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
@@ -178,6 +182,20 @@ fn d64_two_wgs() -> bool {
     *TWO.get_or_init(|| std::env::var("FA3_FWD_D64_2WG").is_ok_and(|v| v == "1"))
 }
 
+/// Whether the q heads of a kv head share one tile (pack-GQA): for decode-like calls (at most 64
+/// queries per sequence), where one tile per q head would hold a handful of rows and every q head
+/// would stream the same K/V again. `FA3_FWD_PACK_GQA=1` packs every GQA call (for testing),
+/// `=0` none.
+fn pack_gqa(group: usize, seqlen_q: usize) -> bool {
+    static MODE: OnceLock<Option<bool>> = OnceLock::new();
+    let forced = *MODE.get_or_init(|| match std::env::var("FA3_FWD_PACK_GQA").as_deref() {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    });
+    (2..=64).contains(&group) && forced.unwrap_or(seqlen_q <= 64)
+}
+
 /// `FA3_FWD_DIRECT_STORE=1`: the epilogue stores O from registers instead of through shared
 /// memory and TMA (for comparison).
 fn direct_store() -> bool {
@@ -260,12 +278,29 @@ fn tensor_map(
     strides: [usize; 3],
     box_rows: usize,
 ) -> Result<TmaDesc> {
+    tensor_map_nd(name, dtype, addr, head_dim, &sizes, &strides, &[box_rows as u32, 1, 1])
+}
+
+/// A TMA map of rank 1 + `sizes.len()` (at most 5): head_dim innermost (boxes of 64 columns),
+/// then the outer dimensions `sizes` with element strides `strides` and box extents `box_outer`.
+#[allow(clippy::too_many_arguments)]
+fn tensor_map_nd(
+    name: &str,
+    dtype: DType,
+    addr: u64,
+    head_dim: usize,
+    sizes: &[usize],
+    strides: &[usize],
+    box_outer: &[u32],
+) -> Result<TmaDesc> {
+    let rank = 1 + sizes.len();
+    assert!(rank <= 5 && strides.len() == sizes.len() && box_outer.len() == sizes.len());
     if addr % 16 != 0 {
         bail!("flash-attn3: {name} must start at a 16-byte aligned address for TMA (its start offset is not a multiple of 8 elements)")
     }
     let total_bytes = (sizes.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>() + head_dim) * 2;
-    let mut gstrides = [0u64; 3];
-    for i in 0..3 {
+    let mut gstrides = [0u64; 4];
+    for i in 0..sizes.len() {
         let bytes = strides[i] * 2;
         gstrides[i] = if sizes[i] == 1 {
             // The stride of a size-1 dimension never moves the address: any valid value will do.
@@ -279,20 +314,26 @@ fn tensor_map(
             bytes as u64
         };
     }
-    let gdim = [head_dim as u64, sizes[0] as u64, sizes[1] as u64, sizes[2] as u64];
-    let boxdim = [64u32, box_rows as u32, 1, 1];
-    let estrides = [1u32; 4];
+    let mut gdim = [1u64; 5];
+    let mut boxdim = [1u32; 5];
+    gdim[0] = head_dim as u64;
+    boxdim[0] = 64;
+    for i in 0..sizes.len() {
+        gdim[i + 1] = sizes[i] as u64;
+        boxdim[i + 1] = box_outer[i];
+    }
+    let estrides = [1u32; 5];
     let dt = match dtype {
         DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
     };
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: every pointer argument points at a live array of the rank (4) or rank - 1 entries.
+    // SAFETY: every pointer argument points at a live array of at least `rank` (or rank - 1) entries.
     let res = unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             dt,
-            4,
+            rank as u32,
             addr as *mut std::ffi::c_void,
             gdim.as_ptr(),
             gstrides.as_ptr(),
@@ -305,7 +346,11 @@ fn tensor_map(
         )
     };
     if res != sys::CUresult::CUDA_SUCCESS {
-        bail!("flash-attn3: cuTensorMapEncodeTiled failed for {name} ({res:?}): sizes {gdim:?}, byte strides {gstrides:?}")
+        bail!(
+            "flash-attn3: cuTensorMapEncodeTiled failed for {name} ({res:?}): sizes {:?}, byte strides {:?}",
+            &gdim[..rank],
+            &gstrides[..rank - 1]
+        )
     }
     // SAFETY: initialised by the successful call; CUtensorMap is 128 opaque bytes.
     let map = unsafe { map.assume_init() };
@@ -362,22 +407,44 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         bail!("flash-attn3: q, k and v must be on the same GPU")
     }
     let uneven = varlen.is_some() || params.window_left.is_some() || params.window_right.is_some();
-    let variant = Variant::pick(dims.head_dim, dims.head_dim_v, uneven, dims.seqlen_q)?;
+    let group = dims.group();
+    let pack_gqa = pack_gqa(group, dims.seqlen_q);
+    let variant = Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q)?;
     let stream = dev.cuda_stream();
 
     let (qs, ks, vs) = (T::as_cuda_slice(q.0)?, T::as_cuda_slice(k.0)?, T::as_cuda_slice(v.0)?);
     let (q_sizes, q_strides) = geometry(q.1);
     let (k_sizes, k_strides) = geometry(k.1);
     let (v_sizes, v_strides) = geometry(v.1);
-    let tma_q = tensor_map(
-        "q",
-        dtype,
-        device_addr(qs, &stream, q.1),
-        dims.head_dim,
-        q_sizes,
-        q_strides,
-        variant.block_m(),
-    )?;
+    // Pack-GQA: a tile holds q_tile_queries queries x the group's q heads (row = token * group +
+    // head in group), loaded as boxes of (64, group, q_tile_queries) from a 5-D view of q:
+    // (head_dim, q head in group, token, kv head, batch).
+    let block_m = variant.block_m();
+    let q_tile_queries = if pack_gqa { block_m / group } else { block_m };
+    let tma_q = if pack_gqa {
+        let [tokens, _, batch] = q_sizes;
+        let [token_stride, head_stride, batch_stride] = q_strides;
+        tensor_map_nd(
+            "q",
+            dtype,
+            device_addr(qs, &stream, q.1),
+            dims.head_dim,
+            &[group, tokens, dims.kv_heads, batch],
+            &[head_stride, token_stride, group * head_stride, batch_stride],
+            &[group as u32, q_tile_queries as u32, 1, 1],
+        )?
+    } else {
+        tensor_map(
+            "q",
+            dtype,
+            device_addr(qs, &stream, q.1),
+            dims.head_dim,
+            q_sizes,
+            q_strides,
+            block_m,
+        )?
+    };
+    let q_tile_bytes = (variant.head_dim * 2 * if pack_gqa { q_tile_queries * group } else { block_m }) as u32;
     let tma_k = tensor_map(
         "k",
         dtype,
@@ -424,8 +491,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         WG_ROWS,
     )?;
 
-    let num_m_blocks = dims.seqlen_q.div_ceil(variant.block_m());
-    let num_tiles = num_m_blocks * dims.heads * dims.batch;
+    let num_m_blocks = dims.seqlen_q.div_ceil(q_tile_queries);
+    let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
+    let num_tiles = num_m_blocks * tile_heads * dims.batch;
     // A persistent grid, one CTA per SM (a CTA's shared memory fills most of an SM), so that a
     // CTA's next Q and K/V loads overlap its current tile's last P·V and epilogue. Tiles of equal
     // work (no mask, fixed lengths) are strided statically; uneven tiles (causal/windows, varlen)
@@ -537,6 +605,10 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             num_m_blocks: num_m_blocks as i32,
             batch: dims.batch as i32,
             direct_store: direct_store() as i32,
+            pack_gqa: pack_gqa as i32,
+            tile_heads: tile_heads as i32,
+            q_tile_queries: q_tile_queries as i32,
+            q_tile_bytes,
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
