@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use candle_core::{bail, Result};
+use candle_core::{bail, Device, Result};
 
 use crate::model::Llama;
 use crate::sampling::{Sampler, SamplingParams};
@@ -85,7 +85,9 @@ pub fn generate(
     let mut prefill_secs = None;
     let mut decode_tokens = 0;
     while done.iter().any(|d| !d) {
-        let logits = model.step(&inputs, &mut cache)?;
+        // One copy of the whole (batch, vocab) block to the host per step, rather than one
+        // per sequence inside the sampler.
+        let logits = model.step(&inputs, &mut cache)?.to_device(&Device::Cpu)?;
         for i in 0..batch {
             if done[i] {
                 inputs[i].clear();

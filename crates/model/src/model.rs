@@ -396,7 +396,7 @@ impl Llama {
         let ids = input_ids.flatten_all()?;
         self.check_ids(&ids.to_vec1::<u32>()?)?;
         let positions = Tensor::arange(0u32, s as u32, &self.device)?.repeat(b)?;
-        let (cos, sin) = rope_angles(&positions, &self.inv_freq)?;
+        let (cos, sin) = self.rope_tables(&positions)?;
         let plan = Plan {
             cos,
             sin,
@@ -446,7 +446,7 @@ impl Llama {
             .zip(&new)
             .flat_map(|(&len, &n)| (len..len + n).map(|p| p as u32))
             .collect();
-        let (cos, sin) = rope_angles(&Tensor::new(positions, dev)?, &self.inv_freq)?;
+        let (cos, sin) = self.rope_tables(&Tensor::new(positions, dev)?)?;
         let max_new = new.iter().copied().max().unwrap_or(0);
         let keys = if lens.iter().all(|&l| l == 0) {
             // Empty cache: the prompts only see themselves, so attend to the fresh keys (cheaper
@@ -504,6 +504,13 @@ impl Llama {
             &logits,
             0,
         )
+    }
+
+    /// cos/sin of every token's angles, computed in f32 and cast once per call to the run dtype
+    /// (rather than once per layer and per q/k inside `apply_rope`).
+    fn rope_tables(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (cos, sin) = rope_angles(positions, &self.inv_freq)?;
+        Ok((cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?))
     }
 
     fn check_ids(&self, ids: &[u32]) -> Result<()> {
