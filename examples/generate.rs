@@ -6,7 +6,9 @@
 //! ```
 //!
 //! `--model` takes a `.gguf` file or an HF directory (config.json, safetensors, tokenizer.json).
-//! Several `--prompt`s are generated together as one batch.
+//! Several `--prompt`s are generated together as one batch. `--token-ids 1,2,3` takes a prompt
+//! as token ids (no tokenizer) and `--dump-logits FILE` writes every step's logits as .npy:
+//! what `scripts/gpu_model_check.py` compares with HF transformers.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -14,9 +16,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
-use flash_llama::{
-    generate, ChatMessage, GenerateOptions, Kernels, LoadedModel, SamplingParams, TextTokenizer, TokenStream,
-};
+use flash_llama::{generate, ChatMessage, GenerateOptions, Kernels, Llama, SamplingParams, TextTokenizer, TokenStream};
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a Llama-family model (attention through flash-attn3)")]
@@ -31,8 +31,35 @@ struct Args {
     tokenizer: Option<PathBuf>,
 
     /// The prompt; repeat the flag to generate for several prompts in one batch.
-    #[arg(long, required = true)]
+    #[arg(long, required_unless_present = "token_ids", conflicts_with = "token_ids")]
     prompt: Vec<String>,
+
+    /// A prompt given as comma-separated token ids instead of text (repeat for a batch). No
+    /// tokenizer is loaded: the generated ids are printed, one line per prompt. For checks and
+    /// benchmarks with random-weight models.
+    #[arg(long)]
+    token_ids: Vec<String>,
+
+    /// Write the logits of every generation step, greedy, as an f32 .npy array of shape
+    /// (steps, batch, vocab): step 0 follows the prompt, step i the i-th generated token.
+    /// Needs --temperature 0; with --token-ids.
+    #[arg(long, requires = "token_ids")]
+    dump_logits: Option<PathBuf>,
+
+    /// With --dump-logits: recompute every step without the cache through the textbook
+    /// attention composite instead of flash-attn3 (`Llama::forward_reference`), to tell the
+    /// op's errors from the rest of the model's.
+    #[arg(long, hide = true, requires = "dump_logits")]
+    reference_attention: bool,
+
+    /// Generate exactly --max-tokens tokens, ignoring the stop tokens (benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
+
+    /// Run the same generation once before the measured one (CUDA context, cuBLAS handles and
+    /// kernels loaded), so that the printed tokens/s are steady-state numbers.
+    #[arg(long)]
+    warmup: bool,
 
     /// Wrap each prompt as a user message in the model's chat template.
     #[arg(long)]
@@ -66,9 +93,10 @@ struct Args {
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
 
-    /// Compute dtype: f32, bf16 or f16 (GGUF weights are dequantised to it).
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    /// Compute dtype: f32, bf16 or f16 (GGUF weights are dequantised to it). Default: bf16 on
+    /// the GPU (flash-attn3's kernels take bf16/f16 only), f32 on the CPU.
+    #[arg(long)]
+    dtype: Option<String>,
 
     /// Run on the CPU even when a GPU is available.
     #[arg(long)]
@@ -97,30 +125,40 @@ fn main() {
 }
 
 fn run(args: Args) -> Result<()> {
-    let dtype = match args.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        other => bail!("unsupported --dtype {other}: use f32, bf16 or f16"),
-    };
     let device = device(args.cpu)?;
+    let dtype = match args.dtype.as_deref() {
+        None if device.is_cuda() => DType::BF16,
+        None | Some("f32") => DType::F32,
+        Some("bf16") => DType::BF16,
+        Some("f16") => DType::F16,
+        Some(other) => bail!("unsupported --dtype {other}: use f32, bf16 or f16"),
+    };
     let kernels = if args.composed {
         Kernels::Composed
     } else {
         Kernels::Fused
     };
+    let ids_mode = !args.token_ids.is_empty();
+    if args.dump_logits.is_some() && args.temperature != 0.0 {
+        bail!("--dump-logits needs greedy decoding (--temperature 0)")
+    }
 
     let t0 = std::time::Instant::now();
-    let loaded = match &args.tokenizer {
-        None => flash_llama::load(&args.model, dtype, &device, kernels),
-        Some(dir) => flash_llama::loader::load_model(&args.model, dtype, &device, kernels).and_then(|model| {
-            let cfg = model.config();
-            let tokenizer = TextTokenizer::from_hf_dir(dir, &cfg.eos_token_ids, cfg.bos_token_id)?;
-            Ok(LoadedModel { model, tokenizer })
-        }),
+    let loaded = if ids_mode {
+        // Token ids in, token ids out: the model alone, no tokenizer needed.
+        flash_llama::loader::load_model(&args.model, dtype, &device, kernels).map(|model| (model, None))
+    } else {
+        match &args.tokenizer {
+            None => flash_llama::load(&args.model, dtype, &device, kernels).map(|l| (l.model, Some(l.tokenizer))),
+            Some(dir) => flash_llama::loader::load_model(&args.model, dtype, &device, kernels).and_then(|model| {
+                let cfg = model.config();
+                let tokenizer = TextTokenizer::from_hf_dir(dir, &cfg.eos_token_ids, cfg.bos_token_id)?;
+                Ok((model, Some(tokenizer)))
+            }),
+        }
     }
     .with_context(|| format!("loading {}", args.model.display()))?;
-    let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
+    let (model, tokenizer) = (&loaded.0, loaded.1.as_ref());
     let cfg = model.config();
     eprintln!(
         "loaded {} ({:?}, {} layers, hidden {}, {} heads / {} kv heads) in {:.1}s on {:?} as {dtype:?}",
@@ -134,18 +172,40 @@ fn run(args: Args) -> Result<()> {
         device.location(),
     );
 
-    let prompts: Vec<Vec<u32>> = args
-        .prompt
-        .iter()
-        .map(|p| {
-            if args.chat {
-                let text = tokenizer.apply_chat_template(&[ChatMessage::user(p.clone())])?;
-                tokenizer.encode(&text, false)
-            } else {
-                tokenizer.encode(p, true)
-            }
-        })
-        .collect::<Result<_>>()?;
+    let prompts: Vec<Vec<u32>> = match tokenizer {
+        None => args
+            .token_ids
+            .iter()
+            .map(|list| {
+                list.split(',')
+                    .map(|t| t.trim().parse::<u32>())
+                    .collect::<std::result::Result<Vec<u32>, _>>()
+                    .with_context(|| format!("--token-ids {list:?}: expected comma-separated token ids"))
+            })
+            .collect::<Result<_>>()?,
+        Some(tokenizer) => args
+            .prompt
+            .iter()
+            .map(|p| {
+                if args.chat {
+                    let text = tokenizer.apply_chat_template(&[ChatMessage::user(p.clone())])?;
+                    tokenizer.encode(&text, false)
+                } else {
+                    tokenizer.encode(p, true)
+                }
+            })
+            .collect::<Result<_>>()?,
+    };
+
+    if let Some(path) = &args.dump_logits {
+        let (tokens, steps) = greedy_with_logits(model, &prompts, args.max_tokens, args.reference_attention)?;
+        for t in &tokens {
+            println!("{}", join_ids(t));
+        }
+        write_npy_f32(path, &[steps.len(), prompts.len(), cfg.vocab_size], &steps.concat())?;
+        eprintln!("wrote the logits of {} steps to {}", steps.len(), path.display());
+        return Ok(());
+    }
 
     let opts = GenerateOptions {
         max_tokens: args.max_tokens,
@@ -157,21 +217,33 @@ fn run(args: Args) -> Result<()> {
             repeat_last_n: args.repeat_last_n,
             seed: args.seed,
         },
-        stop_tokens: tokenizer.eos_token_ids.clone(),
+        stop_tokens: match (args.ignore_eos, tokenizer) {
+            (true, _) => Vec::new(),
+            (false, Some(t)) => t.eos_token_ids.clone(),
+            (false, None) => cfg.eos_token_ids.clone(),
+        },
     };
-
-    // One prompt streams its text as it is produced; a batch prints each answer at the end.
-    let single = prompts.len() == 1;
-    if single {
-        print!("{}", args.prompt[0]);
-        if args.chat {
-            println!();
-        }
-        std::io::stdout().flush()?;
+    if args.warmup {
+        let t = std::time::Instant::now();
+        generate(model, &prompts, &opts, |_, _| Ok(()))?;
+        eprintln!("warm-up generation: {:.2}s", t.elapsed().as_secs_f64());
     }
-    let mut stream = TokenStream::new(tokenizer);
+
+    // One text prompt streams its text as it is produced; a batch prints each answer at the end.
+    let stream_text = match tokenizer {
+        Some(t) if prompts.len() == 1 => {
+            print!("{}", args.prompt[0]);
+            if args.chat {
+                println!();
+            }
+            std::io::stdout().flush()?;
+            Some(TokenStream::new(t))
+        }
+        _ => None,
+    };
+    let mut stream = stream_text;
     let generation = generate(model, &prompts, &opts, |_, token| {
-        if single {
+        if let Some(stream) = stream.as_mut() {
             let text = stream
                 .push(token)
                 .map_err(|e| candle_core::Error::msg(format!("{e:#}")))?;
@@ -182,14 +254,22 @@ fn run(args: Args) -> Result<()> {
         }
         Ok(())
     })?;
-    if single {
-        if let Some(rest) = stream.finish()? {
-            print!("{rest}");
+    match (stream, tokenizer) {
+        (Some(mut stream), _) => {
+            if let Some(rest) = stream.finish()? {
+                print!("{rest}");
+            }
+            println!();
         }
-        println!();
-    } else {
-        for (i, (prompt, tokens)) in args.prompt.iter().zip(&generation.tokens).enumerate() {
-            println!("--- [{i}] {prompt}\n{}", tokenizer.decode(tokens)?);
+        (None, Some(tokenizer)) => {
+            for (i, (prompt, tokens)) in args.prompt.iter().zip(&generation.tokens).enumerate() {
+                println!("--- [{i}] {prompt}\n{}", tokenizer.decode(tokens)?);
+            }
+        }
+        (None, None) => {
+            for tokens in &generation.tokens {
+                println!("{}", join_ids(tokens));
+            }
         }
     }
     eprintln!(
@@ -202,4 +282,78 @@ fn run(args: Args) -> Result<()> {
         generation.decode_tokens_per_sec(),
     );
     Ok(())
+}
+
+fn join_ids(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// One generation step's logits, (batch × vocab) row-major.
+type StepLogits = Vec<f32>;
+
+/// Greedy generation of exactly `n` tokens per prompt (stop tokens ignored) through the cache,
+/// keeping each step's logits: returns the tokens per prompt and, per step, the (batch × vocab)
+/// f32 logits row-major.
+/// `reference`: each step recomputes every sequence from scratch with the attention composite.
+fn greedy_with_logits(
+    model: &Llama,
+    prompts: &[Vec<u32>],
+    n: usize,
+    reference: bool,
+) -> Result<(Vec<Vec<u32>>, Vec<StepLogits>)> {
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let mut cache = model.new_cache(prompts.len(), longest + n.max(1))?;
+    let mut inputs = prompts.to_vec();
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut steps = Vec::new();
+    for _ in 0..n {
+        let rows: Vec<Vec<f32>> = if reference {
+            let mut rows = Vec::new();
+            for (prompt, generated) in prompts.iter().zip(&tokens) {
+                let seq: Vec<u32> = prompt.iter().chain(generated).copied().collect();
+                let len = seq.len();
+                let ids = candle_core::Tensor::new(seq, model.device())?.unsqueeze(0)?;
+                let logits = model.forward_reference(&ids)?.get(0)?.get(len - 1)?;
+                rows.push(logits.to_device(&Device::Cpu)?.to_vec1()?);
+            }
+            rows
+        } else {
+            model.step(&inputs, &mut cache)?.to_device(&Device::Cpu)?.to_vec2()?
+        };
+        for (i, row) in rows.iter().enumerate() {
+            let best = row.iter().enumerate().fold(
+                (0, f32::NEG_INFINITY),
+                |acc, (j, &x)| if x > acc.1 { (j, x) } else { acc },
+            );
+            tokens[i].push(best.0 as u32);
+            inputs[i] = vec![best.0 as u32];
+        }
+        steps.push(rows.concat());
+    }
+    Ok((tokens, steps))
+}
+
+/// Writes `data` as a little-endian f32 NumPy .npy file (format 1.0) of the given shape.
+fn write_npy_f32(path: &std::path::Path, shape: &[usize], data: &[f32]) -> Result<()> {
+    let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+    let shape_text = if dims.len() == 1 {
+        format!("({},)", dims[0])
+    } else {
+        format!("({})", dims.join(", "))
+    };
+    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape_text}, }}");
+    // Magic (6) + version (2) + length (2) + header, padded with spaces to a multiple of 64,
+    // ending in a newline.
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = Vec::with_capacity(10 + header.len() + 4 * data.len());
+    bytes.extend_from_slice(b"\x93NUMPY\x01\x00");
+    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
+    for x in data {
+        bytes.extend_from_slice(&x.to_le_bytes());
+    }
+    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
 }
