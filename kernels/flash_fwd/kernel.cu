@@ -88,17 +88,17 @@ template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(co
 // consumers (one block at a time), kept as a reference path (env FA3_FWD_SIMPLE=1).
 FA3_FWD_KERNEL(flash_fwd_d64_bf16, 64, 128, fa3::DT_BF16, true)
 FA3_FWD_KERNEL(flash_fwd_d128_bf16, 128, 128, fa3::DT_BF16, true)
-FA3_FWD_KERNEL(flash_fwd_d256_bf16, 256, 64, fa3::DT_BF16, true)
+FA3_FWD_KERNEL(flash_fwd_d256_bf16, 256, 80, fa3::DT_BF16, true)
 FA3_FWD_KERNEL(flash_fwd_d64_f16, 64, 128, fa3::DT_F16, true)
 FA3_FWD_KERNEL(flash_fwd_d128_f16, 128, 128, fa3::DT_F16, true)
-FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 64, fa3::DT_F16, true)
+FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 80, fa3::DT_F16, true)
 // d64 with 3 consumer warpgroups (192-row tiles, FA3's d64 shape): the default for head dims <= 64
 // except short masked calls (crates/flash-attn/src/cuda/mod.rs, Variant::pick).
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_bf16, 64, 128, fa3::DT_BF16, true, 3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_f16, 64, 128, fa3::DT_F16, true, 3)
 FA3_FWD_KERNEL(flash_fwd_simple_d64_bf16, 64, 128, fa3::DT_BF16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d128_bf16, 128, 128, fa3::DT_BF16, false)
-FA3_FWD_KERNEL(flash_fwd_simple_d256_bf16, 256, 64, fa3::DT_BF16, false)
+FA3_FWD_KERNEL(flash_fwd_simple_d256_bf16, 256, 80, fa3::DT_BF16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d64_f16, 64, 128, fa3::DT_F16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d128_f16, 128, 128, fa3::DT_F16, false)
-FA3_FWD_KERNEL(flash_fwd_simple_d256_f16, 256, 64, fa3::DT_F16, false)
+FA3_FWD_KERNEL(flash_fwd_simple_d256_f16, 256, 80, fa3::DT_F16, false)

@@ -111,7 +111,7 @@ impl Variant {
             },
             129..=256 => Self {
                 head_dim: 256,
-                block_n: 64,
+                block_n: 80,
                 consumer_wgs: 2,
             },
             d => bail!("flash-attn3: the GPU kernel supports head dims up to 256, got {d}"),
