@@ -8,9 +8,8 @@
 // Direct path (d256, and the varlen case above): each thread stores pairs of 16-bit values
 // (4 bytes) of its two rows, skipping rows past the sequence end and padding columns.
 #pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
+#include "../primitives/convert.cuh"
 #include "../primitives/tma.cuh"
 #include "../primitives/warp.cuh"
 #include "../primitives/wgmma.cuh"
@@ -19,18 +18,6 @@
 #include "traits.cuh"
 
 namespace fa3 {
-
-template <int kDtype> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    // The lower column goes in the lower 16 bits: the layout of wgmma's register A operand and of
-    // a little-endian store.
-    if constexpr (kDtype == DT_BF16) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    } else {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-}
 
 // Named barriers: 1..3 order the consumer warpgroups' GEMMs (mainloop.cuh), 4..6 are each
 // consumer warpgroup's own epilogue barrier.
@@ -53,7 +40,7 @@ __device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInf
             const int col = 8 * j + 2 * quad_lane;
             if (col < p.head_dim_v) {
                 *reinterpret_cast<uint32_t*>(out + col) =
-                    pack2<Tr::kDtype>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+                    pack16x2<Tr::kDtype>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
             }
         }
     }
@@ -84,7 +71,7 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
                 const int c = j / 8, chunk = (j % 8) ^ (r % 8);
                 const uint32_t elem = c * Tr::kBlockM * 64 + r * 64 + chunk * 8 + 2 * quad_lane;
                 st_shared_u32(o_smem + 2 * elem,
-                              pack2<Tr::kDtype>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]));
+                              pack16x2<Tr::kDtype>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]));
             }
         }
         fence_proxy_async_smem();

@@ -112,7 +112,7 @@ __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInf
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<Tr::kDtype>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+            for (int r = 0; r < 4; ++r) pa[kk][r] = pack16x2<Tr::kDtype>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
         }
 
         // ---- O += P·V; V (keys x head_dim, head_dim contiguous) is B read MN-major: LBO steps
@@ -210,7 +210,7 @@ __device__ __forceinline__ void probs_to_a_operand(const float (&sc)[Tr::kSRegs]
 #pragma unroll
     for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<Tr::kDtype>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+        for (int r = 0; r < 4; ++r) pa[kk][r] = pack16x2<Tr::kDtype>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
     }
 }
 
