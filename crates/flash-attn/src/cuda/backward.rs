@@ -10,19 +10,15 @@
 //!
 //! The gradients go into one flat buffer (dq, dk, dv, each contiguous), the op's output.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
-
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaFunction, CudaModule, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
-use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
+use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 
-use super::{device_addr, geometry, tensor_map, TmaDesc};
+use super::{device_addr, geometry, load_kernel, tensor_map, TmaDesc};
 use crate::params::{AttnParams, Dims, Varlen};
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_bwd.cubin"));
@@ -138,44 +134,9 @@ impl Variant {
     }
 }
 
-type FuncCache = Mutex<HashMap<(DeviceId, &'static str), CudaFunction>>;
-
-/// The kernel `name` of the backward cubin on `dev`, loading the cubin on first use.
+/// The kernel `name` of the backward cubin on `dev`.
 fn kernel(dev: &CudaDevice, name: &'static str, smem: usize) -> Result<CudaFunction> {
-    static MODULES: OnceLock<Mutex<HashMap<DeviceId, Arc<CudaModule>>>> = OnceLock::new();
-    static FUNCS: OnceLock<FuncCache> = OnceLock::new();
-    let funcs = FUNCS.get_or_init(Default::default);
-    if let Some(f) = funcs.lock().unwrap().get(&(dev.id(), name)) {
-        return Ok(f.clone());
-    }
-    let module = {
-        let mut modules = MODULES.get_or_init(Default::default).lock().unwrap();
-        match modules.get(&dev.id()) {
-            Some(m) => m.clone(),
-            None => {
-                let ctx = dev.cuda_stream().context().clone();
-                let m = ctx.load_module(Ptx::from_binary(CUBIN.to_vec())).map_err(|e| {
-                    candle_core::Error::Msg(format!(
-                        "flash-attn3: could not load the sm_90a backward kernels ({e:?}); the GPU kernels need a Hopper GPU (H100/H200)"
-                    ))
-                })?;
-                modules.insert(dev.id(), m.clone());
-                m
-            }
-        }
-    };
-    let func = module
-        .load_function(name)
-        .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: {e:?}")))?;
-    if smem > 48 * 1024 {
-        func.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: {smem} bytes of shared memory: {e:?}")))?;
-    }
-    funcs.lock().unwrap().insert((dev.id(), name), func.clone());
-    Ok(func)
+    load_kernel(dev, CUBIN, " backward", name, smem)
 }
 
 /// Checks one of the backward's saved inputs: dtype, on the GPU, contiguous.

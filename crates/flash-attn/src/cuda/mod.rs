@@ -228,10 +228,25 @@ fn sm_count(dev: &CudaDevice) -> Result<usize> {
 }
 
 type FuncCache = Mutex<HashMap<(DeviceId, &'static str), CudaFunction>>;
+type ModuleCache = Mutex<HashMap<(DeviceId, usize), Arc<CudaModule>>>;
 
-/// The kernel `name` on `dev`, loading the cubin into the device's context on first use.
+/// The forward kernel `name` on `dev`.
 fn kernel(dev: &CudaDevice, name: &'static str, smem: usize) -> Result<CudaFunction> {
-    static MODULES: OnceLock<Mutex<HashMap<DeviceId, Arc<CudaModule>>>> = OnceLock::new();
+    load_kernel(dev, CUBIN, "", name, smem)
+}
+
+/// The kernel `name` of the embedded `cubin` on `dev`, loading the cubin into the device's
+/// context on first use; `what` names the cubin in the error (" backward" or ""). Kernels that
+/// use more than 48 KiB of dynamic shared memory get the attribute that allows it. Kernel names
+/// are unique across the cubins, so one cache of functions serves both.
+fn load_kernel(
+    dev: &CudaDevice,
+    cubin: &'static [u8],
+    what: &str,
+    name: &'static str,
+    smem: usize,
+) -> Result<CudaFunction> {
+    static MODULES: OnceLock<ModuleCache> = OnceLock::new();
     static FUNCS: OnceLock<FuncCache> = OnceLock::new();
     let funcs = FUNCS.get_or_init(Default::default);
     if let Some(f) = funcs.lock().unwrap().get(&(dev.id(), name)) {
@@ -239,16 +254,17 @@ fn kernel(dev: &CudaDevice, name: &'static str, smem: usize) -> Result<CudaFunct
     }
     let module = {
         let mut modules = MODULES.get_or_init(Default::default).lock().unwrap();
-        match modules.get(&dev.id()) {
+        let key = (dev.id(), cubin.as_ptr() as usize);
+        match modules.get(&key) {
             Some(m) => m.clone(),
             None => {
                 let ctx = dev.cuda_stream().context().clone();
-                let m = ctx.load_module(Ptx::from_binary(CUBIN.to_vec())).map_err(|e| {
+                let m = ctx.load_module(Ptx::from_binary(cubin.to_vec())).map_err(|e| {
                     candle_core::Error::Msg(format!(
-                        "flash-attn3: could not load the sm_90a kernels ({e:?}); the GPU kernels need a Hopper GPU (H100/H200)"
+                        "flash-attn3: could not load the sm_90a{what} kernels ({e:?}); the GPU kernels need a Hopper GPU (H100/H200)"
                     ))
                 })?;
-                modules.insert(dev.id(), m.clone());
+                modules.insert(key, m.clone());
                 m
             }
         }
@@ -256,11 +272,13 @@ fn kernel(dev: &CudaDevice, name: &'static str, smem: usize) -> Result<CudaFunct
     let func = module
         .load_function(name)
         .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: {e:?}")))?;
-    func.set_attribute(
-        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: {smem} bytes of shared memory: {e:?}")))?;
+    if smem > 48 * 1024 {
+        func.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: {smem} bytes of shared memory: {e:?}")))?;
+    }
     funcs.lock().unwrap().insert((dev.id(), name), func.clone());
     Ok(func)
 }
