@@ -5,7 +5,8 @@
 #
 # Steps: GPU name; the GPU test binary (--test-threads=1); the GPU benchmark binary;
 #   --anchors   the anchor benchmark (.device/anchors, from gpu-pack.sh --anchors);
-#               env SEQS, HDIMS, PASSES, IMPLS pass through to anchors_bench.py
+#               env SEQS, HDIMS, PASSES, IMPLS pass through to anchors_bench.py; then
+#               scripts/decode_anchor.py (FA3 on the decode-like shapes; BENCH_DECODE=0 skips it)
 #   --sanitize  compute-sanitizer memcheck and racecheck on the test binary, with the test filter
 #               in env SANITIZE_FILTER (empty: every test; racecheck is slow, so filter)
 # Env: TEST_ARGS / BENCH_ARGS: extra arguments to the test / benchmark binary (e.g. a filter).
@@ -116,6 +117,9 @@ if ((ANCHORS)); then
         step anchors bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${@:2}" &&
             PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 exec python3 "$1"' \
             bash "$DEV/anchors/anchors_bench.py" "${wheels[@]}"
+        # FA3 on the benchmark's decode-like shapes (split-KV), with the wheels installed above.
+        [[ ${BENCH_DECODE:-1} != 0 ]] && step decode-anchor bash -c \
+            'PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 exec python3 scripts/decode_anchor.py'
     else
         skip_step anchors "no .device/anchors: run scripts/gpu-pack.sh --anchors"
     fi

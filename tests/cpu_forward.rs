@@ -736,6 +736,8 @@ fn builder_equivalences() -> Result<()> {
     for (name, other) in [
         ("causal(false)", run(FlashAttn::new(s).causal(false))?),
         ("window(None, None)", run(FlashAttn::new(s).window(None, None))?),
+        // A GPU performance knob: the CPU path computes the same thing bit for bit.
+        ("num_splits(7)", run(FlashAttn::new(s).num_splits(7))?),
         (
             "a window wider than both sequences",
             run(FlashAttn::new(s).window(Some(100_000), Some(100_000)))?,

@@ -83,16 +83,21 @@ fn poison(dev: &Device, elems: usize) -> Result<()> {
     Ok(())
 }
 
-/// Checks one fixed-length call (q, k, v given, possibly non-contiguous) against the reference.
+/// Checks one fixed-length call (q, k, v given, possibly non-contiguous) against the reference,
+/// twice: with the split count chosen per call (small test shapes leave most SMs idle, so this
+/// often splits the keys) and with `num_splits(1)` (one CTA walks all keys of a tile).
 fn check(q: &Tensor, k: &Tensor, v: &Tensor, o: Opts, what: &str) -> Result<()> {
     let (b, sq, h, _) = q.dims4()?;
-    poison(q.device(), 2 * b * sq * h * v.dim(3)?)?;
-    let (out, lse) = o.builder().forward_with_lse(q, k, v)?;
-    assert_eq!(out.dtype(), q.dtype(), "{what}: out dtype");
-    assert_eq!(lse.dtype(), DType::F32, "{what}: lse dtype");
     let (want, want_lse) = attention_ref(q, k, v, &o.reference())?;
-    assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
-    assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+    for splits in [0, 1] {
+        poison(q.device(), 2 * b * sq * h * v.dim(3)?)?;
+        let (out, lse) = o.builder().num_splits(splits).forward_with_lse(q, k, v)?;
+        assert_eq!(out.dtype(), q.dtype(), "{what}: out dtype");
+        assert_eq!(lse.dtype(), DType::F32, "{what}: lse dtype");
+        let what = format!("{what} num_splits({splits})");
+        assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+        assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+    }
     Ok(())
 }
 
@@ -232,10 +237,42 @@ fn non_contiguous_inputs() -> Result<()> {
     Ok(())
 }
 
+/// Checks one varlen call with sequence lengths `lq` / `lk` (cumulative offsets built here) and
+/// `h` / `hk` heads against the reference; `fa` is the builder (options of `o`, plus any split).
+#[allow(clippy::too_many_arguments)]
+fn check_varlen(
+    rng: &mut TestRng,
+    lq: &[usize],
+    lk: &[usize],
+    (h, hk): (usize, usize),
+    (d, dv): (usize, usize),
+    dtype: DType,
+    fa: flash_attn3::FlashAttn,
+    o: Opts,
+    what: &str,
+) -> Result<()> {
+    let dev = gpu()?;
+    let (cu_q, cu_k) = (cumulative(lq), cumulative(lk));
+    let batch = lq.len();
+    let q = rng.randn((cu_q[batch], h, d), dtype, &dev)?;
+    let k = rng.randn((cu_k[batch], hk, d), dtype, &dev)?;
+    let v = rng.randn((cu_k[batch], hk, dv), dtype, &dev)?;
+    poison(&dev, 2 * cu_q[batch] * h * dv)?;
+    let (sq_t, sk_t) = (seqlens_tensor(&cu_q, &dev)?, seqlens_tensor(&cu_k, &dev)?);
+    let (out, lse) = fa.forward_varlen_with_lse(&q, &k, &v, &sq_t, &sk_t, max_len(&cu_q), max_len(&cu_k))?;
+    let (want, want_lse) = attention_ref_varlen(&q, &k, &v, &cu_q, &cu_k, &o.reference())?;
+    let what = format!(
+        "{what} {dtype:?} d{d} lq {lq:?} lk {lk:?} h {h}/{hk} seed {}",
+        rng.seed()
+    );
+    assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+    assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+    Ok(())
+}
+
 #[test]
 fn varlen_with_empty_sequences() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-varlen");
-    let dev = gpu()?;
     for dtype in [DType::BF16, DType::F16] {
         for d in [64, 128, 256] {
             for (name, o) in variants(d, &mut rng) {
@@ -243,28 +280,22 @@ fn varlen_with_empty_sequences() -> Result<()> {
                 let mut lq: Vec<usize> = (0..batch).map(|_| rng.odd_len(1, 300)).collect();
                 let lk: Vec<usize> = (0..batch).map(|_| rng.odd_len(1, 300)).collect();
                 lq[rng.range(0, batch - 1)] = 0; // an empty query sequence
-                let (cu_q, cu_k) = (cumulative(&lq), cumulative(&lk));
-                let ratio = rng.pick(&[1, 2, 4, 8]);
-                let (hk, dv) = (rng.range(1, 2), d);
-                let h = hk * ratio;
-                let q = rng.randn((cu_q[batch], h, d), dtype, &dev)?;
-                let k = rng.randn((cu_k[batch], hk, d), dtype, &dev)?;
-                let v = rng.randn((cu_k[batch], hk, dv), dtype, &dev)?;
-                if cu_q[batch] == 0 {
+                if lq.iter().sum::<usize>() == 0 {
                     continue;
                 }
-                poison(&dev, 2 * cu_q[batch] * h * dv)?;
-                let (sq_t, sk_t) = (seqlens_tensor(&cu_q, &dev)?, seqlens_tensor(&cu_k, &dev)?);
-                let (out, lse) =
-                    o.builder()
-                        .forward_varlen_with_lse(&q, &k, &v, &sq_t, &sk_t, max_len(&cu_q), max_len(&cu_k))?;
-                let (want, want_lse) = attention_ref_varlen(&q, &k, &v, &cu_q, &cu_k, &o.reference())?;
-                let what = format!(
-                    "varlen {dtype:?} d{d} {name} lq {lq:?} lk {lk:?} h {h}/{hk} seed {}",
-                    rng.seed()
-                );
-                assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
-                assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+                let ratio = rng.pick(&[1, 2, 4, 8]);
+                let hk = rng.range(1, 2);
+                check_varlen(
+                    &mut rng,
+                    &lq,
+                    &lk,
+                    (hk * ratio, hk),
+                    (d, d),
+                    dtype,
+                    o.builder(),
+                    o,
+                    &format!("varlen {name}"),
+                )?;
             }
         }
     }
@@ -294,7 +325,6 @@ fn pack_gqa_decode_like() -> Result<()> {
     // token-major), with every option, groups that do and do not divide the 128-row tile, both
     // dtypes, fixed-length and varlen (with an empty query sequence).
     let mut rng = TestRng::fresh("gpu-pack-gqa");
-    let dev = gpu()?;
     for d in [64, 128] {
         for (name, o) in variants(d, &mut rng) {
             let group = rng.pick(&[2, 3, 5, 8, 16]);
@@ -308,26 +338,79 @@ fn pack_gqa_decode_like() -> Result<()> {
             let mut lq: Vec<usize> = (0..batch).map(|_| rng.range(1, 64)).collect();
             let lk: Vec<usize> = (0..batch).map(|_| rng.odd_len(1, 500)).collect();
             lq[0] = 0;
-            let (cu_q, cu_k) = (cumulative(&lq), cumulative(&lk));
-            let (hk, h) = (2, 2 * group);
-            let q = rng.randn((cu_q[batch], h, d), dtype, &dev)?;
-            let k = rng.randn((cu_k[batch], hk, d), dtype, &dev)?;
-            let v = rng.randn((cu_k[batch], hk, d), dtype, &dev)?;
-            poison(&dev, 2 * cu_q[batch] * h * d)?;
-            let (sq_t, sk_t) = (seqlens_tensor(&cu_q, &dev)?, seqlens_tensor(&cu_k, &dev)?);
-            let (out, lse) =
-                o.builder()
-                    .forward_varlen_with_lse(&q, &k, &v, &sq_t, &sk_t, max_len(&cu_q), max_len(&cu_k))?;
-            let (want, want_lse) = attention_ref_varlen(&q, &k, &v, &cu_q, &cu_k, &o.reference())?;
-            let what = format!(
-                "pack-gqa varlen {dtype:?} d{d} {name} group {group} lq {lq:?} lk {lk:?} seed {}",
-                rng.seed()
-            );
-            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
-            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+            let what = format!("pack-gqa varlen {name} group {group}");
+            check_varlen(&mut rng, &lq, &lk, (2 * group, 2), (d, d), dtype, o.builder(), o, &what)?;
         }
     }
     Ok(())
+}
+
+#[test]
+fn split_kv_every_option() -> Result<()> {
+    // Split-KV: the key blocks of each tile cut into shares on separate CTAs, merged by the
+    // combine kernel. Forced split counts (2, 3, 7 and 128, capped at the key blocks) and the
+    // automatic choice on shapes with few tiles and long keys (batch 1-2, few heads), with every
+    // option, pack-GQA and plain tiles, padded head dims, fixed-length and varlen with an empty
+    // query sequence and sequences shorter than one share.
+    let mut rng = TestRng::fresh("gpu-split-kv");
+    let mut n = 0;
+    for d in [64, 128, 256, 40, 96] {
+        for (name, o) in variants(d, &mut rng) {
+            let splits = rng.pick(&[0, 2, 3, 7, 128]);
+            let dtype = rng.pick(&[DType::BF16, DType::F16]);
+            let group = rng.pick(&[1, 4, 8]);
+            let sq = rng.pick(&[1, 5, 16, 77, 200]);
+            let sk = rng.odd_len(700, 5000);
+            let shape = AttnShape::new((rng.range(1, 2), sq, sk, 2 * group, 2, d, d));
+            let (q, k, v) = shape.random_qkv(&mut rng, dtype, &gpu()?)?;
+            let what = format!("split-kv {splits} {name} {shape:?} {dtype:?} seed {}", rng.seed());
+            let b = q.dim(0)?;
+            poison(q.device(), 2 * b * sq * 2 * group * d)?;
+            let (out, lse) = o.builder().num_splits(splits).forward_with_lse(&q, &k, &v)?;
+            let (want, want_lse) = attention_ref(&q, &k, &v, &o.reference())?;
+            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+
+            let batch = rng.range(2, 4);
+            let mut lq: Vec<usize> = (0..batch).map(|_| rng.range(1, 40)).collect();
+            let mut lk: Vec<usize> = (0..batch).map(|_| rng.odd_len(1, 3000)).collect();
+            lq[0] = 0;
+            lk[batch - 1] = rng.range(1, 100); // shorter than a share: most shares see no key
+            let fa = o.builder().num_splits(splits);
+            let what = format!("split-kv varlen {splits} {name} group {group}");
+            check_varlen(&mut rng, &lq, &lk, (2 * group, 2), (d, d), dtype, fa, o, &what)?;
+            n += 2;
+        }
+    }
+    println!("split_kv_every_option: {n} checks passed");
+    Ok(())
+}
+
+#[test]
+fn split_kv_small_for_sanitizer() -> Result<()> {
+    // One small split-KV call of each kind (fixed-length with pack-GQA, varlen), for
+    // compute-sanitizer memcheck and racecheck.
+    let mut rng = TestRng::fresh("gpu-split-kv-small");
+    let o = Opts {
+        right: Some(0),
+        ..Opts::new(0.125)
+    };
+    let (q, k, v) = AttnShape::new((1, 3, 700, 8, 2, 64, 64)).random_qkv(&mut rng, DType::BF16, &gpu()?)?;
+    let (out, lse) = o.builder().num_splits(3).forward_with_lse(&q, &k, &v)?;
+    let (want, want_lse) = attention_ref(&q, &k, &v, &o.reference())?;
+    assert_close(&out, &want, OUT_TOL, "split-kv small: out")?;
+    assert_close(&lse, &want_lse, LSE_TOL, "split-kv small: lse")?;
+    check_varlen(
+        &mut rng,
+        &[0, 2, 1],
+        &[300, 500, 40],
+        (4, 4),
+        (128, 128),
+        DType::F16,
+        o.builder().num_splits(4),
+        o,
+        "split-kv small varlen",
+    )
 }
 
 #[test]

@@ -46,12 +46,40 @@ __device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInf
     }
 }
 
+// Split-KV: this split's normalised O rows (f32 pairs, 8-byte stores) and LSE into the
+// accumulators, rows in out's (token, head) order (combine.cuh merges the splits).
+template <class Tr>
+__device__ __forceinline__ void store_split_partial(const FwdParams& p, const TileInfo& t,
+                                                   const float (&o)[Tr::kORegs], const float (&inv_sum)[2],
+                                                   const float (&lse)[2], int row_in_tile, int quad_lane) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int i, head;
+        row_position(p, t, row_in_tile + 8 * h, i, head);
+        if (i >= t.seqlen_q) continue;
+        const int64_t row = ((int64_t)t.split * p.total_q + t.out_tok0 + i) * p.heads + head;
+        float* dst = p.o_accum + row * p.head_dim_v;
+#pragma unroll
+        for (int j = 0; j < Tr::kORegs / 4; ++j) {
+            const int col = 8 * j + 2 * quad_lane;
+            if (col < p.head_dim_v)
+                *reinterpret_cast<float2*>(dst + col) =
+                    make_float2(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+        }
+        if (quad_lane == 0) p.lse_accum[row] = lse[h];
+    }
+}
+
 // wg: the consumer warpgroup (0 or 1); tid: thread in the warpgroup; row_in_tile: the thread's
 // first row in the tile (+8 is its second).
 template <class Tr>
 __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t,
                                          const float (&o)[Tr::kORegs], const float (&inv_sum)[2],
                                          const float (&lse)[2], int wg, int tid, int row_in_tile, int quad_lane) {
+    if (p.num_splits > 1) {
+        store_split_partial<Tr>(p, t, o, inv_sum, lse, row_in_tile, quad_lane);
+        return;
+    }
     const int wg_row0 = t.m_block * Tr::kBlockM + wg * 64;  // first query row of this warpgroup
     const bool tma_store =
         Tr::kTmaStoreO && !p.direct_store && !p.pack_gqa && (p.cu_q == nullptr || wg_row0 + 64 <= t.seqlen_q);

@@ -6,6 +6,7 @@
 // others are consumers that each own 64 rows of the 128- or 192-row query tile.
 // See docs/kernels/forward-sm90.md.
 #include "../primitives/warp.cuh"
+#include "combine.cuh"
 #include "load.cuh"
 #include "mainloop.cuh"
 
@@ -102,3 +103,13 @@ FA3_FWD_KERNEL(flash_fwd_simple_d256_bf16, 256, 80, fa3::DT_BF16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d64_f16, 64, 128, fa3::DT_F16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d128_f16, 128, 128, fa3::DT_F16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d256_f16, 256, 80, fa3::DT_F16, false)
+
+// Split-KV combine (combine.cuh): 256 threads, one warp per (token, head) row.
+extern "C" __global__ void __launch_bounds__(32 * fa3::kCombineWarps)
+    flash_fwd_combine_bf16(const __grid_constant__ fa3::CombineParams p) {
+    fa3::combine_splits<fa3::DT_BF16>(p);
+}
+extern "C" __global__ void __launch_bounds__(32 * fa3::kCombineWarps)
+    flash_fwd_combine_f16(const __grid_constant__ fa3::CombineParams p) {
+    fa3::combine_splits<fa3::DT_F16>(p);
+}

@@ -45,6 +45,29 @@ struct alignas(64) FwdParams {
     int tile_heads;         // heads walked by the tiles: heads, or kv_heads when packing
     int q_tile_queries;     // queries per tile: kBlockM, or kBlockM / group when packing
     uint32_t q_tile_bytes;  // bytes of one Q tile load (the TMA boxes)
+    // Split-KV (num_splits > 1; decode-like calls with too few tiles to fill the GPU): split s of
+    // a tile takes the s-th share of its key blocks and writes its normalised O (f32) and its LSE
+    // into the accumulators below, rows in out's (token, head) order; combine.cuh merges them.
+    int num_splits;
+    int total_q;            // tokens of q (batch * seqlen_q, or the varlen total)
+    float* o_accum;         // (num_splits, total_q, heads, head_dim_v)
+    float* lse_accum;       // (num_splits, total_q, heads)
+};
+
+// The combine kernel's parameters (combine.cuh).
+struct CombineParams {
+    const float* o_accum;   // as in FwdParams
+    const float* lse_accum;
+    void* out;              // (total_q, heads, head_dim_v), contiguous
+    float* lse;             // the forward's LSE layout (FwdParams::lse)
+    int num_splits;
+    int total_q;
+    int heads;
+    int head_dim_v;
+    int seqlen_q;           // fixed-length calls: token t is query t % seqlen_q of sequence t / seqlen_q
+    int varlen;             // 1: lse is (heads, total_q)
+    int64_t lse_head_stride;
+    int64_t lse_batch_stride;
 };
 
 }  // namespace fa3

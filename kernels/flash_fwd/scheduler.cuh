@@ -23,6 +23,7 @@ namespace fa3 {
 
 struct TileInfo {
     int m_block, head, kv_head, batch;
+    int split;                // split-KV: which share of the key blocks (0 without splits)
     int seqlen_q, seqlen_k;   // this sequence's lengths
     int q_row0, k_row0;       // TMA row coordinate of the sequence's first token
     int tma_batch;            // TMA batch coordinate (0 for varlen)
@@ -41,7 +42,9 @@ __device__ __forceinline__ void key_range(const FwdParams& p, int i, int sq, int
     hi = max(hi, lo);
 }
 
-__device__ __forceinline__ int num_tiles(const FwdParams& p) { return p.num_m_blocks * p.tile_heads * p.batch; }
+__device__ __forceinline__ int num_tiles(const FwdParams& p) {
+    return p.num_m_blocks * p.tile_heads * p.batch * p.num_splits;
+}
 
 // Tile row r -> its query (index in the sequence) and q head. Rows past the last packed query
 // group get query = seqlen_q, i.e. past the end: never stored.
@@ -59,9 +62,12 @@ __device__ __forceinline__ void row_position(const FwdParams& p, const TileInfo&
 
 // Decodes tile index `tile`; false when the tile lies past its sequence's end (varlen).
 template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p, int tile, TileInfo& t) {
-    // (batch, head) outer, query tiles inner: the CTAs running at the same time share a few heads,
-    // so their K/V blocks are read from L2 rather than HBM (an order with heads inner streams
-    // many heads' K/V at once and ran up to 25% slower at seqlen 512).
+    // Splits innermost (consecutive CTAs take the key shares of one tile), then query tiles, then
+    // (batch, head): the CTAs running at the same time share a few heads, so their K/V blocks are
+    // read from L2 rather than HBM (an order with heads inner streams many heads' K/V at once and
+    // ran up to 25% slower at seqlen 512).
+    t.split = tile % p.num_splits;
+    tile /= p.num_splits;
     const int hb = tile / p.num_m_blocks;
     t.m_block = p.num_m_blocks - 1 - tile % p.num_m_blocks;
     if (p.pack_gqa) {  // a tile covers every q head of its kv head; t.head is the first
@@ -102,6 +108,15 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
     t.n_max = hi1 > lo0 ? (hi1 + Tr::kBlockN - 1) / Tr::kBlockN : t.n_min;
     t.full_lo = lo1;
     t.full_hi = hi0;
+    if (p.num_splits > 1) {
+        // The split's share of the tile's key blocks; a share past the end is empty (n_max ==
+        // n_min) and stores a zero partial with LSE -inf, which the combine weighs 0.
+        const int per_split = (t.n_max - t.n_min + p.num_splits - 1) / p.num_splits;
+        const int lo = t.n_min + t.split * per_split;
+        t.n_min = min(lo, t.n_max);
+        t.n_max = min(lo + per_split, t.n_max);
+        t.n_max = max(t.n_max, t.n_min);
+    }
     return true;
 }
 

@@ -1,8 +1,8 @@
 //! GPU forward benchmark over the FlashAttention-3 paper's grid: bf16, 16k tokens per batch
 //! (batch = 16384 / seqlen), hidden 2048 (heads = 2048 / head_dim), head dim 64/128/256,
 //! seqlen 512..16k, causal and not; FLOPs 4·b·h·s²·d, halved when causal. Plus decode-like
-//! shapes (seqlen_q 1..16 against 8192 keys, batch 32, 32 q heads / 4 kv heads, d128), reported
-//! as time and K/V bytes read per second.
+//! shapes (`DECODE_SHAPES`: seqlen_q 1 or 16 against 8k-128k keys, GQA, d128), reported as time
+//! and K/V bytes read per second, with split-KV chosen per call and off.
 //!
 //! Timing: 3 warm-up calls, then as many calls as fit in ~200 ms (at least 5), bracketed by
 //! device synchronisations; the mean per call is reported. Each call includes the op's host
@@ -116,6 +116,48 @@ fn backward_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
     Ok(())
 }
 
+/// Decode-like shapes (d128, bf16): K/V bytes read per second, with split-KV chosen per call
+/// (`auto`) and off (`num_splits(1)`). Rows: (batch, seqlen_q, q heads, kv heads, seqlen_k).
+/// scripts/decode_anchor.py times FA3 on the same shapes.
+pub const DECODE_SHAPES: [(usize, usize, usize, usize, usize); 8] = [
+    (32, 1, 32, 4, 8192),
+    (32, 16, 32, 4, 8192),
+    (1, 1, 32, 8, 8192),
+    (1, 1, 32, 8, 32768),
+    (1, 1, 32, 8, 131072),
+    (1, 16, 32, 8, 32768),
+    (4, 1, 32, 8, 32768),
+    (8, 1, 64, 8, 16384),
+];
+
+fn decode_shapes(dev: &Device) -> Result<()> {
+    println!("\nDecode-like, d128, bf16: time per call (us) and K+V read (TB/s)");
+    println!("| batch | seqlen_q | heads q/kv | seqlen_k | causal | auto: us | TB/s | num_splits(1): us | TB/s |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let d = 128;
+    for (b, sq, h, hk, sk) in DECODE_SHAPES {
+        let k = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?.to_dtype(DType::BF16)?;
+        let v = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?.to_dtype(DType::BF16)?;
+        let q = Tensor::randn(0f32, 1., (b, sq, h, d), dev)?.to_dtype(DType::BF16)?;
+        let causals: Vec<bool> = if sq == 1 { vec![false] } else { vec![false, true] };
+        for causal in causals {
+            let bytes = (2 * b * sk * hk * d * 2) as f64;
+            let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
+            let auto = time(dev, || attn.forward(&q, &k, &v))?;
+            let one = time(dev, || attn.num_splits(1).forward(&q, &k, &v))?;
+            println!(
+                "| {b} | {sq} | {h}/{hk} | {sk} | {} | {:.1} | {:.2} | {:.1} | {:.2} |",
+                causal as u8,
+                auto * 1e6,
+                bytes / auto / 1e12,
+                one * 1e6,
+                bytes / one / 1e12
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let dev = Device::new_cuda(0)?;
     let seqs = list("BENCH_SEQS", &[512, 1024, 2048, 4096, 8192, 16384]);
@@ -174,26 +216,7 @@ fn main() -> Result<()> {
     }
 
     if std::env::var("BENCH_DECODE").map(|v| v != "0").unwrap_or(true) {
-        println!("\nDecode-like: batch 32, seqlen_k 8192, 32 q heads / 4 kv heads, d128, bf16");
-        println!("| seqlen_q | causal | time (us) | K+V read (TB/s) |");
-        println!("|---|---|---|---|");
-        let (b, sk, h, hk, d) = (32, 8192, 32, 4, 128);
-        let k = Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?.to_dtype(DType::BF16)?;
-        let v = Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?.to_dtype(DType::BF16)?;
-        for sq in [1, 4, 16] {
-            let q = Tensor::randn(0f32, 1., (b, sq, h, d), &dev)?.to_dtype(DType::BF16)?;
-            for causal in list("BENCH_CAUSAL", &[0, 1]).into_iter().map(|c| c != 0) {
-                let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
-                let secs = time(&dev, || attn.forward(&q, &k, &v))?;
-                let bytes = (2 * b * sk * hk * d * 2) as f64;
-                println!(
-                    "| {sq} | {} | {:.1} | {:.2} |",
-                    causal as u8,
-                    secs * 1e6,
-                    bytes / secs / 1e12
-                );
-            }
-        }
+        decode_shapes(&dev)?;
     }
     Ok(())
 }

@@ -122,7 +122,8 @@ pub fn flash_attn_varlen_windowed(
 ///
 /// `causal(true)` and `window(l, r)` combine: the causal mask caps the right window at 0.
 /// Each setter replaces its own earlier value, so `causal(false)` undoes `causal(true)`.
-/// Two builders are equal when they compute the same attention.
+/// Two builders are equal when their attention options (and split count) are equal; the
+/// `deterministic` flag only affects the backward and is not compared.
 #[derive(Debug, Clone, Copy)]
 pub struct FlashAttn {
     softmax_scale: f32,
@@ -131,6 +132,7 @@ pub struct FlashAttn {
     window_right: Option<usize>,
     softcap: Option<f32>,
     deterministic: bool,
+    num_splits: usize,
 }
 
 impl FlashAttn {
@@ -143,6 +145,7 @@ impl FlashAttn {
             window_right: None,
             softcap: None,
             deterministic: false,
+            num_splits: 0,
         }
     }
 
@@ -172,6 +175,17 @@ impl FlashAttn {
         self
     }
 
+    /// Split-KV on the GPU forward: each query tile's keys are cut into `num_splits` shares that
+    /// run on separate SMs, and a small kernel merges the partial results. This fills the GPU
+    /// when batch × heads × query tiles is far below its SM count, as in decoding with a long KV
+    /// cache. 0 (the default) chooses per call from the GPU's SM count and the shapes; 1 never
+    /// splits; larger values are capped at 128 and at the number of key blocks. The output equals
+    /// the unsplit one up to rounding. The CPU path and the backward ignore it.
+    pub fn num_splits(mut self, num_splits: usize) -> Self {
+        self.num_splits = num_splits;
+        self
+    }
+
     /// The options as the kernels see them: causal is a right window of 0.
     fn attn_params(&self) -> AttnParams {
         AttnParams {
@@ -179,6 +193,7 @@ impl FlashAttn {
             window_left: self.window_left,
             window_right: if self.causal { Some(0) } else { self.window_right },
             softcap: self.softcap,
+            num_splits: self.num_splits,
         }
     }
 

@@ -19,6 +19,9 @@ pub(crate) struct AttnParams {
     pub window_right: Option<usize>,
     /// When set, a scaled score s becomes `cap * tanh(s / cap)` before the softmax.
     pub softcap: Option<f32>,
+    /// GPU forward: split-KV shares per query tile (0: chosen per call; 1: no split). The
+    /// result is the same up to rounding; the CPU path ignores it.
+    pub num_splits: usize,
 }
 
 impl AttnParams {
@@ -293,6 +296,40 @@ pub(crate) fn check_varlen(
     Ok((dims, varlen))
 }
 
+/// The most split-KV shares of one tile (FA3's limit too).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const MAX_SPLITS: usize = 128;
+
+/// How many split-KV shares each tile gets when the caller left it to us (`requested` 0).
+///
+/// Splitting pays when the tiles alone would leave SMs idle: `tiles` CTAs on `sms` SMs, each
+/// walking `key_blocks` key blocks. As FA3 does, pick the split count whose last wave is fullest
+/// (efficiency = waves / ceil(waves)), preferring the smallest within 85% of the best, and skip
+/// counts that do not shorten the longest share (ceil(key_blocks / s) unchanged from s - 1).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn split_count(requested: usize, tiles: usize, sms: usize, key_blocks: usize) -> usize {
+    if requested > 0 {
+        return requested.min(MAX_SPLITS).min(key_blocks.max(1));
+    }
+    // Enough tiles for most SMs, or too few key blocks to share: no split.
+    if tiles * 10 >= sms * 8 || key_blocks < 2 {
+        return 1;
+    }
+    let max_splits = MAX_SPLITS.min(sms).min(key_blocks);
+    let eligible = |s: usize| s == 1 || key_blocks.div_ceil(s) != key_blocks.div_ceil(s - 1);
+    let efficiency = |s: usize| {
+        let waves = (tiles * s) as f64 / sms as f64;
+        waves / waves.ceil()
+    };
+    let best = (1..=max_splits)
+        .filter(|&s| eligible(s))
+        .map(efficiency)
+        .fold(0.0, f64::max);
+    (1..=max_splits)
+        .find(|&s| eligible(s) && efficiency(s) >= 0.85 * best)
+        .unwrap_or(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,7 +340,28 @@ mod tests {
             window_left: left,
             window_right: right,
             softcap: None,
+            num_splits: 0,
         }
+    }
+
+    #[test]
+    fn split_count_fills_the_gpu_only_when_tiles_are_few() {
+        // Enough tiles (>= 80% of the SMs) or a single key block: never split.
+        assert_eq!(split_count(0, 106, 132, 64), 1);
+        assert_eq!(split_count(0, 4, 132, 1), 1);
+        // Decode at batch 1 with 8 kv heads (pack-GQA: 8 tiles) and 64 key blocks: enough shares
+        // to fill most SMs, each share at least one block.
+        let s = split_count(0, 8, 132, 64);
+        assert!((8..=32).contains(&s), "{s}");
+        assert!(8 * s <= 2 * 132);
+        // Never more shares than key blocks, nor than the cap.
+        assert!(split_count(0, 1, 132, 3) <= 3);
+        assert!(split_count(0, 1, 1000, 10_000) <= MAX_SPLITS);
+        // Forced counts are capped the same way.
+        assert_eq!(split_count(7, 200, 132, 64), 7);
+        assert_eq!(split_count(1, 1, 132, 64), 1);
+        assert_eq!(split_count(500, 1, 132, 1000), MAX_SPLITS);
+        assert_eq!(split_count(16, 1, 132, 5), 5);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
-use crate::params::{AttnParams, Dims, Varlen};
+use crate::params::{split_count, AttnParams, Dims, Varlen};
 
 mod backward;
 pub(crate) use backward::{backward, SavedForBackward};
@@ -66,7 +66,35 @@ struct FwdParams {
     tile_heads: i32,
     q_tile_queries: i32,
     q_tile_bytes: u32,
+    num_splits: i32,
+    total_q: i32,
+    o_accum: u64,
+    lse_accum: u64,
 }
+
+/// Mirror of `fa3::CombineParams` (kernels/flash_fwd/params.cuh).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CombineParams {
+    o_accum: u64,
+    lse_accum: u64,
+    out: u64,
+    lse: u64,
+    num_splits: i32,
+    total_q: i32,
+    heads: i32,
+    head_dim_v: i32,
+    seqlen_q: i32,
+    varlen: i32,
+    lse_head_stride: i64,
+    lse_batch_stride: i64,
+}
+
+// SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
+unsafe impl DeviceRepr for CombineParams {}
+
+/// Rows of the combine kernel's 256-thread blocks (`fa3::kCombineWarps`, a warp per row).
+const COMBINE_ROWS_PER_BLOCK: usize = 8;
 
 // SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
 unsafe impl DeviceRepr for FwdParams {}
@@ -281,6 +309,28 @@ fn load_kernel(
     }
     funcs.lock().unwrap().insert((dev.id(), name), func.clone());
     Ok(func)
+}
+
+/// Launches the split-KV combine over `rows` (token, head) rows (kernels/flash_fwd/combine.cuh).
+fn combine_splits(dev: &CudaDevice, dtype: DType, p: &CombineParams, rows: usize) -> Result<()> {
+    let name = if dtype == DType::BF16 {
+        "flash_fwd_combine_bf16"
+    } else {
+        "flash_fwd_combine_f16"
+    };
+    let func = kernel(dev, name, 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(COMBINE_ROWS_PER_BLOCK) as u32, 1, 1),
+        block_dim: (32 * COMBINE_ROWS_PER_BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    let mut launch = stream.launch_builder(&func);
+    launch.arg(p);
+    // SAFETY: the params point at the partials, out and lse, all alive until the caller drops
+    // them after this launch is queued (in stream order).
+    unsafe { launch.launch(cfg) }.map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name} launch: {e:?}")))?;
+    Ok(())
 }
 
 /// A 4-D TMA map (head_dim, rows, heads, batch) over 16-bit elements at `addr` with element
@@ -511,7 +561,24 @@ fn forward_t<T: CudaDType + DeviceRepr>(
 
     let num_m_blocks = dims.seqlen_q.div_ceil(q_tile_queries);
     let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
-    let num_tiles = num_m_blocks * tile_heads * dims.batch;
+    let sms = sm_count(&dev)?;
+    let splits = split_count(
+        params.num_splits,
+        num_m_blocks * tile_heads * dims.batch,
+        sms,
+        dims.seqlen_k.div_ceil(variant.block_n),
+    );
+    let num_tiles = num_m_blocks * tile_heads * dims.batch * splits;
+    // Split-KV partials: (splits, total_q, heads, head_dim_v) f32 and (splits, total_q, heads).
+    // SAFETY (both): every split writes every row of its tiles (zeros and -inf for a share
+    // without keys), and the combine reads only those rows.
+    let (mut o_accum, mut lse_accum) = match splits > 1 {
+        true => (
+            Some(unsafe { dev.alloc::<f32>(splits * out_len)? }),
+            Some(unsafe { dev.alloc::<f32>(splits * lse_len)? }),
+        ),
+        false => (None, None),
+    };
     // A persistent grid, one CTA per SM (a CTA's shared memory fills most of an SM), so that a
     // CTA's next Q and K/V loads overlap its current tile's last P·V and epilogue. Tiles of equal
     // work (no mask, fixed lengths) are strided statically; uneven tiles (causal/windows, varlen)
@@ -521,7 +588,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let grid = if uneven && per_tile() {
         num_tiles
     } else {
-        num_tiles.min(sm_count(&dev)?)
+        num_tiles.min(sms)
     };
     // The counter ends at (tiles past the first grid) + grid: stay inside i32.
     if num_tiles + grid > i32::MAX as usize {
@@ -590,6 +657,20 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         let (kp, _kg) = ks.device_ptr(&stream);
         let (vp, _vg) = vs.device_ptr(&stream);
         let _ = (qp, kp, vp);
+        let (o_accum_ptr, _o_accum_sync) = match o_accum.as_mut() {
+            Some(a) => {
+                let (ptr, sync) = a.device_ptr_mut(&stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
+        let (lse_accum_ptr, _lse_accum_sync) = match lse_accum.as_mut() {
+            Some(a) => {
+                let (ptr, sync) = a.device_ptr_mut(&stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
         let (tile_counter, _counter_sync) = match counter.as_mut() {
             Some(c) => {
                 let (ptr, sync) = c.device_ptr_mut(&stream);
@@ -627,6 +708,10 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             tile_heads: tile_heads as i32,
             q_tile_queries: q_tile_queries as i32,
             q_tile_bytes,
+            num_splits: splits as i32,
+            total_q: dims.total_q as i32,
+            o_accum: o_accum_ptr,
+            lse_accum: lse_accum_ptr,
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
@@ -640,8 +725,35 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         unsafe { launch.launch(cfg) }
             .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name} launch: {e:?}")))?;
     }
-    // The uploaded offsets (if any) are freed in stream order after the kernel.
+    if let (Some(o_accum), Some(lse_accum)) = (&o_accum, &lse_accum) {
+        let (o_accum_ptr, _o_accum_sync) = o_accum.device_ptr(&stream);
+        let (lse_accum_ptr, _lse_accum_sync) = lse_accum.device_ptr(&stream);
+        let (out_ptr, _out_sync) = out.device_ptr_mut(&stream);
+        let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
+        combine_splits(
+            &dev,
+            dtype,
+            &CombineParams {
+                o_accum: o_accum_ptr,
+                lse_accum: lse_accum_ptr,
+                out: out_ptr,
+                lse: lse_ptr,
+                num_splits: splits as i32,
+                total_q: dims.total_q as i32,
+                heads: dims.heads as i32,
+                head_dim_v: dims.head_dim_v as i32,
+                seqlen_q: dims.seqlen_q.max(1) as i32,
+                varlen: varlen.is_some() as i32,
+                lse_head_stride,
+                lse_batch_stride,
+            },
+            dims.total_q * dims.heads,
+        )?;
+    }
+    // The uploaded offsets, the counter and the split partials (if any) are freed in stream
+    // order after the kernels.
     drop(uploads);
     drop(counter);
+    drop((o_accum, lse_accum));
     Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
 }
