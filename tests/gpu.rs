@@ -2,7 +2,8 @@
 //! kernels against the f64 reference of tests/reference.rs, with fresh random inputs for every
 //! check. The backward tests are at the end of the file.
 //!
-//! Covered: bf16 and f16; head dims 64/128/256 and the padded ones (32, 72, 96, 192, d != d_v);
+//! Covered: bf16 and f16; head dims 64/128/192/256 and the padded ones (32, 72, 96, 136, 160,
+//! d != d_v);
 //! causal, sliding windows, softcap, negative/zero scale; odd seqlens (not multiples of the
 //! tiles, sq < sk and sq > sk); GQA ratios 1/2/4/8; batch > 1; varlen with an empty sequence;
 //! non-contiguous inputs (transposed / narrowed views, read through TMA strides without copies);
@@ -108,11 +109,11 @@ fn check_shape(shape: AttnShape, dtype: DType, o: Opts, rng: &mut TestRng, what:
 }
 
 #[test]
-fn every_option_head_dims_64_128_256() -> Result<()> {
+fn every_option_head_dims_64_128_192_256() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-options");
     let mut n = 0;
     for dtype in [DType::BF16, DType::F16] {
-        for d in [64, 128, 256] {
+        for d in [64, 128, 192, 256] {
             for (name, o) in variants(d, &mut rng) {
                 let ratio = rng.pick(&[1, 2, 4, 8]);
                 let kv_heads = rng.range(1, 2);
@@ -179,6 +180,8 @@ fn padded_and_mixed_head_dims() -> Result<()> {
         (72, 72),
         (96, 96),
         (192, 192),
+        (192, 128),
+        (136, 136),
         (128, 64),
         (64, 128),
         (8, 8),
@@ -274,7 +277,7 @@ fn check_varlen(
 fn varlen_with_empty_sequences() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-varlen");
     for dtype in [DType::BF16, DType::F16] {
-        for d in [64, 128, 256] {
+        for d in [64, 128, 192, 256] {
             for (name, o) in variants(d, &mut rng) {
                 let batch = rng.range(2, 5);
                 let mut lq: Vec<usize> = (0..batch).map(|_| rng.odd_len(1, 300)).collect();
@@ -354,7 +357,7 @@ fn split_kv_every_option() -> Result<()> {
     // query sequence and sequences shorter than one share.
     let mut rng = TestRng::fresh("gpu-split-kv");
     let mut n = 0;
-    for d in [64, 128, 256, 40, 96] {
+    for d in [64, 128, 192, 256, 40, 96] {
         for (name, o) in variants(d, &mut rng) {
             let splits = rng.pick(&[0, 2, 3, 7, 128]);
             let dtype = rng.pick(&[DType::BF16, DType::F16]);

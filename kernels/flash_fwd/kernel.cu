@@ -83,15 +83,18 @@ template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(co
     }
 #define FA3_FWD_KERNEL(NAME, D, BN, DT, PP) FA3_FWD_KERNEL_WG(NAME, D, BN, DT, PP, 2)
 
-// Instantiations: (padded head dim, key block) per dtype. Head dims 96 and 192, and any other
-// multiple of 8, run on the next one up with TMA zero-filling the missing columns.
+// Instantiations: (padded head dim, key block) per dtype. Any other head dim (a multiple of 8)
+// runs on the next one up with TMA zero-filling the missing columns.
 // flash_fwd_*: the pingpong + overlap consumers (stage 2); flash_fwd_simple_*: the stage-1
-// consumers (one block at a time), kept as a reference path (env FA3_FWD_SIMPLE=1).
+// consumers (one block at a time), kept as a reference path (env FA3_FWD_SIMPLE=1; head dims
+// above 128 then run on the d256 one).
 FA3_FWD_KERNEL(flash_fwd_d64_bf16, 64, 128, fa3::DT_BF16, true)
 FA3_FWD_KERNEL(flash_fwd_d128_bf16, 128, 128, fa3::DT_BF16, true)
+FA3_FWD_KERNEL(flash_fwd_d192_bf16, 192, 112, fa3::DT_BF16, true)
 FA3_FWD_KERNEL(flash_fwd_d256_bf16, 256, 80, fa3::DT_BF16, true)
 FA3_FWD_KERNEL(flash_fwd_d64_f16, 64, 128, fa3::DT_F16, true)
 FA3_FWD_KERNEL(flash_fwd_d128_f16, 128, 128, fa3::DT_F16, true)
+FA3_FWD_KERNEL(flash_fwd_d192_f16, 192, 112, fa3::DT_F16, true)
 FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 80, fa3::DT_F16, true)
 // d64 with 3 consumer warpgroups (192-row tiles, FA3's d64 shape): the default for head dims <= 64
 // except short masked calls (crates/flash-attn/src/cuda/mod.rs, Variant::pick).

@@ -137,6 +137,12 @@ impl Variant {
                 block_n: 128,
                 consumer_wgs: 2,
             },
+            // FA3's d192 tile: 112-key blocks (one Q buffer, O stored from registers: 218 KiB).
+            129..=192 if !simple_kernels() => Self {
+                head_dim: 192,
+                block_n: 112,
+                consumer_wgs: 2,
+            },
             129..=256 => Self {
                 head_dim: 256,
                 block_n: 80,
@@ -147,7 +153,8 @@ impl Variant {
     }
 
     /// The pingpong kernels by default; `FA3_FWD_SIMPLE=1` selects the stage-1 kernels (one key
-    /// block at a time per warpgroup), kept as a reference path for debugging.
+    /// block at a time per warpgroup; no d192 one: `pick` sends those head dims to d256), kept as
+    /// a reference path for debugging.
     fn kernel_name(&self, dtype: DType) -> &'static str {
         let simple = simple_kernels();
         let bf16 = dtype == DType::BF16;
@@ -164,6 +171,8 @@ impl Variant {
             (false, 256, true) => "flash_fwd_d256_bf16",
             (false, 64, false) => "flash_fwd_d64_f16",
             (false, 128, false) => "flash_fwd_d128_f16",
+            (false, 192, true) => "flash_fwd_d192_bf16",
+            (false, 192, false) => "flash_fwd_d192_f16",
             (false, _, false) => "flash_fwd_d256_f16",
             (true, 64, true) => "flash_fwd_simple_d64_bf16",
             (true, 128, true) => "flash_fwd_simple_d128_bf16",
