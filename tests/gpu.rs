@@ -2,8 +2,8 @@
 //! kernels against the f64 reference of tests/reference.rs, with fresh random inputs for every
 //! check. The backward tests are at the end of the file.
 //!
-//! Covered: bf16 and f16; head dims 64/128/192/256 and the padded ones (32, 72, 96, 136, 160,
-//! d != d_v);
+//! Covered: bf16 and f16; head dims 64/96/128/192/256 and the padded ones (8, 32, 72, 80, 136,
+//! 160, d != d_v);
 //! causal, sliding windows, softcap, negative/zero scale; odd seqlens (not multiples of the
 //! tiles, sq < sk and sq > sk); GQA ratios 1/2/4/8; batch > 1; varlen with an empty sequence;
 //! non-contiguous inputs (transposed / narrowed views, read through TMA strides without copies);
@@ -109,11 +109,11 @@ fn check_shape(shape: AttnShape, dtype: DType, o: Opts, rng: &mut TestRng, what:
 }
 
 #[test]
-fn every_option_head_dims_64_128_192_256() -> Result<()> {
+fn every_option_head_dims_64_96_128_192_256() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-options");
     let mut n = 0;
     for dtype in [DType::BF16, DType::F16] {
-        for d in [64, 128, 192, 256] {
+        for d in [64, 96, 128, 192, 256] {
             for (name, o) in variants(d, &mut rng) {
                 let ratio = rng.pick(&[1, 2, 4, 8]);
                 let kv_heads = rng.range(1, 2);
@@ -179,6 +179,8 @@ fn padded_and_mixed_head_dims() -> Result<()> {
         (32, 32),
         (72, 72),
         (96, 96),
+        (80, 80),
+        (96, 64),
         (192, 192),
         (192, 128),
         (136, 136),
@@ -277,7 +279,7 @@ fn check_varlen(
 fn varlen_with_empty_sequences() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-varlen");
     for dtype in [DType::BF16, DType::F16] {
-        for d in [64, 128, 192, 256] {
+        for d in [64, 96, 128, 192, 256] {
             for (name, o) in variants(d, &mut rng) {
                 let batch = rng.range(2, 5);
                 let mut lq: Vec<usize> = (0..batch).map(|_| rng.odd_len(1, 300)).collect();
@@ -328,7 +330,7 @@ fn pack_gqa_decode_like() -> Result<()> {
     // token-major), with every option, groups that do and do not divide the 128-row tile, both
     // dtypes, fixed-length and varlen (with an empty query sequence).
     let mut rng = TestRng::fresh("gpu-pack-gqa");
-    for d in [64, 128] {
+    for d in [64, 96, 128] {
         for (name, o) in variants(d, &mut rng) {
             let group = rng.pick(&[2, 3, 5, 8, 16]);
             let sq = rng.pick(&[1, 2, 7, 33, 64]);

@@ -89,15 +89,18 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         if (tid == 0) bulk_wait_group_read<0>();
         named_barrier_sync(bar, 128);
         const uint32_t o_smem = smem_u32(s.o);
-        // Tile layout as for Q: column block c at c * kBlockM * 64 elements, 128-byte rows, the
-        // 16-byte chunk u of row r stored at chunk u ^ (r % 8) (TMA's 128B swizzle).
+        // Tile layout as for Q: column block c at c * kBlockM * kColElems elements, rows of
+        // kSwizzle bytes; TMA's swizzle stores the 16-byte chunk u of row r at chunk
+        // u ^ ((r * kSwizzle / 128) % chunks per row): u ^ (r % 8) for 128B, u ^ (r / 2 % 4) for 64B.
+        constexpr int kChunks = Tr::kSwizzle / 16;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = row_in_tile + 8 * h;
+            const int row_xor = (r * Tr::kSwizzle / 128) % kChunks;
 #pragma unroll
             for (int j = 0; j < Tr::kORegs / 4; ++j) {
-                const int c = j / 8, chunk = (j % 8) ^ (r % 8);
-                const uint32_t elem = c * Tr::kBlockM * 64 + r * 64 + chunk * 8 + 2 * quad_lane;
+                const int c = j / kChunks, chunk = (j % kChunks) ^ row_xor;
+                const uint32_t elem = c * Tr::kBlockM * Tr::kColElems + r * Tr::kColElems + chunk * 8 + 2 * quad_lane;
                 st_shared_u32(o_smem + 2 * elem,
                               pack16x2<Tr::kDtype>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]));
             }
@@ -107,9 +110,9 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         if (tid == 0) {
 #pragma unroll
             for (int c = 0; c < Tr::kColBlocks; ++c) {
-                if (c * 64 < p.head_dim_v)
-                    tma_store_4d(&p.tma_o, s.o + c * Tr::kBlockM * 64 + wg * 64 * 64, c * 64, t.q_row0 + wg_row0,
-                                 t.head, t.tma_batch);
+                if (c * Tr::kColElems < p.head_dim_v)
+                    tma_store_4d(&p.tma_o, s.o + c * Tr::kBlockM * Tr::kColElems + wg * 64 * Tr::kColElems,
+                                 c * Tr::kColElems, t.q_row0 + wg_row0, t.head, t.tma_batch);
             }
             bulk_commit_group();
         }

@@ -89,10 +89,12 @@ template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(co
 // consumers (one block at a time), kept as a reference path (env FA3_FWD_SIMPLE=1; head dims
 // above 128 then run on the d256 one).
 FA3_FWD_KERNEL(flash_fwd_d64_bf16, 64, 128, fa3::DT_BF16, true)
+FA3_FWD_KERNEL(flash_fwd_d96_bf16, 96, 128, fa3::DT_BF16, true)
 FA3_FWD_KERNEL(flash_fwd_d128_bf16, 128, 128, fa3::DT_BF16, true)
 FA3_FWD_KERNEL(flash_fwd_d192_bf16, 192, 112, fa3::DT_BF16, true)
 FA3_FWD_KERNEL(flash_fwd_d256_bf16, 256, 80, fa3::DT_BF16, true)
 FA3_FWD_KERNEL(flash_fwd_d64_f16, 64, 128, fa3::DT_F16, true)
+FA3_FWD_KERNEL(flash_fwd_d96_f16, 96, 128, fa3::DT_F16, true)
 FA3_FWD_KERNEL(flash_fwd_d128_f16, 128, 128, fa3::DT_F16, true)
 FA3_FWD_KERNEL(flash_fwd_d192_f16, 192, 112, fa3::DT_F16, true)
 FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 80, fa3::DT_F16, true)

@@ -15,9 +15,10 @@ namespace fa3 {
 template <class Tr>
 __device__ __forceinline__ void load_tile_rows(const TmaDesc* desc, uint16_t* dst, uint64_t* bar, int rows, int row,
                                                int head, int batch) {
-    // One box per 64-column block: a 128-byte swizzle span is the widest box row TMA allows.
+    // One box per column block: a box row may not exceed the swizzle span (128 or 64 bytes).
 #pragma unroll
-    for (int c = 0; c < Tr::kColBlocks; ++c) tma_load_4d(desc, dst + c * rows * 64, bar, c * 64, row, head, batch);
+    for (int c = 0; c < Tr::kColBlocks; ++c)
+        tma_load_4d(desc, dst + c * rows * Tr::kColElems, bar, c * Tr::kColElems, row, head, batch);
 }
 
 // it: K/V blocks issued so far by this CTA (the ring position, continued across tiles);
@@ -32,12 +33,12 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     mbar_arrive_expect_tx(&s.bar_q[qs], p.q_tile_bytes);
     const int q_row = t.q_row0 + t.m_block * p.q_tile_queries;
     if (p.pack_gqa) {
-        // Boxes of (64 columns, group heads, q_tile_queries tokens): 128-byte rows in the order
+        // Boxes of (column block, group heads, q_tile_queries tokens): rows in the order
         // (token, head in group), i.e. tile row r = token * group + head.
 #pragma unroll
         for (int c = 0; c < Tr::kColBlocks; ++c)
-            tma_load_5d(&p.tma_q, s.q[qs] + c * Tr::kBlockM * 64, &s.bar_q[qs], c * 64, 0, q_row, t.kv_head,
-                        t.tma_batch);
+            tma_load_5d(&p.tma_q, s.q[qs] + c * Tr::kBlockM * Tr::kColElems, &s.bar_q[qs], c * Tr::kColElems, 0, q_row,
+                        t.kv_head, t.tma_batch);
     } else {
         load_tile_rows<Tr>(&p.tma_q, s.q[qs], &s.bar_q[qs], Tr::kBlockM, q_row, t.head, t.tma_batch);
     }

@@ -38,6 +38,7 @@ template <class Tr>
 __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid, int& it,
                          int tc) {
     constexpr int BN = Tr::kBlockN;
+    static_assert(Tr::kSwizzle == 128, "the stage-1 consumer reads 128B-swizzled tiles only");
     const int warp = tid / 32, lane = tid % 32;
     const int row_in_tile = wg * 64 + warp * 16 + lane / 4;  // this thread's first row; +8 is the second
     const int quad_lane = lane % 4;
@@ -152,38 +153,44 @@ __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInf
 __device__ __forceinline__ int sched_barrier(int wg) { return kPingpongBarrier0 + wg; }
 
 // Descriptor low words (smem_desc_lo) of this warpgroup's Q rows (in Q buffer q_stage) and of
-// stage 0 of the K and V rings; stage s of a ring is kStageStep further.
+// stage 0 of the K and V rings; stage s of a ring is kStageStep further. Column blocks are
+// Tr::kSwizzle bytes wide: a tile of `rows` rows keeps block c at c * rows * kSwizzle bytes.
 template <class Tr> struct OperandDescs {
     static constexpr uint32_t kStageStep = Tr::kKVBytes >> 4;  // s.k[1] - s.k[0], in 16-byte units
     uint32_t q, k0, v0;
     __device__ __forceinline__ OperandDescs(SharedStorage<Tr>& s, int wg, int q_stage)
-        : q(uniform(smem_desc_lo(smem_u32(s.q[q_stage]) + wg * 64 * 128, 16))),
+        : q(uniform(smem_desc_lo(smem_u32(s.q[q_stage]) + wg * 64 * Tr::kSwizzle, 16))),
           k0(uniform(smem_desc_lo(smem_u32(s.k[0]), 16))),
-          v0(uniform(smem_desc_lo(smem_u32(s.v[0]), Tr::kBlockN * 128))) {}
+          v0(uniform(smem_desc_lo(smem_u32(s.v[0]), Tr::kBlockN * Tr::kSwizzle))) {}
     // The ring position lives in per-thread registers; uniform() moves the result back to the
     // uniform datapath so the wgmma loop adds its k-step offsets there.
     __device__ __forceinline__ uint32_t k(int stage) const { return uniform(k0 + stage * kStageStep); }
     __device__ __forceinline__ uint32_t v(int stage) const { return uniform(v0 + stage * kStageStep); }
 };
 
-// S = Q·Kᵀ: k-step kk reads column block kk/4 and its 32-byte slice kk%4 of the 128-byte rows.
+// S = Q·Kᵀ: k-step kk reads column block kk / kSteps and its 32-byte slice kk % kSteps of the rows
+// (kSteps = 4 k-steps of 16 elements per 128-byte row, 2 per 64-byte row).
 template <class Tr>
 __device__ __forceinline__ void issue_qk(float (&sc)[Tr::kSRegs], uint32_t q_lo, uint32_t k_lo) {
+    constexpr int kSteps = Tr::kColElems / 16, W = Tr::kSwizzle;
 #pragma unroll
     for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
-        const uint32_t off = (kk / 4), in_row = (kk % 4) * 32;
-        wgmma_ss<Tr::kBlockN, Tr::kDtype>(sc, smem_desc_at<1024>(q_lo, off * Tr::kBlockM * 128 + in_row),
-                                          smem_desc_at<1024>(k_lo, off * Tr::kBlockN * 128 + in_row), kk > 0 ? 1 : 0);
+        const uint32_t off = (kk / kSteps), in_row = (kk % kSteps) * 32;
+        wgmma_ss<Tr::kBlockN, Tr::kDtype>(sc, smem_desc_at<Tr::kAtomBytes, W>(q_lo, off * Tr::kBlockM * W + in_row),
+                                          smem_desc_at<Tr::kAtomBytes, W>(k_lo, off * Tr::kBlockN * W + in_row),
+                                          kk > 0 ? 1 : 0);
     }
 }
 
-// O += P·V: k-step kk reads keys 16kk..16kk+15 of V, MN-major.
+// O += P·V: k-step kk reads keys 16kk..16kk+15 of V, MN-major (LBO: the step between column
+// blocks, set in the low word; SBO: between groups of 8 keys).
 template <class Tr>
 __device__ __forceinline__ void issue_pv(float (&o)[Tr::kORegs], const uint32_t (&pa)[Tr::kBlockN / 16][4],
                                          uint32_t v_lo) {
 #pragma unroll
     for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
-        wgmma_rs<Tr::kHeadDim, Tr::kDtype>(o, pa[kk], smem_desc_at<1024>(v_lo, kk * 16 * 128));
+        wgmma_rs<Tr::kHeadDim, Tr::kDtype>(o, pa[kk],
+                                           smem_desc_at<Tr::kAtomBytes, Tr::kSwizzle>(v_lo, kk * 16 * Tr::kSwizzle));
 }
 
 // Softcap / sign, boundary mask and online softmax of one S block, in place (fp32).

@@ -25,9 +25,14 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2> struc
     static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kHeadDim_ <= 128 ? 232 : 240;
     static_assert(kConsumerWGs == 2 || kConsumerWGs == 3, "2 or 3 consumer warpgroups");
     static_assert(128 * kProducerRegs + 128 * kConsumerWGs * kConsumerRegs <= 65536, "register split");
-    // Tiles are stored as head_dim / 64 column blocks of [rows][64] elements (128-byte rows,
-    // 128B-swizzled by TMA), the layout wgmma reads through smem_desc_sw128.
-    static constexpr int kColBlocks = kHeadDim / 64;
+    // Tiles are stored as column blocks of [rows][kColElems] elements, swizzled by TMA, the layout
+    // wgmma reads through its descriptors: 128-byte rows (64 elements, 128B swizzle, 1024-byte
+    // atoms of 8 rows) when the head dim is a multiple of 64, else 64-byte rows (32 elements, 64B
+    // swizzle, 512-byte atoms): head dim 96.
+    static constexpr int kSwizzle = kHeadDim_ % 64 == 0 ? 128 : 64;  // bytes per row of a column block
+    static constexpr int kColElems = kSwizzle / 2;
+    static constexpr int kAtomBytes = 8 * kSwizzle;  // 8 rows: the wgmma SBO
+    static constexpr int kColBlocks = kHeadDim / kColElems;
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
     // The epilogue stages O in shared memory and TMA-stores it (d <= 128 with 128-key blocks;
     // d256 and the 176-key blocks have no room next to Q and the K/V ring, and store straight
@@ -35,7 +40,7 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2> struc
     static constexpr bool kTmaStoreO = kHeadDim_ <= 128 && kBlockN_ <= 128;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
-    static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
+    static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0, "tile shape");
 };
 
 template <class Tr> struct SharedStorage {

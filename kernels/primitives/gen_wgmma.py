@@ -7,7 +7,7 @@ Run `python3 kernels/primitives/gen_wgmma.py` after changing it; the output is c
 """
 import os
 
-NS = (64, 80, 112, 128, 192, 256)
+NS = (64, 80, 96, 112, 128, 192, 256)
 # Shapes of the transposed-A wrappers: the backward's dQ tiles are 64 x 64 per warpgroup.
 NS_TT = (64,)
 TYPES = (("bf16", "bf16"), ("f16", "f16"))

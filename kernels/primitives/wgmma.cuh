@@ -38,8 +38,18 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t smem_addr, uint32_t
 __device__ __forceinline__ uint32_t smem_desc_lo(uint32_t smem_addr, uint32_t lbo_bytes) {
     return ((smem_addr & 0x3FFFF) >> 4) | (((lbo_bytes >> 4) & 0x3FFF) << 16);
 }
-template <uint32_t kSboBytes> __device__ __forceinline__ uint64_t smem_desc_at(uint32_t lo, uint32_t byte_offset) {
-    constexpr uint32_t hi = ((kSboBytes >> 4) & 0x3FFF) | (1u << 30);  // bits 32-45 SBO, 62-63 swizzle
+// The descriptor's swizzle-mode field (bits 62-63) for a swizzle span of kSwizzleBytes: 1 = 128B,
+// 2 = 64B. A 64B-swizzled tile has rows of 32 16-bit elements and 512-byte atoms of 8 rows (TMA's
+// CU_TENSOR_MAP_SWIZZLE_64B); the head dim 96 kernels use it, as 96 is no multiple of 64.
+template <int kSwizzleBytes> __host__ __device__ constexpr uint32_t swizzle_mode() {
+    static_assert(kSwizzleBytes == 128 || kSwizzleBytes == 64, "128B or 64B swizzle");
+    return kSwizzleBytes == 128 ? 1u : 2u;
+}
+
+template <uint32_t kSboBytes, int kSwizzleBytes = 128>
+__device__ __forceinline__ uint64_t smem_desc_at(uint32_t lo, uint32_t byte_offset) {
+    // bits 32-45 SBO, 62-63 swizzle mode
+    constexpr uint32_t hi = ((kSboBytes >> 4) & 0x3FFF) | (swizzle_mode<kSwizzleBytes>() << 30);
     return ((uint64_t)hi << 32) | (lo + (byte_offset >> 4));
 }
 

@@ -132,6 +132,12 @@ impl Variant {
                     3
                 },
             },
+            // Native d96 (64-byte swizzled tiles), 128 x 128 like d128.
+            65..=96 if !simple_kernels() => Self {
+                head_dim: 96,
+                block_n: 128,
+                consumer_wgs: 2,
+            },
             65..=128 => Self {
                 head_dim: 128,
                 block_n: 128,
@@ -153,8 +159,8 @@ impl Variant {
     }
 
     /// The pingpong kernels by default; `FA3_FWD_SIMPLE=1` selects the stage-1 kernels (one key
-    /// block at a time per warpgroup; no d192 one: `pick` sends those head dims to d256), kept as
-    /// a reference path for debugging.
+    /// block at a time per warpgroup; no d96 or d192 one: `pick` sends those head dims to d128 and
+    /// d256), kept as a reference path for debugging.
     fn kernel_name(&self, dtype: DType) -> &'static str {
         let simple = simple_kernels();
         let bf16 = dtype == DType::BF16;
@@ -167,6 +173,8 @@ impl Variant {
         }
         match (simple, self.head_dim, bf16) {
             (false, 64, true) => "flash_fwd_d64_bf16",
+            (false, 96, true) => "flash_fwd_d96_bf16",
+            (false, 96, false) => "flash_fwd_d96_f16",
             (false, 128, true) => "flash_fwd_d128_bf16",
             (false, 256, true) => "flash_fwd_d256_bf16",
             (false, 64, false) => "flash_fwd_d64_f16",
@@ -193,6 +201,16 @@ impl Variant {
         let (q_tiles, o_tiles) = if roomy { (2, 1) } else { (1, 0) };
         let rows = (q_tiles + o_tiles) * self.block_m() + 2 * 2 * self.block_n;
         2 * self.head_dim * rows + 1024 + 1024
+    }
+
+    /// Columns per shared-memory column block (and TMA box): 64 (128-byte swizzle), or 32 (64-byte
+    /// swizzle) for head dim 96, which is no multiple of 64 (`fa3::FwdTraits::kColElems`).
+    fn col_elems(&self) -> u32 {
+        if self.head_dim % 64 == 0 {
+            64
+        } else {
+            32
+        }
     }
 
     /// Query rows per tile: 64 per consumer warpgroup.
@@ -355,11 +373,21 @@ fn tensor_map(
     strides: [usize; 3],
     box_rows: usize,
 ) -> Result<TmaDesc> {
-    tensor_map_nd(name, dtype, addr, head_dim, &sizes, &strides, &[box_rows as u32, 1, 1])
+    tensor_map_nd(
+        name,
+        dtype,
+        addr,
+        head_dim,
+        &sizes,
+        &strides,
+        &[box_rows as u32, 1, 1],
+        64,
+    )
 }
 
-/// A TMA map of rank 1 + `sizes.len()` (at most 5): head_dim innermost (boxes of 64 columns),
-/// then the outer dimensions `sizes` with element strides `strides` and box extents `box_outer`.
+/// A TMA map of rank 1 + `sizes.len()` (at most 5): head_dim innermost in boxes of `col_elems`
+/// columns (64: 128-byte swizzle; 32: 64-byte swizzle, the head dim 96 kernels), then the outer
+/// dimensions `sizes` with element strides `strides` and box extents `box_outer`.
 #[allow(clippy::too_many_arguments)]
 fn tensor_map_nd(
     name: &str,
@@ -369,6 +397,7 @@ fn tensor_map_nd(
     sizes: &[usize],
     strides: &[usize],
     box_outer: &[u32],
+    col_elems: u32,
 ) -> Result<TmaDesc> {
     let rank = 1 + sizes.len();
     assert!(rank <= 5 && strides.len() == sizes.len() && box_outer.len() == sizes.len());
@@ -394,7 +423,7 @@ fn tensor_map_nd(
     let mut gdim = [1u64; 5];
     let mut boxdim = [1u32; 5];
     gdim[0] = head_dim as u64;
-    boxdim[0] = 64;
+    boxdim[0] = col_elems;
     for i in 0..sizes.len() {
         gdim[i + 1] = sizes[i] as u64;
         boxdim[i + 1] = box_outer[i];
@@ -417,7 +446,10 @@ fn tensor_map_nd(
             boxdim.as_ptr(),
             estrides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            match col_elems {
+                64 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                _ => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+            },
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
@@ -498,6 +530,11 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // (head_dim, q head in group, token, kv head, batch).
     let block_m = variant.block_m();
     let q_tile_queries = if pack_gqa { block_m / group } else { block_m };
+    // Maps in the kernel's column-block width (64 columns, or 32 for head dim 96).
+    let cols = variant.col_elems();
+    let map = |name: &str, addr: u64, d: usize, sizes: [usize; 3], strides: [usize; 3], rows: usize| {
+        tensor_map_nd(name, dtype, addr, d, &sizes, &strides, &[rows as u32, 1, 1], cols)
+    };
     let tma_q = if pack_gqa {
         let [tokens, _, batch] = q_sizes;
         let [token_stride, head_stride, batch_stride] = q_strides;
@@ -509,11 +546,11 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             &[group, tokens, dims.kv_heads, batch],
             &[head_stride, token_stride, group * head_stride, batch_stride],
             &[group as u32, q_tile_queries as u32, 1, 1],
+            cols,
         )?
     } else {
-        tensor_map(
+        map(
             "q",
-            dtype,
             device_addr(qs, &stream, q.1),
             dims.head_dim,
             q_sizes,
@@ -522,18 +559,16 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         )?
     };
     let q_tile_bytes = (variant.head_dim * 2 * if pack_gqa { q_tile_queries * group } else { block_m }) as u32;
-    let tma_k = tensor_map(
+    let tma_k = map(
         "k",
-        dtype,
         device_addr(ks, &stream, k.1),
         dims.head_dim,
         k_sizes,
         k_strides,
         variant.block_n,
     )?;
-    let tma_v = tensor_map(
+    let tma_v = map(
         "v",
-        dtype,
         device_addr(vs, &stream, v.1),
         dims.head_dim_v,
         v_sizes,
@@ -558,15 +593,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             ),
         }
     };
-    let tma_o = tensor_map(
-        "out",
-        dtype,
-        device_addr(&out, &stream, &Layout::contiguous(out_len)),
-        dims.head_dim_v,
-        o_sizes,
-        o_strides,
-        WG_ROWS,
-    )?;
+    let out_addr = device_addr(&out, &stream, &Layout::contiguous(out_len));
+    let tma_o = map("out", out_addr, dims.head_dim_v, o_sizes, o_strides, WG_ROWS)?;
 
     let num_m_blocks = dims.seqlen_q.div_ceil(q_tile_queries);
     let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
