@@ -202,8 +202,8 @@ def hf_teacher_forced(model, prompt, cont):
     return out[len(prompt) - 1 :].cpu().numpy()
 
 
-def ours(args, model_dir, prompts, n, extra, timeout=900):
-    cmd = [args.bin, "--model", model_dir, "-n", str(n)] + extra
+def ours(args, model_dir, prompts, n, extra, timeout=900, bin=None):
+    cmd = [bin or args.bin, "--model", model_dir, "-n", str(n)] + extra
     for p in prompts:
         cmd += ["--token-ids", ",".join(map(str, p))]
     t = time.time()
@@ -325,14 +325,22 @@ def speed(args, name, cfg, model_dir, hfbf, res):
     rows = []
     for batch in args.batches:
         prompts = rng.integers(10, cfg["vocab_size"], size=(batch, args.prompt_len)).tolist()
-        _, err = ours(args, model_dir, prompts, args.new_tokens, ["--dtype", "bf16", "--ignore-eos", "--warmup"])
-        m = re.search(r"prompt: (\d+) tokens in ([\d.]+)s \(([\d.]+) tokens/s\); generation: (\d+) tokens in ([\d.]+)s \(([\d.]+) tokens/s\)", err)
-        our_pre, our_dec = float(m.group(3)), float(m.group(6))
+        def timed(bin=None):
+            _, err = ours(args, model_dir, prompts, args.new_tokens, ["--dtype", "bf16", "--ignore-eos", "--warmup"], bin=bin)
+            m = re.search(r"prompt: (\d+) tokens in ([\d.]+)s \(([\d.]+) tokens/s\); generation: (\d+) tokens in ([\d.]+)s \(([\d.]+) tokens/s\)", err)
+            return float(m.group(3)), float(m.group(6))
+
+        our_pre, our_dec = timed()
         ids = torch.tensor(prompts, device="cuda")
         hf_speed(hfbf, ids[:, :64], 4)  # warm-up
         hf_pre, hf_dec = hf_speed(hfbf, ids, args.new_tokens)
         row = {"batch": batch, "ours_prefill": our_pre, "ours_decode": our_dec, "hf_prefill": hf_pre, "hf_decode": hf_dec}
         log(f"  batch {batch}: prefill ours {our_pre:.0f} vs HF {hf_pre:.0f} tok/s; decode ours {our_dec:.1f} vs HF {hf_dec:.1f} tok/s")
+        if args.compare_bin:
+            # Another build of `generate` (e.g. the commit before a change), same prompts, same call.
+            cmp_pre, cmp_dec = timed(args.compare_bin)
+            row.update({"compare_prefill": cmp_pre, "compare_decode": cmp_dec})
+            log(f"  batch {batch}: --compare-bin prefill {cmp_pre:.0f} tok/s, decode {cmp_dec:.1f} tok/s")
         rows.append(row)
     res["speed"] = rows
 
@@ -364,6 +372,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--compare-bin", default=None, help="another generate binary timed on the same prompts (before/after)")
     ap.add_argument("--variants", action="append", default=[], help="extra flags of ours for another bf16 comparison (repeatable)")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
