@@ -222,7 +222,7 @@ def load_npy(path):
 def correctness(args, name, cfg, model_dir, res):
     rng = np.random.default_rng(1234)
     vocab = cfg["vocab_size"]
-    prompts = [rng.integers(10, vocab, size=40).tolist(), rng.integers(10, vocab, size=23).tolist()]
+    prompts = [rng.integers(10, vocab, size=n).tolist() for n in args.check_lens]
     n = args.steps
 
     # f32: ours on the CPU, transformers on the GPU without TF32.
@@ -371,11 +371,13 @@ def main():
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--check-lens", default="40,23", help="prompt lengths of the correctness checks (one batch)")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--compare-bin", default=None, help="another generate binary timed on the same prompts (before/after)")
     ap.add_argument("--variants", action="append", default=[], help="extra flags of ours for another bf16 comparison (repeatable)")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.check_lens = [int(n) for n in args.check_lens.split(",")]
     os.makedirs(args.work, exist_ok=True)
     try:
         torch.backends.cuda.matmul.allow_tf32 = False

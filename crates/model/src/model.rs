@@ -448,6 +448,11 @@ impl InplaceOp2 for CopyRows {
     }
 }
 
+/// Up to this many tokens per call (decode steps), the MLP runs the fused gate/up matmul and
+/// SiLU and the product on its two strided halves (fewest launches); above it (prefill), two
+/// matmuls over the halves of the fused weight give contiguous outputs for the elementwise ops.
+const FUSED_MLP_MAX_TOKENS: usize = 64;
+
 /// The gate and up projections: two matmuls (trainable form) or one over both weights
 /// concatenated at load (inference).
 enum GateUp {
@@ -480,10 +485,17 @@ impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (gate, up) = match &self.gate_up {
             GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
-            GateUp::Fused(gate_up) => {
+            GateUp::Fused(gate_up) if x.dim(0)? <= FUSED_MLP_MAX_TOKENS => {
                 let y = gate_up.forward(x)?;
                 let i = self.intermediate;
                 (y.narrow(D::Minus1, 0, i)?, y.narrow(D::Minus1, i, i)?)
+            }
+            GateUp::Fused(gate_up) => {
+                // Many tokens (prefill): launches do not matter, but SiLU and the product on
+                // strided halves of one wide output are slower than on two contiguous outputs;
+                // the two halves of the fused weight are contiguous row blocks, used as they are.
+                let (w, i) = (gate_up.weight(), self.intermediate);
+                (x.matmul(&w.narrow(0, 0, i)?.t()?)?, x.matmul(&w.narrow(0, i, i)?.t()?)?)
             }
         };
         self.down_proj.forward(&(gate.silu()? * up)?)

@@ -250,3 +250,23 @@ fn gguf_fused_matches_composed() {
     );
     assert!(diff < 1e-4, "decode: {diff}");
 }
+
+/// Above 64 tokens a call takes the MLP's prefill form (two matmuls over the halves of the
+/// fused gate/up weight): still the composed logits, and the cache it fills decodes the same.
+#[test]
+fn long_prefill_fused_matches_composed() {
+    let composed = load(Family::Llama32, DType::F32);
+    let fused = load_with(Family::Llama32, DType::F32, Kernels::Fused);
+    let ids = Tensor::new(vec![tokens(70, 8), tokens(70, 9)], &Device::Cpu).unwrap();
+    let diff = max_diff(&fused.forward(&ids).unwrap(), &composed.forward(&ids).unwrap());
+    assert!(diff < 1e-4, "{diff}");
+    let (mut a, mut b) = (composed.new_cache(1, 80).unwrap(), fused.new_cache(1, 80).unwrap());
+    let pa = composed.step(&[tokens(70, 8)], &mut a).unwrap();
+    let pb = fused.step(&[tokens(70, 8)], &mut b).unwrap();
+    assert!(max_diff(&pa, &pb) < 1e-4);
+    let diff = max_diff(
+        &composed.step(&[vec![2]], &mut a).unwrap(),
+        &fused.step(&[vec![2]], &mut b).unwrap(),
+    );
+    assert!(diff < 1e-4, "decode after a long prefill: {diff}");
+}
