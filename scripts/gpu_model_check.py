@@ -336,11 +336,11 @@ def speed(args, name, cfg, model_dir, hfbf, res):
         hf_pre, hf_dec = hf_speed(hfbf, ids, args.new_tokens)
         row = {"batch": batch, "ours_prefill": our_pre, "ours_decode": our_dec, "hf_prefill": hf_pre, "hf_decode": hf_dec}
         log(f"  batch {batch}: prefill ours {our_pre:.0f} vs HF {hf_pre:.0f} tok/s; decode ours {our_dec:.1f} vs HF {hf_dec:.1f} tok/s")
-        if args.compare_bin:
-            # Another build of `generate` (e.g. the commit before a change), same prompts, same call.
-            cmp_pre, cmp_dec = timed(args.compare_bin)
-            row.update({"compare_prefill": cmp_pre, "compare_decode": cmp_dec})
-            log(f"  batch {batch}: --compare-bin prefill {cmp_pre:.0f} tok/s, decode {cmp_dec:.1f} tok/s")
+        for cmp_bin in args.compare_bin:
+            # Other builds of `generate` (e.g. the commit before a change), same prompts, same call.
+            cmp_pre, cmp_dec = timed(cmp_bin)
+            row.setdefault("compare", []).append({"bin": cmp_bin, "prefill": cmp_pre, "decode": cmp_dec})
+            log(f"  batch {batch}: {cmp_bin}: prefill {cmp_pre:.0f} tok/s, decode {cmp_dec:.1f} tok/s")
         rows.append(row)
     res["speed"] = rows
 
@@ -373,7 +373,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--check-lens", default="40,23", help="prompt lengths of the correctness checks (one batch)")
     ap.add_argument("--skip-speed", action="store_true")
-    ap.add_argument("--compare-bin", default=None, help="another generate binary timed on the same prompts (before/after)")
+    ap.add_argument("--compare-bin", action="append", default=[], help="another generate binary timed on the same prompts (before/after; repeatable)")
     ap.add_argument("--variants", action="append", default=[], help="extra flags of ours for another bf16 comparison (repeatable)")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]

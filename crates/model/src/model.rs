@@ -16,11 +16,13 @@ use crate::nn::{apply_rope, rope_angles, rope_angles_per_head, rope_per_head, Ke
 
 /// Keys and values of every layer for a batch of sequences, preallocated and written in place.
 ///
-/// Layout: per layer, one contiguous tensor of shape (batch × max_seq, kv_heads, head_dim) for
-/// k and one for v. Sequence `i` owns rows `[i·max_seq, (i+1)·max_seq)`, of which the first
-/// `lens[i]` are filled. That is flash-attn3's (batch, max_seq, kv_heads, head_dim) layout with
-/// the first two axes merged, so appending a token is one `slice_set` of its row (no
-/// concatenation, no reallocation) and the whole cache can be handed to the varlen op as it is.
+/// Layout: per layer, one contiguous tensor of shape (batch × max_seq, 2 × kv_heads, head_dim):
+/// each row holds a token's k heads then its v heads. Sequence `i` owns rows
+/// `[i·max_seq, (i+1)·max_seq)`, of which the first `lens[i]` are filled. The k and v halves are
+/// flash-attn3's (batch, max_seq, kv_heads, head_dim) layout with the first two axes merged and
+/// a row stride of 2 × kv_heads × head_dim, which the op reads as it is. Appending a token is one
+/// strided copy of its row (k and v together when they come from the fused q/k/v projection,
+/// where they are adjacent), no concatenation, no reallocation.
 ///
 /// Sequences of different lengths: the varlen op reads sequence `b`'s keys from the cumulative
 /// offsets `seqlens_k[b]..seqlens_k[b+1]`, which must tile the packed axis without holes. The
@@ -39,8 +41,8 @@ use crate::nn::{apply_rope, rope_angles, rope_angles_per_head, rope_per_head, Ke
 /// Not `Clone`: a tensor clone shares storage, and the in-place writes would show in both.
 #[derive(Debug)]
 pub struct KvCache {
-    k: Vec<Tensor>,
-    v: Vec<Tensor>,
+    /// Per layer: (batch × max_seq, 2 × kv_heads, head_dim), k heads first.
+    kv: Vec<Tensor>,
     lens: Vec<usize>,
     max_seq: usize,
 }
@@ -51,12 +53,11 @@ impl KvCache {
         if batch == 0 || max_seq == 0 {
             bail!("a KV cache needs batch >= 1 and max_seq >= 1, got batch {batch}, max_seq {max_seq}")
         }
-        let shape = (batch * max_seq, cfg.num_key_value_heads, cfg.head_dim);
+        let shape = (batch * max_seq, 2 * cfg.num_key_value_heads, cfg.head_dim);
         let zeros = || Tensor::zeros(shape, dtype, device);
         let layers = cfg.num_hidden_layers;
         Ok(Self {
-            k: (0..layers).map(|_| zeros()).collect::<Result<_>>()?,
-            v: (0..layers).map(|_| zeros()).collect::<Result<_>>()?,
+            kv: (0..layers).map(|_| zeros()).collect::<Result<_>>()?,
             lens: vec![0; batch],
             max_seq,
         })
@@ -215,7 +216,7 @@ impl Attention {
 
     /// x: (tokens, hidden) → (tokens, hidden). `cache` is this layer's (k, v), if any: the
     /// new keys and values are stored there before attending.
-    fn forward(&self, x: &Tensor, plan: &Plan, cache: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, plan: &Plan, cache: Option<&Tensor>) -> Result<Tensor> {
         let tokens = x.dim(0)?;
         let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
         // q (tokens, h, d), k and v (tokens, hk, d); possibly strided views of one fused output.
@@ -230,6 +231,10 @@ impl Attention {
                 if let RopeTables::PerHead { cos, sin } = &plan.rope {
                     // q and k rotated, v passed through, in one launch.
                     let y = rope_per_head(&y, cos, sin, self.rope_interleaved)?;
+                    // k and v are adjacent in each row: one copy stores both.
+                    if let Some(kv) = cache {
+                        write_rows(kv, &y.narrow(1, h, 2 * hk)?, 0, &plan.writes)?;
+                    }
                     let (q, k, v) = (y.narrow(1, 0, h)?, y.narrow(1, h, hk)?, y.narrow(1, h + hk, hk)?);
                     return self.attend(q, k, v, tokens, plan, cache);
                 }
@@ -246,10 +251,15 @@ impl Attention {
         };
         let q = apply_rope(&q, cos, sin, self.rope_interleaved, self.kernels)?;
         let k = apply_rope(&k, cos, sin, self.rope_interleaved, self.kernels)?;
+        if let Some(kv) = cache {
+            write_rows(kv, &k, 0, &plan.writes)?;
+            write_rows(kv, &v, hk, &plan.writes)?;
+        }
         self.attend(q, k, v, tokens, plan, cache)
     }
 
-    /// Stores the new k and v in the cache (if any), attends, and projects the output back.
+    /// Attends (over the fresh k and v, or over `cache`, where they were stored) and projects
+    /// the output back.
     fn attend(
         &self,
         q: Tensor,
@@ -257,12 +267,8 @@ impl Attention {
         v: Tensor,
         tokens: usize,
         plan: &Plan,
-        cache: Option<(&Tensor, &Tensor)>,
+        cache: Option<&Tensor>,
     ) -> Result<Tensor> {
-        if let Some((ck, cv)) = cache {
-            write_rows(ck, &k, &plan.writes)?;
-            write_rows(cv, &v, &plan.writes)?;
-        }
         // GQA is the op's business: k/v keep their kv_heads, no repeat. q, k and v may be
         // strided views (rows of a fused projection): the op reads any row stride.
         let out = match (&plan.keys, cache) {
@@ -276,10 +282,13 @@ impl Attention {
                     max_q,
                     max_k,
                 },
-                Some((ck, cv)),
-            ) => self
-                .attn
-                .forward_varlen_offsets(&q, ck, cv, cu_q, cu_k, *max_q, *max_k)?,
+                Some(kv),
+            ) => {
+                let hk = self.kv_heads;
+                let (ck, cv) = (kv.narrow(1, 0, hk)?, kv.narrow(1, hk, hk)?);
+                self.attn
+                    .forward_varlen_offsets(&q, &ck, &cv, cu_q, cu_k, *max_q, *max_k)?
+            }
             (KeySource::Cached { .. }, None) => bail!("internal error: a cached plan without a cache"),
             (KeySource::Reference { batch, seq }, _) => self.reference_attention(&q, &k, &v, *batch, *seq)?,
         };
@@ -326,23 +335,25 @@ impl Attention {
 }
 
 /// Copies runs of packed rows of `src` (tokens, heads, d) into the cache rows given by
-/// `writes`, in place.
+/// `writes`, in place, at heads `first_head..first_head + heads` of each cache row.
 ///
 /// A row of `src` must be contiguous (heads × d elements), but rows may be any distance apart
 /// (a view into a fused q/k/v projection). Runs whose source and destination rows are both
 /// equally spaced (one token for each sequence of a batch whose caches hold the same lengths:
 /// the usual decode step) are one strided copy; otherwise one copy per run.
-fn write_rows(cache: &Tensor, src: &Tensor, writes: &[(usize, usize, usize)]) -> Result<()> {
+fn write_rows(cache: &Tensor, src: &Tensor, first_head: usize, writes: &[(usize, usize, usize)]) -> Result<()> {
     let (_, heads, d) = src.dims3()?;
     let row = heads * d;
     let (_, c_heads, c_d) = cache.dims3()?;
-    if (c_heads, c_d) != (heads, d) || !cache.is_contiguous() {
+    if c_d != d || first_head + heads > c_heads || !cache.is_contiguous() {
         bail!(
-            "internal error: cache rows {:?} for new keys {:?}",
+            "internal error: cache rows {:?} for new keys {:?} at head {first_head}",
             cache.dims(),
             src.dims()
         )
     }
+    let cache_row = c_heads * d;
+    let col = first_head * d;
     let src = match src.stride() {
         [_, h_stride, 1] if *h_stride == d || heads == 1 => src.clone(),
         _ => src.contiguous()?,
@@ -364,9 +375,9 @@ fn write_rows(cache: &Tensor, src: &Tensor, writes: &[(usize, usize, usize)]) ->
                 rows: writes.len(),
                 row,
                 src_stride: src_stride * from_step,
-                dst_stride: row * to_step,
+                dst_stride: cache_row * to_step,
                 src_offset: writes[0].0 * src_stride,
-                dst_offset: writes[0].2 * row,
+                dst_offset: writes[0].2 * cache_row + col,
             },
         );
     }
@@ -377,9 +388,9 @@ fn write_rows(cache: &Tensor, src: &Tensor, writes: &[(usize, usize, usize)]) ->
                 rows: n,
                 row,
                 src_stride,
-                dst_stride: row,
+                dst_stride: cache_row,
                 src_offset: from * src_stride,
-                dst_offset: to * row,
+                dst_offset: to * cache_row + col,
             },
         )?;
     }
@@ -764,7 +775,7 @@ impl Llama {
     fn run_layers(&self, ids: &Tensor, plan: &Plan, cache: Option<&KvCache>) -> Result<Tensor> {
         let mut x = self.embed_tokens.forward(ids)?;
         for (i, block) in self.layers.iter().enumerate() {
-            let layer_cache = cache.map(|c| (&c.k[i], &c.v[i]));
+            let layer_cache = cache.map(|c| &c.kv[i]);
             let h = block
                 .self_attn
                 .forward(&block.input_layernorm.forward(&x)?, plan, layer_cache)?;
