@@ -102,8 +102,9 @@ struct Args {
     #[arg(long)]
     cpu: bool,
 
-    /// Run RMSNorm and RoPE as compositions of candle ops (the differentiable path used for
-    /// training) instead of candle-nn's fused forward-only kernels, which are faster.
+    /// Run the trainable form: RMSNorm and RoPE as compositions of candle ops and separate
+    /// q/k/v and gate/up matmuls, instead of the inference form (candle-nn's fused forward-only
+    /// kernels, weights concatenated at load), which is faster.
     #[arg(long)]
     composed: bool,
 }

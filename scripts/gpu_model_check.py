@@ -202,8 +202,8 @@ def hf_teacher_forced(model, prompt, cont):
     return out[len(prompt) - 1 :].cpu().numpy()
 
 
-def ours(args, model_dir, prompts, n, extra, timeout=900):
-    cmd = [args.bin, "--model", model_dir, "-n", str(n)] + extra
+def ours(args, model_dir, prompts, n, extra, timeout=900, bin=None):
+    cmd = [bin or args.bin, "--model", model_dir, "-n", str(n)] + extra
     for p in prompts:
         cmd += ["--token-ids", ",".join(map(str, p))]
     t = time.time()
@@ -222,7 +222,7 @@ def load_npy(path):
 def correctness(args, name, cfg, model_dir, res):
     rng = np.random.default_rng(1234)
     vocab = cfg["vocab_size"]
-    prompts = [rng.integers(10, vocab, size=40).tolist(), rng.integers(10, vocab, size=23).tolist()]
+    prompts = [rng.integers(10, vocab, size=n).tolist() for n in args.check_lens]
     n = args.steps
 
     # f32: ours on the CPU, transformers on the GPU without TF32.
@@ -325,14 +325,22 @@ def speed(args, name, cfg, model_dir, hfbf, res):
     rows = []
     for batch in args.batches:
         prompts = rng.integers(10, cfg["vocab_size"], size=(batch, args.prompt_len)).tolist()
-        _, err = ours(args, model_dir, prompts, args.new_tokens, ["--dtype", "bf16", "--ignore-eos", "--warmup"])
-        m = re.search(r"prompt: (\d+) tokens in ([\d.]+)s \(([\d.]+) tokens/s\); generation: (\d+) tokens in ([\d.]+)s \(([\d.]+) tokens/s\)", err)
-        our_pre, our_dec = float(m.group(3)), float(m.group(6))
+        def timed(bin=None):
+            _, err = ours(args, model_dir, prompts, args.new_tokens, ["--dtype", "bf16", "--ignore-eos", "--warmup"], bin=bin)
+            m = re.search(r"prompt: (\d+) tokens in ([\d.]+)s \(([\d.]+) tokens/s\); generation: (\d+) tokens in ([\d.]+)s \(([\d.]+) tokens/s\)", err)
+            return float(m.group(3)), float(m.group(6))
+
+        our_pre, our_dec = timed()
         ids = torch.tensor(prompts, device="cuda")
         hf_speed(hfbf, ids[:, :64], 4)  # warm-up
         hf_pre, hf_dec = hf_speed(hfbf, ids, args.new_tokens)
         row = {"batch": batch, "ours_prefill": our_pre, "ours_decode": our_dec, "hf_prefill": hf_pre, "hf_decode": hf_dec}
         log(f"  batch {batch}: prefill ours {our_pre:.0f} vs HF {hf_pre:.0f} tok/s; decode ours {our_dec:.1f} vs HF {hf_dec:.1f} tok/s")
+        for cmp_bin in args.compare_bin:
+            # Other builds of `generate` (e.g. the commit before a change), same prompts, same call.
+            cmp_pre, cmp_dec = timed(cmp_bin)
+            row.setdefault("compare", []).append({"bin": cmp_bin, "prefill": cmp_pre, "decode": cmp_dec})
+            log(f"  batch {batch}: {cmp_bin}: prefill {cmp_pre:.0f} tok/s, decode {cmp_dec:.1f} tok/s")
         rows.append(row)
     res["speed"] = rows
 
@@ -363,10 +371,13 @@ def main():
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--check-lens", default="40,23", help="prompt lengths of the correctness checks (one batch)")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--compare-bin", action="append", default=[], help="another generate binary timed on the same prompts (before/after; repeatable)")
     ap.add_argument("--variants", action="append", default=[], help="extra flags of ours for another bf16 comparison (repeatable)")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.check_lens = [int(n) for n in args.check_lens.split(",")]
     os.makedirs(args.work, exist_ok=True)
     try:
         torch.backends.cuda.matmul.allow_tf32 = False

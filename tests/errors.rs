@@ -5,7 +5,10 @@
 //! devices) needs a GPU and is not tested here.
 
 use candle_core::{DType, Device, Result, Shape, Tensor};
-use flash_attn3::{flash_attn, flash_attn_varlen, flash_attn_varlen_windowed, flash_attn_windowed, FlashAttn};
+use flash_attn3::{
+    flash_attn, flash_attn_varlen, flash_attn_varlen_offsets, flash_attn_varlen_windowed, flash_attn_windowed,
+    FlashAttn, SeqOffsets,
+};
 
 const CPU: Device = Device::Cpu;
 
@@ -397,5 +400,108 @@ fn the_baseline_calls_are_valid() -> Result<()> {
     varlen_with(&sq, &sk, 6, 7)?;
     // Empty sequences inside a batch are fine.
     varlen_with(&seqlens(&[0, 0, 10]), &seqlens(&[0, 5, 12]), 10, 7)?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------
+// host-side offsets (SeqOffsets, forward_varlen_offsets): the same rules, checked on the host
+// ------------------------------------------------------------------------------------------
+
+fn offsets(cu: &[u32]) -> SeqOffsets {
+    SeqOffsets::new(cu, &CPU).unwrap()
+}
+
+/// `varlen_with` through the host-offsets entry point.
+fn varlen_offsets_with(seqlens_q: &SeqOffsets, seqlens_k: &SeqOffsets, max_q: usize, max_k: usize) -> Result<Tensor> {
+    let (q, k) = (f32s((10, 4, 32)), f32s((12, 2, 32)));
+    flash_attn_varlen_offsets(&q, &k, &k, seqlens_q, seqlens_k, max_q, max_k, 0.1, false)
+}
+
+#[test]
+fn seq_offsets_reject_malformed_offsets() {
+    assert_err(SeqOffsets::new(&[], &CPU), &[">= 2 offsets", "got 0"]);
+    assert_err(SeqOffsets::new(&[7], &CPU), &[">= 2 offsets", "got 1"]);
+    assert_err(SeqOffsets::new(&[1, 4, 10], &CPU), &["start at 0", "got 1"]);
+    assert_err(SeqOffsets::new(&[0, 6, 4, 10], &CPU), &["non-decreasing", "4 after 6"]);
+    assert_err(
+        SeqOffsets::from_lengths([u32::MAX as usize, 1], &CPU),
+        &["overflow u32"],
+    );
+}
+
+#[test]
+fn seq_offsets_describe_their_sequences() -> Result<()> {
+    let cu = SeqOffsets::from_lengths([4, 0, 6], &CPU)?;
+    assert_eq!(cu.as_slice(), &[0, 4, 4, 10]);
+    assert_eq!((cu.batch(), cu.total(), cu.max_len()), (3, 10, 6));
+    assert_eq!(cu.tensor().to_vec1::<u32>()?, vec![0, 4, 4, 10]);
+    Ok(())
+}
+
+#[test]
+fn host_offsets_not_ending_at_the_total_are_rejected() {
+    assert_err(
+        varlen_offsets_with(&offsets(&[0, 4, 9]), &offsets(&[0, 5, 12]), 10, 12),
+        &["seqlens_q", "must end at", "(10)"],
+    );
+    assert_err(
+        varlen_offsets_with(&offsets(&[0, 4, 10]), &offsets(&[0, 5, 11]), 10, 12),
+        &["seqlens_k", "must end at", "(12)"],
+    );
+}
+
+#[test]
+fn host_offsets_longer_than_max_seqlen_are_rejected() {
+    assert_err(
+        varlen_offsets_with(&offsets(&[0, 4, 10]), &offsets(&[0, 5, 12]), 5, 12),
+        &["seqlens_q", "length 6", "maximum 5"],
+    );
+    assert_err(
+        varlen_offsets_with(&offsets(&[0, 4, 10]), &offsets(&[0, 5, 12]), 10, 6),
+        &["seqlens_k", "length 7", "maximum 6"],
+    );
+}
+
+#[test]
+fn host_offsets_with_different_batches_are_rejected() {
+    assert_err(
+        varlen_offsets_with(&offsets(&[0, 4, 10]), &offsets(&[0, 5, 6, 12]), 10, 12),
+        &["same batch", "3 and 4"],
+    );
+}
+
+#[test]
+fn host_offsets_go_through_the_other_checks_too() {
+    // Shapes, dtypes and options are checked as for the tensor form.
+    let (q, k) = (f32s((10, 4, 32)), f32s((12, 3, 32)));
+    let (sq, sk) = (offsets(&[0, 10]), offsets(&[0, 12]));
+    assert_err(
+        FlashAttn::new(0.1).forward_varlen_offsets(&q, &k, &k, &sq, &sk, 10, 12),
+        &["multiple"],
+    );
+    let t = f32s((8, 2, 16));
+    let s = offsets(&[0, 8]);
+    assert_err(
+        FlashAttn::new(f32::NAN).forward_varlen_offsets_with_lse(&t, &t, &t, &s, &s, 8, 8),
+        &["softmax_scale"],
+    );
+}
+
+#[test]
+fn host_offsets_compute_what_the_tensor_form_computes() -> Result<()> {
+    let dev = &CPU;
+    let q = Tensor::randn(0f32, 1., (10, 4, 32), dev)?;
+    let k = Tensor::randn(0f32, 1., (12, 2, 32), dev)?;
+    let v = Tensor::randn(0f32, 1., (12, 2, 32), dev)?;
+    let (cq, ck) = ([0u32, 4, 4, 10], [0u32, 5, 7, 12]);
+    let attn = FlashAttn::new(0.2).causal(true);
+    let (a, la) = attn.forward_varlen_with_lse(&q, &k, &v, &seqlens(&cq), &seqlens(&ck), 6, 5)?;
+    let (b, lb) = attn.forward_varlen_offsets_with_lse(&q, &k, &v, &offsets(&cq), &offsets(&ck), 6, 5)?;
+    let max_diff = |x: &Tensor, y: &Tensor| -> Result<f32> {
+        // -inf LSE rows (the empty sequence has none here) would make NaN: compare as is.
+        (x - y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    };
+    assert_eq!(max_diff(&a, &b)?, 0.0);
+    assert_eq!(max_diff(&la, &lb)?, 0.0);
     Ok(())
 }

@@ -41,11 +41,13 @@ mod cuda;
 mod op;
 mod params;
 
-use candle_core::{Result, Tensor};
+use std::sync::Arc;
+
+use candle_core::{Device, Result, Tensor};
 
 use op::FlashAttnFwd;
 pub use params::MAX_HEAD_DIM;
-use params::{AttnParams, Dims, Varlen};
+use params::{AttnParams, Dims, Offsets, Varlen};
 
 /// Multi-head attention with `softmax(q·kᵀ · softmax_scale) · v`, causal or not.
 ///
@@ -116,6 +118,111 @@ pub fn flash_attn_varlen_windowed(
     FlashAttn::new(softmax_scale)
         .window(window_size_left, window_size_right)
         .forward_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)
+}
+
+/// Cumulative sequence offsets of a varlen call that the caller knows on the host: validated
+/// and uploaded once, then given to any number of calls
+/// ([`FlashAttn::forward_varlen_offsets`], [`flash_attn_varlen_offsets`]).
+///
+/// The `Tensor` arguments of [`flash_attn_varlen`] are read back to the host to be validated,
+/// a blocking device-to-host copy per tensor and call on the GPU; these are not. The host copy
+/// and the device tensor cannot disagree: both are made here from the same slice and the type
+/// is immutable. Cloning shares them.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let dev = Device::Cpu;
+/// // Two sequences of 3 and 5 tokens, packed: (8, heads, head_dim).
+/// let cu = flash_attn3::SeqOffsets::new(&[0, 3, 8], &dev)?;
+/// assert_eq!((cu.batch(), cu.total(), cu.max_len()), (2, 8, 5));
+/// let q = Tensor::randn(0f32, 1., (8, 4, 64), &dev)?;
+/// let k = Tensor::randn(0f32, 1., (8, 2, 64), &dev)?;
+/// let out = flash_attn3::FlashAttn::new(0.125).causal(true).forward_varlen_offsets(&q, &k, &k, &cu, &cu, 5, 5)?;
+/// assert_eq!(out.dims(), &[8, 4, 64]);
+/// assert!(flash_attn3::SeqOffsets::new(&[0, 5, 3], &dev).is_err()); // decreasing
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct SeqOffsets {
+    host: Arc<[u32]>,
+    tensor: Tensor,
+}
+
+impl SeqOffsets {
+    /// `offsets`: batch + 1 cumulative lengths, starting at 0 and non-decreasing; uploaded to
+    /// `device` as a u32 tensor. Whether they fit a call (the packed length, the declared
+    /// maximum, the other side's batch) is checked by each call, on the host.
+    pub fn new(offsets: &[u32], device: &Device) -> Result<Self> {
+        params::check_offsets_shape("the offsets", offsets)?;
+        Ok(Self {
+            host: offsets.into(),
+            tensor: Tensor::new(offsets, device)?,
+        })
+    }
+
+    /// The offsets of sequences of the given lengths: `[0, l0, l0 + l1, ...]`.
+    pub fn from_lengths(lengths: impl IntoIterator<Item = usize>, device: &Device) -> Result<Self> {
+        let mut cu = vec![0u32];
+        for len in lengths {
+            let next = (cu[cu.len() - 1] as usize)
+                .checked_add(len)
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| candle_core::Error::Msg("flash-attn3: cumulative lengths overflow u32".into()))?;
+            cu.push(next);
+        }
+        Self::new(&cu, device)
+    }
+
+    /// The offsets, as given.
+    pub fn as_slice(&self) -> &[u32] {
+        &self.host
+    }
+
+    /// The same offsets as a rank-1 u32 tensor on the device (what [`flash_attn_varlen`] takes).
+    pub fn tensor(&self) -> &Tensor {
+        &self.tensor
+    }
+
+    /// Number of sequences.
+    pub fn batch(&self) -> usize {
+        self.host.len() - 1
+    }
+
+    /// Packed tokens: the last offset.
+    pub fn total(&self) -> usize {
+        self.host[self.host.len() - 1] as usize
+    }
+
+    /// The longest sequence.
+    pub fn max_len(&self) -> usize {
+        self.host.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0)
+    }
+}
+
+/// [`flash_attn_varlen`] with offsets known on the host ([`SeqOffsets`]): no device-to-host
+/// copy to validate them.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_offsets(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &SeqOffsets,
+    seqlens_k: &SeqOffsets,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    causal: bool,
+) -> Result<Tensor> {
+    FlashAttn::new(softmax_scale).causal(causal).forward_varlen_offsets(
+        q,
+        k,
+        v,
+        seqlens_q,
+        seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
 }
 
 /// An attention call with every option: scale, causal mask, sliding window, softcap, LSE.
@@ -245,7 +352,58 @@ impl FlashAttn {
         max_seqlen_k: usize,
     ) -> Result<(Tensor, Tensor)> {
         let params = self.params()?;
-        let (dims, varlen) = params::check_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)?;
+        let (dims, varlen) = params::check_varlen(
+            q,
+            k,
+            v,
+            Offsets::Device(seqlens_q),
+            Offsets::Device(seqlens_k),
+            max_seqlen_q,
+            max_seqlen_k,
+        )?;
+        run(params, q, k, v, dims, Some(varlen), self.deterministic)
+    }
+
+    /// [`FlashAttn::forward_varlen`] with offsets known on the host: validated there, so the
+    /// call never waits for the GPU (the tensor forms read their offsets back to check them).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_varlen_offsets(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seqlens_q: &SeqOffsets,
+        seqlens_k: &SeqOffsets,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+    ) -> Result<Tensor> {
+        Ok(self
+            .forward_varlen_offsets_with_lse(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)?
+            .0)
+    }
+
+    /// [`FlashAttn::forward_varlen_offsets`] with the LSE, (heads, total_q).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_varlen_offsets_with_lse(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seqlens_q: &SeqOffsets,
+        seqlens_k: &SeqOffsets,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let params = self.params()?;
+        let (dims, varlen) = params::check_varlen(
+            q,
+            k,
+            v,
+            Offsets::Host(seqlens_q),
+            Offsets::Host(seqlens_k),
+            max_seqlen_q,
+            max_seqlen_k,
+        )?;
         run(params, q, k, v, dims, Some(varlen), self.deterministic)
     }
 }

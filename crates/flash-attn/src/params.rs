@@ -195,25 +195,31 @@ pub(crate) fn check_fixed(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
     })
 }
 
-fn read_cumulative(name: &str, seqlens: &Tensor, total: usize, max_seqlen: usize) -> Result<Vec<usize>> {
-    if seqlens.dtype() != DType::U32 || seqlens.rank() != 1 {
-        bail!(
-            "flash-attn3: {name} must be a rank-1 u32 tensor of cumulative lengths, got {:?} of shape {:?}",
-            seqlens.dtype(),
-            seqlens.dims()
-        )
-    }
-    let cu: Vec<usize> = seqlens.to_vec1::<u32>()?.into_iter().map(|x| x as usize).collect();
+/// The offsets a [`crate::SeqOffsets`] may hold: at least two, starting at 0, non-decreasing.
+pub(crate) fn check_offsets_shape(name: &str, cu: &[u32]) -> Result<()> {
     if cu.len() < 2 {
         bail!("flash-attn3: {name} must hold batch + 1 >= 2 offsets, got {}", cu.len())
     }
     if cu[0] != 0 {
         bail!("flash-attn3: {name} must start at 0, got {}", cu[0])
     }
+    if let Some(w) = cu.windows(2).find(|w| w[1] < w[0]) {
+        bail!(
+            "flash-attn3: {name} must be non-decreasing, got {} after {} in {:?}",
+            w[1],
+            w[0],
+            cu
+        )
+    }
+    Ok(())
+}
+
+/// Validates host-side cumulative offsets against a call: the shape rules above, every
+/// sequence within `max_seqlen`, the last offset equal to the packed length.
+fn check_cumulative(name: &str, cu: &[u32], total: usize, max_seqlen: usize) -> Result<Vec<usize>> {
+    check_offsets_shape(name, cu)?;
+    let cu: Vec<usize> = cu.iter().map(|&x| x as usize).collect();
     for w in cu.windows(2) {
-        if w[1] < w[0] {
-            bail!("flash-attn3: {name} must be non-decreasing, got {:?}", cu)
-        }
         if w[1] - w[0] > max_seqlen {
             bail!(
                 "flash-attn3: {name} holds a sequence of length {} longer than the declared maximum {max_seqlen}",
@@ -230,14 +236,55 @@ fn read_cumulative(name: &str, seqlens: &Tensor, total: usize, max_seqlen: usize
     Ok(cu)
 }
 
+fn check_offsets_tensor(name: &str, seqlens: &Tensor) -> Result<()> {
+    if seqlens.dtype() != DType::U32 || seqlens.rank() != 1 {
+        bail!(
+            "flash-attn3: {name} must be a rank-1 u32 tensor of cumulative lengths, got {:?} of shape {:?}",
+            seqlens.dtype(),
+            seqlens.dims()
+        )
+    }
+    Ok(())
+}
+
+/// Reads a device tensor of offsets back to the host (a blocking copy on the GPU) and validates it.
+fn read_cumulative(name: &str, seqlens: &Tensor, total: usize, max_seqlen: usize) -> Result<Vec<usize>> {
+    check_offsets_tensor(name, seqlens)?;
+    check_cumulative(name, &seqlens.to_vec1::<u32>()?, total, max_seqlen)
+}
+
+/// The offsets of one side of a varlen call: a tensor on the device of q (what the kernels
+/// read), and, when the caller knows them, the same offsets on the host (validated without
+/// reading the tensor back).
+pub(crate) enum Offsets<'a> {
+    Device(&'a Tensor),
+    Host(&'a crate::SeqOffsets),
+}
+
+impl Offsets<'_> {
+    fn tensor(&self) -> &Tensor {
+        match self {
+            Offsets::Device(t) => t,
+            Offsets::Host(o) => o.tensor(),
+        }
+    }
+
+    fn validate(&self, name: &str, total: usize, max_seqlen: usize) -> Result<Vec<usize>> {
+        match self {
+            Offsets::Device(t) => read_cumulative(name, t, total, max_seqlen),
+            Offsets::Host(o) => check_cumulative(name, o.as_slice(), total, max_seqlen),
+        }
+    }
+}
+
 /// Checks packed q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv) and the
 /// cumulative u32 sequence lengths (batch + 1 entries each).
 pub(crate) fn check_varlen(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    seqlens_q: &Tensor,
-    seqlens_k: &Tensor,
+    seqlens_q: Offsets,
+    seqlens_k: Offsets,
     max_seqlen_q: usize,
     max_seqlen_k: usize,
 ) -> Result<(Dims, Varlen)> {
@@ -258,7 +305,7 @@ pub(crate) fn check_varlen(
     }
     check_heads(heads, kv_heads)?;
     check_head_dims(head_dim, head_dim_v)?;
-    for (name, t) in [("seqlens_q", seqlens_q), ("seqlens_k", seqlens_k)] {
+    for (name, t) in [("seqlens_q", seqlens_q.tensor()), ("seqlens_k", seqlens_k.tensor())] {
         if !t.device().same_device(q.device()) {
             bail!(
                 "flash-attn3: {name} must be on the device of q ({:?}), got {:?}",
@@ -267,8 +314,8 @@ pub(crate) fn check_varlen(
             )
         }
     }
-    let cu_q = read_cumulative("seqlens_q", seqlens_q, total_q, max_seqlen_q)?;
-    let cu_k = read_cumulative("seqlens_k", seqlens_k, total_k, max_seqlen_k)?;
+    let cu_q = seqlens_q.validate("seqlens_q", total_q, max_seqlen_q)?;
+    let cu_k = seqlens_k.validate("seqlens_k", total_k, max_seqlen_k)?;
     if cu_q.len() != cu_k.len() {
         bail!(
             "flash-attn3: seqlens_q and seqlens_k must describe the same batch, got {} and {} offsets",
@@ -288,8 +335,8 @@ pub(crate) fn check_varlen(
         head_dim_v,
     };
     let varlen = Varlen {
-        seqlens_q: seqlens_q.clone(),
-        seqlens_k: seqlens_k.clone(),
+        seqlens_q: seqlens_q.tensor().clone(),
+        seqlens_k: seqlens_k.tensor().clone(),
         cu_q,
         cu_k,
     };

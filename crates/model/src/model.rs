@@ -6,20 +6,23 @@
 //! and the MLP are then single matmuls whatever the mix of lengths, and attention is a varlen
 //! call. See [`KvCache`] for how cached keys are addressed.
 
-use candle_core::{bail, DType, Device, Module, Result, Tensor, D};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Module, Result, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
-use flash_attn3::FlashAttn;
+use flash_attn3::{FlashAttn, SeqOffsets};
 
 use crate::config::Config;
-use crate::nn::{apply_rope, rope_angles, Kernels, RmsNorm};
+use crate::nn::{apply_rope, rope_angles, rope_angles_per_head, rope_per_head, Kernels, RmsNorm};
 
 /// Keys and values of every layer for a batch of sequences, preallocated and written in place.
 ///
-/// Layout: per layer, one contiguous tensor of shape (batch × max_seq, kv_heads, head_dim) for
-/// k and one for v. Sequence `i` owns rows `[i·max_seq, (i+1)·max_seq)`, of which the first
-/// `lens[i]` are filled. That is flash-attn3's (batch, max_seq, kv_heads, head_dim) layout with
-/// the first two axes merged, so appending a token is one `slice_set` of its row (no
-/// concatenation, no reallocation) and the whole cache can be handed to the varlen op as it is.
+/// Layout: per layer, one contiguous tensor of shape (batch × max_seq, 2 × kv_heads, head_dim):
+/// each row holds a token's k heads then its v heads. Sequence `i` owns rows
+/// `[i·max_seq, (i+1)·max_seq)`, of which the first `lens[i]` are filled. The k and v halves are
+/// flash-attn3's (batch, max_seq, kv_heads, head_dim) layout with the first two axes merged and
+/// a row stride of 2 × kv_heads × head_dim, which the op reads as it is. Appending a token is one
+/// strided copy of its row (k and v together when they come from the fused q/k/v projection,
+/// where they are adjacent), no concatenation, no reallocation.
 ///
 /// Sequences of different lengths: the varlen op reads sequence `b`'s keys from the cumulative
 /// offsets `seqlens_k[b]..seqlens_k[b+1]`, which must tile the packed axis without holes. The
@@ -38,8 +41,8 @@ use crate::nn::{apply_rope, rope_angles, Kernels, RmsNorm};
 /// Not `Clone`: a tensor clone shares storage, and the in-place writes would show in both.
 #[derive(Debug)]
 pub struct KvCache {
-    k: Vec<Tensor>,
-    v: Vec<Tensor>,
+    /// Per layer: (batch × max_seq, 2 × kv_heads, head_dim), k heads first.
+    kv: Vec<Tensor>,
     lens: Vec<usize>,
     max_seq: usize,
 }
@@ -50,12 +53,11 @@ impl KvCache {
         if batch == 0 || max_seq == 0 {
             bail!("a KV cache needs batch >= 1 and max_seq >= 1, got batch {batch}, max_seq {max_seq}")
         }
-        let shape = (batch * max_seq, cfg.num_key_value_heads, cfg.head_dim);
+        let shape = (batch * max_seq, 2 * cfg.num_key_value_heads, cfg.head_dim);
         let zeros = || Tensor::zeros(shape, dtype, device);
         let layers = cfg.num_hidden_layers;
         Ok(Self {
-            k: (0..layers).map(|_| zeros()).collect::<Result<_>>()?,
-            v: (0..layers).map(|_| zeros()).collect::<Result<_>>()?,
+            kv: (0..layers).map(|_| zeros()).collect::<Result<_>>()?,
             lens: vec![0; batch],
             max_seq,
         })
@@ -84,12 +86,12 @@ impl KvCache {
 enum KeySource {
     /// Attend to the new tokens only: a prefill into an empty cache, or no cache at all.
     /// Queries and keys have the same offsets.
-    Fresh { cu: Tensor, max_len: usize },
+    Fresh { cu: SeqOffsets, max_len: usize },
     /// Attend to the whole cache, gaps included (see [`KvCache`]), after the new tokens were
     /// written into it.
     Cached {
-        cu_q: Tensor,
-        cu_k: Tensor,
+        cu_q: SeqOffsets,
+        cu_k: SeqOffsets,
         max_q: usize,
         max_k: usize,
     },
@@ -98,28 +100,39 @@ enum KeySource {
     Reference { batch: usize, seq: usize },
 }
 
+/// The rotary angles of one call, in the run dtype.
+enum RopeTables {
+    /// (tokens, head_dim / 2): every head of a token turns by the same angles.
+    PerToken { cos: Tensor, sin: Tensor },
+    /// (tokens, q heads + 2 kv heads, head_dim / 2), the value heads at angle 0: one fused
+    /// launch rotates the q and k heads of a fused q/k/v projection and leaves v as it is.
+    PerHead { cos: Tensor, sin: Tensor },
+}
+
 /// Per-call state that every layer reads: the rotary angles of each token, where the keys
 /// come from and where the new keys go in the cache.
 struct Plan {
-    cos: Tensor,
-    sin: Tensor,
+    rope: RopeTables,
     keys: KeySource,
     /// Runs of new tokens to store: (first packed row, how many, destination cache row).
     writes: Vec<(usize, usize, usize)>,
 }
 
-fn cumulative(lens: impl IntoIterator<Item = usize>, device: &Device) -> Result<Tensor> {
-    let mut cu = vec![0u32];
-    for len in lens {
-        cu.push(cu[cu.len() - 1] + len as u32);
-    }
-    Tensor::new(cu, device)
+/// Cumulative offsets known on the host, uploaded once per call and shared by every layer
+/// (the op validates them on the host: no device-to-host copy).
+fn cumulative(lens: impl IntoIterator<Item = usize>, device: &Device) -> Result<SeqOffsets> {
+    SeqOffsets::from_lengths(lens, device)
+}
+
+/// The q, k and v projections: three matmuls (the trainable form, one weight per HF tensor) or,
+/// for inference, one matmul over the three weights concatenated at load.
+enum QkvProj {
+    Separate { q: Linear, k: Linear, v: Linear },
+    Fused(Linear),
 }
 
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv: QkvProj,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -138,6 +151,19 @@ fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool, name: &str
     let vb = vb.pp(name);
     let weight = vb.get((out_dim, in_dim), "weight")?;
     let bias = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
+    Ok(Linear::new(weight, bias))
+}
+
+/// One linear layer computing `parts` side by side: their weights (and biases) concatenated
+/// along the output axis, once, at load.
+fn concat_linear(parts: &[&Linear]) -> Result<Linear> {
+    let weights: Vec<&Tensor> = parts.iter().map(|l| l.weight()).collect();
+    let weight = Tensor::cat(&weights, 0)?;
+    let bias = match parts.iter().map(|l| l.bias()).collect::<Option<Vec<&Tensor>>>() {
+        Some(biases) => Some(Tensor::cat(&biases, 0)?),
+        None if parts.iter().all(|l| l.bias().is_none()) => None,
+        None => bail!("internal error: fusing linear layers of which only some have a bias"),
+    };
     Ok(Linear::new(weight, bias))
 }
 
@@ -165,10 +191,15 @@ impl Attention {
         if window_left.is_some() {
             attn = attn.window(window_left, Some(0));
         }
+        let q = linear(vb, cfg.hidden_size, h * d, bias, "q_proj")?;
+        let k = linear(vb, cfg.hidden_size, hk * d, bias, "k_proj")?;
+        let v = linear(vb, cfg.hidden_size, hk * d, bias, "v_proj")?;
+        let qkv = match kernels {
+            Kernels::Composed => QkvProj::Separate { q, k, v },
+            Kernels::Fused => QkvProj::Fused(concat_linear(&[&q, &k, &v])?),
+        };
         Ok(Self {
-            q_proj: linear(vb, cfg.hidden_size, h * d, bias, "q_proj")?,
-            k_proj: linear(vb, cfg.hidden_size, hk * d, bias, "k_proj")?,
-            v_proj: linear(vb, cfg.hidden_size, hk * d, bias, "v_proj")?,
+            qkv,
             o_proj: linear(vb, h * d, cfg.hidden_size, false, "o_proj")?,
             q_norm,
             k_norm,
@@ -185,33 +216,65 @@ impl Attention {
 
     /// x: (tokens, hidden) → (tokens, hidden). `cache` is this layer's (k, v), if any: the
     /// new keys and values are stored there before attending.
-    fn forward(&self, x: &Tensor, plan: &Plan, cache: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, plan: &Plan, cache: Option<&Tensor>) -> Result<Tensor> {
         let tokens = x.dim(0)?;
-        let mut q = self.q_proj.forward(x)?.reshape((tokens, self.heads, self.head_dim))?;
-        let mut k = self
-            .k_proj
-            .forward(x)?
-            .reshape((tokens, self.kv_heads, self.head_dim))?;
-        let v = self
-            .v_proj
-            .forward(x)?
-            .reshape((tokens, self.kv_heads, self.head_dim))?;
+        let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
+        // q (tokens, h, d), k and v (tokens, hk, d); possibly strided views of one fused output.
+        let (q, k, v) = match &self.qkv {
+            QkvProj::Separate { q, k, v } => (
+                q.forward(x)?.reshape((tokens, h, d))?,
+                k.forward(x)?.reshape((tokens, hk, d))?,
+                v.forward(x)?.reshape((tokens, hk, d))?,
+            ),
+            QkvProj::Fused(qkv) => {
+                let y = qkv.forward(x)?.reshape((tokens, h + 2 * hk, d))?;
+                if let RopeTables::PerHead { cos, sin } = &plan.rope {
+                    // q and k rotated, v passed through, in one launch.
+                    let y = rope_per_head(&y, cos, sin, self.rope_interleaved)?;
+                    // k and v are adjacent in each row: one copy stores both.
+                    if let Some(kv) = cache {
+                        write_rows(kv, &y.narrow(1, h, 2 * hk)?, 0, &plan.writes)?;
+                    }
+                    let (q, k, v) = (y.narrow(1, 0, h)?, y.narrow(1, h, hk)?, y.narrow(1, h + hk, hk)?);
+                    return self.attend(q, k, v, tokens, plan, cache);
+                }
+                (y.narrow(1, 0, h)?, y.narrow(1, h, hk)?, y.narrow(1, h + hk, hk)?)
+            }
+        };
+        let (mut q, mut k) = (q, k);
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        let q = apply_rope(&q, &plan.cos, &plan.sin, self.rope_interleaved, self.kernels)?;
-        let k = apply_rope(&k, &plan.cos, &plan.sin, self.rope_interleaved, self.kernels)?;
-        if let Some((ck, cv)) = cache {
-            write_rows(ck, &k, &plan.writes)?;
-            write_rows(cv, &v, &plan.writes)?;
+        let RopeTables::PerToken { cos, sin } = &plan.rope else {
+            bail!("internal error: per-head rotary tables for separate q/k/v projections")
+        };
+        let q = apply_rope(&q, cos, sin, self.rope_interleaved, self.kernels)?;
+        let k = apply_rope(&k, cos, sin, self.rope_interleaved, self.kernels)?;
+        if let Some(kv) = cache {
+            write_rows(kv, &k, 0, &plan.writes)?;
+            write_rows(kv, &v, hk, &plan.writes)?;
         }
-        // GQA is the op's business: k/v keep their kv_heads, no repeat.
+        self.attend(q, k, v, tokens, plan, cache)
+    }
+
+    /// Attends (over the fresh k and v, or over `cache`, where they were stored) and projects
+    /// the output back.
+    fn attend(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        tokens: usize,
+        plan: &Plan,
+        cache: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        // GQA is the op's business: k/v keep their kv_heads, no repeat. q, k and v may be
+        // strided views (rows of a fused projection): the op reads any row stride.
         let out = match (&plan.keys, cache) {
-            (KeySource::Fresh { cu, max_len }, _) => {
-                self.attn
-                    .forward_varlen(&q, &k, &v.contiguous()?, cu, cu, *max_len, *max_len)?
-            }
+            (KeySource::Fresh { cu, max_len }, _) => self
+                .attn
+                .forward_varlen_offsets(&q, &k, &v, cu, cu, *max_len, *max_len)?,
             (
                 KeySource::Cached {
                     cu_q,
@@ -219,8 +282,13 @@ impl Attention {
                     max_q,
                     max_k,
                 },
-                Some((ck, cv)),
-            ) => self.attn.forward_varlen(&q, ck, cv, cu_q, cu_k, *max_q, *max_k)?,
+                Some(kv),
+            ) => {
+                let hk = self.kv_heads;
+                let (ck, cv) = (kv.narrow(1, 0, hk)?, kv.narrow(1, hk, hk)?);
+                self.attn
+                    .forward_varlen_offsets(&q, &ck, &cv, cu_q, cu_k, *max_q, *max_k)?
+            }
             (KeySource::Cached { .. }, None) => bail!("internal error: a cached plan without a cache"),
             (KeySource::Reference { batch, seq }, _) => self.reference_attention(&q, &k, &v, *batch, *seq)?,
         };
@@ -266,34 +334,182 @@ impl Attention {
     }
 }
 
-/// Copies runs of packed rows of `src` into the cache rows given by `writes`, in place.
-fn write_rows(cache: &Tensor, src: &Tensor, writes: &[(usize, usize, usize)]) -> Result<()> {
-    let src = src.contiguous()?;
+/// Copies runs of packed rows of `src` (tokens, heads, d) into the cache rows given by
+/// `writes`, in place, at heads `first_head..first_head + heads` of each cache row.
+///
+/// A row of `src` must be contiguous (heads × d elements), but rows may be any distance apart
+/// (a view into a fused q/k/v projection). Runs whose source and destination rows are both
+/// equally spaced (one token for each sequence of a batch whose caches hold the same lengths:
+/// the usual decode step) are one strided copy; otherwise one copy per run.
+fn write_rows(cache: &Tensor, src: &Tensor, first_head: usize, writes: &[(usize, usize, usize)]) -> Result<()> {
+    let (_, heads, d) = src.dims3()?;
+    let row = heads * d;
+    let (_, c_heads, c_d) = cache.dims3()?;
+    if c_d != d || first_head + heads > c_heads || !cache.is_contiguous() {
+        bail!(
+            "internal error: cache rows {:?} for new keys {:?} at head {first_head}",
+            cache.dims(),
+            src.dims()
+        )
+    }
+    let cache_row = c_heads * d;
+    let col = first_head * d;
+    let src = match src.stride() {
+        [_, h_stride, 1] if *h_stride == d || heads == 1 => src.clone(),
+        _ => src.contiguous()?,
+    };
+    let src_stride = src.stride()[0];
+    let equally_spaced = writes.len() > 1
+        && writes.iter().all(|&(_, n, _)| n == 1)
+        && writes.windows(2).all(|w| {
+            w[1].0 as isize - w[0].0 as isize == writes[1].0 as isize - writes[0].0 as isize
+                && w[1].2 as isize - w[0].2 as isize == writes[1].2 as isize - writes[0].2 as isize
+        })
+        && writes[1].0 > writes[0].0
+        && writes[1].2 > writes[0].2;
+    if equally_spaced {
+        let (from_step, to_step) = (writes[1].0 - writes[0].0, writes[1].2 - writes[0].2);
+        return cache.inplace_op2(
+            &src,
+            &CopyRows {
+                rows: writes.len(),
+                row,
+                src_stride: src_stride * from_step,
+                dst_stride: cache_row * to_step,
+                src_offset: writes[0].0 * src_stride,
+                dst_offset: writes[0].2 * cache_row + col,
+            },
+        );
+    }
     for &(from, n, to) in writes {
-        cache.slice_set(&src.narrow(0, from, n)?, 0, to)?;
+        cache.inplace_op2(
+            &src,
+            &CopyRows {
+                rows: n,
+                row,
+                src_stride,
+                dst_stride: cache_row,
+                src_offset: from * src_stride,
+                dst_offset: to * cache_row + col,
+            },
+        )?;
     }
     Ok(())
 }
 
+/// `rows` rows of `row` elements from `src` into `dst` (in place), rows `src_stride` and
+/// `dst_stride` elements apart, starting `src_offset` / `dst_offset` elements after each
+/// tensor's own start: one 2-D copy (candle's `copy2d`, a single launch on the GPU).
+struct CopyRows {
+    rows: usize,
+    row: usize,
+    src_stride: usize,
+    dst_stride: usize,
+    src_offset: usize,
+    dst_offset: usize,
+}
+
+impl CopyRows {
+    /// Absolute element offsets (src, dst), after checking that every row lies inside the
+    /// elements each tensor's layout spans.
+    fn offsets(&self, dst_l: &Layout, src_l: &Layout) -> Result<(usize, usize)> {
+        // One past the last element a layout can address.
+        let end = |l: &Layout| {
+            l.start_offset()
+                + 1
+                + l.dims()
+                    .iter()
+                    .zip(l.stride())
+                    .map(|(&n, &s)| n.saturating_sub(1) * s)
+                    .sum::<usize>()
+        };
+        let last = |o: usize, stride: usize| o + (self.rows.max(1) - 1) * stride + self.row;
+        let src_o = src_l.start_offset() + self.src_offset;
+        let dst_o = dst_l.start_offset() + self.dst_offset;
+        if last(src_o, self.src_stride) > end(src_l) {
+            bail!("internal error: copying rows past the end of the source")
+        }
+        if (self.rows > 1 && self.dst_stride < self.row) || last(dst_o, self.dst_stride) > end(dst_l) {
+            bail!("internal error: copying rows past the end of the cache")
+        }
+        Ok((src_o, dst_o))
+    }
+}
+
+impl InplaceOp2 for CopyRows {
+    fn name(&self) -> &'static str {
+        "copy-rows"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout, src: &CpuStorage, src_l: &Layout) -> Result<()> {
+        let (src_o, dst_o) = self.offsets(dst_l, src_l)?;
+        src.copy2d(dst, self.rows, self.row, self.src_stride, self.dst_stride, src_o, dst_o)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        src: &candle_core::CudaStorage,
+        src_l: &Layout,
+    ) -> Result<()> {
+        let (src_o, dst_o) = self.offsets(dst_l, src_l)?;
+        src.copy2d(dst, self.rows, self.row, self.src_stride, self.dst_stride, src_o, dst_o)
+    }
+}
+
+/// Up to this many tokens per call (decode steps), the MLP runs the fused gate/up matmul and
+/// SiLU and the product on its two strided halves (fewest launches); above it (prefill), two
+/// matmuls over the halves of the fused weight give contiguous outputs for the elementwise ops.
+const FUSED_MLP_MAX_TOKENS: usize = 64;
+
+/// The gate and up projections: two matmuls (trainable form) or one over both weights
+/// concatenated at load (inference).
+enum GateUp {
+    Separate { gate: Linear, up: Linear },
+    Fused(Linear),
+}
+
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    gate_up: GateUp,
     down_proj: Linear,
+    intermediate: usize,
 }
 
 impl Mlp {
-    fn load(vb: &VarBuilder, cfg: &Config) -> Result<Self> {
+    fn load(vb: &VarBuilder, cfg: &Config, kernels: Kernels) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let gate = linear(vb, h, i, false, "gate_proj")?;
+        let up = linear(vb, h, i, false, "up_proj")?;
+        let gate_up = match kernels {
+            Kernels::Composed => GateUp::Separate { gate, up },
+            Kernels::Fused => GateUp::Fused(concat_linear(&[&gate, &up])?),
+        };
         Ok(Self {
-            gate_proj: linear(vb, h, i, false, "gate_proj")?,
-            up_proj: linear(vb, h, i, false, "up_proj")?,
+            gate_up,
             down_proj: linear(vb, i, h, false, "down_proj")?,
+            intermediate: i,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(x)?.silu()?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+        let (gate, up) = match &self.gate_up {
+            GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
+            GateUp::Fused(gate_up) if x.dim(0)? <= FUSED_MLP_MAX_TOKENS => {
+                let y = gate_up.forward(x)?;
+                let i = self.intermediate;
+                (y.narrow(D::Minus1, 0, i)?, y.narrow(D::Minus1, i, i)?)
+            }
+            GateUp::Fused(gate_up) => {
+                // Many tokens (prefill): launches do not matter, but SiLU and the product on
+                // strided halves of one wide output are slower than on two contiguous outputs;
+                // the two halves of the fused weight are contiguous row blocks, used as they are.
+                let (w, i) = (gate_up.weight(), self.intermediate);
+                (x.matmul(&w.narrow(0, 0, i)?.t()?)?, x.matmul(&w.narrow(0, i, i)?.t()?)?)
+            }
+        };
+        self.down_proj.forward(&(gate.silu()? * up)?)
     }
 }
 
@@ -312,6 +528,9 @@ pub struct Llama {
     norm: RmsNorm,
     lm_head: Linear,
     inv_freq: Tensor,
+    /// With fused kernels and no q/k norm: the per-head inverse frequencies (q and k heads:
+    /// `inv_freq`, v heads: 0) of [`RopeTables::PerHead`]; otherwise `None`.
+    inv_freq_heads: Option<Tensor>,
     dtype: DType,
     device: Device,
 }
@@ -331,7 +550,7 @@ impl Llama {
                 input_layernorm: rms_norm(&l, cfg.hidden_size, eps, kernels, "input_layernorm")?,
                 self_attn: Attention::load(&l.pp("self_attn"), cfg, kernels)?,
                 post_attention_layernorm: rms_norm(&l, cfg.hidden_size, eps, kernels, "post_attention_layernorm")?,
-                mlp: Mlp::load(&l.pp("mlp"), cfg)?,
+                mlp: Mlp::load(&l.pp("mlp"), cfg, kernels)?,
             });
         }
         let norm = rms_norm(&m, cfg.hidden_size, cfg.rms_norm_eps, kernels, "norm")?;
@@ -342,8 +561,21 @@ impl Llama {
             vb.get((cfg.vocab_size, cfg.hidden_size), "lm_head.weight")?
         };
         let device = vb.device().clone();
+        let inv_freq = cfg.rope_inv_freq();
+        let inv_freq_heads = match (kernels, cfg.qk_norm) {
+            (Kernels::Fused, false) => {
+                let (h, hk) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+                let zeros = vec![0.0; inv_freq.len()];
+                let table: Vec<_> = (0..h + 2 * hk)
+                    .flat_map(|head| if head < h + hk { inv_freq.clone() } else { zeros.clone() })
+                    .collect();
+                Some(Tensor::from_vec(table, (h + 2 * hk, inv_freq.len()), &device)?)
+            }
+            _ => None,
+        };
         Ok(Self {
-            inv_freq: Tensor::new(cfg.rope_inv_freq(), &device)?,
+            inv_freq: Tensor::new(inv_freq, &device)?,
+            inv_freq_heads,
             embed_tokens: Embedding::new(embed, cfg.hidden_size),
             layers,
             norm,
@@ -396,10 +628,8 @@ impl Llama {
         let ids = input_ids.flatten_all()?;
         self.check_ids(&ids.to_vec1::<u32>()?)?;
         let positions = Tensor::arange(0u32, s as u32, &self.device)?.repeat(b)?;
-        let (cos, sin) = self.rope_tables(&positions)?;
         let plan = Plan {
-            cos,
-            sin,
+            rope: self.rope_tables(&positions)?,
             keys,
             writes: Vec::new(),
         };
@@ -446,7 +676,7 @@ impl Llama {
             .zip(&new)
             .flat_map(|(&len, &n)| (len..len + n).map(|p| p as u32))
             .collect();
-        let (cos, sin) = self.rope_tables(&Tensor::new(positions, dev)?)?;
+        let rope = self.rope_tables(&Tensor::new(positions, dev)?)?;
         let max_new = new.iter().copied().max().unwrap_or(0);
         let keys = if lens.iter().all(|&l| l == 0) {
             // Empty cache: the prompts only see themselves, so attend to the fresh keys (cheaper
@@ -473,7 +703,7 @@ impl Llama {
             }
             packed += n;
         }
-        let plan = Plan { cos, sin, keys, writes };
+        let plan = Plan { rope, keys, writes };
         let ids = Tensor::new(flat, dev)?;
         let hidden = self.run_layers(&ids, &plan, Some(cache))?;
         for (len, n) in cache.lens.iter_mut().zip(&new) {
@@ -491,7 +721,11 @@ impl Llama {
                 rows.push(i as u32);
             }
         }
-        let hidden = hidden.index_select(&Tensor::new(last, dev)?, 0)?;
+        // At most one new token per sequence (decode): every packed row is a last token.
+        let hidden = match new.iter().all(|&n| n <= 1) {
+            true => hidden,
+            false => hidden.index_select(&Tensor::new(last, dev)?, 0)?,
+        };
         let logits = self
             .lm_head
             .forward(&self.norm.forward(&hidden)?)?
@@ -508,9 +742,23 @@ impl Llama {
 
     /// cos/sin of every token's angles, computed in f32 and cast once per call to the run dtype
     /// (rather than once per layer and per q/k inside `apply_rope`).
-    fn rope_tables(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (cos, sin) = rope_angles(positions, &self.inv_freq)?;
-        Ok((cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?))
+    fn rope_tables(&self, positions: &Tensor) -> Result<RopeTables> {
+        Ok(match &self.inv_freq_heads {
+            Some(heads) => {
+                let (cos, sin) = rope_angles_per_head(positions, heads)?;
+                RopeTables::PerHead {
+                    cos: cos.to_dtype(self.dtype)?,
+                    sin: sin.to_dtype(self.dtype)?,
+                }
+            }
+            None => {
+                let (cos, sin) = rope_angles(positions, &self.inv_freq)?;
+                RopeTables::PerToken {
+                    cos: cos.to_dtype(self.dtype)?,
+                    sin: sin.to_dtype(self.dtype)?,
+                }
+            }
+        })
     }
 
     fn check_ids(&self, ids: &[u32]) -> Result<()> {
@@ -527,7 +775,7 @@ impl Llama {
     fn run_layers(&self, ids: &Tensor, plan: &Plan, cache: Option<&KvCache>) -> Result<Tensor> {
         let mut x = self.embed_tokens.forward(ids)?;
         for (i, block) in self.layers.iter().enumerate() {
-            let layer_cache = cache.map(|c| (&c.k[i], &c.v[i]));
+            let layer_cache = cache.map(|c| &c.kv[i]);
             let h = block
                 .self_attn
                 .forward(&block.input_layernorm.forward(&x)?, plan, layer_cache)?;

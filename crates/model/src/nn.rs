@@ -55,15 +55,12 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool, ker
     let cos = cos.to_dtype(x.dtype())?;
     let sin = sin.to_dtype(x.dtype())?;
     if kernels == Kernels::Fused {
-        // The fused kernels take (batch, heads, seq, d) and one (seq, d/2) table: put tokens on
-        // the sequence axis of a batch of one.
-        let xt = x.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
-        let out = if interleaved {
-            candle_nn::rotary_emb::rope_i(&xt, &cos, &sin)?
-        } else {
-            candle_nn::rotary_emb::rope(&xt, &cos, &sin)?
-        };
-        return out.squeeze(0)?.transpose(0, 1)?.contiguous();
+        // Token t is "batch" t of the fused kernel with its own table row: x as
+        // (tokens, heads, 1, d), cos/sin as (tokens, 1, d/2). No transposes, one launch.
+        let x4 = x.contiguous()?.reshape((tokens, heads, 1, d))?;
+        let cos = cos.contiguous()?.reshape((tokens, 1, half))?;
+        let sin = sin.contiguous()?.reshape((tokens, 1, half))?;
+        return fused_rope(&x4, &cos, &sin, interleaved)?.reshape((tokens, heads, d));
     }
     // (tokens, 1, d/2): the same angles for every head.
     let cos = cos.unsqueeze(1)?;
@@ -84,6 +81,36 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool, ker
         let r1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
         Tensor::cat(&[r0, r1], 2)
     }
+}
+
+/// candle-nn's fused RoPE on x (b, h, t, d) with per-batch tables (b, t, d/2).
+fn fused_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+    if interleaved {
+        candle_nn::rotary_emb::rope_i(x, cos, sin)
+    } else {
+        candle_nn::rotary_emb::rope(x, cos, sin)
+    }
+}
+
+/// Fused RoPE over every head of `x` (tokens, heads, head_dim) at once, each (token, head) with
+/// its own angles: `cos`/`sin` are (tokens, heads, head_dim / 2). Heads whose angles are 0
+/// (cos 1, sin 0) come out unchanged, which is how the values of a fused q/k/v projection
+/// ride along with q and k in one launch. Forward only.
+pub fn rope_per_head(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+    let (tokens, heads, d) = x.dims3()?;
+    // Token t is "batch" t of the kernel, its heads the "sequence" of its table.
+    let x4 = x.contiguous()?.reshape((tokens, 1, heads, d))?;
+    fused_rope(&x4, &cos.contiguous()?, &sin.contiguous()?, interleaved)?.reshape((tokens, heads, d))
+}
+
+/// cos and sin (tokens, heads, head_dim / 2) of `positions × inv_freq_heads`, where
+/// `inv_freq_heads` is (heads, head_dim / 2); computed in f32.
+pub fn rope_angles_per_head(positions: &Tensor, inv_freq_heads: &Tensor) -> Result<(Tensor, Tensor)> {
+    let angles = positions
+        .to_dtype(DType::F32)?
+        .reshape(((), 1, 1))?
+        .broadcast_mul(&inv_freq_heads.unsqueeze(0)?)?;
+    Ok((angles.cos()?, angles.sin()?))
 }
 
 /// cos and sin (tokens, head_dim / 2) of `positions × inv_freq`, computed in f32.

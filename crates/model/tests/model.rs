@@ -9,7 +9,13 @@ use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::{generate, GenerateOptions, Kernels, Llama, SamplingParams};
 
 fn load(family: Family, dtype: DType) -> Llama {
-    load_hf_dir(&hf_model(family), dtype, &Device::Cpu, Kernels::Composed).unwrap()
+    load_with(family, dtype, Kernels::Composed)
+}
+
+/// `Kernels::Fused` is the inference path: fused q/k/v and gate/up weights, one RoPE launch
+/// over q, k and v (per-head angles), strided cache writes; `Composed` the trainable one.
+fn load_with(family: Family, dtype: DType, kernels: Kernels) -> Llama {
+    load_hf_dir(&hf_model(family), dtype, &Device::Cpu, kernels).unwrap()
 }
 
 fn tokens(n: usize, salt: u32) -> Vec<u32> {
@@ -35,8 +41,11 @@ fn hf_directory_loads_and_gives_logit_shapes() {
 /// the full forward's logits at that position.
 #[test]
 fn cached_decoding_equals_full_recomputation() {
-    for family in Family::ALL {
-        let model = load(family, DType::F32);
+    for (family, kernels) in Family::ALL
+        .into_iter()
+        .flat_map(|f| [(f, Kernels::Composed), (f, Kernels::Fused)])
+    {
+        let model = load_with(family, DType::F32, kernels);
         let seq = tokens(11, 4);
         let full = model
             .forward(&Tensor::new(seq.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap())
@@ -47,11 +56,11 @@ fn cached_decoding_equals_full_recomputation() {
         let mut cache = model.new_cache(1, 16).unwrap();
         let logits = model.step(&[seq[..prefill].to_vec()], &mut cache).unwrap();
         let diff = max_diff(&logits.i(0).unwrap(), &full.i(prefill - 1).unwrap());
-        assert!(diff < 1e-4, "{family:?} prefill: {diff}");
+        assert!(diff < 1e-4, "{family:?} {kernels:?} prefill: {diff}");
         for (pos, &token) in seq.iter().enumerate().skip(prefill) {
             let logits = model.step(&[vec![token]], &mut cache).unwrap();
             let diff = max_diff(&logits.i(0).unwrap(), &full.i(pos).unwrap());
-            assert!(diff < 1e-4, "{family:?} position {pos}: {diff}");
+            assert!(diff < 1e-4, "{family:?} {kernels:?} position {pos}: {diff}");
         }
     }
 }
@@ -60,8 +69,11 @@ fn cached_decoding_equals_full_recomputation() {
 /// give the logits and greedy tokens of each prompt alone.
 #[test]
 fn batched_generation_equals_single_prompt_generation() {
-    for family in [Family::Llama, Family::Mistral, Family::Qwen3] {
-        let model = load(family, DType::F32);
+    for (family, kernels) in [Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3]
+        .into_iter()
+        .flat_map(|f| [(f, Kernels::Composed), (f, Kernels::Fused)])
+    {
+        let model = load_with(family, DType::F32, kernels);
         let prompts = vec![tokens(3, 1), tokens(9, 2), tokens(6, 3)];
         let opts = GenerateOptions {
             max_tokens: 7,
@@ -71,7 +83,7 @@ fn batched_generation_equals_single_prompt_generation() {
         let batched = generate(&model, &prompts, &opts, |_, _| Ok(())).unwrap();
         for (i, prompt) in prompts.iter().enumerate() {
             let single = generate(&model, std::slice::from_ref(prompt), &opts, |_, _| Ok(())).unwrap();
-            assert_eq!(batched.tokens[i], single.tokens[0], "{family:?} prompt {i}");
+            assert_eq!(batched.tokens[i], single.tokens[0], "{family:?} {kernels:?} prompt {i}");
         }
 
         // The logits themselves, step by step, with a sequence sitting out one step.
@@ -98,7 +110,7 @@ fn batched_generation_equals_single_prompt_generation() {
             if let Some(t) = next {
                 let alone = model.step(&[vec![t]], &mut cache).unwrap();
                 let diff = max_diff(&alone.i(0).unwrap(), &second.i(i).unwrap());
-                assert!(diff < 1e-4, "{family:?} sequence {i}: {diff}");
+                assert!(diff < 1e-4, "{family:?} {kernels:?} sequence {i}: {diff}");
             }
         }
     }
@@ -139,7 +151,7 @@ fn bf16_and_fused_kernels_follow_f32() {
     bf16.step(&[tokens(8, 6)], &mut cache).unwrap();
     bf16.step(&[vec![3]], &mut cache).unwrap();
 
-    for family in [Family::Llama, Family::Qwen3] {
+    for family in Family::ALL {
         let composed = load(family, DType::F32);
         let fused = load_hf_dir(&hf_model(family), DType::F32, &Device::Cpu, Kernels::Fused).unwrap();
         let diff = max_diff(&fused.forward(&ids).unwrap(), &composed.forward(&ids).unwrap());
@@ -185,4 +197,76 @@ fn cache_overflow_and_bad_tokens_are_errors() {
     assert!(err.contains("outside the vocabulary"), "{err}");
     let err = model.step(&[vec![1], vec![2]], &mut cache).unwrap_err().to_string();
     assert!(err.contains("batch"), "{err}");
+}
+
+/// A batch whose sequences hold the same lengths decodes with one strided cache write per
+/// layer and tensor (equally spaced rows); different lengths take one write per sequence.
+/// Both must give each sequence's own logits, with the fused kernels as with the composed ones.
+#[test]
+fn equal_and_unequal_batches_decode_like_single_sequences() {
+    for kernels in [Kernels::Composed, Kernels::Fused] {
+        let model = load_with(Family::Llama32, DType::F32, kernels);
+        for prompts in [
+            vec![tokens(5, 1), tokens(5, 2), tokens(5, 3), tokens(5, 4)],
+            vec![tokens(5, 1), tokens(2, 2), tokens(7, 3), tokens(5, 4)],
+        ] {
+            let mut batch_cache = model.new_cache(prompts.len(), 16).unwrap();
+            model.step(&prompts, &mut batch_cache).unwrap();
+            let next: Vec<Vec<u32>> = (0..prompts.len()).map(|i| vec![10 + i as u32]).collect();
+            let batched = model.step(&next, &mut batch_cache).unwrap();
+            let again = model.step(&next, &mut batch_cache).unwrap();
+            for (i, prompt) in prompts.iter().enumerate() {
+                let mut cache = model.new_cache(1, 16).unwrap();
+                model.step(std::slice::from_ref(prompt), &mut cache).unwrap();
+                let alone = model.step(&[next[i].clone()], &mut cache).unwrap();
+                let diff = max_diff(&alone.i(0).unwrap(), &batched.i(i).unwrap());
+                assert!(diff < 1e-4, "{kernels:?} {prompts:?} sequence {i}: {diff}");
+                let alone = model.step(&[next[i].clone()], &mut cache).unwrap();
+                let diff = max_diff(&alone.i(0).unwrap(), &again.i(i).unwrap());
+                assert!(diff < 1e-4, "{kernels:?} {prompts:?} sequence {i}, second step: {diff}");
+            }
+        }
+    }
+}
+
+/// GGUF (llama.cpp's interleaved RoPE) through the fused path equals the composed path.
+#[test]
+fn gguf_fused_matches_composed() {
+    let dir = common::temp_dir("gguf-fused");
+    let path = dir.join("tiny.gguf");
+    common::write_gguf(&path);
+    let composed = load_gguf(&path, DType::F32, &Device::Cpu, Kernels::Composed).unwrap();
+    let fused = load_gguf(&path, DType::F32, &Device::Cpu, Kernels::Fused).unwrap();
+    let ids = Tensor::new(vec![tokens(9, 5)], &Device::Cpu).unwrap();
+    let diff = max_diff(&fused.forward(&ids).unwrap(), &composed.forward(&ids).unwrap());
+    assert!(diff < 1e-4, "{diff}");
+    let mut a = composed.new_cache(1, 12).unwrap();
+    let mut b = fused.new_cache(1, 12).unwrap();
+    composed.step(&[tokens(6, 1)], &mut a).unwrap();
+    fused.step(&[tokens(6, 1)], &mut b).unwrap();
+    let diff = max_diff(
+        &composed.step(&[vec![4]], &mut a).unwrap(),
+        &fused.step(&[vec![4]], &mut b).unwrap(),
+    );
+    assert!(diff < 1e-4, "decode: {diff}");
+}
+
+/// Above 64 tokens a call takes the MLP's prefill form (two matmuls over the halves of the
+/// fused gate/up weight): still the composed logits, and the cache it fills decodes the same.
+#[test]
+fn long_prefill_fused_matches_composed() {
+    let composed = load(Family::Llama32, DType::F32);
+    let fused = load_with(Family::Llama32, DType::F32, Kernels::Fused);
+    let ids = Tensor::new(vec![tokens(70, 8), tokens(70, 9)], &Device::Cpu).unwrap();
+    let diff = max_diff(&fused.forward(&ids).unwrap(), &composed.forward(&ids).unwrap());
+    assert!(diff < 1e-4, "{diff}");
+    let (mut a, mut b) = (composed.new_cache(1, 80).unwrap(), fused.new_cache(1, 80).unwrap());
+    let pa = composed.step(&[tokens(70, 8)], &mut a).unwrap();
+    let pb = fused.step(&[tokens(70, 8)], &mut b).unwrap();
+    assert!(max_diff(&pa, &pb) < 1e-4);
+    let diff = max_diff(
+        &composed.step(&[vec![2]], &mut a).unwrap(),
+        &fused.step(&[vec![2]], &mut b).unwrap(),
+    );
+    assert!(diff < 1e-4, "decode after a long prefill: {diff}");
 }
