@@ -48,6 +48,7 @@ template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(co
         warpgroup_reg_alloc<Tr::kConsumerRegs>();
         // it: K/V blocks consumed so far (ring position); tc: tiles with keys so far (Q parity).
         int it = 0, tc = 0;
+        if constexpr (kPingpong) pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);
         for (int k = 0;; ++k) {
             const int tile = receive_tile<Tr>(s, k, true);  // claimed by the scheduler thread
             if (tile >= num_tiles(p)) break;
@@ -70,6 +71,7 @@ template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(co
             }
             ++tc;
         }
+        if constexpr (kPingpong) pingpong_ring_end(wg - 1);
         epilogue_drain<Tr>(tid);
     }
 }

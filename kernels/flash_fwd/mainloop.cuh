@@ -152,6 +152,20 @@ __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInf
 // epilogue's barriers follow, epilogue.cuh).
 __device__ __forceinline__ int sched_barrier(int wg) { return kPingpongBarrier0 + wg; }
 
+// The ring runs across tiles: each warpgroup takes n + 1 turns per tile of n key blocks (the same
+// n for all), so warpgroup 0's first Q·Kᵀ of the next tile follows the last warpgroup's tail P·V
+// of this one, and each warpgroup's epilogue overlaps the others' GEMMs. (A ring restarted per
+// tile made warpgroup 0 wait for the last warpgroup's epilogue at every tile boundary.) Started
+// once before the first tile (warpgroup 0 goes first) and closed once after the last.
+template <int kWGs> __device__ __forceinline__ void pingpong_ring_start(int wg) {
+    if (wg == kWGs - 1) named_barrier_arrive(sched_barrier(0), 256);
+}
+// The last warpgroup's final arrive on warpgroup 0's barrier is still pending: consume it so no
+// barrier is left half-arrived at exit.
+__device__ __forceinline__ void pingpong_ring_end(int wg) {
+    if (wg == 0) named_barrier_sync(sched_barrier(0), 256);
+}
+
 // Descriptor low words (smem_desc_lo) of this warpgroup's Q rows (in Q buffer q_stage) and of
 // stage 0 of the K and V rings; stage s of a ring is kStageStep further. Column blocks are
 // Tr::kSwizzle bytes wide: a tile of `rows` rows keeps block c at c * rows * kSwizzle bytes.
@@ -251,7 +265,6 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
 
     const int qs = tc % Tr::kQStages;
     const OperandDescs<Tr> desc(s, wg, qs);
-    if (wg == kWGs - 1) named_barrier_arrive(next_bar, kBoth);  // warpgroup 0 goes first
     mbar_wait(&s.bar_q[qs], (tc / Tr::kQStages) & 1);
 
     // Prologue: S of the first (last-indexed) block alone.
@@ -336,9 +349,6 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         mbar_arrive(&s.empty_v[stage]);
         ++it;
     }
-    // The last warpgroup's final arrive on warpgroup 0's barrier is still pending: consume it so
-    // the ring starts balanced on the next tile and at exit.
-    if (wg == 0) named_barrier_sync(my_bar, kBoth);
 
     float inv_sum[2], lse[2];
     softmax.finalize(p.scale_log2, inv_sum, lse);
