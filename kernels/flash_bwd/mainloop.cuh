@@ -57,7 +57,70 @@ __device__ __forceinline__ void issue_rs(float (&acc)[Tr::kAccRegs], const uint3
     }
 }
 
-// Pᵀ and dSᵀ of one query block, in place: st (scores) becomes Pᵀ, dpt becomes dSᵀ.
+// Pᵀ of one query block, in place in st (scores in, probabilities out); dpt (dPᵀ) is not touched:
+// it may still be in flight. key: this thread's first key (the second is key + 8); i0: the
+// block's first query. Masked entries get Pᵀ = 0 (so dSᵀ = 0 too: dPᵀ is finite). With softcap
+// (logits through tanh) the probabilities go to the A operand pa here and st keeps Pᵀ·(1 − tanh²),
+// the factor dSᵀ needs; without, st keeps Pᵀ and the caller converts it.
+template <class Tr>
+__device__ __forceinline__ void probs(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
+                                      uint32_t (&pa)[Tr::kBlockM / 16][4], const float* lse_log2, int key, int i0,
+                                      int quad_lane, bool masked, bool softcap) {
+#pragma unroll
+    for (int j = 0; j < Tr::kSRegs / 4; ++j) {
+        const int col = 8 * j + 2 * quad_lane;  // query column of accumulator pairs 4j.. (rows key, key + 8)
+        const float2 l = *reinterpret_cast<const float2*>(lse_log2 + col);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float prob[2], dtanh[2] = {1.f, 1.f};
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                bool vis = true;
+                if (masked) {
+                    const int i = i0 + col + e;
+                    int lo, hi;
+                    key_range(p, i, kb.seq.seqlen_q, kb.seq.seqlen_k, lo, hi);
+                    vis = i < kb.seq.seqlen_q && key + 8 * h >= lo && key + 8 * h < hi;
+                }
+                float x = st[4 * j + 2 * h + e];
+                if (softcap) {
+                    const float t = tanhf(x * p.softcap_pre);
+                    dtanh[e] = 1.f - t * t;
+                    x = t;
+                }
+                prob[e] = vis ? fast_exp2(x * p.scale_log2 - (e ? l.y : l.x)) : 0.f;
+            }
+            if (softcap) {
+                // pair 4j + 2h is A register (j % 2) * 2 + h of k-step j / 2
+                pa[j / 2][(j % 2) * 2 + h] = pack16x2<Tr::kDtype>(prob[0], prob[1]);
+                st[4 * j + 2 * h] = prob[0] * dtanh[0];
+                st[4 * j + 2 * h + 1] = prob[1] * dtanh[1];
+            } else {
+                st[4 * j + 2 * h] = prob[0];
+                st[4 * j + 2 * h + 1] = prob[1];
+            }
+        }
+    }
+}
+
+// dSᵀ = st ∘ (dPᵀ − D), in place in dpt (st: Pᵀ, times 1 − tanh² with softcap).
+template <class Tr>
+__device__ __forceinline__ void grads(const float (&st)[Tr::kSRegs], float (&dpt)[Tr::kSRegs], const float* dpsum,
+                                      int quad_lane) {
+#pragma unroll
+    for (int j = 0; j < Tr::kSRegs / 4; ++j) {
+        const int col = 8 * j + 2 * quad_lane;
+        const float2 dd = *reinterpret_cast<const float2*>(dpsum + col);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            dpt[4 * j + 2 * h] = st[4 * j + 2 * h] * (dpt[4 * j + 2 * h] - dd.x);
+            dpt[4 * j + 2 * h + 1] = st[4 * j + 2 * h + 1] * (dpt[4 * j + 2 * h + 1] - dd.y);
+        }
+    }
+}
+
+// Pᵀ and dSᵀ of one query block together (both accumulators complete), in place: st (scores)
+// becomes Pᵀ, dpt becomes dSᵀ (the d64 path: fewer registers live than probs() then grads()).
 // key: this thread's first key (the second is key + 8); i0: the block's first query.
 template <class Tr>
 __device__ __forceinline__ void probs_and_grads(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
@@ -134,9 +197,12 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, BwdSharedStorage<Tr>&
                                        const float (&dq)[32], int head, int m, int wg, int tid) {
     float* share = p.dq_accum + dq_share_base(p.padded_rows, Tr::kBlockM, head, kb.seq.pad0 + m * Tr::kBlockM, wg);
     if (p.dq_semaphore == nullptr) {
-        float2* stage = reinterpret_cast<float2*>(s.dq_share[wg]);
+        const uint32_t stage = smem_u32(s.dq_share[wg]) + tid * 8;
 #pragma unroll
-        for (int pair = 0; pair < 16; ++pair) stage[pair * 128 + tid] = make_float2(dq[2 * pair], dq[2 * pair + 1]);
+        for (int pair = 0; pair < 16; ++pair)
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(stage + pair * 128 * 8), "f"(dq[2 * pair]),
+                         "f"(dq[2 * pair + 1])
+                         : "memory");
         fence_proxy_async_smem();
         named_barrier_sync(dq_barrier(wg), 128);
         if (tid == 0) {
@@ -192,36 +258,62 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
             wgmma_commit();
             issue_k_major<Tr>(dpt, v_rows, do_base);
             wgmma_commit();
-            wgmma_wait<0>();
-            fence_operand(st);
-            fence_operand(dpt);
 
-            // ---- Pᵀ, dSᵀ (f32), then both as 16-bit A operands
-            probs_and_grads<Tr>(p, kb, st, dpt, s.lse_log2[stage], s.dpsum[stage], key, m * Tr::kBlockM,
-                                quad_lane, !block_unmasked<Tr>(p, kb, m));
+            // ---- d128: Pᵀ while dPᵀ is still in flight, dV += Pᵀ·dO issued, then dSᵀ. d64 (fewer
+            // registers to spare): Pᵀ and dSᵀ once both are done. Both as 16-bit A operands.
             uint32_t pa[Tr::kBlockM / 16][4], dsa[Tr::kBlockM / 16][4];
-            to_a_operand<Tr>(st, pa);
+            const bool masked = !block_unmasked<Tr>(p, kb, m);
+            const bool softcap = p.softcap_pre != 0.f;
+            if constexpr (Tr::kEarlyDv) {
+                wgmma_wait<1>();
+                fence_operand(st);
+                probs<Tr>(p, kb, st, pa, s.lse_log2[stage], key, m * Tr::kBlockM, quad_lane, masked, softcap);
+                if (!softcap) to_a_operand<Tr>(st, pa);
+                fence_operand(dv);
+                wgmma_fence();
+                issue_rs<Tr>(dv, pa, do_base);
+                wgmma_commit();
+                wgmma_wait<1>();  // dPᵀ done, dV still running
+                fence_operand(dpt);
+                grads<Tr>(st, dpt, s.dpsum[stage], quad_lane);
+            } else if (Tr::kPUnderDp && !softcap) {
+                wgmma_wait<1>();
+                fence_operand(st);
+                probs<Tr>(p, kb, st, pa, s.lse_log2[stage], key, m * Tr::kBlockM, quad_lane, masked, false);
+                wgmma_wait<0>();
+                fence_operand(dpt);
+                grads<Tr>(st, dpt, s.dpsum[stage], quad_lane);
+                to_a_operand<Tr>(st, pa);
+            } else {
+                wgmma_wait<0>();
+                fence_operand(st);
+                fence_operand(dpt);
+                probs_and_grads<Tr>(p, kb, st, dpt, s.lse_log2[stage], s.dpsum[stage], key, m * Tr::kBlockM,
+                                    quad_lane, masked);
+                to_a_operand<Tr>(st, pa);
+            }
             to_a_operand<Tr>(dpt, dsa);
 
-            // ---- dV += Pᵀ·dO, dK += dSᵀ·Q
-            fence_operand(dv);
-            fence_operand(dk);
-            wgmma_fence();
-            issue_rs<Tr>(dv, pa, do_base);
-            issue_rs<Tr>(dk, dsa, q_base);
-            wgmma_commit();
-
-            // ---- dSᵀ to shared memory for dQ; the async proxy (wgmma) must see the stores
+            // ---- dSᵀ to shared memory for dQ (its buffer was last read two query blocks ago,
+            // before the previous dS barrier); then dV += Pᵀ·dO (d64)
             uint8_t* ds = reinterpret_cast<uint8_t*>(s.ds[it & 1]);
             store_ds<Tr>(ds, dpt, key_in_tile, quad_lane);
+            if constexpr (!Tr::kEarlyDv) {
+                fence_operand(dv);
+                wgmma_fence();
+                issue_rs<Tr>(dv, pa, do_base);
+                wgmma_commit();
+            }
+            // The async proxy (wgmma) must see the dS stores. The barrier also tells this
+            // warpgroup that its dQ staging buffer is free again: the thread that issued the last
+            // bulk reduce-add waits until the engine has read it.
             fence_proxy_async_smem();
-            // The barrier also tells this warpgroup that its dQ staging buffer is free again: the
-            // thread that issued the last bulk reduce-add waits until the engine has read it.
             if (tid == 0) bulk_wait_group_read<0>();
             named_barrier_sync(kBarDsReady, 256);
 
             // ---- dQ share = dS·K: A = dSᵀ (keys x queries) and B = K (keys x head dim), both
-            // MN-major; k-step kk = 16 keys = 16 rows of 128 bytes
+            // MN-major; k-step kk = 16 keys = 16 rows of 128 bytes. Then dK += dSᵀ·Q, issued
+            // before dQ is read back so that the dQ hand-off runs under it.
             float dq[32];
             const uint32_t ds_base = smem_u32(ds) + ds_share;
             wgmma_fence();
@@ -232,18 +324,22 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
                 wgmma_ss_tt<64, Tr::kDtype>(dq, da, db, kk > 0 ? 1 : 0);
             }
             wgmma_commit();
-            wgmma_wait<0>();
+            wgmma_wait<1>();  // dV done: pa is free, dO no longer read (d128: already done before)
+#pragma unroll
+            for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) fence_operand(pa[kk]);
             fence_operand(dv);
             fence_operand(dk);
+            wgmma_fence();
+            issue_rs<Tr>(dk, dsa, q_base);
+            wgmma_commit();
+            wgmma_wait<1>();  // dQ done; dK still running
             fence_operand(dq);
-#pragma unroll
-            for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
-                fence_operand(pa[kk]);
-                fence_operand(dsa[kk]);
-            }
-            mbar_arrive(&s.empty[stage]);  // Q, dO, lse_log2, dpsum of this stage are no longer read
-
             add_dq<Tr>(p, s, kb, dq, head, m, wg, tid);
+            wgmma_wait<0>();
+            fence_operand(dk);
+#pragma unroll
+            for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) fence_operand(dsa[kk]);
+            mbar_arrive(&s.empty[stage]);  // Q, dO, lse_log2, dpsum of this stage are no longer read
         }
     }
     if (tid == 0) bulk_wait_group<0>();  // shared memory must outlive the last bulk reduce-add
