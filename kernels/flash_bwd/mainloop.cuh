@@ -57,85 +57,38 @@ __device__ __forceinline__ void issue_rs(float (&acc)[Tr::kAccRegs], const uint3
     }
 }
 
-// Pᵀ of one query block, in place in st (scores in, probabilities out); dpt (dPᵀ) is not touched:
-// it may still be in flight. key: this thread's first key (the second is key + 8); i0: the
-// block's first query. Masked entries get Pᵀ = 0 (so dSᵀ = 0 too: dPᵀ is finite). With softcap
-// (logits through tanh) the probabilities go to the A operand pa here and st keeps Pᵀ·(1 − tanh²),
-// the factor dSᵀ needs; without, st keeps Pᵀ and the caller converts it.
-template <class Tr>
-__device__ __forceinline__ void probs(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
-                                      uint32_t (&pa)[Tr::kBlockM / 16][4], const float* lse_log2, int key, int i0,
-                                      int quad_lane, bool masked, bool softcap) {
+// Two f32 of shared memory (the per-row vectors lse_log2 / dpsum) with an explicit shared load:
+// through a generic pointer the compiler emits generic 64-bit loads.
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
+
+// Pᵀ (and with kGrads dSᵀ) of one query block, in place: st (scores) becomes Pᵀ, dpt (dPᵀ)
+// becomes dSᵀ. Without kGrads dpt is not touched (it may still be in flight) and grads()
+// finishes dSᵀ later. key: this thread's first key (the second is key + 8); i0: the block's first
+// query; lse / dpsum: shared addresses of the stage's vectors. kMasked: the block is not fully
+// visible (per-entry causal / window / sequence-end test, invisible entries get Pᵀ = dSᵀ = 0);
+// kSoftcap: logits through tanh, dSᵀ times 1 − tanh² (needs kGrads). Specialised so that the
+// common case (unmasked, no softcap) is one FFMA + EX2 (+ FADD + FMUL) per entry.
+template <class Tr, bool kMasked, bool kSoftcap, bool kGrads>
+__device__ __forceinline__ void probs_grads(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
+                                            float (&dpt)[Tr::kSRegs], uint32_t lse, uint32_t dpsum, int key, int i0,
+                                            int quad_lane) {
+    static_assert(kGrads || !kSoftcap, "softcap computes Pᵀ and dSᵀ together");
+    const float scale_log2 = p.scale_log2;
+    const float softcap_pre = p.softcap_pre;
 #pragma unroll
     for (int j = 0; j < Tr::kSRegs / 4; ++j) {
         const int col = 8 * j + 2 * quad_lane;  // query column of accumulator pairs 4j.. (rows key, key + 8)
-        const float2 l = *reinterpret_cast<const float2*>(lse_log2 + col);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float prob[2], dtanh[2] = {1.f, 1.f};
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                bool vis = true;
-                if (masked) {
-                    const int i = i0 + col + e;
-                    int lo, hi;
-                    key_range(p, i, kb.seq.seqlen_q, kb.seq.seqlen_k, lo, hi);
-                    vis = i < kb.seq.seqlen_q && key + 8 * h >= lo && key + 8 * h < hi;
-                }
-                float x = st[4 * j + 2 * h + e];
-                if (softcap) {
-                    const float t = tanhf(x * p.softcap_pre);
-                    dtanh[e] = 1.f - t * t;
-                    x = t;
-                }
-                prob[e] = vis ? fast_exp2(x * p.scale_log2 - (e ? l.y : l.x)) : 0.f;
-            }
-            if (softcap) {
-                // pair 4j + 2h is A register (j % 2) * 2 + h of k-step j / 2
-                pa[j / 2][(j % 2) * 2 + h] = pack16x2<Tr::kDtype>(prob[0], prob[1]);
-                st[4 * j + 2 * h] = prob[0] * dtanh[0];
-                st[4 * j + 2 * h + 1] = prob[1] * dtanh[1];
-            } else {
-                st[4 * j + 2 * h] = prob[0];
-                st[4 * j + 2 * h + 1] = prob[1];
-            }
-        }
-    }
-}
-
-// dSᵀ = st ∘ (dPᵀ − D), in place in dpt (st: Pᵀ, times 1 − tanh² with softcap).
-template <class Tr>
-__device__ __forceinline__ void grads(const float (&st)[Tr::kSRegs], float (&dpt)[Tr::kSRegs], const float* dpsum,
-                                      int quad_lane) {
-#pragma unroll
-    for (int j = 0; j < Tr::kSRegs / 4; ++j) {
-        const int col = 8 * j + 2 * quad_lane;
-        const float2 dd = *reinterpret_cast<const float2*>(dpsum + col);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            dpt[4 * j + 2 * h] = st[4 * j + 2 * h] * (dpt[4 * j + 2 * h] - dd.x);
-            dpt[4 * j + 2 * h + 1] = st[4 * j + 2 * h + 1] * (dpt[4 * j + 2 * h + 1] - dd.y);
-        }
-    }
-}
-
-// Pᵀ and dSᵀ of one query block together (both accumulators complete), in place: st (scores)
-// becomes Pᵀ, dpt becomes dSᵀ (the d64 path: fewer registers live than probs() then grads()).
-// key: this thread's first key (the second is key + 8); i0: the block's first query.
-template <class Tr>
-__device__ __forceinline__ void probs_and_grads(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
-                                                float (&dpt)[Tr::kSRegs], const float* lse_log2, const float* dpsum,
-                                                int key, int i0, int quad_lane, bool masked) {
-    const bool softcap = p.softcap_pre != 0.f;
-#pragma unroll
-    for (int j = 0; j < Tr::kSRegs / 4; ++j) {
-        const int col = 8 * j + 2 * quad_lane;  // query column of accumulator pairs 4j.. (rows key, key + 8)
-        const float2 l = *reinterpret_cast<const float2*>(lse_log2 + col);
-        const float2 dd = *reinterpret_cast<const float2*>(dpsum + col);
+        const float2 l = ld_shared_f32x2(lse + col * 4);
+        float2 dd = make_float2(0.f, 0.f);
+        if constexpr (kGrads) dd = ld_shared_f32x2(dpsum + col * 4);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             bool vis[2] = {true, true};
-            if (masked) {
+            if constexpr (kMasked) {
                 const int i = i0 + col + e;
                 int lo, hi;
                 key_range(p, i, kb.seq.seqlen_q, kb.seq.seqlen_k, lo, hi);
@@ -145,17 +98,61 @@ __device__ __forceinline__ void probs_and_grads(const BwdParams& p, const KeyBlo
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = 4 * j + 2 * h + e;
-                float x = st[r], dtanh = 1.f;
-                if (softcap) {
-                    const float t = tanhf(x * p.softcap_pre);
+                float x = st[r];
+                float dtanh = 1.f;
+                if constexpr (kSoftcap) {
+                    const float t = tanhf(x * softcap_pre);
                     dtanh = 1.f - t * t;
                     x = t;
                 }
-                const float prob = vis[h] ? fast_exp2(x * p.scale_log2 - (e ? l.y : l.x)) : 0.f;
+                float prob = fast_exp2(x * scale_log2 - (e ? l.y : l.x));
+                if constexpr (kMasked) prob = vis[h] ? prob : 0.f;
                 st[r] = prob;
-                dpt[r] = vis[h] ? prob * (dpt[r] - (e ? dd.y : dd.x)) * dtanh : 0.f;
+                if constexpr (kGrads) {
+                    float g = prob * (dpt[r] - (e ? dd.y : dd.x));
+                    if constexpr (kSoftcap) g *= dtanh;
+                    if constexpr (kMasked) g = vis[h] ? g : 0.f;
+                    dpt[r] = g;
+                }
             }
         }
+    }
+}
+
+// dSᵀ = Pᵀ ∘ (dPᵀ − D), in place in dpt (no softcap; masked entries have Pᵀ = 0 and dPᵀ finite).
+template <class Tr>
+__device__ __forceinline__ void grads(const float (&st)[Tr::kSRegs], float (&dpt)[Tr::kSRegs], uint32_t dpsum,
+                                      int quad_lane) {
+#pragma unroll
+    for (int j = 0; j < Tr::kSRegs / 4; ++j) {
+        const int col = 8 * j + 2 * quad_lane;
+        const float2 dd = ld_shared_f32x2(dpsum + col * 4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            dpt[4 * j + 2 * h] = st[4 * j + 2 * h] * (dpt[4 * j + 2 * h] - dd.x);
+            dpt[4 * j + 2 * h + 1] = st[4 * j + 2 * h + 1] * (dpt[4 * j + 2 * h + 1] - dd.y);
+        }
+    }
+}
+
+// Waits for Sᵀ and dPᵀ (the two newest wgmma groups) and turns them into Pᵀ and dSᵀ (f32, in
+// place). kPUnderDp (d128, no softcap): Pᵀ while dPᵀ is still in flight, then dSᵀ.
+template <class Tr, bool kMasked, bool kSoftcap>
+__device__ __forceinline__ void scores_to_grads(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
+                                                float (&dpt)[Tr::kSRegs], uint32_t lse, uint32_t dpsum, int key,
+                                                int i0, int quad_lane) {
+    if constexpr (Tr::kPUnderDp && !kSoftcap) {
+        wgmma_wait<1>();
+        fence_operand(st);
+        probs_grads<Tr, kMasked, false, false>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+        wgmma_wait<0>();
+        fence_operand(dpt);
+        grads<Tr>(st, dpt, dpsum, quad_lane);
+    } else {
+        wgmma_wait<0>();
+        fence_operand(st);
+        fence_operand(dpt);
+        probs_grads<Tr, kMasked, kSoftcap, true>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
     }
 }
 
@@ -259,51 +256,32 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
             issue_k_major<Tr>(dpt, v_rows, do_base);
             wgmma_commit();
 
-            // ---- d128: Pᵀ while dPᵀ is still in flight, dV += Pᵀ·dO issued, then dSᵀ. d64 (fewer
-            // registers to spare): Pᵀ and dSᵀ once both are done. Both as 16-bit A operands.
+            // ---- Pᵀ, dSᵀ (d128: Pᵀ while dPᵀ is still in flight), then both as 16-bit A operands;
+            // one uniform branch per query block picks the specialised math
             uint32_t pa[Tr::kBlockM / 16][4], dsa[Tr::kBlockM / 16][4];
-            const bool masked = !block_unmasked<Tr>(p, kb, m);
-            const bool softcap = p.softcap_pre != 0.f;
-            if constexpr (Tr::kEarlyDv) {
-                wgmma_wait<1>();
-                fence_operand(st);
-                probs<Tr>(p, kb, st, pa, s.lse_log2[stage], key, m * Tr::kBlockM, quad_lane, masked, softcap);
-                if (!softcap) to_a_operand<Tr>(st, pa);
-                fence_operand(dv);
-                wgmma_fence();
-                issue_rs<Tr>(dv, pa, do_base);
-                wgmma_commit();
-                wgmma_wait<1>();  // dPᵀ done, dV still running
-                fence_operand(dpt);
-                grads<Tr>(st, dpt, s.dpsum[stage], quad_lane);
-            } else if (Tr::kPUnderDp && !softcap) {
-                wgmma_wait<1>();
-                fence_operand(st);
-                probs<Tr>(p, kb, st, pa, s.lse_log2[stage], key, m * Tr::kBlockM, quad_lane, masked, false);
-                wgmma_wait<0>();
-                fence_operand(dpt);
-                grads<Tr>(st, dpt, s.dpsum[stage], quad_lane);
-                to_a_operand<Tr>(st, pa);
-            } else {
-                wgmma_wait<0>();
-                fence_operand(st);
-                fence_operand(dpt);
-                probs_and_grads<Tr>(p, kb, st, dpt, s.lse_log2[stage], s.dpsum[stage], key, m * Tr::kBlockM,
-                                    quad_lane, masked);
-                to_a_operand<Tr>(st, pa);
+            {
+                const uint32_t lse = smem_u32(s.lse_log2[stage]), dpsum = smem_u32(s.dpsum[stage]);
+                const int i0 = m * Tr::kBlockM;
+                const bool masked = !block_unmasked<Tr>(p, kb, m);
+                if (p.softcap_pre != 0.f) {
+                    if (masked) scores_to_grads<Tr, true, true>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                    else scores_to_grads<Tr, false, true>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                } else {
+                    if (masked) scores_to_grads<Tr, true, false>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                    else scores_to_grads<Tr, false, false>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                }
             }
+            to_a_operand<Tr>(st, pa);
             to_a_operand<Tr>(dpt, dsa);
 
             // ---- dSᵀ to shared memory for dQ (its buffer was last read two query blocks ago,
-            // before the previous dS barrier); then dV += Pᵀ·dO (d64)
+            // before the previous dS barrier); then dV += Pᵀ·dO
             uint8_t* ds = reinterpret_cast<uint8_t*>(s.ds[it & 1]);
             store_ds<Tr>(ds, dpt, key_in_tile, quad_lane);
-            if constexpr (!Tr::kEarlyDv) {
-                fence_operand(dv);
-                wgmma_fence();
-                issue_rs<Tr>(dv, pa, do_base);
-                wgmma_commit();
-            }
+            fence_operand(dv);
+            wgmma_fence();
+            issue_rs<Tr>(dv, pa, do_base);
+            wgmma_commit();
             // The async proxy (wgmma) must see the dS stores. The barrier also tells this
             // warpgroup that its dQ staging buffer is free again: the thread that issued the last
             // bulk reduce-add waits until the engine has read it.
@@ -324,7 +302,7 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
                 wgmma_ss_tt<64, Tr::kDtype>(dq, da, db, kk > 0 ? 1 : 0);
             }
             wgmma_commit();
-            wgmma_wait<1>();  // dV done: pa is free, dO no longer read (d128: already done before)
+            wgmma_wait<1>();  // dV done: pa is free, dO no longer read
 #pragma unroll
             for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) fence_operand(pa[kk]);
             fence_operand(dv);

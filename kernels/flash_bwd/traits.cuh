@@ -15,16 +15,9 @@ template <int kHeadDim_, int kDtype_> struct BwdTraits {
     static constexpr int kBlockN = 128;
     static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
     static constexpr bool kDqSplitRows = kBlockM == 128;
-    // Order of the P/dS math against the wgmmas (FA3_BWD_ORDER, d128 only; d64 always 0, its
-    // registers do not fit the others): 0: Pᵀ and dSᵀ after both Sᵀ and dPᵀ are done; 1: Pᵀ while
-    // dPᵀ is still in flight; 2: as 1, and dV += Pᵀ·dO issued before dSᵀ is computed (Pᵀ's A
-    // operand, Pᵀ and dPᵀ live together).
-#ifndef FA3_BWD_ORDER
-#define FA3_BWD_ORDER 1
-#endif
-    static constexpr int kOrder = kBlockM == 64 ? FA3_BWD_ORDER : 0;
-    static constexpr bool kPUnderDp = kOrder >= 1;
-    static constexpr bool kEarlyDv = kOrder == 2;
+    // Pᵀ computed while dPᵀ is still in flight (FA3's order), d128 only: for d64 (Sᵀ and dPᵀ
+    // 64 registers each) ptxas then spills and serialises the wgmmas.
+    static constexpr bool kPUnderDp = kBlockM == 64;
     static constexpr int kConsumerWGs = 2;
     static constexpr int kThreads = 128 * (1 + kConsumerWGs);
     static constexpr int kStages = 2;
