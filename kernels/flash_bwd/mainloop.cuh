@@ -26,22 +26,17 @@ namespace fa3 {
 constexpr int kBarDsReady = 1;
 __device__ __forceinline__ int dq_barrier(int wg) { return 2 + wg; }
 
-// Byte offset of element (row, col) of a [rows][64] 16-bit tile in TMA's 128-byte swizzle: the
-// 16-byte chunk index inside a 128-byte row is XORed with the row index mod 8.
-__device__ __forceinline__ uint32_t swizzle128_offset(int row, int col) {
-    return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
-}
-
 template <class Tr>
 __device__ __forceinline__ void issue_k_major(float (&acc)[Tr::kSRegs], uint32_t a_base, uint32_t b_base) {
     // A: 64 of kBlockN key rows (K or V), B: kBlockM query rows (Q or dO); both K-major over the
     // head dim: k-step kk is column block kk / 4, 32-byte slice kk % 4 inside the swizzled row.
+    // Descriptor low words on the uniform datapath; the k-step offsets are compile-time adds.
+    const uint32_t a_lo = uniform(smem_desc_lo(a_base, 16)), b_lo = uniform(smem_desc_lo(b_base, 16));
 #pragma unroll
     for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
         const uint32_t off = kk / 4, in_row = (kk % 4) * 32;
-        const uint64_t da = smem_desc_sw128(a_base + off * Tr::kBlockN * 128 + in_row, 16, 1024);
-        const uint64_t db = smem_desc_sw128(b_base + off * Tr::kBlockM * 128 + in_row, 16, 1024);
-        wgmma_ss<Tr::kBlockM, Tr::kDtype>(acc, da, db, kk > 0 ? 1 : 0);
+        wgmma_ss<Tr::kBlockM, Tr::kDtype>(acc, smem_desc_at<1024>(a_lo, off * Tr::kBlockN * 128 + in_row),
+                                          smem_desc_at<1024>(b_lo, off * Tr::kBlockM * 128 + in_row), kk > 0 ? 1 : 0);
     }
 }
 
@@ -50,11 +45,10 @@ __device__ __forceinline__ void issue_rs(float (&acc)[Tr::kAccRegs], const uint3
                                          uint32_t b_base) {
     // B (queries x head dim, head dim contiguous) read MN-major: LBO steps between 64-column
     // blocks of the head dim, SBO between groups of 8 query rows; k-step kk = 16 query rows.
+    const uint32_t b_lo = uniform(smem_desc_lo(b_base, Tr::kBlockM * 128));
 #pragma unroll
-    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
-        const uint64_t db = smem_desc_sw128(b_base + kk * 16 * 128, Tr::kBlockM * 128, 1024);
-        wgmma_rs<Tr::kHeadDim, Tr::kDtype>(acc, a[kk], db);
-    }
+    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk)
+        wgmma_rs<Tr::kHeadDim, Tr::kDtype>(acc, a[kk], smem_desc_at<1024>(b_lo, kk * 16 * 128));
 }
 
 // Two f32 of shared memory (the per-row vectors lse_log2 / dpsum) with an explicit shared load:
@@ -166,20 +160,22 @@ __device__ __forceinline__ void to_a_operand(const float (&acc)[Tr::kSRegs], uin
     }
 }
 
-// Writes this thread's dSᵀ values (rows key_in_tile, +8) into the swizzled [kBlockN][64] column
-// blocks of the ds buffer (one column block per 64 queries).
+// Writes this warp's dSᵀ (16 key rows x kBlockM queries, 16-bit) into the swizzled [kBlockN][64]
+// column blocks of the ds buffer with stmatrix: the A-operand registers dsa[kk] are exactly the
+// four 8x8 fragments of rows (0-7, 8-15) x query chunks (2kk, 2kk + 1); lane L gives the address
+// of row L % 8 of fragment L / 8. A chunk of 8 queries is one 16-byte unit of the 128-byte swizzle.
 template <class Tr>
-__device__ __forceinline__ void store_ds(uint8_t* ds, const float (&dst)[Tr::kSRegs], int key_in_tile, int quad_lane) {
+__device__ __forceinline__ void store_ds(uint32_t ds, const uint32_t (&dsa)[Tr::kBlockM / 16][4], int warp_row0,
+                                         int lane) {
+    const int frag = lane / 8, x = lane % 8;
+    const uint32_t row_addr = ds + (warp_row0 + (frag % 2) * 8 + x) * 128;
 #pragma unroll
-    for (int j = 0; j < Tr::kSRegs / 4; ++j) {
-        const int col = 8 * j + 2 * quad_lane;
-        const int cb = col / 64, cc = col % 64;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = key_in_tile + 8 * h;
-            *reinterpret_cast<uint32_t*>(ds + cb * Tr::kBlockN * 128 + swizzle128_offset(row, cc)) =
-                pack16x2<Tr::kDtype>(dst[4 * j + 2 * h], dst[4 * j + 2 * h + 1]);
-        }
+    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
+        const uint32_t chunk = ((2 * kk) % 8 + frag / 2) ^ x;
+        const uint32_t addr = row_addr + (kk / 4) * Tr::kBlockN * 128 + (chunk << 4);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(dsa[kk][0]),
+                     "r"(dsa[kk][1]), "r"(dsa[kk][2]), "r"(dsa[kk][3])
+                     : "memory");
     }
 }
 
@@ -277,7 +273,7 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
             // ---- dSᵀ to shared memory for dQ (its buffer was last read two query blocks ago,
             // before the previous dS barrier); then dV += Pᵀ·dO
             uint8_t* ds = reinterpret_cast<uint8_t*>(s.ds[it & 1]);
-            store_ds<Tr>(ds, dpt, key_in_tile, quad_lane);
+            store_ds<Tr>(smem_u32(ds), dsa, key_in_tile - lane / 4, lane);
             fence_operand(dv);
             wgmma_fence();
             issue_rs<Tr>(dv, pa, do_base);
@@ -294,13 +290,13 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
             // before dQ is read back so that the dQ hand-off runs under it.
             float dq[32];
             const uint32_t ds_base = smem_u32(ds) + ds_share;
+            const uint32_t ds_lo = uniform(smem_desc_lo(ds_base, Tr::kBlockN * 128));
+            const uint32_t kt_lo = uniform(smem_desc_lo(k_share, Tr::kBlockN * 128));
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
-                const uint64_t da = smem_desc_sw128(ds_base + kk * 16 * 128, Tr::kBlockN * 128, 1024);
-                const uint64_t db = smem_desc_sw128(k_share + kk * 16 * 128, Tr::kBlockN * 128, 1024);
-                wgmma_ss_tt<64, Tr::kDtype>(dq, da, db, kk > 0 ? 1 : 0);
-            }
+            for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
+                wgmma_ss_tt<64, Tr::kDtype>(dq, smem_desc_at<1024>(ds_lo, kk * 16 * 128),
+                                            smem_desc_at<1024>(kt_lo, kk * 16 * 128), kk > 0 ? 1 : 0);
             wgmma_commit();
             wgmma_wait<1>();  // dV done: pa is free, dO no longer read
 #pragma unroll
