@@ -26,22 +26,25 @@ namespace fa3 {
 constexpr int kBarDsReady = 1;
 __device__ __forceinline__ int dq_barrier(int wg) { return 2 + wg; }
 
-// Byte offset of element (row, col) of a [rows][64] 16-bit tile in TMA's 128-byte swizzle: the
-// 16-byte chunk index inside a 128-byte row is XORed with the row index mod 8.
-__device__ __forceinline__ uint32_t swizzle128_offset(int row, int col) {
-    return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
+// Low word of a wgmma descriptor (smem_desc_lo). d128 keeps it on the uniform datapath
+// (uniform(): a warp reduction, the k-step offsets are then uniform adds); for d64 that measured
+// 3-4% slower than leaving it to ptxas (H100, same call), for d128 1.5% faster.
+template <class Tr> __device__ __forceinline__ uint32_t desc_lo(uint32_t smem_addr, uint32_t lbo_bytes) {
+    if constexpr (Tr::kBlockM == 64) return uniform(smem_desc_lo(smem_addr, lbo_bytes));
+    else return smem_desc_lo(smem_addr, lbo_bytes);
 }
 
 template <class Tr>
 __device__ __forceinline__ void issue_k_major(float (&acc)[Tr::kSRegs], uint32_t a_base, uint32_t b_base) {
     // A: 64 of kBlockN key rows (K or V), B: kBlockM query rows (Q or dO); both K-major over the
     // head dim: k-step kk is column block kk / 4, 32-byte slice kk % 4 inside the swizzled row.
+    // Descriptor low words (desc_lo) plus compile-time k-step offsets.
+    const uint32_t a_lo = desc_lo<Tr>(a_base, 16), b_lo = desc_lo<Tr>(b_base, 16);
 #pragma unroll
     for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
         const uint32_t off = kk / 4, in_row = (kk % 4) * 32;
-        const uint64_t da = smem_desc_sw128(a_base + off * Tr::kBlockN * 128 + in_row, 16, 1024);
-        const uint64_t db = smem_desc_sw128(b_base + off * Tr::kBlockM * 128 + in_row, 16, 1024);
-        wgmma_ss<Tr::kBlockM, Tr::kDtype>(acc, da, db, kk > 0 ? 1 : 0);
+        wgmma_ss<Tr::kBlockM, Tr::kDtype>(acc, smem_desc_at<1024>(a_lo, off * Tr::kBlockN * 128 + in_row),
+                                          smem_desc_at<1024>(b_lo, off * Tr::kBlockM * 128 + in_row), kk > 0 ? 1 : 0);
     }
 }
 
@@ -50,29 +53,44 @@ __device__ __forceinline__ void issue_rs(float (&acc)[Tr::kAccRegs], const uint3
                                          uint32_t b_base) {
     // B (queries x head dim, head dim contiguous) read MN-major: LBO steps between 64-column
     // blocks of the head dim, SBO between groups of 8 query rows; k-step kk = 16 query rows.
+    const uint32_t b_lo = desc_lo<Tr>(b_base, Tr::kBlockM * 128);
 #pragma unroll
-    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
-        const uint64_t db = smem_desc_sw128(b_base + kk * 16 * 128, Tr::kBlockM * 128, 1024);
-        wgmma_rs<Tr::kHeadDim, Tr::kDtype>(acc, a[kk], db);
-    }
+    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk)
+        wgmma_rs<Tr::kHeadDim, Tr::kDtype>(acc, a[kk], smem_desc_at<1024>(b_lo, kk * 16 * 128));
 }
 
-// Pᵀ and dSᵀ of one query block, in place: st (scores) becomes Pᵀ, dpt becomes dSᵀ.
-// key: this thread's first key (the second is key + 8); i0: the block's first query.
-template <class Tr>
-__device__ __forceinline__ void probs_and_grads(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
-                                                float (&dpt)[Tr::kSRegs], const float* lse_log2, const float* dpsum,
-                                                int key, int i0, int quad_lane, bool masked) {
-    const bool softcap = p.softcap_pre != 0.f;
+// Two f32 of shared memory (the per-row vectors lse_log2 / dpsum) with an explicit shared load:
+// through a generic pointer the compiler emits generic 64-bit loads.
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
+
+// Pᵀ (and with kGrads dSᵀ) of one query block, in place: st (scores) becomes Pᵀ, dpt (dPᵀ)
+// becomes dSᵀ. Without kGrads dpt is not touched (it may still be in flight) and grads()
+// finishes dSᵀ later. key: this thread's first key (the second is key + 8); i0: the block's first
+// query; lse / dpsum: shared addresses of the stage's vectors. kMasked: the block is not fully
+// visible (per-entry causal / window / sequence-end test, invisible entries get Pᵀ = dSᵀ = 0);
+// kSoftcap: logits through tanh, dSᵀ times 1 − tanh² (needs kGrads). Specialised so that the
+// common case (unmasked, no softcap) is one FFMA + EX2 (+ FADD + FMUL) per entry.
+template <class Tr, bool kMasked, bool kSoftcap, bool kGrads>
+__device__ __forceinline__ void probs_grads(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
+                                            float (&dpt)[Tr::kSRegs], uint32_t lse, uint32_t dpsum, int key, int i0,
+                                            int quad_lane) {
+    static_assert(kGrads || !kSoftcap, "softcap computes Pᵀ and dSᵀ together");
+    const float scale_log2 = p.scale_log2;
+    const float softcap_pre = p.softcap_pre;
 #pragma unroll
     for (int j = 0; j < Tr::kSRegs / 4; ++j) {
         const int col = 8 * j + 2 * quad_lane;  // query column of accumulator pairs 4j.. (rows key, key + 8)
-        const float2 l = *reinterpret_cast<const float2*>(lse_log2 + col);
-        const float2 dd = *reinterpret_cast<const float2*>(dpsum + col);
+        const float2 l = ld_shared_f32x2(lse + col * 4);
+        float2 dd = make_float2(0.f, 0.f);
+        if constexpr (kGrads) dd = ld_shared_f32x2(dpsum + col * 4);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             bool vis[2] = {true, true};
-            if (masked) {
+            if constexpr (kMasked) {
                 const int i = i0 + col + e;
                 int lo, hi;
                 key_range(p, i, kb.seq.seqlen_q, kb.seq.seqlen_k, lo, hi);
@@ -82,17 +100,61 @@ __device__ __forceinline__ void probs_and_grads(const BwdParams& p, const KeyBlo
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = 4 * j + 2 * h + e;
-                float x = st[r], dtanh = 1.f;
-                if (softcap) {
-                    const float t = tanhf(x * p.softcap_pre);
+                float x = st[r];
+                float dtanh = 1.f;
+                if constexpr (kSoftcap) {
+                    const float t = tanhf(x * softcap_pre);
                     dtanh = 1.f - t * t;
                     x = t;
                 }
-                const float prob = vis[h] ? fast_exp2(x * p.scale_log2 - (e ? l.y : l.x)) : 0.f;
+                float prob = fast_exp2(x * scale_log2 - (e ? l.y : l.x));
+                if constexpr (kMasked) prob = vis[h] ? prob : 0.f;
                 st[r] = prob;
-                dpt[r] = vis[h] ? prob * (dpt[r] - (e ? dd.y : dd.x)) * dtanh : 0.f;
+                if constexpr (kGrads) {
+                    float g = prob * (dpt[r] - (e ? dd.y : dd.x));
+                    if constexpr (kSoftcap) g *= dtanh;
+                    if constexpr (kMasked) g = vis[h] ? g : 0.f;
+                    dpt[r] = g;
+                }
             }
         }
+    }
+}
+
+// dSᵀ = Pᵀ ∘ (dPᵀ − D), in place in dpt (no softcap; masked entries have Pᵀ = 0 and dPᵀ finite).
+template <class Tr>
+__device__ __forceinline__ void grads(const float (&st)[Tr::kSRegs], float (&dpt)[Tr::kSRegs], uint32_t dpsum,
+                                      int quad_lane) {
+#pragma unroll
+    for (int j = 0; j < Tr::kSRegs / 4; ++j) {
+        const int col = 8 * j + 2 * quad_lane;
+        const float2 dd = ld_shared_f32x2(dpsum + col * 4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            dpt[4 * j + 2 * h] = st[4 * j + 2 * h] * (dpt[4 * j + 2 * h] - dd.x);
+            dpt[4 * j + 2 * h + 1] = st[4 * j + 2 * h + 1] * (dpt[4 * j + 2 * h + 1] - dd.y);
+        }
+    }
+}
+
+// Waits for Sᵀ and dPᵀ (the two newest wgmma groups) and turns them into Pᵀ and dSᵀ (f32, in
+// place). kPUnderDp (d128, no softcap): Pᵀ while dPᵀ is still in flight, then dSᵀ.
+template <class Tr, bool kMasked, bool kSoftcap>
+__device__ __forceinline__ void scores_to_grads(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
+                                                float (&dpt)[Tr::kSRegs], uint32_t lse, uint32_t dpsum, int key,
+                                                int i0, int quad_lane) {
+    if constexpr (Tr::kPUnderDp && !kSoftcap) {
+        wgmma_wait<1>();
+        fence_operand(st);
+        probs_grads<Tr, kMasked, false, false>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+        wgmma_wait<0>();
+        fence_operand(dpt);
+        grads<Tr>(st, dpt, dpsum, quad_lane);
+    } else {
+        wgmma_wait<0>();
+        fence_operand(st);
+        fence_operand(dpt);
+        probs_grads<Tr, kMasked, kSoftcap, true>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
     }
 }
 
@@ -106,20 +168,22 @@ __device__ __forceinline__ void to_a_operand(const float (&acc)[Tr::kSRegs], uin
     }
 }
 
-// Writes this thread's dSᵀ values (rows key_in_tile, +8) into the swizzled [kBlockN][64] column
-// blocks of the ds buffer (one column block per 64 queries).
+// Writes this warp's dSᵀ (16 key rows x kBlockM queries, 16-bit) into the swizzled [kBlockN][64]
+// column blocks of the ds buffer with stmatrix: the A-operand registers dsa[kk] are exactly the
+// four 8x8 fragments of rows (0-7, 8-15) x query chunks (2kk, 2kk + 1); lane L gives the address
+// of row L % 8 of fragment L / 8. A chunk of 8 queries is one 16-byte unit of the 128-byte swizzle.
 template <class Tr>
-__device__ __forceinline__ void store_ds(uint8_t* ds, const float (&dst)[Tr::kSRegs], int key_in_tile, int quad_lane) {
+__device__ __forceinline__ void store_ds(uint32_t ds, const uint32_t (&dsa)[Tr::kBlockM / 16][4], int warp_row0,
+                                         int lane) {
+    const int frag = lane / 8, x = lane % 8;
+    const uint32_t row_addr = ds + (warp_row0 + (frag % 2) * 8 + x) * 128;
 #pragma unroll
-    for (int j = 0; j < Tr::kSRegs / 4; ++j) {
-        const int col = 8 * j + 2 * quad_lane;
-        const int cb = col / 64, cc = col % 64;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = key_in_tile + 8 * h;
-            *reinterpret_cast<uint32_t*>(ds + cb * Tr::kBlockN * 128 + swizzle128_offset(row, cc)) =
-                pack16x2<Tr::kDtype>(dst[4 * j + 2 * h], dst[4 * j + 2 * h + 1]);
-        }
+    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
+        const uint32_t chunk = ((2 * kk) % 8 + frag / 2) ^ x;
+        const uint32_t addr = row_addr + (kk / 4) * Tr::kBlockN * 128 + (chunk << 4);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(dsa[kk][0]),
+                     "r"(dsa[kk][1]), "r"(dsa[kk][2]), "r"(dsa[kk][3])
+                     : "memory");
     }
 }
 
@@ -134,9 +198,12 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, BwdSharedStorage<Tr>&
                                        const float (&dq)[32], int head, int m, int wg, int tid) {
     float* share = p.dq_accum + dq_share_base(p.padded_rows, Tr::kBlockM, head, kb.seq.pad0 + m * Tr::kBlockM, wg);
     if (p.dq_semaphore == nullptr) {
-        float2* stage = reinterpret_cast<float2*>(s.dq_share[wg]);
+        const uint32_t stage = smem_u32(s.dq_share[wg]) + tid * 8;
 #pragma unroll
-        for (int pair = 0; pair < 16; ++pair) stage[pair * 128 + tid] = make_float2(dq[2 * pair], dq[2 * pair + 1]);
+        for (int pair = 0; pair < 16; ++pair)
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(stage + pair * 128 * 8), "f"(dq[2 * pair]),
+                         "f"(dq[2 * pair + 1])
+                         : "memory");
         fence_proxy_async_smem();
         named_barrier_sync(dq_barrier(wg), 128);
         if (tid == 0) {
@@ -192,58 +259,69 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
             wgmma_commit();
             issue_k_major<Tr>(dpt, v_rows, do_base);
             wgmma_commit();
-            wgmma_wait<0>();
-            fence_operand(st);
-            fence_operand(dpt);
 
-            // ---- Pᵀ, dSᵀ (f32), then both as 16-bit A operands
-            probs_and_grads<Tr>(p, kb, st, dpt, s.lse_log2[stage], s.dpsum[stage], key, m * Tr::kBlockM,
-                                quad_lane, !block_unmasked<Tr>(p, kb, m));
+            // ---- Pᵀ, dSᵀ (d128: Pᵀ while dPᵀ is still in flight), then both as 16-bit A operands;
+            // one uniform branch per query block picks the specialised math
             uint32_t pa[Tr::kBlockM / 16][4], dsa[Tr::kBlockM / 16][4];
+            {
+                const uint32_t lse = smem_u32(s.lse_log2[stage]), dpsum = smem_u32(s.dpsum[stage]);
+                const int i0 = m * Tr::kBlockM;
+                const bool masked = !block_unmasked<Tr>(p, kb, m);
+                if (p.softcap_pre != 0.f) {
+                    if (masked) scores_to_grads<Tr, true, true>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                    else scores_to_grads<Tr, false, true>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                } else {
+                    if (masked) scores_to_grads<Tr, true, false>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                    else scores_to_grads<Tr, false, false>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                }
+            }
             to_a_operand<Tr>(st, pa);
             to_a_operand<Tr>(dpt, dsa);
 
-            // ---- dV += Pᵀ·dO, dK += dSᵀ·Q
+            // ---- dSᵀ to shared memory for dQ (its buffer was last read two query blocks ago,
+            // before the previous dS barrier); then dV += Pᵀ·dO
+            uint8_t* ds = reinterpret_cast<uint8_t*>(s.ds[it & 1]);
+            store_ds<Tr>(smem_u32(ds), dsa, key_in_tile - lane / 4, lane);
             fence_operand(dv);
-            fence_operand(dk);
             wgmma_fence();
             issue_rs<Tr>(dv, pa, do_base);
-            issue_rs<Tr>(dk, dsa, q_base);
             wgmma_commit();
-
-            // ---- dSᵀ to shared memory for dQ; the async proxy (wgmma) must see the stores
-            uint8_t* ds = reinterpret_cast<uint8_t*>(s.ds[it & 1]);
-            store_ds<Tr>(ds, dpt, key_in_tile, quad_lane);
+            // The async proxy (wgmma) must see the dS stores. The barrier also tells this
+            // warpgroup that its dQ staging buffer is free again: the thread that issued the last
+            // bulk reduce-add waits until the engine has read it.
             fence_proxy_async_smem();
-            // The barrier also tells this warpgroup that its dQ staging buffer is free again: the
-            // thread that issued the last bulk reduce-add waits until the engine has read it.
             if (tid == 0) bulk_wait_group_read<0>();
             named_barrier_sync(kBarDsReady, 256);
 
             // ---- dQ share = dS·K: A = dSᵀ (keys x queries) and B = K (keys x head dim), both
-            // MN-major; k-step kk = 16 keys = 16 rows of 128 bytes
+            // MN-major; k-step kk = 16 keys = 16 rows of 128 bytes. Then dK += dSᵀ·Q, issued
+            // before dQ is read back so that the dQ hand-off runs under it.
             float dq[32];
             const uint32_t ds_base = smem_u32(ds) + ds_share;
+            const uint32_t ds_lo = desc_lo<Tr>(ds_base, Tr::kBlockN * 128);
+            const uint32_t kt_lo = desc_lo<Tr>(k_share, Tr::kBlockN * 128);
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
-                const uint64_t da = smem_desc_sw128(ds_base + kk * 16 * 128, Tr::kBlockN * 128, 1024);
-                const uint64_t db = smem_desc_sw128(k_share + kk * 16 * 128, Tr::kBlockN * 128, 1024);
-                wgmma_ss_tt<64, Tr::kDtype>(dq, da, db, kk > 0 ? 1 : 0);
-            }
+            for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
+                wgmma_ss_tt<64, Tr::kDtype>(dq, smem_desc_at<1024>(ds_lo, kk * 16 * 128),
+                                            smem_desc_at<1024>(kt_lo, kk * 16 * 128), kk > 0 ? 1 : 0);
             wgmma_commit();
-            wgmma_wait<0>();
+            wgmma_wait<1>();  // dV done: pa is free, dO no longer read
+#pragma unroll
+            for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) fence_operand(pa[kk]);
             fence_operand(dv);
             fence_operand(dk);
+            wgmma_fence();
+            issue_rs<Tr>(dk, dsa, q_base);
+            wgmma_commit();
+            wgmma_wait<1>();  // dQ done; dK still running
             fence_operand(dq);
-#pragma unroll
-            for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
-                fence_operand(pa[kk]);
-                fence_operand(dsa[kk]);
-            }
-            mbar_arrive(&s.empty[stage]);  // Q, dO, lse_log2, dpsum of this stage are no longer read
-
             add_dq<Tr>(p, s, kb, dq, head, m, wg, tid);
+            wgmma_wait<0>();
+            fence_operand(dk);
+#pragma unroll
+            for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) fence_operand(dsa[kk]);
+            mbar_arrive(&s.empty[stage]);  // Q, dO, lse_log2, dpsum of this stage are no longer read
         }
     }
     if (tid == 0) bulk_wait_group<0>();  // shared memory must outlive the last bulk reduce-add

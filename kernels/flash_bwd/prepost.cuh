@@ -55,18 +55,43 @@ template <int kDtype> __device__ void bwd_preprocess(const BwdParams& p) {
     }
 }
 
-// Grid (ceil(max seqlen_q / 128), heads, batch), 256 threads: a warp per row, a column pair per lane.
+// Grid (ceil(max seqlen_q / 128), heads, batch), 256 threads; a thread per 8 columns of a row
+// (row-major over the block's 128 rows, so a row's 16-byte dq stores are coalesced). In the
+// accumulator's register-order layout the 8 values of columns 8c..8c+7 of a row are 8 contiguous
+// floats (4 fragment threads x 1 pair): one full 32-byte sector per thread. (head_dim is a
+// multiple of 8.)
 template <int kDtype> __device__ void bwd_postprocess(const BwdParams& p) {
     const int head = blockIdx.y, b = blockIdx.z;
     const SeqInfo seq = seq_info(p, b);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int r = warp; r < kPrepRows; r += 8) {
-        const int i = blockIdx.x * kPrepRows + r;
-        if (i >= seq.seqlen_q) return;
-        uint16_t* dq = p.dq + ((seq.q_tok0 + i) * p.heads + head) * p.head_dim;
-        for (int c = 2 * lane; c < p.head_dim; c += 64) {
-            const float2 a = *reinterpret_cast<const float2*>(p.dq_accum + dq_accum_offset(p, head, seq.pad0 + i, c));
-            *reinterpret_cast<uint32_t*>(dq + c) = pack16x2<kDtype>(a.x * p.scale, a.y * p.scale);
+    const int chunks = p.head_dim / 8;
+    const int items = min(kPrepRows, seq.seqlen_q - (int)blockIdx.x * kPrepRows) * chunks;  // rows past the end: none
+    constexpr int kUnroll = 4;  // all loads of kUnroll items in flight before their stores
+    for (int item0 = threadIdx.x; item0 < items; item0 += kUnroll * blockDim.x) {
+        float4 v[kUnroll][2];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int item = item0 + u * blockDim.x;
+            if (item < items) {
+                const int i = blockIdx.x * kPrepRows + item / chunks, c = (item % chunks) * 8;
+                const float4* src =
+                    reinterpret_cast<const float4*>(p.dq_accum + dq_accum_offset(p, head, seq.pad0 + i, c));
+                v[u][0] = src[0];
+                v[u][1] = src[1];
+            }
+        }
+        const float sc = p.scale;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int item = item0 + u * blockDim.x;
+            if (item < items) {
+                const int i = blockIdx.x * kPrepRows + item / chunks, c = (item % chunks) * 8;
+                uint4 out;
+                out.x = pack16x2<kDtype>(v[u][0].x * sc, v[u][0].y * sc);
+                out.y = pack16x2<kDtype>(v[u][0].z * sc, v[u][0].w * sc);
+                out.z = pack16x2<kDtype>(v[u][1].x * sc, v[u][1].y * sc);
+                out.w = pack16x2<kDtype>(v[u][1].z * sc, v[u][1].w * sc);
+                *reinterpret_cast<uint4*>(p.dq + ((seq.q_tok0 + i) * p.heads + head) * p.head_dim + c) = out;
+            }
         }
     }
 }

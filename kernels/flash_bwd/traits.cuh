@@ -15,6 +15,9 @@ template <int kHeadDim_, int kDtype_> struct BwdTraits {
     static constexpr int kBlockN = 128;
     static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
     static constexpr bool kDqSplitRows = kBlockM == 128;
+    // Pᵀ computed while dPᵀ is still in flight (FA3's order; softcap computes both after the
+    // wait, dSᵀ needs the tanh of the scores). A switch for measurements: both head dims gain.
+    static constexpr bool kPUnderDp = true;
     static constexpr int kConsumerWGs = 2;
     static constexpr int kThreads = 128 * (1 + kConsumerWGs);
     static constexpr int kStages = 2;
