@@ -587,3 +587,75 @@ fn grads_match_candle_autograd_of_the_composite() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn functional_backward_equals_autograd() -> Result<()> {
+    // FlashAttn::backward from (out, lse, dL/dout) runs the op's own backward: bitwise the
+    // gradients autograd produces through the op (candle's bookkeeping adds them into zeros,
+    // which is exact), and close to the f64 reference.
+    let mut rng = TestRng::fresh("functional_backward");
+    for opts_causal in [false, true] {
+        let shape = AttnShape::new((2, rng.odd_len(1, 150), rng.odd_len(1, 150), 4, 2, 32, 24));
+        let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &CPU)?;
+        let mut o = Opts::new(0.2);
+        if opts_causal {
+            o.right = Some(0);
+        }
+        let fa = o.builder();
+        let w = rng.randn(
+            (shape.batch, shape.seqlen_q, shape.heads, shape.head_dim_v),
+            DType::F32,
+            &CPU,
+        )?;
+        let (out, lse) = fa.forward_with_lse(&q, &k, &v)?;
+        let got = fa.backward(&q, &k, &v, &out, &lse, &w)?;
+        let want = autograd(|q, k, v| fa.forward(q, k, v), &q, &k, &v, &w)?;
+        let what = format!("functional backward {shape:?} causal {opts_causal} seed {}", rng.seed());
+        assert_identical(&got.0, &want.0, &format!("{what}: dq"))?;
+        assert_identical(&got.1, &want.1, &format!("{what}: dk"))?;
+        assert_identical(&got.2, &want.2, &format!("{what}: dv"))?;
+        let reference = attention_grads_ref(&q, &k, &v, &w, &o.reference())?;
+        check_grads(got, reference, F32_TOL, &what)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn functional_backward_rejects_mismatched_tensors() -> Result<()> {
+    let mut rng = TestRng::fresh("functional_backward_errors");
+    let shape = AttnShape::new((1, 9, 11, 4, 2, 32, 32));
+    let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &CPU)?;
+    let fa = FlashAttn::new(0.2);
+    let (out, lse) = fa.forward_with_lse(&q, &k, &v)?;
+    let expect_err = |r: Result<(Tensor, Tensor, Tensor)>, needle: &str, what: &str| match r {
+        Ok(_) => panic!("{what}: accepted"),
+        Err(e) => assert!(e.to_string().contains(needle), "{what}: {e}"),
+    };
+    let lse_t = lse.transpose(1, 2)?.contiguous()?; // (batch, seqlen_q, heads)
+    expect_err(
+        fa.backward(&q, &k, &v, &out, &lse_t, &out),
+        "lse must be",
+        "lse transposed",
+    );
+    expect_err(
+        fa.backward(&q, &k, &v, &out, &lse.to_dtype(DType::F16)?, &out),
+        "lse must be",
+        "lse f16",
+    );
+    expect_err(
+        fa.backward(&q, &k, &v, &out.narrow(1, 0, 8)?, &lse, &out),
+        "out must be",
+        "out short",
+    );
+    expect_err(
+        fa.backward(&q, &k, &v, &out, &lse, &out.to_dtype(DType::BF16)?),
+        "grad_out must be",
+        "grad_out bf16",
+    );
+    expect_err(
+        fa.backward(&q, &k.narrow(1, 0, 10)?, &v, &out, &lse, &out),
+        "shapes do not match",
+        "k short",
+    );
+    Ok(())
+}

@@ -364,6 +364,49 @@ impl FlashAttn {
         run(params, q, k, v, dims, Some(varlen), self.deterministic)
     }
 
+    /// The gradients (dq, dk, dv) of a fixed-length call without candle's autograd: from the
+    /// call's inputs, its `out` and `lse` (from [`FlashAttn::forward_with_lse`] with the same
+    /// options) and the gradient of the loss with respect to `out`. The forward is not
+    /// recomputed. This is what `loss.backward()` runs for this op, minus candle's gradient
+    /// bookkeeping (a ones tensor for the root, each gradient added into zeros), for custom
+    /// training loops and for timing the backward alone. `.deterministic(true)` applies.
+    ///
+    /// Errors: `out` / `grad_out` not of shape (batch, seqlen_q, heads, head_dim_v) in q's dtype,
+    /// `lse` not an f32 (batch, heads, seqlen_q) tensor, tensors on different devices, and
+    /// everything [`FlashAttn::forward`] rejects.
+    pub fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let params = self.params()?;
+        let dims = params::check_fixed(q, k, v)?;
+        let out_shape = [dims.batch, dims.seqlen_q, dims.heads, dims.head_dim_v];
+        for (name, t) in [("out", out), ("grad_out", grad_out)] {
+            if t.dims() != out_shape || t.dtype() != q.dtype() || !t.device().same_device(q.device()) {
+                candle_core::bail!(
+                    "flash-attn3: backward: {name} must be a {:?} tensor of shape {out_shape:?} on q's device, got {:?} {:?}",
+                    q.dtype(),
+                    t.dtype(),
+                    t.dims()
+                )
+            }
+        }
+        let lse_shape = [dims.batch, dims.heads, dims.seqlen_q];
+        if lse.dims() != lse_shape || lse.dtype() != candle_core::DType::F32 || !lse.device().same_device(q.device()) {
+            candle_core::bail!(
+                "flash-attn3: backward: lse must be an F32 tensor of shape {lse_shape:?} (batch, heads, seqlen_q) on q's device, got {:?} {:?}",
+                lse.dtype(),
+                lse.dims()
+            )
+        }
+        op::backward_grads(params, dims, None, self.deterministic, (q, k, v), out, grad_out, lse)
+    }
+
     /// [`FlashAttn::forward_varlen`] with offsets known on the host: validated there, so the
     /// call never waits for the GPU (the tensor forms read their offsets back to check them).
     #[allow(clippy::too_many_arguments)]

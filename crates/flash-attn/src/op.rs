@@ -134,23 +134,49 @@ impl CustomOp3 for FlashAttnFwd {
         out: &Tensor,
         grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let backward = FlashAttnBwd {
-            params: self.params,
-            dims: self.dims,
-            varlen: self.varlen.clone(),
-            out: out.clone(),
-            grad_out: grad_out.contiguous()?,
-            lse: self.saved_lse()?,
-            deterministic: self.deterministic,
-        };
-        // One op computes the three gradients into one flat buffer; split it here.
-        let packed = q.apply_op3_no_bwd(k, v, &backward)?;
-        let (nq, nk, nv) = (q.elem_count(), k.elem_count(), v.elem_count());
-        let dq = packed.narrow(0, 0, nq)?.reshape(q.shape())?;
-        let dk = packed.narrow(0, nq, nk)?.reshape(k.shape())?;
-        let dv = packed.narrow(0, nq + nk, nv)?.reshape(v.shape())?;
+        let (dq, dk, dv) = backward_grads(
+            self.params,
+            self.dims,
+            self.varlen.clone(),
+            self.deterministic,
+            (q, k, v),
+            out,
+            grad_out,
+            &self.saved_lse()?,
+        )?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
+}
+
+/// dq, dk, dv of one attention call from its output, LSE and the incoming gradient (shapes
+/// already checked): one backward op over (q, k, v), its flat output split and reshaped.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_grads(
+    params: AttnParams,
+    dims: Dims,
+    varlen: Option<Varlen>,
+    deterministic: bool,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    out: &Tensor,
+    grad_out: &Tensor,
+    lse: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let backward = FlashAttnBwd {
+        params,
+        dims,
+        varlen,
+        out: out.clone(),
+        grad_out: grad_out.contiguous()?,
+        lse: lse.contiguous()?,
+        deterministic,
+    };
+    // One op computes the three gradients into one flat buffer; split it here.
+    let packed = q.apply_op3_no_bwd(k, v, &backward)?;
+    let (nq, nk, nv) = (q.elem_count(), k.elem_count(), v.elem_count());
+    let dq = packed.narrow(0, 0, nq)?.reshape(q.shape())?;
+    let dk = packed.narrow(0, nq, nk)?.reshape(k.shape())?;
+    let dv = packed.narrow(0, nq + nk, nv)?.reshape(v.shape())?;
+    Ok((dq, dk, dv))
 }
 
 /// The backward op, applied to (q, k, v). Its output is dq, dk and dv flattened and
