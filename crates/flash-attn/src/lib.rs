@@ -33,7 +33,11 @@
 //! - Softcap maps a scaled score `s` to `cap * tanh(s / cap)` before the softmax.
 //! - The LSE is f32, natural log, (batch, heads, seqlen_q) or (heads, total_q) for varlen calls.
 //!   A query that sees no key gets a zero output row and an LSE of `-inf`.
-//! - The output has the input's dtype. Gradients flow to q, k and v (summed over each GQA group).
+//! - The output has the input's dtype. Gradients flow to q, k and v (summed over each GQA group)
+//!   through candle's autograd, or come straight from [`FlashAttn::backward`] given the output,
+//!   the LSE and the output's gradient.
+//! - On the GPU, calls with few query tiles (decoding) split each tile's keys over several SMs
+//!   ([`FlashAttn::num_splits`]); the result is the same up to rounding.
 
 mod cpu;
 #[cfg(feature = "cuda")]
