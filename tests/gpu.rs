@@ -88,9 +88,14 @@ fn poison(dev: &Device, elems: usize) -> Result<()> {
 /// twice: with the split count chosen per call (small test shapes leave most SMs idle, so this
 /// often splits the keys) and with `num_splits(1)` (one CTA walks all keys of a tile).
 fn check(q: &Tensor, k: &Tensor, v: &Tensor, o: Opts, what: &str) -> Result<()> {
+    check_splits(q, k, v, o, &[0, 1], what)
+}
+
+/// `check` with the given split counts (`num_splits`), each against the same reference.
+fn check_splits(q: &Tensor, k: &Tensor, v: &Tensor, o: Opts, splits_list: &[usize], what: &str) -> Result<()> {
     let (b, sq, h, _) = q.dims4()?;
     let (want, want_lse) = attention_ref(q, k, v, &o.reference())?;
-    for splits in [0, 1] {
+    for &splits in splits_list {
         poison(q.device(), 2 * b * sq * h * v.dim(3)?)?;
         let (out, lse) = o.builder().num_splits(splits).forward_with_lse(q, k, v)?;
         assert_eq!(out.dtype(), q.dtype(), "{what}: out dtype");
@@ -368,13 +373,8 @@ fn split_kv_every_option() -> Result<()> {
             let sk = rng.odd_len(700, 5000);
             let shape = AttnShape::new((rng.range(1, 2), sq, sk, 2 * group, 2, d, d));
             let (q, k, v) = shape.random_qkv(&mut rng, dtype, &gpu()?)?;
-            let what = format!("split-kv {splits} {name} {shape:?} {dtype:?} seed {}", rng.seed());
-            let b = q.dim(0)?;
-            poison(q.device(), 2 * b * sq * 2 * group * d)?;
-            let (out, lse) = o.builder().num_splits(splits).forward_with_lse(&q, &k, &v)?;
-            let (want, want_lse) = attention_ref(&q, &k, &v, &o.reference())?;
-            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
-            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+            let what = format!("split-kv {name} {shape:?} {dtype:?} seed {}", rng.seed());
+            check_splits(&q, &k, &v, o, &[splits], &what)?;
 
             let batch = rng.range(2, 4);
             let mut lq: Vec<usize> = (0..batch).map(|_| rng.range(1, 40)).collect();
@@ -401,10 +401,7 @@ fn split_kv_small_for_sanitizer() -> Result<()> {
         ..Opts::new(0.125)
     };
     let (q, k, v) = AttnShape::new((1, 3, 700, 8, 2, 64, 64)).random_qkv(&mut rng, DType::BF16, &gpu()?)?;
-    let (out, lse) = o.builder().num_splits(3).forward_with_lse(&q, &k, &v)?;
-    let (want, want_lse) = attention_ref(&q, &k, &v, &o.reference())?;
-    assert_close(&out, &want, OUT_TOL, "split-kv small: out")?;
-    assert_close(&lse, &want_lse, LSE_TOL, "split-kv small: lse")?;
+    check_splits(&q, &k, &v, o, &[3], "split-kv small")?;
     check_varlen(
         &mut rng,
         &[0, 2, 1],

@@ -11,14 +11,14 @@
 //! The gradients go into one flat buffer (dq, dk, dv, each contiguous), the op's output.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 
-use super::{device_addr, geometry, load_kernel, tensor_map, TmaDesc};
+use super::{
+    check_tma_head_dims, device_addr, geometry, launch_with_params, load_kernel, optional_ptr_mut, tensor_map, TmaDesc,
+};
 use crate::params::{AttnParams, Dims, Varlen};
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_bwd.cubin"));
@@ -91,13 +91,7 @@ struct Variant {
 
 impl Variant {
     fn pick(head_dim: usize, head_dim_v: usize) -> Result<Self> {
-        for (name, d) in [("q/k", head_dim), ("v", head_dim_v)] {
-            if d % 8 != 0 {
-                bail!(
-                    "flash-attn3: the GPU backward needs head dims that are multiples of 8 (TMA rows of 16 bytes), got {name} head dim {d}"
-                )
-            }
-        }
+        check_tma_head_dims("backward", head_dim, head_dim_v)?;
         Ok(match head_dim.max(head_dim_v) {
             0..=64 => Self {
                 head_dim: 64,
@@ -330,13 +324,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
         let (lse_log2_ptr, _l2_sync) = lse_log2.device_ptr_mut(&stream);
         let (dpsum_ptr, _dp_sync) = dpsum.device_ptr_mut(&stream);
         let (acc_ptr, _acc_sync) = dq_accum.device_ptr_mut(&stream);
-        let (sem_ptr, _sem_sync) = match semaphore.as_mut() {
-            Some(c) => {
-                let (ptr, sync) = c.device_ptr_mut(&stream);
-                (ptr, Some(sync))
-            }
-            None => (0, None),
-        };
+        let (sem_ptr, _sem_sync) = optional_ptr_mut(&mut semaphore, &stream);
         let _guards = (
             qs.device_ptr(&stream),
             ks.device_ptr(&stream),
@@ -381,9 +369,8 @@ fn backward_t<T: CudaDType + DeviceRepr>(
             scale,
             num_m_blocks: num_m_blocks as i32,
         };
-        let launch_err = |what: &str, e| candle_core::Error::Msg(format!("flash-attn3: {what} launch: {e:?}"));
-
-        let cfg = LaunchConfig {
+        // The preprocess and postprocess: a 256-thread block per (128-row block, head, sequence).
+        let rows_cfg = LaunchConfig {
             grid_dim: (
                 dims.seqlen_q.div_ceil(ROW_PAD) as u32,
                 dims.heads as u32,
@@ -392,35 +379,18 @@ fn backward_t<T: CudaDType + DeviceRepr>(
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = stream.launch_builder(&pre);
-        launch.arg(&p);
-        // SAFETY: the params describe live device buffers whose guards are held until after the
-        // launches are queued on candle's stream.
-        unsafe { launch.launch(cfg) }.map_err(|e| launch_err(pre_name, e))?;
-
-        let cfg = LaunchConfig {
+        let main_cfg = LaunchConfig {
             grid_dim: (num_n_blocks as u32, dims.kv_heads as u32, dims.batch as u32),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let mut launch = stream.launch_builder(&main);
-        launch.arg(&p);
-        // SAFETY: as above.
-        unsafe { launch.launch(cfg) }.map_err(|e| launch_err(name, e))?;
-
-        let cfg = LaunchConfig {
-            grid_dim: (
-                dims.seqlen_q.div_ceil(ROW_PAD) as u32,
-                dims.heads as u32,
-                dims.batch as u32,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = stream.launch_builder(&post);
-        launch.arg(&p);
-        // SAFETY: as above.
-        unsafe { launch.launch(cfg) }.map_err(|e| launch_err(post_name, e))?;
+        // SAFETY: the params describe live device buffers whose guards are held until after the
+        // launches are queued on candle's stream.
+        unsafe {
+            launch_with_params(&stream, &pre, pre_name, rows_cfg, &p)?;
+            launch_with_params(&stream, &main, name, main_cfg, &p)?;
+            launch_with_params(&stream, &post, post_name, rows_cfg, &p)?;
+        }
     }
     // Scratch buffers and uploads are freed in stream order after the kernels.
     drop((lse_log2, dpsum, dq_accum, semaphore, uploads));

@@ -115,13 +115,7 @@ impl Variant {
     /// version 9).
     fn pick(head_dim: usize, head_dim_v: usize, uneven: bool, seqlen_q: usize) -> Result<Self> {
         let short_masked = uneven && seqlen_q < 4096;
-        for (name, d) in [("q/k", head_dim), ("v", head_dim_v)] {
-            if d % 8 != 0 {
-                bail!(
-                    "flash-attn3: the GPU kernel needs head dims that are multiples of 8 (TMA rows of 16 bytes), got {name} head dim {d}"
-                )
-            }
-        }
+        check_tma_head_dims("kernel", head_dim, head_dim_v)?;
         Ok(match head_dim.max(head_dim_v) {
             0..=64 => Self {
                 head_dim: 64,
@@ -338,6 +332,54 @@ fn load_kernel(
     Ok(func)
 }
 
+/// Both head dims must be multiples of 8: TMA moves rows in 16-byte units. `what` names the
+/// kernel in the error ("kernel" for the forward, "backward").
+fn check_tma_head_dims(what: &str, head_dim: usize, head_dim_v: usize) -> Result<()> {
+    for (name, d) in [("q/k", head_dim), ("v", head_dim_v)] {
+        if d % 8 != 0 {
+            bail!(
+                "flash-attn3: the GPU {what} needs head dims that are multiples of 8 (TMA rows of 16 bytes), got {name} head dim {d}"
+            )
+        }
+    }
+    Ok(())
+}
+
+/// The device address of an optional scratch buffer (0 when absent) and its write guard.
+fn optional_ptr_mut<'a, T>(
+    buf: &'a mut Option<CudaSlice<T>>,
+    stream: &'a Arc<CudaStream>,
+) -> (u64, Option<impl Drop + 'a>) {
+    match buf.as_mut() {
+        Some(b) => {
+            let (ptr, sync) = b.device_ptr_mut(stream);
+            (ptr, Some(sync))
+        }
+        None => (0, None),
+    }
+}
+
+/// Queues `func` on `stream` with its one POD parameter struct `params`; `name` goes into the
+/// error.
+///
+/// # Safety
+/// `params` must describe device buffers that stay alive (their guards held, or freed in stream
+/// order) until after the launch is queued, and `cfg` must match what the kernel expects.
+unsafe fn launch_with_params<P: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    func: &CudaFunction,
+    name: &str,
+    cfg: LaunchConfig,
+    params: &P,
+) -> Result<()> {
+    let mut launch = stream.launch_builder(func);
+    launch.arg(params);
+    launch
+        .launch(cfg)
+        .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name} launch: {e:?}")))?;
+    Ok(())
+}
+
 /// Launches the split-KV combine over `rows` (token, head) rows (kernels/flash_fwd/combine.cuh).
 fn combine_splits(dev: &CudaDevice, dtype: DType, p: &CombineParams, rows: usize) -> Result<()> {
     let name = if dtype == DType::BF16 {
@@ -351,13 +393,9 @@ fn combine_splits(dev: &CudaDevice, dtype: DType, p: &CombineParams, rows: usize
         block_dim: (32 * COMBINE_ROWS_PER_BLOCK as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let stream = dev.cuda_stream();
-    let mut launch = stream.launch_builder(&func);
-    launch.arg(p);
     // SAFETY: the params point at the partials, out and lse, all alive until the caller drops
     // them after this launch is queued (in stream order).
-    unsafe { launch.launch(cfg) }.map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name} launch: {e:?}")))?;
-    Ok(())
+    unsafe { launch_with_params(&dev.cuda_stream(), &func, name, cfg, p) }
 }
 
 /// A 4-D TMA map (head_dim, rows, heads, batch) over 16-bit elements at `addr` with element
@@ -694,27 +732,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         let (kp, _kg) = ks.device_ptr(&stream);
         let (vp, _vg) = vs.device_ptr(&stream);
         let _ = (qp, kp, vp);
-        let (o_accum_ptr, _o_accum_sync) = match o_accum.as_mut() {
-            Some(a) => {
-                let (ptr, sync) = a.device_ptr_mut(&stream);
-                (ptr, Some(sync))
-            }
-            None => (0, None),
-        };
-        let (lse_accum_ptr, _lse_accum_sync) = match lse_accum.as_mut() {
-            Some(a) => {
-                let (ptr, sync) = a.device_ptr_mut(&stream);
-                (ptr, Some(sync))
-            }
-            None => (0, None),
-        };
-        let (tile_counter, _counter_sync) = match counter.as_mut() {
-            Some(c) => {
-                let (ptr, sync) = c.device_ptr_mut(&stream);
-                (ptr, Some(sync))
-            }
-            None => (0, None),
-        };
+        let (o_accum_ptr, _o_accum_sync) = optional_ptr_mut(&mut o_accum, &stream);
+        let (lse_accum_ptr, _lse_accum_sync) = optional_ptr_mut(&mut lse_accum, &stream);
+        let (tile_counter, _counter_sync) = optional_ptr_mut(&mut counter, &stream);
         let p = FwdParams {
             tma_q,
             tma_k,
@@ -755,12 +775,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             block_dim: (variant.threads(), 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let mut launch = stream.launch_builder(&func);
-        launch.arg(&p);
         // SAFETY: the params describe live device buffers (q, k, v, out, lse, cu_*) whose
         // guards are held until after the launch is queued on candle's stream.
-        unsafe { launch.launch(cfg) }
-            .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name} launch: {e:?}")))?;
+        unsafe { launch_with_params(&stream, &func, name, cfg, &p) }?;
     }
     if let (Some(o_accum), Some(lse_accum)) = (&o_accum, &lse_accum) {
         let (o_accum_ptr, _o_accum_sync) = o_accum.device_ptr(&stream);
