@@ -1,15 +1,17 @@
 // The Hopper (sm_90a) FlashAttention-3 backward: preprocess, warp-specialised main kernel
 // (TMA + wgmma), postprocess. See docs/kernels/backward-sm90.md.
 //
-// Main kernel: one CTA per (key block of 128, kv head, sequence) with 3 warpgroups. Warpgroup 0
-// is the producer (one thread issues the copies; the warpgroup gives its registers away with
-// setmaxnreg); warpgroups 1 and 2 are consumers that each own 64 keys and keep their dK and dV in
-// registers while the query blocks of every q head of the kv head's group stream past. dK and dV
-// are therefore complete when the loop ends (GQA sums inside the CTA, no atomics); dQ is summed
-// over key blocks in an f32 buffer in global memory.
+// Main kernel: one CTA per (key block, kv head, sequence) with 3 warpgroups. Warpgroup 0 is the
+// producer (one thread issues the copies; the warpgroup gives its registers away with
+// setmaxnreg); warpgroups 1 and 2 are consumers that keep dK and dV of the key block in
+// registers (head dims 64, 128: 64 keys each of a block of 128; head dim 256: half the columns
+// each of a block of 64 keys, mainloop_wide.cuh) while the query blocks of every q head of the kv
+// head's group stream past. dK and dV are therefore complete when the loop ends (GQA sums inside
+// the CTA, no atomics); dQ is summed over key blocks in an f32 buffer in global memory.
 #include "../primitives/warp.cuh"
 #include "load.cuh"
 #include "mainloop.cuh"
+#include "mainloop_wide.cuh"
 #include "prepost.cuh"
 
 namespace fa3 {
@@ -42,7 +44,8 @@ template <class Tr> __device__ __forceinline__ void flash_bwd(const BwdParams& p
     } else {
         warpgroup_reg_alloc<Tr::kConsumerRegs>();
         float dk[Tr::kAccRegs], dv[Tr::kAccRegs];
-        bwd_consumer<Tr>(p, s, kb, wg - 1, tid, dk, dv);
+        if constexpr (Tr::kWide) bwd_consumer_wide<Tr>(p, s, kb, wg - 1, tid, dk, dv);
+        else bwd_consumer<Tr>(p, s, kb, wg - 1, tid, dk, dv);
         store_dk_dv<Tr>(p, kb, dk, dv, wg - 1, tid);
     }
 }
@@ -54,12 +57,14 @@ template <class Tr> __device__ __forceinline__ void flash_bwd(const BwdParams& p
         fa3::flash_bwd<fa3::BwdTraits<D, DT>>(p);                                                        \
     }
 
-// Instantiations: padded head dim 64 and 128 per dtype; any other multiple of 8 up to 128 runs on
-// the next one up with TMA zero-filling the missing columns.
+// Instantiations: padded head dim 64, 128 and 256 per dtype; any other multiple of 8 up to 256
+// runs on the next one up with TMA zero-filling the missing columns.
 FA3_BWD_KERNEL(flash_bwd_d64_bf16, 64, fa3::DT_BF16)
 FA3_BWD_KERNEL(flash_bwd_d128_bf16, 128, fa3::DT_BF16)
+FA3_BWD_KERNEL(flash_bwd_d256_bf16, 256, fa3::DT_BF16)
 FA3_BWD_KERNEL(flash_bwd_d64_f16, 64, fa3::DT_F16)
 FA3_BWD_KERNEL(flash_bwd_d128_f16, 128, fa3::DT_F16)
+FA3_BWD_KERNEL(flash_bwd_d256_f16, 256, fa3::DT_F16)
 
 extern "C" __global__ void __launch_bounds__(256) flash_bwd_preprocess_bf16(const __grid_constant__ fa3::BwdParams p) {
     fa3::bwd_preprocess<fa3::DT_BF16>(p);

@@ -36,14 +36,15 @@ template <class Tr> __device__ __forceinline__ uint32_t desc_lo(uint32_t smem_ad
 
 template <class Tr>
 __device__ __forceinline__ void issue_k_major(float (&acc)[Tr::kSRegs], uint32_t a_base, uint32_t b_base) {
-    // A: 64 of kBlockN key rows (K or V), B: kBlockM query rows (Q or dO); both K-major over the
-    // head dim: k-step kk is column block kk / 4, 32-byte slice kk % 4 inside the swizzled row.
+    // A: 64 of kBlockN key rows (K or V), B: kSCols of kBlockM query rows (Q or dO); both K-major
+    // over the head dim: k-step kk is column block kk / 4, 32-byte slice kk % 4 inside the
+    // swizzled row.
     // Descriptor low words (desc_lo) plus compile-time k-step offsets.
     const uint32_t a_lo = desc_lo<Tr>(a_base, 16), b_lo = desc_lo<Tr>(b_base, 16);
 #pragma unroll
     for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
         const uint32_t off = kk / 4, in_row = (kk % 4) * 32;
-        wgmma_ss<Tr::kBlockM, Tr::kDtype>(acc, smem_desc_at<1024>(a_lo, off * Tr::kBlockN * 128 + in_row),
+        wgmma_ss<Tr::kSCols, Tr::kDtype>(acc, smem_desc_at<1024>(a_lo, off * Tr::kBlockN * 128 + in_row),
                                           smem_desc_at<1024>(b_lo, off * Tr::kBlockM * 128 + in_row), kk > 0 ? 1 : 0);
     }
 }
@@ -160,43 +161,76 @@ __device__ __forceinline__ void scores_to_grads(const BwdParams& p, const KeyBlo
 
 // Accumulator pairs 8kk..8kk+7 are the four A registers of k-step kk (rows r, r+8; columns +0, +8).
 template <class Tr>
-__device__ __forceinline__ void to_a_operand(const float (&acc)[Tr::kSRegs], uint32_t (&a)[Tr::kBlockM / 16][4]) {
+__device__ __forceinline__ void to_a_operand(const float (&acc)[Tr::kSRegs], uint32_t (&a)[Tr::kSCols / 16][4]) {
 #pragma unroll
-    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
+    for (int kk = 0; kk < Tr::kSCols / 16; ++kk) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) a[kk][r] = pack16x2<Tr::kDtype>(acc[8 * kk + 2 * r], acc[8 * kk + 2 * r + 1]);
     }
 }
 
-// Writes this warp's dSᵀ (16 key rows x kBlockM queries, 16-bit) into the swizzled [kBlockN][64]
-// column blocks of the ds buffer with stmatrix: the A-operand registers dsa[kk] are exactly the
-// four 8x8 fragments of rows (0-7, 8-15) x query chunks (2kk, 2kk + 1); lane L gives the address
-// of row L % 8 of fragment L / 8. A chunk of 8 queries is one 16-byte unit of the 128-byte swizzle.
+// Writes this warp's dSᵀ (or Pᵀ; 16 key rows x kSCols queries, 16-bit) into the swizzled
+// [kBlockN][64] column blocks of a kBlockN x kBlockM buffer with stmatrix, from query chunk
+// q_chunk0 on (a chunk is 8 queries, one 16-byte unit of the 128-byte swizzle): the A-operand
+// registers dsa[kk] are exactly the four 8x8 fragments of rows (0-7, 8-15) x query chunks
+// (2kk, 2kk + 1); lane L gives the address of row L % 8 of fragment L / 8.
 template <class Tr>
-__device__ __forceinline__ void store_ds(uint32_t ds, const uint32_t (&dsa)[Tr::kBlockM / 16][4], int warp_row0,
-                                         int lane) {
+__device__ __forceinline__ void store_ds(uint32_t ds, const uint32_t (&dsa)[Tr::kSCols / 16][4], int warp_row0,
+                                         int q_chunk0, int lane) {
     const int frag = lane / 8, x = lane % 8;
     const uint32_t row_addr = ds + (warp_row0 + (frag % 2) * 8 + x) * 128;
 #pragma unroll
-    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
-        const uint32_t chunk = ((2 * kk) % 8 + frag / 2) ^ x;
-        const uint32_t addr = row_addr + (kk / 4) * Tr::kBlockN * 128 + (chunk << 4);
+    for (int kk = 0; kk < Tr::kSCols / 16; ++kk) {
+        const int q_chunk = q_chunk0 + 2 * kk + frag / 2;
+        const uint32_t chunk = (q_chunk % 8) ^ x;
+        const uint32_t addr = row_addr + (q_chunk / 8) * Tr::kBlockN * 128 + (chunk << 4);
         asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(dsa[kk][0]),
                      "r"(dsa[kk][1]), "r"(dsa[kk][2]), "r"(dsa[kk][3])
                      : "memory");
     }
 }
 
+// Deterministic mode: dQ shares of query block m are added in key-block order, per (head, query
+// block) through a semaphore that each consumer warpgroup of a key block bumps once when its
+// shares are in. dq_turn_wait returns once every earlier key block (both warpgroups) is done.
+template <class Tr>
+__device__ __forceinline__ int* dq_semaphore(const BwdParams& p, const KeyBlock& kb, int head, int m) {
+    return p.dq_semaphore + ((int64_t)kb.batch * p.heads + head) * p.num_m_blocks + m;
+}
+template <class Tr>
+__device__ __forceinline__ void dq_turn_wait(const BwdParams& p, const KeyBlock& kb, int head, int m, int wg,
+                                             int tid) {
+    const int turn = Tr::kConsumerWGs * (kb.n - first_key_block<Tr>(p, kb, m));
+    if (tid == 0) {
+        while (ld_acquire(dq_semaphore<Tr>(p, kb, head, m)) < turn) {
+        }
+    }
+    named_barrier_sync(dq_barrier(wg), 128);
+}
+template <class Tr>
+__device__ __forceinline__ void dq_turn_release(const BwdParams& p, const KeyBlock& kb, int head, int m, int wg,
+                                                int tid) {
+    __threadfence();
+    named_barrier_sync(dq_barrier(wg), 128);
+    if (tid == 0) red_release_add(dq_semaphore<Tr>(p, kb, head, m), 1);
+}
+
+// Adds one 64 x 64 share of dQ from registers with vector reductions (coalesced: thread tid's
+// pairs are 8 bytes apart).
+__device__ __forceinline__ void red_add_dq_share(float* share, const float (&dq)[32], int tid) {
+#pragma unroll
+    for (int pair = 0; pair < 16; ++pair) red_add_f32x2(share + (pair * 128 + tid) * 2, dq[2 * pair], dq[2 * pair + 1]);
+}
+
 // Adds this warpgroup's 64 x 64 share of dQ (f32, without the scale) to the accumulator block of
 // (head, query block m). Default: the share is staged in shared memory in register order and one
 // thread adds it with a single bulk reduce-add (asynchronous: the buffer is reused once the bulk
-// engine has read it, checked before the next dS barrier). Deterministic: every thread adds its
-// pairs with vector reductions once every earlier key block (both of its warpgroups) has added
-// its share: ordered per (head, query block) through a semaphore.
+// engine has read it, checked before the next dS barrier). Deterministic: vector reductions in
+// key-block order.
 template <class Tr>
 __device__ __forceinline__ void add_dq(const BwdParams& p, BwdSharedStorage<Tr>& s, const KeyBlock& kb,
                                        const float (&dq)[32], int head, int m, int wg, int tid) {
-    float* share = p.dq_accum + dq_share_base(p.padded_rows, Tr::kBlockM, head, kb.seq.pad0 + m * Tr::kBlockM, wg);
+    float* share = p.dq_accum + dq_share_base(p.padded_rows, Tr::kBlockM, Tr::kDqShares, head, kb.seq.pad0 + m * Tr::kBlockM, wg);
     if (p.dq_semaphore == nullptr) {
         const uint32_t stage = smem_u32(s.dq_share[wg]) + tid * 8;
 #pragma unroll
@@ -212,18 +246,9 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, BwdSharedStorage<Tr>&
         }
         return;
     }
-    int* sem = p.dq_semaphore + ((int64_t)kb.batch * p.heads + head) * p.num_m_blocks + m;
-    const int turn = 2 * (kb.n - first_key_block<Tr>(p, kb, m));
-    if (tid == 0) {
-        while (ld_acquire(sem) < turn) {
-        }
-    }
-    named_barrier_sync(dq_barrier(wg), 128);
-#pragma unroll
-    for (int pair = 0; pair < 16; ++pair) red_add_f32x2(share + (pair * 128 + tid) * 2, dq[2 * pair], dq[2 * pair + 1]);
-    __threadfence();
-    named_barrier_sync(dq_barrier(wg), 128);
-    if (tid == 0) red_release_add(sem, 1);
+    dq_turn_wait<Tr>(p, kb, head, m, wg, tid);
+    red_add_dq_share(share, dq, tid);
+    dq_turn_release<Tr>(p, kb, head, m, wg, tid);
 }
 
 template <class Tr>
@@ -262,7 +287,7 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
 
             // ---- Pᵀ, dSᵀ (d128: Pᵀ while dPᵀ is still in flight), then both as 16-bit A operands;
             // one uniform branch per query block picks the specialised math
-            uint32_t pa[Tr::kBlockM / 16][4], dsa[Tr::kBlockM / 16][4];
+            uint32_t pa[Tr::kSCols / 16][4], dsa[Tr::kSCols / 16][4];
             {
                 const uint32_t lse = smem_u32(s.lse_log2[stage]), dpsum = smem_u32(s.dpsum[stage]);
                 const int i0 = m * Tr::kBlockM;
@@ -281,7 +306,7 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
             // ---- dSᵀ to shared memory for dQ (its buffer was last read two query blocks ago,
             // before the previous dS barrier); then dV += Pᵀ·dO
             uint8_t* ds = reinterpret_cast<uint8_t*>(s.ds[it & 1]);
-            store_ds<Tr>(smem_u32(ds), dsa, key_in_tile - lane / 4, lane);
+            store_ds<Tr>(smem_u32(ds), dsa, key_in_tile - lane / 4, 0, lane);
             fence_operand(dv);
             wgmma_fence();
             issue_rs<Tr>(dv, pa, do_base);
@@ -327,13 +352,15 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
     if (tid == 0) bulk_wait_group<0>();  // shared memory must outlive the last bulk reduce-add
 }
 
-// Stores this warpgroup's dK (times the softmax scale) and dV rows straight from registers: keys
+// Stores this warpgroup's dK (times the softmax scale) and dV straight from registers: keys
 // past the sequence end and padding columns of a rounded-up head dim are skipped.
 template <class Tr>
 __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const KeyBlock& kb, const float (&dk)[Tr::kAccRegs],
                                             const float (&dv)[Tr::kAccRegs], int wg, int tid) {
     const int warp = tid / 32, lane = tid % 32;
-    const int key0 = kb.n * Tr::kBlockN + wg * 64 + warp * 16 + lane / 4;
+    // Wide: every warpgroup has all of the block's keys and columns [wg·kAccCols, ...).
+    const int key0 = kb.n * Tr::kBlockN + (Tr::kWide ? 0 : wg * 64) + warp * 16 + lane / 4;
+    const int col0 = Tr::kWide ? wg * Tr::kAccCols : 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int key = key0 + 8 * h;
@@ -343,7 +370,7 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const KeyBlock& 
         uint16_t* dv_row = p.dv + row * p.head_dim_v;
 #pragma unroll
         for (int j = 0; j < Tr::kAccRegs / 4; ++j) {
-            const int col = 8 * j + 2 * (lane % 4);
+            const int col = col0 + 8 * j + 2 * (lane % 4);
             if (col < p.head_dim)
                 *reinterpret_cast<uint32_t*>(dk_row + col) =
                     pack16x2<Tr::kDtype>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);

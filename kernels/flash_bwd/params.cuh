@@ -56,17 +56,20 @@ constexpr int kRowPad = 128;
 __device__ __forceinline__ int64_t padded_row0(int q0, int b) { return ((int64_t)(q0 / kRowPad) + b) * kRowPad; }
 
 // The dQ accumulator is laid out the way the main kernel produces it, so that each consumer
-// warpgroup adds its 64 x 64 share of a query block with one contiguous bulk reduce-add:
-//   [head][padded row / block_m][share (2)][pair (16)][thread (128)][2 floats]
-// A query block (block_m padded rows x 128 f32 columns... i.e. 8192 values) holds two shares:
-// block_m = 128 (d64) splits its rows, block_m = 64 (d128) its columns. Inside a share, element
-// (row, col) sits where the wgmma accumulator fragment keeps it: thread 32·(row / 16) + 4·(row % 8)
-// + (col % 8) / 2, accumulator 4·(col / 8) + 2·((row % 16) / 8) + col % 2, stored as pairs so that
-// the kernel's shared-memory staging writes are conflict-free 8-byte stores.
+// warpgroup adds a 64 x 64 share of a query block with one contiguous bulk reduce-add:
+//   [head][padded row / block_m][share][pair (16)][thread (128)][2 floats]
+// A query block (block_m padded rows x head_dim_padded f32 columns) holds dq_shares(p) shares of
+// 64 x 64: block_m = 128 (d64) splits its rows in two, block_m = 64 (d128, d256) its columns in
+// two or four. Inside a share, element (row, col) sits where the wgmma accumulator fragment keeps
+// it: thread 32·(row / 16) + 4·(row % 8) + (col % 8) / 2, accumulator 4·(col / 8) + 2·((row % 16)
+// / 8) + col % 2, stored as pairs so that the kernel's shared-memory staging writes are
+// conflict-free 8-byte stores (and its direct vector reductions coalesced).
+// The main kernel passes its compile-time block_m and shares (no runtime 64-bit division per
+// query block), the postprocess the launch's.
 constexpr int kDqShare = 64 * 64;
-__device__ __forceinline__ int64_t dq_share_base(int64_t padded_rows, int block_m, int head, int64_t padded_row,
-                                                 int share) {
-    return (((int64_t)head * (padded_rows / block_m) + padded_row / block_m) * 2 + share) * kDqShare;
+__device__ __forceinline__ int64_t dq_share_base(int64_t padded_rows, int block_m, int shares, int head,
+                                                 int64_t padded_row, int share) {
+    return (((int64_t)head * (padded_rows / block_m) + padded_row / block_m) * shares + share) * kDqShare;
 }
 __device__ __forceinline__ int dq_share_offset(int row, int col) {
     const int thread = 32 * (row / 16) + 4 * (row % 8) + (col % 8) / 2;
@@ -77,7 +80,8 @@ __device__ __forceinline__ int64_t dq_accum_offset(const BwdParams& p, int head,
     const int rr = (int)(padded_row % p.block_m);
     const int share = p.block_m == 128 ? rr / 64 : col / 64;
     const int row = p.block_m == 128 ? rr % 64 : rr;
-    return dq_share_base(p.padded_rows, p.block_m, head, padded_row, share) + dq_share_offset(row, col % 64);
+    const int shares = p.block_m * p.head_dim_padded / kDqShare;
+    return dq_share_base(p.padded_rows, p.block_m, shares, head, padded_row, share) + dq_share_offset(row, col % 64);
 }
 
 // Sequence b's lengths and first token (TMA coordinates), fixed-length or varlen.

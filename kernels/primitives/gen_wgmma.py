@@ -8,8 +8,9 @@ Run `python3 kernels/primitives/gen_wgmma.py` after changing it; the output is c
 import os
 
 NS = (64, 80, 96, 112, 128, 192, 256)
-# Shapes of the transposed-A wrappers: the backward's dQ tiles are 64 x 64 per warpgroup.
-NS_TT = (64,)
+# Shapes of the other wrappers, per name: the backward's 64 x 32 score tiles (head dims > 128),
+# its 64 x 128 dK / dV shares read from shared memory, its 64 x 64 dQ tiles.
+NS_EXTRA = {"wgmma_ss": (32,), "wgmma_ss_bt": (128,), "wgmma_ss_tt": (64,)}
 TYPES = (("bf16", "bf16"), ("f16", "f16"))
 
 
@@ -17,33 +18,27 @@ def acc_list(n_regs, first):
     return ", ".join(f"%{first + i}" for i in range(n_regs))
 
 
-def gen_ss(n, ptx_t):
+# Shared-memory-operand wrappers: (name, A transposed, B transposed, comment). "K-major" keeps the
+# reduction dimension contiguous (Q, K as stored); "MN-major" reads the operand transposed.
+SS_KINDS = (
+    ("wgmma_ss", 0, 0, "A(64x16, smem, K-major) * B(16x{n}, smem, K-major)"),
+    # The backward's dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ / dSᵀ in shared memory (head dims > 128).
+    ("wgmma_ss_bt", 0, 1, "A(64x16, smem, K-major) * B(16x{n}, smem, MN-major)"),
+    # The backward's dQ = dS·K with dS stored as dSᵀ and K as keys x head_dim.
+    ("wgmma_ss_tt", 1, 1, "A(64x16, smem, MN-major) * B(16x{n}, smem, MN-major)"),
+)
+
+
+def gen_ss(name, tnsp_a, tnsp_b, what, n, ptx_t):
     r = n // 2
     ops = ", ".join(f'"+f"(d[{i}])' for i in range(r))
-    return f'''// D(64x{n}, f32) += A(64x16, smem, K-major) * B(16x{n}, smem, K-major); scale_d = 0 overwrites D.
-template <> __device__ __forceinline__ void wgmma_ss<{n}, DT_{ptx_t.upper()}>(float (&d)[{r}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{
+    return f'''// D(64x{n}, f32) += {what.format(n=n)}; scale_d = 0 overwrites D.
+template <> __device__ __forceinline__ void {name}<{n}, DT_{ptx_t.upper()}>(float (&d)[{r}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "
         "{{{acc_list(r, 0)}}}, "
-        "%{r}, %{r + 1}, p, 1, 1, 0, 0;\\n}}\\n"
-        : {ops}
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}}
-'''
-
-
-def gen_ss_tt(n, ptx_t):
-    r = n // 2
-    ops = ", ".join(f'"+f"(d[{i}])' for i in range(r))
-    return f'''// D(64x{n}, f32) += A(64x16, smem, MN-major) * B(16x{n}, smem, MN-major): both operands read
-// transposed (the backward's dQ = dS·K with dS stored as dSᵀ and K as keys x head_dim).
-template <> __device__ __forceinline__ void wgmma_ss_tt<{n}, DT_{ptx_t.upper()}>(float (&d)[{r}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{
-    asm volatile(
-        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "
-        "{{{acc_list(r, 0)}}}, "
-        "%{r}, %{r + 1}, p, 1, 1, 1, 1;\\n}}\\n"
+        "%{r}, %{r + 1}, p, 1, 1, {tnsp_a}, {tnsp_b};\\n}}\\n"
         : {ops}
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }}
@@ -78,16 +73,19 @@ def main():
         "enum WgmmaType { DT_BF16 = 0, DT_F16 = 1 };",
         "",
         "template <int N, int T> __device__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d);",
+        "template <int N, int T> __device__ void wgmma_ss_bt(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d);",
         "template <int N, int T> __device__ void wgmma_ss_tt(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d);",
         "template <int N, int T> __device__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b);",
         "",
     ]
-    for n in NS:
+    ss, ss_bt, ss_tt = SS_KINDS
+    for n in sorted(set(NS) | {n for ns in NS_EXTRA.values() for n in ns}):
         for _, t in TYPES:
-            out.append(gen_ss(n, t))
-            out.append(gen_rs(n, t))
-            if n in NS_TT:
-                out.append(gen_ss_tt(n, t))
+            for kind in SS_KINDS:
+                if (kind is ss and n in NS) or n in NS_EXTRA[kind[0]]:
+                    out.append(gen_ss(*kind, n, t))
+            if n in NS:
+                out.append(gen_rs(n, t))
     out.append("}  // namespace fa3\n")
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wgmma_ops.cuh")
     with open(path, "w") as f:

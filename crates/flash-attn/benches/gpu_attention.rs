@@ -15,7 +15,7 @@
 //! bookkeeping), FLOPs 2.5 × the forward's (the FA3 paper's convention), and the op alone through
 //! `FlashAttn::backward` (second table): the anchors time torch.autograd.grad, which returns the
 //! op's gradients without candle's bookkeeping (the root's ones_like, a zeros_like per input that
-//! the op's gradient is added into). Head dims above 128 have no GPU backward and are skipped.
+//! the op's gradient is added into).
 
 use candle_core::Var;
 
@@ -62,10 +62,6 @@ fn seq_label(s: usize) -> String {
 fn backward_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
     let mut table = Vec::new();
     for &d in hdims {
-        if d > 128 {
-            println!("ours         bwd d={d:>3}: skipped (the GPU backward supports head dims up to 128)");
-            continue;
-        }
         for causal in [false, true] {
             let mut row = Vec::new();
             for &s in seqs {

@@ -4,8 +4,8 @@
 //! Three launches on candle's stream, no host synchronisation:
 //! 1. preprocess: D = rowsum(dO ∘ O) and LSE · log2(e) into padded per-head f32 vectors (the f32 dQ
 //!    accumulator is zeroed on the stream before);
-//! 2. main: one CTA per (key block of 128, kv head, sequence) computes dK and dV of its keys over
-//!    every query head of the GQA group and adds dS·K into the dQ accumulator;
+//! 2. main: one CTA per (key block, kv head, sequence) computes dK and dV of its keys over every
+//!    query head of the GQA group and adds dS·K into the dQ accumulator;
 //! 3. postprocess: dQ = scale · accumulator, in the output dtype.
 //!
 //! The gradients go into one flat buffer (dq, dk, dv, each contiguous), the op's output.
@@ -23,8 +23,6 @@ use crate::params::{AttnParams, Dims, Varlen};
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_bwd.cubin"));
 
-/// Keys per CTA of the main kernel (two consumer warpgroups of 64 keys).
-const BLOCK_N: usize = 128;
 /// Threads of the main kernel: one producer and two consumer warpgroups.
 const THREADS: u32 = 384;
 /// Query rows per preprocess CTA, also the granularity of the padded per-row vectors
@@ -83,10 +81,14 @@ pub(crate) struct SavedForBackward<'a> {
     pub deterministic: bool,
 }
 
-/// One compiled instantiation of the main kernel.
+/// One compiled instantiation of the main kernel (`fa3::BwdTraits`).
 struct Variant {
     head_dim: usize,
+    /// Query rows per block streamed past the CTA.
     block_m: usize,
+    /// Keys per CTA: two consumer warpgroups of 64 keys, or (head dim 256) 64 keys whose head
+    /// dim the two split.
+    block_n: usize,
 }
 
 impl Variant {
@@ -96,33 +98,41 @@ impl Variant {
             0..=64 => Self {
                 head_dim: 64,
                 block_m: 128,
+                block_n: 128,
             },
             65..=128 => Self {
                 head_dim: 128,
                 block_m: 64,
+                block_n: 128,
             },
-            d => bail!(
-                "flash-attn3: the GPU backward supports head dims up to 128 for now, got {d} (the forward supports 256); run the backward on the CPU for larger head dims"
-            ),
+            _ => Self {
+                head_dim: 256,
+                block_m: 64,
+                block_n: 64,
+            },
         })
     }
 
     fn kernel_name(&self, dtype: DType) -> &'static str {
-        match (self.head_dim, dtype) {
-            (64, DType::BF16) => "flash_bwd_d64_bf16",
-            (64, _) => "flash_bwd_d64_f16",
-            (_, DType::BF16) => "flash_bwd_d128_bf16",
-            _ => "flash_bwd_d128_f16",
+        match (self.head_dim, dtype == DType::BF16) {
+            (64, true) => "flash_bwd_d64_bf16",
+            (64, false) => "flash_bwd_d64_f16",
+            (128, true) => "flash_bwd_d128_bf16",
+            (128, false) => "flash_bwd_d128_f16",
+            (_, true) => "flash_bwd_d256_bf16",
+            (_, false) => "flash_bwd_d256_f16",
         }
     }
 
     /// `fa3::BwdSharedStorage` plus slack to align its start to 1024 bytes.
     fn smem_bytes(&self) -> usize {
-        let (d, bm) = (self.head_dim, self.block_m);
-        let kv = 2 * BLOCK_N * d * 2;
+        let (d, bm, bn) = (self.head_dim, self.block_m, self.block_n);
+        let wide = d > 128;
+        let kv = 2 * bn * d * 2;
         let q_do = 2 * 2 * bm * d * 2;
-        let ds = 2 * BLOCK_N * bm * 2;
-        let dq_shares = 2 * 64 * 64 * 4;
+        // dSᵀ, double-buffered; wide: Pᵀ too, and no dQ staging (vector reductions instead).
+        let ds = if wide { 2 } else { 1 } * 2 * bn * bm * 2;
+        let dq_shares = if wide { 0 } else { 2 * 64 * 64 * 4 };
         let rows = 2 * 2 * bm * 4;
         kv + q_do + ds + dq_shares + rows + 64 + 1024
     }
@@ -226,7 +236,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
         dims.head_dim,
         k_sizes,
         k_strides,
-        BLOCK_N,
+        variant.block_n,
     )?;
     let tma_v = tensor_map(
         "v",
@@ -235,7 +245,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
         dims.head_dim_v,
         v_sizes,
         v_strides,
-        BLOCK_N,
+        variant.block_n,
     )?;
     let tma_do = tensor_map(
         "grad_out",
@@ -248,7 +258,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
     )?;
 
     let num_m_blocks = dims.seqlen_q.div_ceil(bm);
-    let num_n_blocks = dims.seqlen_k.div_ceil(BLOCK_N);
+    let num_n_blocks = dims.seqlen_k.div_ceil(variant.block_n);
     let padded_rows = (dims.total_q / ROW_PAD + dims.batch + 1) * ROW_PAD;
     if dims.heads * padded_rows > i32::MAX as usize || dims.batch * dims.heads * num_m_blocks > i32::MAX as usize {
         bail!("flash-attn3: backward problem too large for one launch")
