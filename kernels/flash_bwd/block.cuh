@@ -32,6 +32,21 @@ template <class Tr> __device__ __forceinline__ bool get_key_block(const BwdParam
     return true;
 }
 
+// The queries [lo, hi] that see key `key` of a sequence (key_range turned around: query i sees
+// the key iff lo <= i <= hi; empty when hi < lo). A consumer thread computes it once for each of
+// its two key rows, so that a boundary block's element mask is two compares per entry.
+struct QueryInterval {
+    int lo, hi;
+};
+__device__ __forceinline__ QueryInterval query_interval(const BwdParams& p, int key, int sq, int sk) {
+    const int64_t diag0 = (int64_t)key - (sk - sq);  // the query whose diagonal is this key
+    QueryInterval r;
+    r.lo = p.window_right < 0 ? 0 : (int)max((int64_t)0, diag0 - p.window_right);
+    r.hi = p.window_left < 0 ? sq - 1 : (int)min((int64_t)sq - 1, diag0 + p.window_left);
+    if (key >= sk) r.hi = -1;  // past the sequence's keys: seen by none
+    return r;
+}
+
 // True when every query of block m sees every key of the CTA's block: no element mask needed.
 template <class Tr> __device__ __forceinline__ bool block_unmasked(const BwdParams& p, const KeyBlock& kb, int m) {
     const int sq = kb.seq.seqlen_q, sk = kb.seq.seqlen_k;

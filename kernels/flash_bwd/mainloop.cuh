@@ -70,15 +70,16 @@ __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
 
 // Pᵀ (and with kGrads dSᵀ) of one query block, in place: st (scores) becomes Pᵀ, dpt (dPᵀ)
 // becomes dSᵀ. Without kGrads dpt is not touched (it may still be in flight) and grads()
-// finishes dSᵀ later. key: this thread's first key (the second is key + 8); i0: the block's first
-// query; lse / dpsum: shared addresses of the stage's vectors. kMasked: the block is not fully
-// visible (per-entry causal / window / sequence-end test, invisible entries get Pᵀ = dSᵀ = 0);
+// finishes dSᵀ later. seen_by: the queries that see this thread's two keys (rows key, key + 8);
+// i0: the query of the tile's column 0; lse / dpsum: shared addresses of the stage's vectors.
+// kMasked: the block is not fully visible (per-entry causal / window / sequence-end test,
+// invisible entries get Pᵀ = dSᵀ = 0);
 // kSoftcap: logits through tanh, dSᵀ times 1 − tanh² (needs kGrads). Specialised so that the
 // common case (unmasked, no softcap) is one FFMA + EX2 (+ FADD + FMUL) per entry.
 template <class Tr, bool kMasked, bool kSoftcap, bool kGrads>
 __device__ __forceinline__ void probs_grads(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
-                                            float (&dpt)[Tr::kSRegs], uint32_t lse, uint32_t dpsum, int key, int i0,
-                                            int quad_lane) {
+                                            float (&dpt)[Tr::kSRegs], uint32_t lse, uint32_t dpsum,
+                                            const QueryInterval (&seen_by)[2], int i0, int quad_lane) {
     static_assert(kGrads || !kSoftcap, "softcap computes Pᵀ and dSᵀ together");
     const float scale_log2 = p.scale_log2;
     const float softcap_pre = p.softcap_pre;
@@ -93,10 +94,8 @@ __device__ __forceinline__ void probs_grads(const BwdParams& p, const KeyBlock& 
             bool vis[2] = {true, true};
             if constexpr (kMasked) {
                 const int i = i0 + col + e;
-                int lo, hi;
-                key_range(p, i, kb.seq.seqlen_q, kb.seq.seqlen_k, lo, hi);
 #pragma unroll
-                for (int h = 0; h < 2; ++h) vis[h] = i < kb.seq.seqlen_q && key + 8 * h >= lo && key + 8 * h < hi;
+                for (int h = 0; h < 2; ++h) vis[h] = i >= seen_by[h].lo && i <= seen_by[h].hi;
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -142,12 +141,12 @@ __device__ __forceinline__ void grads(const float (&st)[Tr::kSRegs], float (&dpt
 // place). kPUnderDp (d128, no softcap): Pᵀ while dPᵀ is still in flight, then dSᵀ.
 template <class Tr, bool kMasked, bool kSoftcap>
 __device__ __forceinline__ void scores_to_grads(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
-                                                float (&dpt)[Tr::kSRegs], uint32_t lse, uint32_t dpsum, int key,
-                                                int i0, int quad_lane) {
+                                                float (&dpt)[Tr::kSRegs], uint32_t lse, uint32_t dpsum,
+                                                const QueryInterval (&seen_by)[2], int i0, int quad_lane) {
     if constexpr (Tr::kPUnderDp && !kSoftcap) {
         wgmma_wait<1>();
         fence_operand(st);
-        probs_grads<Tr, kMasked, false, false>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+        probs_grads<Tr, kMasked, false, false>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
         wgmma_wait<0>();
         fence_operand(dpt);
         grads<Tr>(st, dpt, dpsum, quad_lane);
@@ -155,7 +154,7 @@ __device__ __forceinline__ void scores_to_grads(const BwdParams& p, const KeyBlo
         wgmma_wait<0>();
         fence_operand(st);
         fence_operand(dpt);
-        probs_grads<Tr, kMasked, kSoftcap, true>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+        probs_grads<Tr, kMasked, kSoftcap, true>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
     }
 }
 
@@ -257,6 +256,8 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
     const int warp = tid / 32, lane = tid % 32, quad_lane = lane % 4;
     const int key_in_tile = wg * 64 + warp * 16 + lane / 4;  // this thread's first key row; +8 the second
     const int key = kb.n * Tr::kBlockN + key_in_tile;
+    const QueryInterval seen_by[2] = {query_interval(p, key, kb.seq.seqlen_q, kb.seq.seqlen_k),
+                                      query_interval(p, key + 8, kb.seq.seqlen_q, kb.seq.seqlen_k)};
 #pragma unroll
     for (int i = 0; i < Tr::kAccRegs; ++i) dk[i] = dv[i] = 0.f;
 
@@ -293,11 +294,11 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
                 const int i0 = m * Tr::kBlockM;
                 const bool masked = !block_unmasked<Tr>(p, kb, m);
                 if (p.softcap_pre != 0.f) {
-                    if (masked) scores_to_grads<Tr, true, true>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
-                    else scores_to_grads<Tr, false, true>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                    if (masked) scores_to_grads<Tr, true, true>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
+                    else scores_to_grads<Tr, false, true>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
                 } else {
-                    if (masked) scores_to_grads<Tr, true, false>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
-                    else scores_to_grads<Tr, false, false>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                    if (masked) scores_to_grads<Tr, true, false>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
+                    else scores_to_grads<Tr, false, false>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
                 }
             }
             to_a_operand<Tr>(st, pa);

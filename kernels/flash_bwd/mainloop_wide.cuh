@@ -44,6 +44,8 @@ __device__ void bwd_consumer_wide(const BwdParams& p, BwdSharedStorage<Tr>& s, c
     static_assert(Tr::kWide && Tr::kAccCols == 128 && Tr::kBlockN == 64, "the head dim 256 shape");
     const int warp = tid / 32, lane = tid % 32, quad_lane = lane % 4;
     const int key = kb.n * Tr::kBlockN + warp * 16 + lane / 4;  // this thread's first key; +8 the second
+    const QueryInterval seen_by[2] = {query_interval(p, key, kb.seq.seqlen_q, kb.seq.seqlen_k),
+                                      query_interval(p, key + 8, kb.seq.seqlen_q, kb.seq.seqlen_k)};
     const int q_half = wg * Tr::kSCols;  // this warpgroup's first query (column) of the scores
 #pragma unroll
     for (int i = 0; i < Tr::kAccRegs; ++i) dk[i] = dv[i] = 0.f;
@@ -76,11 +78,11 @@ __device__ void bwd_consumer_wide(const BwdParams& p, BwdSharedStorage<Tr>& s, c
                 const int i0 = m * Tr::kBlockM + q_half;
                 const bool masked = !block_unmasked<Tr>(p, kb, m);
                 if (p.softcap_pre != 0.f) {
-                    if (masked) scores_to_grads<Tr, true, true>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
-                    else scores_to_grads<Tr, false, true>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                    if (masked) scores_to_grads<Tr, true, true>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
+                    else scores_to_grads<Tr, false, true>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
                 } else {
-                    if (masked) scores_to_grads<Tr, true, false>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
-                    else scores_to_grads<Tr, false, false>(p, kb, st, dpt, lse, dpsum, key, i0, quad_lane);
+                    if (masked) scores_to_grads<Tr, true, false>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
+                    else scores_to_grads<Tr, false, false>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
                 }
             }
 
