@@ -14,11 +14,10 @@
 //! rounded to 16 bits before P·V, as in FA3), LSE 1e-3.
 #![cfg(feature = "cuda")]
 
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3_tests::{
-    assert_close, assert_close_with_floor, assert_identical, attention_grads_ref, attention_grads_ref_varlen,
-    attention_ref, attention_ref_varlen, cumulative, max_abs, max_len, relative_error_with_floor, seqlens_tensor,
-    AttnShape, Opts, TestRng,
+    assert_close, assert_identical, attention_grads_ref, attention_grads_ref_varlen, attention_ref,
+    attention_ref_varlen, cumulative, max_len, seqlens_tensor, AttnShape, Grads, Opts, TestRng,
 };
 
 const OUT_TOL: f64 = 1e-2;
@@ -533,44 +532,22 @@ fn dynamic_small_causal_for_sanitizer() -> Result<()> {
 
 const GRAD_TOL: f64 = 2e-2;
 
-/// dq, dk, dv of `sum(f(q, k, v) ∘ w)` through candle's autograd.
+/// dq, dk, dv of `sum(f(q, k, v) ∘ w)` through candle's autograd, with the allocator's free
+/// memory poisoned with NaN between the forward and the backward.
 fn autograd(
     f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     w: &Tensor,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let (qv, kv, vv) = (Var::from_tensor(q)?, Var::from_tensor(k)?, Var::from_tensor(v)?);
-    let out = f(qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
-    // Stale allocator memory is NaN: a gradient element the kernels forget to write fails.
-    poison(q.device(), 4 * (q.elem_count() + k.elem_count() + v.elem_count()))?;
-    let loss = (out * w)?.sum_all()?;
-    let grads = loss.backward()?;
-    let get = |x: &Var, name: &str| match grads.get(x.as_tensor()) {
-        Some(g) => Ok(g.clone()),
-        None => candle_core::bail!("no gradient for {name}"),
-    };
-    Ok((get(&qv, "q")?, get(&kv, "k")?, get(&vv, "v")?))
+) -> Result<Grads> {
+    let elems = q.elem_count() + k.elem_count() + v.elem_count();
+    flash_attn3_tests::autograd(f, (q, k, v), w, || poison(q.device(), 4 * elems))
 }
 
-/// Checks the three gradients; returns the largest of their errors (for the log).
-fn check_grads(got: &(Tensor, Tensor, Tensor), want: &(Tensor, Tensor, Tensor), what: &str) -> Result<f64> {
-    let floor = max_abs(&want.0)?
-        .max(max_abs(&want.1)?)
-        .max(max_abs(&want.2)?)
-        .max(1e-6);
-    let mut worst = 0f64;
-    for (name, g, w) in [
-        ("dq", &got.0, &want.0),
-        ("dk", &got.1, &want.1),
-        ("dv", &got.2, &want.2),
-    ] {
-        assert_eq!(g.dims(), w.dims(), "{what}: {name} shape");
-        assert_close_with_floor(g, w, GRAD_TOL, floor, &format!("{what}: {name}"))?;
-        worst = worst.max(relative_error_with_floor(g, w, floor)?);
-    }
-    Ok(worst)
+/// The shared gradient check at the GPU tolerance; returns the largest error (for the log).
+fn check_grads(got: &Grads, want: &Grads, what: &str) -> Result<f64> {
+    flash_attn3_tests::check_grads(got, want, GRAD_TOL, what)
 }
 
 fn check_backward(shape: AttnShape, dtype: DType, o: Opts, rng: &mut TestRng, what: &str) -> Result<f64> {

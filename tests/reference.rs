@@ -25,7 +25,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_core::{bail, DType, Device, Result, Tensor, Var};
 
 // ------------------------------------------------------------------------------------------
 // Options and masks
@@ -582,6 +582,54 @@ pub fn assert_close_with_floor(got: &Tensor, want: &Tensor, rel_tol: f64, floor:
         )
     }
     Ok(())
+}
+
+/// Three gradients (dq, dk, dv).
+pub type Grads = (Tensor, Tensor, Tensor);
+
+/// dq, dk, dv of `sum(f(q, k, v) ∘ w)` through candle's autograd. `before_backward` runs between
+/// the forward and the backward (the GPU tests fill freed allocator memory with NaN there, so
+/// that a gradient element the kernels forget to write fails).
+pub fn autograd(
+    f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    w: &Tensor,
+    before_backward: impl FnOnce() -> Result<()>,
+) -> Result<Grads> {
+    let (qv, kv, vv) = (Var::from_tensor(q)?, Var::from_tensor(k)?, Var::from_tensor(v)?);
+    let out = f(qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
+    before_backward()?;
+    let loss = (out * w)?.sum_all()?;
+    let grads = loss.backward()?;
+    let get = |x: &Var, name: &str| match grads.get(x.as_tensor()) {
+        Some(g) => Ok(g.clone()),
+        None => bail!("no gradient for {name}"),
+    };
+    Ok((get(&qv, "q")?, get(&kv, "k")?, get(&vv, "v")?))
+}
+
+/// Checks three gradients against the reference's, each relative to its own scale floored at the
+/// largest of the three: dq (or dk) is legitimately ~0 when every query sees a single key (p = 1,
+/// dS = 0), and its round-off is then measured against the gradients' scale rather than against
+/// 0. Returns the largest of the three errors (for the log).
+pub fn check_grads(got: &Grads, want: &Grads, rel_tol: f64, what: &str) -> Result<f64> {
+    let floor = max_abs(&want.0)?
+        .max(max_abs(&want.1)?)
+        .max(max_abs(&want.2)?)
+        .max(1e-6);
+    let mut worst = 0f64;
+    for (name, g, w) in [
+        ("dq", &got.0, &want.0),
+        ("dk", &got.1, &want.1),
+        ("dv", &got.2, &want.2),
+    ] {
+        if g.dims() != w.dims() {
+            bail!("{what}: {name} shape {:?} != {:?}", g.dims(), w.dims())
+        }
+        assert_close_with_floor(g, w, rel_tol, floor, &format!("{what}: {name}"))?;
+        worst = worst.max(relative_error_with_floor(g, w, floor)?);
+    }
+    Ok(worst)
 }
 
 /// Fails unless the two tensors are bit-for-bit equal (same shape, dtype and values; NaN
