@@ -1,21 +1,17 @@
 """FA3 (the fa3-fwd wheel of ../shared/anchors) on the decode-like shapes of
-crates/flash-attn/benches/gpu_attention.rs (DECODE_SHAPES, keep the two lists equal): d128, bf16,
+crates/flash-attn/benches/gpu_attention.rs (both read crates/flash-attn/benches/decode_shapes.txt): d128, bf16,
 split-KV chosen by FA3's own heuristic (num_splits=0). Runs on the GPU machine with the anchors'
 wheels installed (scripts/gpu-run.sh --anchors does that and runs this after anchors_bench.py).
 Prints one table row per shape: median time per call over CUDA events, and K+V bytes read per
 second."""
+import os
+
 import torch
 
-SHAPES = [  # (batch, seqlen_q, q heads, kv heads, seqlen_k)
-    (32, 1, 32, 4, 8192),
-    (32, 16, 32, 4, 8192),
-    (1, 1, 32, 8, 8192),
-    (1, 1, 32, 8, 32768),
-    (1, 1, 32, 8, 131072),
-    (1, 16, 32, 8, 32768),
-    (4, 1, 32, 8, 32768),
-    (8, 1, 64, 8, 16384),
-]
+SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "crates", "flash-attn", "benches",
+                           "decode_shapes.txt")
+# (batch, seqlen_q, q heads, kv heads, seqlen_k), the same file the Rust benchmark reads
+SHAPES = [tuple(int(x) for x in line.split()) for line in open(SHAPES_FILE) if line.strip() and not line.startswith("#")]
 
 
 def median_seconds(fn, iters=50, warmup=5):

@@ -1,7 +1,7 @@
 //! GPU forward benchmark over the FlashAttention-3 paper's grid: bf16, 16k tokens per batch
 //! (batch = 16384 / seqlen), hidden 2048 (heads = 2048 / head_dim), head dim 64/128/256,
 //! seqlen 512..16k, causal and not; FLOPs 4·b·h·s²·d, halved when causal. Plus decode-like
-//! shapes (`DECODE_SHAPES`: seqlen_q 1 or 16 against 8k-128k keys, GQA, d128), reported as time
+//! shapes (decode_shapes.txt: seqlen_q 1 or 16 against 8k-128k keys, GQA, d128), reported as time
 //! and K/V bytes read per second, with split-KV chosen per call and off.
 //!
 //! Timing: 3 warm-up calls, then as many calls as fit in ~200 ms (at least 5), bracketed by
@@ -139,23 +139,29 @@ fn backward_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
 /// Decode-like shapes (d128, bf16): K/V bytes read per second, with split-KV chosen per call
 /// (`auto`) and off (`num_splits(1)`). Rows: (batch, seqlen_q, q heads, kv heads, seqlen_k).
 /// scripts/decode_anchor.py times FA3 on the same shapes.
-pub const DECODE_SHAPES: [(usize, usize, usize, usize, usize); 8] = [
-    (32, 1, 32, 4, 8192),
-    (32, 16, 32, 4, 8192),
-    (1, 1, 32, 8, 8192),
-    (1, 1, 32, 8, 32768),
-    (1, 1, 32, 8, 131072),
-    (1, 16, 32, 8, 32768),
-    (4, 1, 32, 8, 32768),
-    (8, 1, 64, 8, 16384),
-];
+/// The decode-like shapes (batch, seqlen_q, q heads, kv heads, seqlen_k), from the file that
+/// scripts/decode_anchor.py reads too.
+fn decode_shape_list() -> Vec<(usize, usize, usize, usize, usize)> {
+    include_str!("decode_shapes.txt")
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+        .map(|l| {
+            let f: Vec<usize> = l
+                .split_whitespace()
+                .map(|x| x.parse().expect("decode_shapes.txt: a number"))
+                .collect();
+            assert_eq!(f.len(), 5, "decode_shapes.txt: five numbers per line: {l}");
+            (f[0], f[1], f[2], f[3], f[4])
+        })
+        .collect()
+}
 
 fn decode_shapes(dev: &Device) -> Result<()> {
     println!("\nDecode-like, d128, bf16: time per call (us) and K+V read (TB/s)");
     println!("| batch | seqlen_q | heads q/kv | seqlen_k | causal | auto: us | TB/s | num_splits(1): us | TB/s |");
     println!("|---|---|---|---|---|---|---|---|---|");
     let d = 128;
-    for (b, sq, h, hk, sk) in DECODE_SHAPES {
+    for (b, sq, h, hk, sk) in decode_shape_list() {
         let k = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?.to_dtype(DType::BF16)?;
         let v = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?.to_dtype(DType::BF16)?;
         let q = Tensor::randn(0f32, 1., (b, sq, h, d), dev)?.to_dtype(DType::BF16)?;
