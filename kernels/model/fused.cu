@@ -17,32 +17,81 @@ template <> __device__ __forceinline__ __half from_f<__half>(float x) { return _
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 constexpr int kNormThreads = 256;
+// The vector path of add_rms_norm: 16-byte loads, up to kNormIters of them per thread held in
+// registers between the sum of squares and the scaling (rows of up to 8192 bf16/f16 elements).
+constexpr int kNormIters = 4;
+
+// The sum of `v` over the block (kNormThreads threads), in every thread.
+__device__ __forceinline__ float block_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __shared__ float warp_sums[kNormThreads / 32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    v = lane < kNormThreads / 32 ? warp_sums[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
 
 // res = x + h (rounded to T, as candle's add), out = res * rsqrt(mean(res²) + eps) * w.
 // One block of kNormThreads per row; rows are contiguous, `dim` elements each.
 template <typename T>
 __device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ h, const T* __restrict__ w,
                              T* __restrict__ res, T* __restrict__ out, int dim, float eps) {
+    constexpr int kVec = 16 / sizeof(T);
     const size_t row = blockIdx.x;
+    const bool aligned = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(h) |
+                           reinterpret_cast<uintptr_t>(w) | reinterpret_cast<uintptr_t>(res) |
+                           reinterpret_cast<uintptr_t>(out)) % 16) == 0;
     x += row * dim;
     h += row * dim;
     res += row * dim;
     out += row * dim;
     float sum = 0.f;
+    if (aligned && dim % kVec == 0 && dim <= kNormThreads * kVec * kNormIters) {
+        uint4 r[kNormIters];
+#pragma unroll
+        for (int k = 0; k < kNormIters; ++k) {
+            const int v = threadIdx.x + k * kNormThreads;
+            if (v * kVec < dim) {
+                const uint4 xv = reinterpret_cast<const uint4*>(x)[v], hv = reinterpret_cast<const uint4*>(h)[v];
+                const T* xe = reinterpret_cast<const T*>(&xv);
+                const T* he = reinterpret_cast<const T*>(&hv);
+                T* re = reinterpret_cast<T*>(&r[k]);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    re[e] = from_f<T>(to_f(xe[e]) + to_f(he[e]));
+                    const float f = to_f(re[e]);
+                    sum += f * f;
+                }
+                reinterpret_cast<uint4*>(res)[v] = r[k];
+            }
+        }
+        const float scale = rsqrtf(block_sum(sum) / dim + eps);
+#pragma unroll
+        for (int k = 0; k < kNormIters; ++k) {
+            const int v = threadIdx.x + k * kNormThreads;
+            if (v * kVec < dim) {
+                const uint4 wv = reinterpret_cast<const uint4*>(w)[v];
+                const T* we = reinterpret_cast<const T*>(&wv);
+                const T* re = reinterpret_cast<const T*>(&r[k]);
+                uint4 o;
+                T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) oe[e] = from_f<T>(scale * to_f(re[e]) * to_f(we[e]));
+                reinterpret_cast<uint4*>(out)[v] = o;
+            }
+        }
+        return;
+    }
+    // Any other row length or alignment: element by element.
     for (int c = threadIdx.x; c < dim; c += kNormThreads) {
         const T r = from_f<T>(to_f(x[c]) + to_f(h[c]));
         res[c] = r;
         const float rf = to_f(r);
         sum += rf * rf;
     }
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    __shared__ float warp_sums[kNormThreads / 32];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) warp_sums[warp] = sum;
-    __syncthreads();
-    sum = lane < kNormThreads / 32 ? warp_sums[lane] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float scale = rsqrtf(sum / dim + eps);
+    const float scale = rsqrtf(block_sum(sum) / dim + eps);
     // Each thread reads back only the residuals it wrote itself.
     for (int c = threadIdx.x; c < dim; c += kNormThreads) {
         out[c] = from_f<T>(scale * to_f(res[c]) * to_f(w[c]));

@@ -52,8 +52,20 @@ fn randn(shape: &[usize], dtype: DType, dev: &Device) -> Tensor {
 fn add_rms_norm_matches_composed() -> Result<()> {
     let dev = gpu();
     for dtype in DTYPES {
-        for (rows, dim) in [(1, 2048), (7, 301), (33, 576), (3, 1), (130, 5000)] {
-            let x = randn(&[rows, dim], dtype, &dev);
+        // 16-byte vectors (2048, 576, 5000 for 16-bit types), element by element (odd lengths,
+        // rows over 8192, and x starting one element past an aligned address).
+        for (rows, dim, offset) in [
+            (1, 2048, 0),
+            (7, 301, 0),
+            (33, 576, 0),
+            (3, 1, 0),
+            (130, 5000, 0),
+            (2, 9000, 0),
+            (3, 2048, 1),
+        ] {
+            let x = randn(&[rows * dim + offset], dtype, &dev)
+                .narrow(0, offset, rows * dim)?
+                .reshape((rows, dim))?;
             let h = randn(&[rows, dim], dtype, &dev);
             let w = (randn(&[dim], dtype, &dev) * 0.2)?.affine(1.0, 1.0)?;
             let (res, normed) = add_rms_norm(&x, &h, &w, 1e-5)?;
@@ -214,6 +226,9 @@ fn run(model: &Llama) -> Vec<Tensor> {
     out
 }
 
+/// Loads one test model in a dtype with a kernel set, on the GPU.
+type Loader = dyn Fn(DType, Kernels) -> Llama;
+
 /// The fused kernels change nothing but rounding: whole models on the GPU give the composed
 /// logits within bf16/f16 tolerance (prefill, decode through the cache, full forward).
 #[test]
@@ -221,7 +236,7 @@ fn fused_model_matches_composed_on_the_gpu() {
     let gguf_dir = common::temp_dir("gpu-gguf");
     let gguf = gguf_dir.join("tiny.gguf");
     common::write_gguf(&gguf);
-    let mut cases: Vec<(String, Box<dyn Fn(DType, Kernels) -> Llama>)> = Vec::new();
+    let mut cases: Vec<(String, Box<Loader>)> = Vec::new();
     for family in Family::ALL {
         let dir = hf_model(family);
         cases.push((

@@ -225,10 +225,7 @@ fn rope_store_t<T: CudaDType + DeviceRepr>(
     // The cache and its rows: read locks on their storage; the kernel writes the cache through
     // them. KvCache is not Clone and `Llama::step` holds it mutably, so nothing else touches the
     // cache while the launch is queued, and every launch is on candle's one stream.
-    let guards = match store {
-        Some((kv, rows)) => Some((kv.storage_and_layout(), rows.storage_and_layout())),
-        None => None,
-    };
+    let guards = store.map(|(kv, rows)| (kv.storage_and_layout(), rows.storage_and_layout()));
     let (rows_a, cache_a, row_stride, first) = match &guards {
         None => (0u64, 0u64, 0i64, heads as i32),
         Some(((kv_s, kv_l), (rows_s, rows_l))) => {
