@@ -114,7 +114,20 @@ fn device(cpu: bool) -> Result<Device> {
         return Ok(Device::Cpu);
     }
     // Device::cuda_if_available is the CPU unless built with the cuda feature and a GPU exists.
-    Ok(Device::cuda_if_available(0)?)
+    let dev = Device::cuda_if_available(0)?;
+    // cudarc gives every allocation a read and a write event (created with it, destroyed with
+    // it) to order its uses across streams: four driver calls per candle op that this program
+    // never needs, since all of its work (candle's kernels and copies, cuBLAS, flash-attn3 and
+    // flash-llama's kernels) is queued on the device's one stream. FLASH_LLAMA_EVENT_TRACKING=1
+    // keeps them (for comparison).
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = &dev {
+        if std::env::var("FLASH_LLAMA_EVENT_TRACKING").as_deref() != Ok("1") {
+            // SAFETY: one stream only (above), so no use needs ordering against another stream.
+            unsafe { d.disable_event_tracking() };
+        }
+    }
+    Ok(dev)
 }
 
 fn main() {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, here (no GPU needed), what scripts/gpu-run.sh runs on the GPU machine, into .device/
-# (git-ignored): the GPU test binary (tests/gpu.rs) and the GPU benchmark binary
-# (crates/flash-attn/benches/gpu_attention.rs), stripped and xz-compressed.
+# (git-ignored): the GPU test binaries (tests/gpu.rs, crates/model/tests/gpu.rs) and the GPU
+# benchmark binary (crates/flash-attn/benches/gpu_attention.rs), stripped and xz-compressed.
 #
 #   scripts/gpu-pack.sh [--anchors]
 #
@@ -69,6 +69,7 @@ print(exes[-1] if exes else "")
 
 build_exe TEST_EXE gpu test --release -p flash-attn3-tests --features cuda --test gpu --no-run
 build_exe BENCH_EXE gpu_attention bench -p flash-attn3 --features cuda --bench gpu_attention --no-run
+build_exe MODEL_TEST_EXE gpu test --release -p flash-llama --features cuda --test gpu --no-run
 
 mkdir -p "$DEV"
 pack() { # pack SRC NAME: strip and compress SRC into .device/NAME.xz
@@ -82,6 +83,7 @@ pack() { # pack SRC NAME: strip and compress SRC into .device/NAME.xz
 }
 pack "$TEST_EXE" gpu-test
 pack "$BENCH_EXE" gpu-bench
+pack "$MODEL_TEST_EXE" model-gpu-test
 
 {
     echo "packed:  $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
@@ -89,6 +91,7 @@ pack "$BENCH_EXE" gpu-bench
     echo "nvcc:    $(nvcc --version | grep -o 'release [0-9.]*, V[0-9.]*')"
     echo "test:    $(basename "$TEST_EXE")"
     echo "bench:   $(basename "$BENCH_EXE")"
+    echo "model:   $(basename "$MODEL_TEST_EXE")"
 } >"$DEV/manifest.txt"
 
 if ((ANCHORS)); then

@@ -14,7 +14,7 @@
 #      step is stopped by then, so the summary prints inside a 600 s call; STEP_TIMEOUT (default
 #      DEADLINE) caps each step.
 # A failing step does not stop the others. Full logs: $OUT/<step>.log (or /tmp/gpu-run/ without
-# $OUT; at most 8 files come back from $OUT: this writes at most 6, plus the anchors.json of
+# $OUT; at most 8 files come back from $OUT: this writes at most 7, plus the anchors.json of
 # anchors_bench.py). The summary table prints last; the exit code is non-zero if any step failed.
 set -uo pipefail
 
@@ -90,6 +90,8 @@ unxz_to() { # unxz_to SRC.xz DST
 TEST_BIN= BENCH_BIN=
 if [[ -f $DEV/gpu-test.xz ]] && unxz_to "$DEV/gpu-test.xz" "$BIN/gpu-test"; then TEST_BIN=$BIN/gpu-test; fi
 if [[ -f $DEV/gpu-bench.xz ]] && unxz_to "$DEV/gpu-bench.xz" "$BIN/gpu-bench"; then BENCH_BIN=$BIN/gpu-bench; fi
+MODEL_BIN=
+if [[ -f $DEV/model-gpu-test.xz ]] && unxz_to "$DEV/model-gpu-test.xz" "$BIN/model-gpu-test"; then MODEL_BIN=$BIN/model-gpu-test; fi
 
 NOLOG=1 step gpu nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 GPU_NAME=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n1)
@@ -99,6 +101,13 @@ if [[ -n $TEST_BIN ]]; then
     step tests "$TEST_BIN" --test-threads=1 ${TEST_ARGS:-}
 else
     skip_step tests "no .device/gpu-test.xz: run scripts/gpu-pack.sh and carry .device"
+fi
+
+# flash-llama's fused kernels and models (crates/model/tests/gpu.rs).
+if [[ -n $MODEL_BIN ]]; then
+    step model-tests "$MODEL_BIN" --test-threads=1
+else
+    skip_step model-tests "no .device/model-gpu-test.xz: run scripts/gpu-pack.sh and carry .device"
 fi
 
 if [[ -n $BENCH_BIN ]]; then

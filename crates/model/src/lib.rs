@@ -10,6 +10,7 @@
 //! - [`train`]: training from scratch (presets, AdamW, checkpoints that resume the same run).
 
 pub mod config;
+pub mod fused;
 pub mod generate;
 pub mod loader;
 pub mod model;

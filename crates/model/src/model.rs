@@ -12,6 +12,7 @@ use candle_nn::{Embedding, Linear, VarBuilder};
 use flash_attn3::{FlashAttn, SeqOffsets};
 
 use crate::config::Config;
+use crate::fused::{rope_store, silu_mul, CacheStore};
 use crate::nn::{apply_rope, rope_angles, rope_angles_per_head, rope_per_head, Kernels, RmsNorm};
 
 /// Keys and values of every layer for a batch of sequences, preallocated and written in place.
@@ -116,6 +117,9 @@ struct Plan {
     keys: KeySource,
     /// Runs of new tokens to store: (first packed row, how many, destination cache row).
     writes: Vec<(usize, usize, usize)>,
+    /// The same as one cache row per new token, (tokens,) u32 on the device, for the fused GPU
+    /// RoPE + KV store ([`crate::fused::rope_store`]); `None` where that kernel is not used.
+    cache_rows: Option<Tensor>,
 }
 
 /// Cumulative offsets known on the host, uploaded once per call and shared by every layer
@@ -229,12 +233,24 @@ impl Attention {
             QkvProj::Fused(qkv) => {
                 let y = qkv.forward(x)?.reshape((tokens, h + 2 * hk, d))?;
                 if let RopeTables::PerHead { cos, sin } = &plan.rope {
-                    // q and k rotated, v passed through, in one launch.
-                    let y = rope_per_head(&y, cos, sin, self.rope_interleaved)?;
-                    // k and v are adjacent in each row: one copy stores both.
-                    if let Some(kv) = cache {
-                        write_rows(kv, &y.narrow(1, h, 2 * hk)?, 0, &plan.writes)?;
-                    }
+                    let y = if y.device().is_cuda() {
+                        // One kernel: q and k rotated in place, v unchanged, k and v stored.
+                        let store = match (cache, &plan.cache_rows) {
+                            (Some(kv), Some(rows)) => Some(CacheStore { kv, rows }),
+                            (None, _) => None,
+                            (Some(_), None) => bail!("internal error: a GPU cache write without its rows"),
+                        };
+                        rope_store(&y, cos, sin, self.rope_interleaved, store)?;
+                        y
+                    } else {
+                        // q and k rotated, v passed through, in one launch.
+                        let y = rope_per_head(&y, cos, sin, self.rope_interleaved)?;
+                        // k and v are adjacent in each row: one copy stores both.
+                        if let Some(kv) = cache {
+                            write_rows(kv, &y.narrow(1, h, 2 * hk)?, 0, &plan.writes)?;
+                        }
+                        y
+                    };
                     let (q, k, v) = (y.narrow(1, 0, h)?, y.narrow(1, h, hk)?, y.narrow(1, h + hk, hk)?);
                     return self.attend(q, k, v, tokens, plan, cache);
                 }
@@ -459,9 +475,10 @@ impl InplaceOp2 for CopyRows {
     }
 }
 
-/// Up to this many tokens per call (decode steps), the MLP runs the fused gate/up matmul and
-/// SiLU and the product on its two strided halves (fewest launches); above it (prefill), two
-/// matmuls over the halves of the fused weight give contiguous outputs for the elementwise ops.
+/// On the CPU, up to this many tokens per call (decode steps), the MLP runs the fused gate/up
+/// matmul and SiLU and the product on its two strided halves (fewest launches); above it
+/// (prefill), two matmuls over the halves of the fused weight give contiguous outputs for the
+/// elementwise ops. The GPU always runs the fused matmul and [`silu_mul`].
 const FUSED_MLP_MAX_TOKENS: usize = 64;
 
 /// The gate and up projections: two matmuls (trainable form) or one over both weights
@@ -496,6 +513,10 @@ impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (gate, up) = match &self.gate_up {
             GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
+            // On the GPU one kernel reads both halves of the fused output, whatever the tokens.
+            GateUp::Fused(gate_up) if x.device().is_cuda() => {
+                return self.down_proj.forward(&silu_mul(&gate_up.forward(x)?)?);
+            }
             GateUp::Fused(gate_up) if x.dim(0)? <= FUSED_MLP_MAX_TOKENS => {
                 let y = gate_up.forward(x)?;
                 let i = self.intermediate;
@@ -632,9 +653,10 @@ impl Llama {
             rope: self.rope_tables(&positions)?,
             keys,
             writes: Vec::new(),
+            cache_rows: None,
         };
         let hidden = self.run_layers(&ids, &plan, None)?;
-        let logits = self.lm_head.forward(&self.norm.forward(&hidden)?)?;
+        let logits = self.lm_head.forward(&hidden)?;
         logits.to_dtype(DType::F32)?.reshape((b, s, self.cfg.vocab_size))
     }
 
@@ -703,7 +725,20 @@ impl Llama {
             }
             packed += n;
         }
-        let plan = Plan { rope, keys, writes };
+        // The fused GPU RoPE + KV store takes the cache row of every new token.
+        let cache_rows = match (&self.inv_freq_heads, dev.is_cuda()) {
+            (Some(_), true) => {
+                let rows = writes.iter().flat_map(|&(_, n, dst)| (dst..dst + n).map(|r| r as u32));
+                Some(Tensor::new(rows.collect::<Vec<u32>>(), dev)?)
+            }
+            _ => None,
+        };
+        let plan = Plan {
+            rope,
+            keys,
+            writes,
+            cache_rows,
+        };
         let ids = Tensor::new(flat, dev)?;
         let hidden = self.run_layers(&ids, &plan, Some(cache))?;
         for (len, n) in cache.lens.iter_mut().zip(&new) {
@@ -726,10 +761,7 @@ impl Llama {
             true => hidden,
             false => hidden.index_select(&Tensor::new(last, dev)?, 0)?,
         };
-        let logits = self
-            .lm_head
-            .forward(&self.norm.forward(&hidden)?)?
-            .to_dtype(DType::F32)?;
+        let logits = self.lm_head.forward(&hidden)?.to_dtype(DType::F32)?;
         if rows.len() == inputs.len() {
             return Ok(logits);
         }
@@ -771,18 +803,24 @@ impl Llama {
         Ok(())
     }
 
-    /// Embeds `ids` (tokens,) and runs every block, storing the new keys in `cache` if given.
+    /// Embeds `ids` (tokens,) and runs every block, storing the new keys in `cache` if given;
+    /// returns the final norm of the hidden states. Each residual add and the norm after it are
+    /// one [`RmsNorm::add_forward`] (one kernel with fused kernels on the GPU).
     fn run_layers(&self, ids: &Tensor, plan: &Plan, cache: Option<&KvCache>) -> Result<Tensor> {
         let mut x = self.embed_tokens.forward(ids)?;
+        let Some(first) = self.layers.first() else {
+            return self.norm.forward(&x);
+        };
+        let mut normed = first.input_layernorm.forward(&x)?;
         for (i, block) in self.layers.iter().enumerate() {
             let layer_cache = cache.map(|c| &c.kv[i]);
-            let h = block
-                .self_attn
-                .forward(&block.input_layernorm.forward(&x)?, plan, layer_cache)?;
-            x = (x + h)?;
-            let h = block.mlp.forward(&block.post_attention_layernorm.forward(&x)?)?;
-            x = (x + h)?;
+            let h = block.self_attn.forward(&normed, plan, layer_cache)?;
+            let (x1, n1) = block.post_attention_layernorm.add_forward(&x, &h)?;
+            let h = block.mlp.forward(&n1)?;
+            // The next block's input norm, or the final norm after the last block.
+            let next = self.layers.get(i + 1).map_or(&self.norm, |b| &b.input_layernorm);
+            (x, normed) = next.add_forward(&x1, &h)?;
         }
-        Ok(x)
+        Ok(normed)
     }
 }

@@ -12,7 +12,9 @@ pub enum Kernels {
     /// Plain candle ops: differentiable (training) and the reference.
     #[default]
     Composed,
-    /// candle-nn's fused kernels: forward only.
+    /// Forward only: candle-nn's fused RMSNorm and RoPE kernels, q/k/v and gate/up weights
+    /// concatenated at load; on the GPU also our own fused kernels ([`crate::fused`]: add +
+    /// RMSNorm, SiLU × up, RoPE + KV-cache store).
     Fused,
 }
 
@@ -27,6 +29,20 @@ pub struct RmsNorm {
 impl RmsNorm {
     pub fn new(weight: Tensor, eps: f64, kernels: Kernels) -> Self {
         Self { weight, eps, kernels }
+    }
+}
+
+impl RmsNorm {
+    /// `(x + h, self.forward(x + h))`: a residual update and the normalised input of the next
+    /// sub-block. With [`Kernels::Fused`] on the GPU one kernel does both
+    /// ([`crate::fused::add_rms_norm`]); otherwise candle's add, then the norm.
+    pub fn add_forward(&self, x: &Tensor, h: &Tensor) -> Result<(Tensor, Tensor)> {
+        if self.kernels == Kernels::Fused && x.device().is_cuda() {
+            return crate::fused::add_rms_norm(x, h, &self.weight, self.eps);
+        }
+        let sum = (x + h)?;
+        let normed = self.forward(&sum)?;
+        Ok((sum, normed))
     }
 }
 

@@ -1,0 +1,270 @@
+//! Launches of kernels/model/fused.cu: the cubin built by build.rs, loaded once per device
+//! through candle's cudarc, launched on candle's stream.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaModule, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
+use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
+use half::{bf16, f16};
+
+static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fused.cubin"));
+
+/// Threads of the add + RMSNorm blocks (`kNormThreads`), one block per row.
+const NORM_THREADS: u32 = 256;
+/// Threads per block of the elementwise kernels (grid-stride loops).
+const THREADS: u32 = 256;
+
+fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
+    candle_core::Error::Msg(format!("flash-llama: {what}: {e:?}"))
+}
+
+/// The kernel `name` (e.g. `silu_mul_bf16`) on `dev`, loading the cubin on first use.
+fn function(dev: &CudaDevice, name: String) -> Result<CudaFunction> {
+    static FUNCS: OnceLock<Mutex<HashMap<(DeviceId, String), CudaFunction>>> = OnceLock::new();
+    let mut funcs = FUNCS.get_or_init(Default::default).lock().unwrap();
+    if let Some(f) = funcs.get(&(dev.id(), name.clone())) {
+        return Ok(f.clone());
+    }
+    // One module per device: load it with the first function, then look the others up in it.
+    static MODULES: OnceLock<Mutex<HashMap<DeviceId, std::sync::Arc<CudaModule>>>> = OnceLock::new();
+    let module = {
+        let mut modules = MODULES.get_or_init(Default::default).lock().unwrap();
+        match modules.get(&dev.id()) {
+            Some(m) => m.clone(),
+            None => {
+                let ctx = dev.cuda_stream().context().clone();
+                let m = ctx.load_module(Ptx::from_binary(CUBIN.to_vec())).map_err(|e| {
+                    err(
+                        "could not load the sm_90a fused kernels (they need a Hopper GPU: H100/H200)",
+                        e,
+                    )
+                })?;
+                modules.insert(dev.id(), m.clone());
+                m
+            }
+        }
+    };
+    let f = module.load_function(&name).map_err(|e| err(&name, e))?;
+    funcs.insert((dev.id(), name), f.clone());
+    Ok(f)
+}
+
+/// The kernel suffix of a dtype.
+fn suffix(dtype: DType, op: &str) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F32 => "f32",
+        d => bail!("flash-llama {op}: unsupported dtype {d:?} (bf16, f16 or f32)"),
+    })
+}
+
+/// The device address of a contiguous input's first element (its guard dropped at once: every
+/// launch is on candle's one stream, as in flash-attn3).
+fn addr<T: CudaDType>(s: &CudaStorage, l: &Layout, op: &str, what: &str) -> Result<u64> {
+    let Some((start, _)) = l.contiguous_offsets() else {
+        bail!(
+            "flash-llama {op}: {what} must be contiguous, got strides {:?}",
+            l.stride()
+        )
+    };
+    let stream = s.device.cuda_stream();
+    let (ptr, _) = s.as_cuda_slice::<T>()?.device_ptr(&stream);
+    Ok(ptr + (start * std::mem::size_of::<T>()) as u64)
+}
+
+/// A grid of at most 8 blocks per SM-ish for grid-stride loops over `n` elements.
+fn grid(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(THREADS as usize).clamp(1, 4096) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn same_dtype(op: &str, dtype: DType, others: &[(&str, DType)]) -> Result<()> {
+    for (what, d) in others {
+        if *d != dtype {
+            bail!("flash-llama {op}: {what} is {d:?}, the input {dtype:?}")
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn add_rms_norm(
+    x: (&CudaStorage, &Layout),
+    h: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<CudaStorage> {
+    let dtype = x.0.dtype();
+    same_dtype(
+        "add + RMSNorm",
+        dtype,
+        &[("h", h.0.dtype()), ("the weight", w.0.dtype())],
+    )?;
+    match dtype {
+        DType::BF16 => add_rms_norm_t::<bf16>(x, h, w, eps),
+        DType::F16 => add_rms_norm_t::<f16>(x, h, w, eps),
+        DType::F32 => add_rms_norm_t::<f32>(x, h, w, eps),
+        d => bail!("flash-llama add + RMSNorm: unsupported dtype {d:?} (bf16, f16 or f32)"),
+    }
+}
+
+fn add_rms_norm_t<T: CudaDType + DeviceRepr>(
+    x: (&CudaStorage, &Layout),
+    h: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<CudaStorage> {
+    const OP: &str = "add + RMSNorm";
+    let dev = x.0.device.clone();
+    let n = x.1.shape().elem_count();
+    let dim = x.1.dims().last().copied().unwrap_or(0);
+    let (xa, ha, wa) = (
+        addr::<T>(x.0, x.1, OP, "x")?,
+        addr::<T>(h.0, h.1, OP, "h")?,
+        addr::<T>(w.0, w.1, OP, "w")?,
+    );
+    // SAFETY: the kernel writes all 2n elements: the residual, then the normed rows.
+    let mut out = unsafe { dev.alloc::<T>(2 * n.max(1))? };
+    if n == 0 {
+        return Ok(T::wrap_cuda_slice(out, dev));
+    }
+    let func = function(&dev, format!("add_rms_norm_{}", suffix(x.0.dtype(), OP)?))?;
+    let stream = dev.cuda_stream();
+    {
+        let (res, _guard) = out.device_ptr_mut(&stream);
+        let normed = res + (n * std::mem::size_of::<T>()) as u64;
+        let cfg = LaunchConfig {
+            grid_dim: ((n / dim) as u32, 1, 1),
+            block_dim: (NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let dim = dim as i32;
+        let mut b = stream.launch_builder(&func);
+        b.arg(&xa).arg(&ha).arg(&wa).arg(&res).arg(&normed).arg(&dim).arg(&eps);
+        // SAFETY: contiguous inputs of n (x, h) and dim (w) elements, an output of 2n.
+        unsafe { b.launch(cfg) }.map_err(|e| err("add_rms_norm launch", e))?;
+    }
+    Ok(T::wrap_cuda_slice(out, dev))
+}
+
+pub(super) fn silu_mul(y: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
+    match y.0.dtype() {
+        DType::BF16 => silu_mul_t::<bf16>(y),
+        DType::F16 => silu_mul_t::<f16>(y),
+        DType::F32 => silu_mul_t::<f32>(y),
+        d => bail!("flash-llama SiLU × up: unsupported dtype {d:?} (bf16, f16 or f32)"),
+    }
+}
+
+fn silu_mul_t<T: CudaDType + DeviceRepr>(y: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
+    const OP: &str = "SiLU × up";
+    let dev = y.0.device.clone();
+    let inter = y.1.dims().last().copied().unwrap_or(0) / 2;
+    let n = y.1.shape().elem_count() / 2;
+    let ya = addr::<T>(y.0, y.1, OP, "the gate/up output")?;
+    // SAFETY: the kernel writes all n elements.
+    let mut out = unsafe { dev.alloc::<T>(n.max(1))? };
+    if n == 0 {
+        return Ok(T::wrap_cuda_slice(out, dev));
+    }
+    let func = function(&dev, format!("silu_mul_{}", suffix(y.0.dtype(), OP)?))?;
+    let stream = dev.cuda_stream();
+    {
+        let (oa, _guard) = out.device_ptr_mut(&stream);
+        let (rows, inter) = ((n / inter) as u64, inter as i32);
+        let mut b = stream.launch_builder(&func);
+        b.arg(&ya).arg(&oa).arg(&rows).arg(&inter);
+        // SAFETY: a contiguous input of 2n elements, an output of n.
+        unsafe { b.launch(grid(n)) }.map_err(|e| err("silu_mul launch", e))?;
+    }
+    Ok(T::wrap_cuda_slice(out, dev))
+}
+
+pub(super) fn rope_store(
+    y: (&mut CudaStorage, &Layout),
+    cos: (&CudaStorage, &Layout),
+    sin: (&CudaStorage, &Layout),
+    interleaved: bool,
+    store: Option<(&Tensor, &Tensor)>,
+) -> Result<()> {
+    match y.0.dtype() {
+        DType::BF16 => rope_store_t::<bf16>(y, cos, sin, interleaved, store),
+        DType::F16 => rope_store_t::<f16>(y, cos, sin, interleaved, store),
+        DType::F32 => rope_store_t::<f32>(y, cos, sin, interleaved, store),
+        d => bail!("flash-llama RoPE + KV store: unsupported dtype {d:?} (bf16, f16 or f32)"),
+    }
+}
+
+fn rope_store_t<T: CudaDType + DeviceRepr>(
+    y: (&mut CudaStorage, &Layout),
+    cos: (&CudaStorage, &Layout),
+    sin: (&CudaStorage, &Layout),
+    interleaved: bool,
+    store: Option<(&Tensor, &Tensor)>,
+) -> Result<()> {
+    const OP: &str = "RoPE + KV store";
+    let dtype = y.0.dtype();
+    same_dtype(OP, dtype, &[("cos", cos.0.dtype()), ("sin", sin.0.dtype())])?;
+    let (tokens, heads, d) = y.1.shape().dims3()?;
+    let n = tokens * heads * d / 2;
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = y.0.device.clone();
+    let stream = dev.cuda_stream();
+    let (ca, sa) = (addr::<T>(cos.0, cos.1, OP, "cos")?, addr::<T>(sin.0, sin.1, OP, "sin")?);
+    // The cache and its rows: read locks on their storage; the kernel writes the cache through
+    // them. KvCache is not Clone and `Llama::step` holds it mutably, so nothing else touches the
+    // cache while the launch is queued, and every launch is on candle's one stream.
+    let guards = store.map(|(kv, rows)| (kv.storage_and_layout(), rows.storage_and_layout()));
+    let (rows_a, cache_a, row_stride, first) = match &guards {
+        None => (0u64, 0u64, 0i64, heads as i32),
+        Some(((kv_s, kv_l), (rows_s, rows_l))) => {
+            let (Storage::Cuda(kv_s), Storage::Cuda(rows_s)) = (&**kv_s, &**rows_s) else {
+                bail!("flash-llama {OP}: the cache and its rows must be on the GPU")
+            };
+            if kv_s.device.id() != dev.id() || rows_s.device.id() != dev.id() {
+                bail!("flash-llama {OP}: the cache and its rows must be on y's GPU")
+            }
+            same_dtype(OP, dtype, &[("the cache", kv_s.dtype())])?;
+            let cached = kv_l.dims()[1];
+            (
+                addr::<u32>(rows_s, rows_l, OP, "rows")?,
+                addr::<T>(kv_s, kv_l, OP, "the cache")?,
+                (cached * d) as i64,
+                (heads - cached) as i32,
+            )
+        }
+    };
+    let Some((start, _)) = y.1.contiguous_offsets() else {
+        bail!("flash-llama {OP}: y must be contiguous, got strides {:?}", y.1.stride())
+    };
+    let func = function(&dev, format!("rope_store_{}", suffix(dtype, OP)?))?;
+    let slice = T::as_cuda_slice_mut(y.0)?;
+    let (ya, _guard) = slice.device_ptr_mut(&stream);
+    let ya = ya + (start * std::mem::size_of::<T>()) as u64;
+    let (tokens, heads, d, interleaved) = (tokens as i32, heads as i32, d as i32, interleaved as i32);
+    let mut b = stream.launch_builder(&func);
+    b.arg(&ya)
+        .arg(&ca)
+        .arg(&sa)
+        .arg(&tokens)
+        .arg(&heads)
+        .arg(&d)
+        .arg(&interleaved);
+    b.arg(&rows_a).arg(&cache_a).arg(&row_stride).arg(&first);
+    // SAFETY: y, cos, sin checked contiguous with their shapes by the caller; the cache rows are
+    // the model's own (each below the cache's row count), the cache contiguous.
+    unsafe { b.launch(grid(n)) }.map_err(|e| err("rope_store launch", e))?;
+    drop(guards);
+    Ok(())
+}

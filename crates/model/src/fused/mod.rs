@@ -1,0 +1,211 @@
+//! Fused kernels of the inference path on the GPU (`Kernels::Fused` with CUDA tensors; source in
+//! kernels/model/fused.cu). Each replaces two or three candle launches of a decode step:
+//!
+//! - [`add_rms_norm`]: the residual add and the next RMSNorm (`x + h`, then its norm);
+//! - [`silu_mul`]: SiLU of the gate half of a fused gate/up output times its up half;
+//! - [`rope_store`]: RoPE over a fused q/k/v output, in place, with its k and v heads stored
+//!   into the KV cache in the same pass.
+//!
+//! Forward only, CUDA only (bf16, f16, f32; contiguous inputs): anything else is an error. The
+//! CPU keeps the composed candle ops, which these kernels must match (arithmetic in f32, one
+//! rounding per output; tested against the composed ops on the GPU in `tests/gpu.rs`).
+
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Tensor};
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+/// `(x + h, rms_norm(x + h) · w)` for `x`, `h` (.., dim) and `w` (dim): the updated residual
+/// stream and the normalised input of the next sub-block, in one launch. The sum is rounded to
+/// the dtype before it is normalised, as candle's add followed by the norm would.
+pub fn add_rms_norm(x: &Tensor, h: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    on_cuda("add + RMSNorm", x)?;
+    if x.shape() != h.shape() {
+        bail!(
+            "flash-llama add + RMSNorm: x {:?} and h {:?} differ in shape",
+            x.shape(),
+            h.shape()
+        )
+    }
+    let dim = x.dims().last().copied().unwrap_or(0);
+    if w.dims() != [dim] || dim == 0 {
+        bail!("flash-llama add + RMSNorm: weight {:?} for rows of {dim}", w.shape())
+    }
+    // One output holding both: (2, ..), residual first.
+    let both = x.apply_op3_no_bwd(h, w, &AddRmsNorm { eps: eps as f32 })?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
+/// `silu(y[.., :i]) · y[.., i..]` for `y` (.., 2i), the output of a fused gate/up projection:
+/// (.., i), in one launch.
+pub fn silu_mul(y: &Tensor) -> Result<Tensor> {
+    on_cuda("SiLU × up", y)?;
+    if y.dims().last().is_none_or(|&n| n % 2 != 0) {
+        bail!(
+            "flash-llama SiLU × up: the last dim of {:?} must be even (gate, up)",
+            y.shape()
+        )
+    }
+    y.apply_op1_no_bwd(&SiluMul)
+}
+
+/// Where [`rope_store`] puts the rotated k heads and the v heads.
+pub struct CacheStore<'a> {
+    /// The layer's cache, (rows, cached heads, head_dim), contiguous: written in place.
+    pub kv: &'a Tensor,
+    /// The cache row of each token, (tokens,) u32.
+    pub rows: &'a Tensor,
+}
+
+/// Rotary embedding of `y` (tokens, heads, head_dim), in place, each (token, head) by its own
+/// angles `cos`/`sin` (tokens, heads, head_dim / 2) (heads at angle 0 pass unchanged): pairs
+/// `(x_i, x_{i+d/2})`, or `(x_{2i}, x_{2i+1})` if `interleaved`. With `store`, the last
+/// `kv.dim(1)` heads of each token (k then v of a fused q/k/v output) are also written, rotated,
+/// to its cache row: one launch for what was a RoPE and a strided copy.
+pub fn rope_store(y: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool, store: Option<CacheStore>) -> Result<()> {
+    on_cuda("RoPE + KV store", y)?;
+    let (tokens, heads, d) = y.dims3()?;
+    if d % 2 != 0 || cos.dims() != [tokens, heads, d / 2] || sin.dims() != cos.dims() {
+        bail!(
+            "flash-llama RoPE + KV store: y {:?} needs an even head dim and cos/sin of (tokens, heads, head_dim / 2), got {:?} and {:?}",
+            y.shape(),
+            cos.shape(),
+            sin.shape()
+        )
+    }
+    if let Some(s) = &store {
+        let (_, cached, kd) = s.kv.dims3()?;
+        if kd != d || cached > heads || s.rows.dims() != [tokens] || s.rows.dtype() != DType::U32 {
+            bail!(
+                "flash-llama RoPE + KV store: cache {:?} and rows {:?} ({:?}) do not fit y {:?}",
+                s.kv.shape(),
+                s.rows.shape(),
+                s.rows.dtype(),
+                y.shape()
+            )
+        }
+    }
+    let op = RopeStore {
+        interleaved,
+        store: store.map(|s| (s.kv.clone(), s.rows.clone())),
+    };
+    y.inplace_op3(cos, sin, &op)
+}
+
+// Without the `cuda` feature the ops exist (their CPU forward is the error) but read no field.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct AddRmsNorm {
+    eps: f32,
+}
+
+struct SiluMul;
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct RopeStore {
+    interleaved: bool,
+    /// (cache, rows): tensors sharing the caller's storage, written/read inside the launch.
+    store: Option<(Tensor, Tensor)>,
+}
+
+/// Device check up front: the CPU never reaches these kernels.
+fn on_cuda(op: &str, x: &Tensor) -> Result<()> {
+    match x.device().is_cuda() {
+        true => Ok(()),
+        false => Err(cuda_only(op)),
+    }
+}
+
+fn cuda_only(op: &str) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "flash-llama: the fused {op} kernel runs on CUDA tensors only (the CPU uses the composed ops)"
+    ))
+}
+
+impl CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Err(cuda_only("add + RMSNorm"))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        h: &candle_core::CudaStorage,
+        hl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        // Shapes checked by `add_rms_norm`.
+        let out = cuda::add_rms_norm((x, xl), (h, hl), (w, wl), self.eps)?;
+        let mut dims = vec![2];
+        dims.extend_from_slice(xl.dims());
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+impl CustomOp1 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Err(cuda_only("SiLU × up"))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, y: &candle_core::CudaStorage, yl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        // The last dim checked even by `silu_mul`.
+        let mut dims = yl.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last /= 2;
+        }
+        let out = cuda::silu_mul((y, yl))?;
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+impl InplaceOp3 for RopeStore {
+    fn name(&self) -> &'static str {
+        "rope-store"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<()> {
+        Err(cuda_only("RoPE + KV store"))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &mut candle_core::CudaStorage,
+        yl: &Layout,
+        cos: &candle_core::CudaStorage,
+        cl: &Layout,
+        sin: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> Result<()> {
+        // Shapes checked by `rope_store`.
+        let store = self.store.as_ref().map(|(kv, rows)| (kv, rows));
+        cuda::rope_store((y, yl), (cos, cl), (sin, sl), self.interleaved, store)
+    }
+}

@@ -1,0 +1,162 @@
+// Small fused kernels of flash-llama's inference path (Kernels::Fused on the GPU): each replaces
+// two or three candle launches of a decode step. Arithmetic in f32, one rounding per output.
+// Compiled by crates/model/build.rs into one sm_90a cubin; launched by crates/model/src/fused/.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+constexpr int kNormThreads = 256;
+// The vector path of add_rms_norm: 16-byte loads, up to kNormIters of them per thread held in
+// registers between the sum of squares and the scaling (rows of up to 8192 bf16/f16 elements).
+constexpr int kNormIters = 4;
+
+// The sum of `v` over the block (kNormThreads threads), in every thread.
+__device__ __forceinline__ float block_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __shared__ float warp_sums[kNormThreads / 32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    v = lane < kNormThreads / 32 ? warp_sums[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// res = x + h (rounded to T, as candle's add), out = res * rsqrt(mean(res²) + eps) * w.
+// One block of kNormThreads per row; rows are contiguous, `dim` elements each.
+template <typename T>
+__device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ h, const T* __restrict__ w,
+                             T* __restrict__ res, T* __restrict__ out, int dim, float eps) {
+    constexpr int kVec = 16 / sizeof(T);
+    const size_t row = blockIdx.x;
+    const bool aligned = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(h) |
+                           reinterpret_cast<uintptr_t>(w) | reinterpret_cast<uintptr_t>(res) |
+                           reinterpret_cast<uintptr_t>(out)) % 16) == 0;
+    x += row * dim;
+    h += row * dim;
+    res += row * dim;
+    out += row * dim;
+    float sum = 0.f;
+    if (aligned && dim % kVec == 0 && dim <= kNormThreads * kVec * kNormIters) {
+        uint4 r[kNormIters];
+#pragma unroll
+        for (int k = 0; k < kNormIters; ++k) {
+            const int v = threadIdx.x + k * kNormThreads;
+            if (v * kVec < dim) {
+                const uint4 xv = reinterpret_cast<const uint4*>(x)[v], hv = reinterpret_cast<const uint4*>(h)[v];
+                const T* xe = reinterpret_cast<const T*>(&xv);
+                const T* he = reinterpret_cast<const T*>(&hv);
+                T* re = reinterpret_cast<T*>(&r[k]);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    re[e] = from_f<T>(to_f(xe[e]) + to_f(he[e]));
+                    const float f = to_f(re[e]);
+                    sum += f * f;
+                }
+                reinterpret_cast<uint4*>(res)[v] = r[k];
+            }
+        }
+        const float scale = rsqrtf(block_sum(sum) / dim + eps);
+#pragma unroll
+        for (int k = 0; k < kNormIters; ++k) {
+            const int v = threadIdx.x + k * kNormThreads;
+            if (v * kVec < dim) {
+                const uint4 wv = reinterpret_cast<const uint4*>(w)[v];
+                const T* we = reinterpret_cast<const T*>(&wv);
+                const T* re = reinterpret_cast<const T*>(&r[k]);
+                uint4 o;
+                T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) oe[e] = from_f<T>(scale * to_f(re[e]) * to_f(we[e]));
+                reinterpret_cast<uint4*>(out)[v] = o;
+            }
+        }
+        return;
+    }
+    // Any other row length or alignment: element by element.
+    for (int c = threadIdx.x; c < dim; c += kNormThreads) {
+        const T r = from_f<T>(to_f(x[c]) + to_f(h[c]));
+        res[c] = r;
+        const float rf = to_f(r);
+        sum += rf * rf;
+    }
+    const float scale = rsqrtf(block_sum(sum) / dim + eps);
+    // Each thread reads back only the residuals it wrote itself.
+    for (int c = threadIdx.x; c < dim; c += kNormThreads) {
+        out[c] = from_f<T>(scale * to_f(res[c]) * to_f(w[c]));
+    }
+}
+
+// out (rows, inter) = silu(y[:, :inter]) * y[:, inter:], y (rows, 2 * inter) contiguous.
+template <typename T>
+__device__ void silu_mul(const T* __restrict__ y, T* __restrict__ out, size_t rows, int inter) {
+    const size_t n = rows * inter;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / inter, c = i % inter;
+        const float g = to_f(y[r * 2 * inter + c]);
+        const float u = to_f(y[r * 2 * inter + inter + c]);
+        out[i] = from_f<T>(g / (1.f + __expf(-g)) * u);
+    }
+}
+
+// Rotary embedding of y (tokens, heads, d), in place, each (token, head) by its own angles:
+// cos/sin (tokens, heads, d / 2). Pairs (x[i], x[i + d/2]), or (x[2i], x[2i+1]) if interleaved.
+// With `rows` non-null, heads [first, heads) of token t are also stored, rotated, at cache row
+// rows[t] (cache rows of `row_stride` elements, heads of d elements from the row's start).
+template <typename T>
+__device__ void rope_store(T* __restrict__ y, const T* __restrict__ cos, const T* __restrict__ sin, int tokens,
+                           int heads, int d, int interleaved, const uint32_t* __restrict__ rows, T* __restrict__ cache,
+                           long long row_stride, int first) {
+    const int half = d / 2;
+    const size_t n = (size_t)tokens * heads * half;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t th = i / half;  // token * heads + head
+        const int p = i % half;
+        const int head = th % heads;
+        const size_t t = th / heads;
+        const int c1 = interleaved ? 2 * p : p;
+        const int c2 = interleaved ? 2 * p + 1 : p + half;
+        T* src = y + th * d;
+        const float a = to_f(src[c1]), b = to_f(src[c2]);
+        const float c = to_f(cos[i]), s = to_f(sin[i]);
+        const T r1 = from_f<T>(a * c - b * s), r2 = from_f<T>(a * s + b * c);
+        src[c1] = r1;
+        src[c2] = r2;
+        if (rows != nullptr && head >= first) {
+            T* dst = cache + rows[t] * row_stride + (size_t)(head - first) * d;
+            dst[c1] = r1;
+            dst[c2] = r2;
+        }
+    }
+}
+
+}  // namespace
+
+#define FUSED_OPS(T, SUFFIX)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(kNormThreads) add_rms_norm_##SUFFIX(                                 \
+        const T* x, const T* h, const T* w, T* res, T* out, int dim, float eps) {                                     \
+        add_rms_norm<T>(x, h, w, res, out, dim, eps);                                                                 \
+    }                                                                                                                 \
+    extern "C" __global__ void silu_mul_##SUFFIX(const T* y, T* out, unsigned long long rows, int inter) {            \
+        silu_mul<T>(y, out, rows, inter);                                                                             \
+    }                                                                                                                 \
+    extern "C" __global__ void rope_store_##SUFFIX(T* y, const T* cos, const T* sin, int tokens, int heads, int d,   \
+                                                   int interleaved, const uint32_t* rows, T* cache,                  \
+                                                   long long row_stride, int first) {                                \
+        rope_store<T>(y, cos, sin, tokens, heads, d, interleaved, rows, cache, row_stride, first);                   \
+    }
+
+FUSED_OPS(__nv_bfloat16, bf16)
+FUSED_OPS(__half, f16)
+FUSED_OPS(float, f32)
