@@ -3,7 +3,7 @@
 
 use candle_core::cuda_backend::cudarc::driver::{DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaDType;
-use candle_core::{backend::BackendStorage, bail, CudaStorage, DType, Layout, Result};
+use candle_core::{backend::BackendStorage, bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 
 use super::EmbeddingIndex;

@@ -87,6 +87,7 @@ const EMBEDDING_CHUNK: usize = 32;
 struct EmbeddingIndex {
     host_ids: Vec<u32>,
     vocab: usize,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     chunks: usize,
     // Device tensors (u32) of the same, used by the CUDA kernels.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
