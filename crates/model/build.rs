@@ -1,6 +1,7 @@
-//! Compiles flash-llama's fused inference kernels (kernels/model/ at the workspace root) into one
-//! sm_90a cubin when the `cuda` feature is on, as crates/flash-attn/build.rs does for the
-//! attention: embedded with `include_bytes!`, loaded at run time through candle's cudarc.
+//! Compiles flash-llama's kernels (kernels/model/ at the workspace root: fused.cu, the inference
+//! path; train_ops.cu, the training path) into one sm_90a cubin each when the `cuda` feature is
+//! on, as crates/flash-attn/build.rs does for the attention: embedded with `include_bytes!`,
+//! loaded at run time through candle's cudarc.
 
 use std::env;
 use std::path::PathBuf;
@@ -14,20 +15,24 @@ fn main() {
         return;
     }
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
-    let src = manifest.join("../../kernels/model/fused.cu");
-    let src = src.canonicalize().unwrap_or(src);
-    println!("cargo:rerun-if-changed={}", src.display());
-    let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("fused.cubin");
+    let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let nvcc = find_nvcc();
-    let status = Command::new(&nvcc)
-        .args(["-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17"])
-        .arg(&src)
-        .arg("-o")
-        .arg(&out)
-        .status()
-        .unwrap_or_else(|e| panic!("flash-llama: could not run {} ({e})", nvcc.display()));
-    if !status.success() {
-        panic!("flash-llama: nvcc failed to compile kernels/model/fused.cu ({status})");
+    // Each kernels/model/NAME.cu becomes $OUT_DIR/NAME.cubin.
+    for name in ["fused", "train_ops"] {
+        let src = manifest.join(format!("../../kernels/model/{name}.cu"));
+        let src = src.canonicalize().unwrap_or(src);
+        println!("cargo:rerun-if-changed={}", src.display());
+        let out = out_dir.join(format!("{name}.cubin"));
+        let status = Command::new(&nvcc)
+            .args(["-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17"])
+            .arg(&src)
+            .arg("-o")
+            .arg(&out)
+            .status()
+            .unwrap_or_else(|e| panic!("flash-llama: could not run {} ({e})", nvcc.display()));
+        if !status.success() {
+            panic!("flash-llama: nvcc failed to compile kernels/model/{name}.cu ({status})");
+        }
     }
 }
 

@@ -19,6 +19,7 @@ pub mod sampling;
 pub mod spm;
 pub mod tokenizer;
 pub mod train;
+pub mod train_ops;
 
 pub use config::{Architecture, Config, Llama3RopeScaling};
 pub use generate::{generate, GenerateOptions, Generation};

@@ -199,7 +199,7 @@ impl Attention {
         let k = linear(vb, cfg.hidden_size, hk * d, bias, "k_proj")?;
         let v = linear(vb, cfg.hidden_size, hk * d, bias, "v_proj")?;
         let qkv = match kernels {
-            Kernels::Composed => QkvProj::Separate { q, k, v },
+            Kernels::Composed | Kernels::Trainable => QkvProj::Separate { q, k, v },
             Kernels::Fused => QkvProj::Fused(concat_linear(&[&q, &k, &v])?),
         };
         Ok(Self {
@@ -492,6 +492,7 @@ struct Mlp {
     gate_up: GateUp,
     down_proj: Linear,
     intermediate: usize,
+    kernels: Kernels,
 }
 
 impl Mlp {
@@ -500,13 +501,14 @@ impl Mlp {
         let gate = linear(vb, h, i, false, "gate_proj")?;
         let up = linear(vb, h, i, false, "up_proj")?;
         let gate_up = match kernels {
-            Kernels::Composed => GateUp::Separate { gate, up },
+            Kernels::Composed | Kernels::Trainable => GateUp::Separate { gate, up },
             Kernels::Fused => GateUp::Fused(concat_linear(&[&gate, &up])?),
         };
         Ok(Self {
             gate_up,
             down_proj: linear(vb, i, h, false, "down_proj")?,
             intermediate: i,
+            kernels,
         })
     }
 
@@ -530,7 +532,11 @@ impl Mlp {
                 (x.matmul(&w.narrow(0, 0, i)?.t()?)?, x.matmul(&w.narrow(0, i, i)?.t()?)?)
             }
         };
-        self.down_proj.forward(&(gate.silu()? * up)?)
+        let act = match self.kernels {
+            Kernels::Trainable => crate::train_ops::swiglu(&gate, &up)?,
+            _ => (gate.silu()? * up)?,
+        };
+        self.down_proj.forward(&act)
     }
 }
 
@@ -554,6 +560,7 @@ pub struct Llama {
     inv_freq_heads: Option<Tensor>,
     dtype: DType,
     device: Device,
+    kernels: Kernels,
 }
 
 impl Llama {
@@ -604,6 +611,7 @@ impl Llama {
             cfg: cfg.clone(),
             dtype: vb.dtype(),
             device,
+            kernels,
         })
     }
 
@@ -625,8 +633,8 @@ impl Llama {
     }
 
     /// Full causal forward without a cache: input_ids (batch, seq) u32 → logits (batch, seq, vocab)
-    /// in f32. This is the training path; with [`Kernels::Composed`] it is differentiable end to
-    /// end, attention's backward being flash-attn3's.
+    /// in f32. This is the training path; with [`Kernels::Trainable`] or [`Kernels::Composed`] it
+    /// is differentiable end to end, attention's backward being flash-attn3's.
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
         let (b, s) = input_ids.dims2()?;
         let keys = KeySource::Fresh {
@@ -807,7 +815,11 @@ impl Llama {
     /// returns the final norm of the hidden states. Each residual add and the norm after it are
     /// one [`RmsNorm::add_forward`] (one kernel with fused kernels on the GPU).
     fn run_layers(&self, ids: &Tensor, plan: &Plan, cache: Option<&KvCache>) -> Result<Tensor> {
-        let mut x = self.embed_tokens.forward(ids)?;
+        let mut x = match self.kernels {
+            // Our lookup, whose backward is not candle's (slow) index_add.
+            Kernels::Trainable => crate::train_ops::embedding(self.embed_tokens.embeddings(), &ids.to_vec1::<u32>()?)?,
+            _ => self.embed_tokens.forward(ids)?,
+        };
         let Some(first) = self.layers.first() else {
             return self.norm.forward(&x);
         };

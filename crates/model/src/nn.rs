@@ -2,16 +2,22 @@
 //!
 //! candle-nn's fused `rms_norm` and `rope` kernels are faster but have no backward pass; the
 //! compositions here differentiate like any other candle graph, so the same model code serves
-//! inference and training. [`Kernels::Fused`] switches to the fused kernels for inference.
+//! inference and training; they are the reference. [`Kernels::Trainable`] switches to our fused
+//! ops with a backward ([`crate::train_ops`]) for training, [`Kernels::Fused`] to the fused
+//! forward-only kernels for inference.
 
 use candle_core::{DType, Module, Result, Tensor, D};
 
 /// Which implementation of RMSNorm and RoPE the model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Kernels {
-    /// Plain candle ops: differentiable (training) and the reference.
+    /// Plain candle ops: differentiable, and the reference the other two must match.
     #[default]
     Composed,
+    /// Differentiable fused ops with backward kernels ([`crate::train_ops`]: RMSNorm, RoPE,
+    /// SiLU × up, the embedding lookup), CPU loops or CUDA kernels; weights as in `Composed`.
+    /// The training path.
+    Trainable,
     /// Forward only: candle-nn's fused RMSNorm and RoPE kernels, q/k/v and gate/up weights
     /// concatenated at load; on the GPU also our own fused kernels ([`crate::fused`]: add +
     /// RMSNorm, SiLU × up, RoPE + KV-cache store).
@@ -48,8 +54,10 @@ impl RmsNorm {
 
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if self.kernels == Kernels::Fused {
-            return candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32);
+        match self.kernels {
+            Kernels::Fused => return candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32),
+            Kernels::Trainable => return crate::train_ops::rms_norm(x, &self.weight, self.eps),
+            Kernels::Composed => {}
         }
         // Accumulate in f32 whatever the run dtype: bf16 sums of squares lose too many bits.
         let dtype = x.dtype();
@@ -70,6 +78,9 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool, ker
     let half = d / 2;
     let cos = cos.to_dtype(x.dtype())?;
     let sin = sin.to_dtype(x.dtype())?;
+    if kernels == Kernels::Trainable {
+        return crate::train_ops::rope(x, &cos, &sin, interleaved);
+    }
     if kernels == Kernels::Fused {
         // Token t is "batch" t of the fused kernel with its own table row: x as
         // (tokens, heads, 1, d), cos/sin as (tokens, 1, d/2). No transposes, one launch.

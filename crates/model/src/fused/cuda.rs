@@ -20,43 +20,51 @@ const NORM_THREADS: u32 = 256;
 /// Threads per block of the elementwise kernels (grid-stride loops).
 const THREADS: u32 = 256;
 
-fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
+pub(crate) fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("flash-llama: {what}: {e:?}"))
 }
 
-/// The kernel `name` (e.g. `silu_mul_bf16`) on `dev`, loading the cubin on first use.
+/// The kernel `name` (e.g. `silu_mul_bf16`) of fused.cu on `dev`.
 fn function(dev: &CudaDevice, name: String) -> Result<CudaFunction> {
-    static FUNCS: OnceLock<Mutex<HashMap<(DeviceId, String), CudaFunction>>> = OnceLock::new();
+    function_in(CUBIN, dev, name)
+}
+
+/// The kernel `name` of `cubin` (one of the cubins build.rs embeds) on `dev`, loading the cubin
+/// on first use.
+pub(crate) fn function_in(cubin: &'static [u8], dev: &CudaDevice, name: String) -> Result<CudaFunction> {
+    // Keyed by the cubin's address: one entry per embedded cubin.
+    let key = (dev.id(), cubin.as_ptr() as usize);
+    static FUNCS: OnceLock<Mutex<HashMap<((DeviceId, usize), String), CudaFunction>>> = OnceLock::new();
     let mut funcs = FUNCS.get_or_init(Default::default).lock().unwrap();
-    if let Some(f) = funcs.get(&(dev.id(), name.clone())) {
+    if let Some(f) = funcs.get(&(key, name.clone())) {
         return Ok(f.clone());
     }
-    // One module per device: load it with the first function, then look the others up in it.
-    static MODULES: OnceLock<Mutex<HashMap<DeviceId, std::sync::Arc<CudaModule>>>> = OnceLock::new();
+    // One module per device and cubin: load it with the first function, then look the others up in it.
+    static MODULES: OnceLock<Mutex<HashMap<(DeviceId, usize), std::sync::Arc<CudaModule>>>> = OnceLock::new();
     let module = {
         let mut modules = MODULES.get_or_init(Default::default).lock().unwrap();
-        match modules.get(&dev.id()) {
+        match modules.get(&key) {
             Some(m) => m.clone(),
             None => {
                 let ctx = dev.cuda_stream().context().clone();
-                let m = ctx.load_module(Ptx::from_binary(CUBIN.to_vec())).map_err(|e| {
+                let m = ctx.load_module(Ptx::from_binary(cubin.to_vec())).map_err(|e| {
                     err(
                         "could not load the sm_90a fused kernels (they need a Hopper GPU: H100/H200)",
                         e,
                     )
                 })?;
-                modules.insert(dev.id(), m.clone());
+                modules.insert(key, m.clone());
                 m
             }
         }
     };
     let f = module.load_function(&name).map_err(|e| err(&name, e))?;
-    funcs.insert((dev.id(), name), f.clone());
+    funcs.insert((key, name), f.clone());
     Ok(f)
 }
 
 /// The kernel suffix of a dtype.
-fn suffix(dtype: DType, op: &str) -> Result<&'static str> {
+pub(crate) fn suffix(dtype: DType, op: &str) -> Result<&'static str> {
     Ok(match dtype {
         DType::BF16 => "bf16",
         DType::F16 => "f16",
@@ -67,7 +75,7 @@ fn suffix(dtype: DType, op: &str) -> Result<&'static str> {
 
 /// The device address of a contiguous input's first element (its guard dropped at once: every
 /// launch is on candle's one stream, as in flash-attn3).
-fn addr<T: CudaDType>(s: &CudaStorage, l: &Layout, op: &str, what: &str) -> Result<u64> {
+pub(crate) fn addr<T: CudaDType>(s: &CudaStorage, l: &Layout, op: &str, what: &str) -> Result<u64> {
     let Some((start, _)) = l.contiguous_offsets() else {
         bail!(
             "flash-llama {op}: {what} must be contiguous, got strides {:?}",
@@ -80,7 +88,7 @@ fn addr<T: CudaDType>(s: &CudaStorage, l: &Layout, op: &str, what: &str) -> Resu
 }
 
 /// A grid of at most 8 blocks per SM-ish for grid-stride loops over `n` elements.
-fn grid(n: usize) -> LaunchConfig {
+pub(crate) fn grid(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(THREADS as usize).clamp(1, 4096) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -88,7 +96,7 @@ fn grid(n: usize) -> LaunchConfig {
     }
 }
 
-fn same_dtype(op: &str, dtype: DType, others: &[(&str, DType)]) -> Result<()> {
+pub(crate) fn same_dtype(op: &str, dtype: DType, others: &[(&str, DType)]) -> Result<()> {
     for (what, d) in others {
         if *d != dtype {
             bail!("flash-llama {op}: {what} is {d:?}, the input {dtype:?}")

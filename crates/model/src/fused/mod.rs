@@ -13,7 +13,7 @@
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Tensor};
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 
 /// `(x + h, rms_norm(x + h) · w)` for `x`, `h` (.., dim) and `w` (dim): the updated residual
 /// stream and the normalised input of the next sub-block, in one launch. The sum is rounded to

@@ -8,9 +8,10 @@
 //! the casts are graph nodes, so the backward hands f32 gradients back to the masters. On the
 //! CPU the compute dtype is f32 and the model uses the `Var`s themselves.
 //!
-//! Every op of the training forward has a backward: RMSNorm and RoPE are the composed forms
-//! ([`Kernels::Composed`]), the loss is a log-softmax written with basic ops, and attention is
-//! flash-attn3, whose backward the op provides.
+//! Every op of the training forward has a backward: RMSNorm, RoPE and SiLU × up are our fused
+//! ops with backward kernels ([`Kernels::Trainable`], [`crate::train_ops`]), the loss is a
+//! log-softmax written with basic ops, and attention is flash-attn3, whose backward the op
+//! provides.
 
 pub mod data;
 pub mod optim;
@@ -396,7 +397,7 @@ impl Trainer {
             })
             .collect();
         let vb = VarBuilder::from_tensors(tensors, self.dtype, &self.device);
-        Ok(Llama::load(vb, &self.model_config, Kernels::Composed)?)
+        Ok(Llama::load(vb, &self.model_config, Kernels::Trainable)?)
     }
 
     /// Mean loss of `model` on one batch; `inputs`/`targets` are batch × seq_len ids.

@@ -1,0 +1,518 @@
+//! Fused ops with a backward, for the training path ([`crate::Kernels::Trainable`]):
+//!
+//! - [`rms_norm`]: `x · rsqrt(mean(x²) + ε) · w`; backward: dx and dw (summed over rows);
+//! - [`rope`]: rotary embedding of (tokens, heads, head_dim) by per-token angles; backward: the
+//!   rotation by the opposite angles;
+//! - [`swiglu`]: `silu(gate) · up`; backward: dgate and dup;
+//! - [`embedding`]: rows of the embedding matrix; backward: each row's gradient summed over the
+//!   tokens of its id in a fixed order (candle's `index_add` backward of `Embedding` took 8 ms
+//!   per micro-batch of the 125m preset on an H100).
+//!
+//! Each is a candle custom op whose `bwd` applies another op of this module, so a graph through
+//! them differentiates like one of plain candle ops, with one or two launches per op instead of
+//! the five to ten (each with its own backward) of the composed forms in [`crate::nn`]. Math in
+//! f32, one rounding per output, bf16/f16/f32 in and out. The CPU runs plain loops (the tests
+//! check them against the composed forms and their autograd gradients); CUDA runs our kernels
+//! (kernels/model/train_ops.cu), whose weight gradients are reduced in a fixed order
+//! (deterministic).
+
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+/// RMSNorm over the last dimension of `x` (.., dim) with gain `w` (dim), in f32 inside.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dim = x.dims().last().copied().unwrap_or(0);
+    if w.dims() != [dim] || dim == 0 {
+        bail!("flash-llama RMSNorm: weight {:?} for rows of {dim}", w.shape())
+    }
+    x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps: eps as f32 })
+}
+
+/// Rotary embedding of `x` (tokens, heads, head_dim), every head of token t rotated by row t of
+/// `cos`/`sin` (tokens, head_dim / 2): pairs `(x_i, x_{i+d/2})`, or `(x_{2i}, x_{2i+1})` if
+/// `interleaved`. `cos`/`sin` get no gradient (they are functions of the positions).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+    let (tokens, _, d) = x.dims3()?;
+    if d % 2 != 0 || cos.dims() != [tokens, d / 2] || sin.dims() != cos.dims() {
+        bail!(
+            "flash-llama RoPE: x {:?} needs an even head dim and cos/sin of (tokens, head_dim / 2), got {:?} and {:?}",
+            x.shape(),
+            cos.shape(),
+            sin.shape()
+        )
+    }
+    let op = Rope {
+        interleaved,
+        inverse: false,
+    };
+    x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, op)
+}
+
+/// `silu(gate) · up`, elementwise, for `gate` and `up` of one shape.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.shape() != up.shape() {
+        bail!(
+            "flash-llama SiLU × up: gate {:?} and up {:?} differ in shape",
+            gate.shape(),
+            up.shape()
+        )
+    }
+    gate.contiguous()?.apply_op2(&up.contiguous()?, Swiglu)
+}
+
+/// Rows `ids` of `weight` (vocab, dim): (tokens, dim). The ids are on the host (the training
+/// batches are made there); the backward's index (tokens sorted by id, cut into chunks) is built
+/// from them here, so the GPU backward needs no sort and no atomics.
+pub fn embedding(weight: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    let (vocab, _) = weight.dims2()?;
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+        bail!("flash-llama embedding: token id {bad} is outside the vocabulary (size {vocab})")
+    }
+    let index = Arc::new(EmbeddingIndex::new(ids, vocab, weight.device())?);
+    weight.contiguous()?.apply_op1(Embedding { index })
+}
+
+/// Tokens per chunk of the embedding backward's partial sums.
+const EMBEDDING_CHUNK: usize = 32;
+
+/// The token ids and, for the backward, the tokens grouped by id: `perm` lists the token positions
+/// sorted by id (stable), cut into chunks `perm[bounds[k]..bounds[k + 1]]` of at most
+/// [`EMBEDDING_CHUNK`] tokens of one id; the chunks of id `v` are `row_chunks[v]..row_chunks[v + 1]`.
+struct EmbeddingIndex {
+    host_ids: Vec<u32>,
+    vocab: usize,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    chunks: usize,
+    // Device tensors (u32) of the same, used by the CUDA kernels.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    ids: Tensor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    perm: Tensor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    bounds: Tensor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    row_chunks: Tensor,
+}
+
+impl EmbeddingIndex {
+    fn new(ids: &[u32], vocab: usize, device: &Device) -> Result<Self> {
+        let mut start = vec![0usize; vocab + 1];
+        for &t in ids {
+            start[t as usize + 1] += 1;
+        }
+        for v in 0..vocab {
+            start[v + 1] += start[v];
+        }
+        let mut fill = start.clone();
+        let mut perm = vec![0u32; ids.len()];
+        for (i, &t) in ids.iter().enumerate() {
+            perm[fill[t as usize]] = i as u32;
+            fill[t as usize] += 1;
+        }
+        let mut bounds = vec![0u32];
+        let mut row_chunks = vec![0u32; vocab + 1];
+        for v in 0..vocab {
+            let mut s = start[v];
+            while s < start[v + 1] {
+                s = (s + EMBEDDING_CHUNK).min(start[v + 1]);
+                bounds.push(s as u32);
+            }
+            row_chunks[v + 1] = (bounds.len() - 1) as u32;
+        }
+        let chunks = bounds.len() - 1;
+        Ok(Self {
+            ids: Tensor::new(ids, device)?,
+            perm: Tensor::new(perm, device)?,
+            bounds: Tensor::new(bounds, device)?,
+            row_chunks: Tensor::new(row_chunks, device)?,
+            host_ids: ids.to_vec(),
+            vocab,
+            chunks,
+        })
+    }
+}
+
+struct Embedding {
+    index: Arc<EmbeddingIndex>,
+}
+
+/// dy (tokens, dim) → dweight (vocab, dim).
+struct EmbeddingBwd {
+    index: Arc<EmbeddingIndex>,
+}
+
+impl CustomOp1 for Embedding {
+    fn name(&self) -> &'static str {
+        "train-embedding"
+    }
+
+    fn cpu_fwd(&self, w: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, dim) = wl.shape().dims2()?;
+        let w32 = f32s(w, wl, "embedding")?;
+        let ids = &self.index.host_ids;
+        let out = ids
+            .iter()
+            .flat_map(|&t| &w32[t as usize * dim..(t as usize + 1) * dim])
+            .copied();
+        Ok((storage(w.dtype(), out.collect()), Shape::from((ids.len(), dim))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, w: &candle_core::CudaStorage, wl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (_, dim) = wl.shape().dims2()?;
+        let out = cuda::embedding((w, wl), &self.index)?;
+        Ok((out, Shape::from((self.index.host_ids.len(), dim))))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let bwd = EmbeddingBwd {
+            index: self.index.clone(),
+        };
+        Ok(Some(dy.contiguous()?.apply_op1_no_bwd(&bwd)?))
+    }
+}
+
+impl CustomOp1 for EmbeddingBwd {
+    fn name(&self) -> &'static str {
+        "train-embedding-bwd"
+    }
+
+    fn cpu_fwd(&self, dy: &CpuStorage, dyl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, dim) = dyl.shape().dims2()?;
+        let d = f32s(dy, dyl, "embedding backward")?;
+        let mut dw = vec![0f64; self.index.vocab * dim];
+        for (&t, row) in self.index.host_ids.iter().zip(d.chunks(dim)) {
+            for (acc, &g) in dw[t as usize * dim..].iter_mut().zip(row) {
+                *acc += g as f64;
+            }
+        }
+        let dw = dw.into_iter().map(|v| v as f32).collect();
+        Ok((storage(dy.dtype(), dw), Shape::from((self.index.vocab, dim))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, dy: &candle_core::CudaStorage, dyl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (_, dim) = dyl.shape().dims2()?;
+        let dw = cuda::embedding_bwd((dy, dyl), &self.index)?;
+        Ok((dw, Shape::from((self.index.vocab, dim))))
+    }
+}
+
+struct RmsNorm {
+    eps: f32,
+}
+
+/// (x, w, dy) → (rows + 1, dim): dx's rows, then dw.
+struct RmsNormBwd {
+    eps: f32,
+}
+
+struct Rope {
+    interleaved: bool,
+    /// Rotate by the opposite angles (the backward).
+    inverse: bool,
+}
+
+struct Swiglu;
+
+/// (gate, up, dy) → (2, ..): dgate, then dup.
+struct SwigluBwd;
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "train-rms-norm"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout, w: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "RMSNorm";
+        let dtype = same_dtypes(OP, &[x, w])?;
+        let (x, w) = (f32s(x, xl, OP)?, f32s(w, wl, OP)?);
+        let dim = w.len();
+        let mut y = vec![0f32; x.len()];
+        for (xr, yr) in x.chunks(dim).zip(y.chunks_mut(dim)) {
+            let r = rstd(xr, self.eps);
+            for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(&w) {
+                *y = x * r * w;
+            }
+        }
+        Ok((storage(dtype, y), xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((cuda::rms_norm((x, xl), (w, wl), self.eps)?, xl.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dim = w.dim(0)?;
+        let rows = x.elem_count() / dim;
+        let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: self.eps })?;
+        let dx = both.narrow(0, 0, rows)?.reshape(x.shape())?;
+        let dw = both.get(rows)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp3 for RmsNormBwd {
+    fn name(&self) -> &'static str {
+        "train-rms-norm-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+        dy: &CpuStorage,
+        dyl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "RMSNorm backward";
+        let dtype = same_dtypes(OP, &[x, w, dy])?;
+        let (x, w, dy) = (f32s(x, xl, OP)?, f32s(w, wl, OP)?, f32s(dy, dyl, OP)?);
+        let dim = w.len();
+        let rows = x.len() / dim;
+        // dx rows, then dw; dw summed in f64 in row order.
+        let mut out = vec![0f32; x.len() + dim];
+        let mut dw = vec![0f64; dim];
+        for ((xr, dyr), dxr) in x.chunks(dim).zip(dy.chunks(dim)).zip(out.chunks_mut(dim)) {
+            let r = rstd(xr, self.eps);
+            // dx = r·g − x·r³·mean(g·x), g = dy·w.
+            let dot: f64 = xr
+                .iter()
+                .zip(dyr)
+                .zip(&w)
+                .map(|((&x, &d), &w)| (d * w * x) as f64)
+                .sum();
+            let k = r * r * r * (dot / dim as f64) as f32;
+            for c in 0..dim {
+                dxr[c] = r * dyr[c] * w[c] - k * xr[c];
+                dw[c] += (dyr[c] * xr[c] * r) as f64;
+            }
+        }
+        for (o, d) in out[rows * dim..].iter_mut().zip(dw) {
+            *o = d as f32;
+        }
+        Ok((storage(dtype, out), Shape::from((rows + 1, dim))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+        dy: &candle_core::CudaStorage,
+        dyl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dim = wl.shape().elem_count();
+        let rows = xl.shape().elem_count() / dim;
+        let out = cuda::rms_norm_bwd((x, xl), (w, wl), (dy, dyl), self.eps)?;
+        Ok((out, Shape::from((rows + 1, dim))))
+    }
+}
+
+impl CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "train-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        cos: &CpuStorage,
+        cl: &Layout,
+        sin: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "RoPE";
+        let dtype = same_dtypes(OP, &[x, cos, sin])?;
+        let (tokens, heads, d) = xl.shape().dims3()?;
+        let (x, cos, sin) = (f32s(x, xl, OP)?, f32s(cos, cl, OP)?, f32s(sin, sl, OP)?);
+        let half = d / 2;
+        let sign = if self.inverse { -1.0 } else { 1.0 };
+        let mut y = vec![0f32; x.len()];
+        for t in 0..tokens {
+            for h in 0..heads {
+                let row = (t * heads + h) * d;
+                for p in 0..half {
+                    let (c1, c2) = match self.interleaved {
+                        true => (2 * p, 2 * p + 1),
+                        false => (p, p + half),
+                    };
+                    let (a, b) = (x[row + c1], x[row + c2]);
+                    let (c, s) = (cos[t * half + p], sign * sin[t * half + p]);
+                    y[row + c1] = a * c - b * s;
+                    y[row + c2] = a * s + b * c;
+                }
+            }
+        }
+        Ok((storage(dtype, y), xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        cos: &candle_core::CudaStorage,
+        cl: &Layout,
+        sin: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = cuda::rope((x, xl), (cos, cl), (sin, sl), self.interleaved, self.inverse)?;
+        Ok((y, xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let inverse = Rope {
+            interleaved: self.interleaved,
+            inverse: !self.inverse,
+        };
+        let dx = dy.contiguous()?.apply_op3_no_bwd(cos, sin, &inverse)?;
+        Ok((Some(dx), None, None))
+    }
+}
+
+fn silu(g: f32) -> f32 {
+    g / (1.0 + (-g).exp())
+}
+
+impl CustomOp2 for Swiglu {
+    fn name(&self) -> &'static str {
+        "train-swiglu"
+    }
+
+    fn cpu_fwd(&self, g: &CpuStorage, gl: &Layout, u: &CpuStorage, ul: &Layout) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "SiLU × up";
+        let dtype = same_dtypes(OP, &[g, u])?;
+        let (g, u) = (f32s(g, gl, OP)?, f32s(u, ul, OP)?);
+        let y = g.iter().zip(&u).map(|(&g, &u)| silu(g) * u).collect();
+        Ok((storage(dtype, y), gl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        u: &candle_core::CudaStorage,
+        ul: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((cuda::swiglu((g, gl), (u, ul))?, gl.shape().clone()))
+    }
+
+    fn bwd(&self, g: &Tensor, u: &Tensor, _: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let both = g.apply_op3_no_bwd(u, &dy.contiguous()?, &SwigluBwd)?;
+        Ok((Some(both.get(0)?), Some(both.get(1)?)))
+    }
+}
+
+impl CustomOp3 for SwigluBwd {
+    fn name(&self) -> &'static str {
+        "train-swiglu-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        g: &CpuStorage,
+        gl: &Layout,
+        u: &CpuStorage,
+        ul: &Layout,
+        dy: &CpuStorage,
+        dyl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "SiLU × up backward";
+        let dtype = same_dtypes(OP, &[g, u, dy])?;
+        let (g, u, dy) = (f32s(g, gl, OP)?, f32s(u, ul, OP)?, f32s(dy, dyl, OP)?);
+        let n = g.len();
+        let mut out = vec![0f32; 2 * n];
+        for i in 0..n {
+            let s = 1.0 / (1.0 + (-g[i]).exp());
+            out[i] = dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+            out[n + i] = dy[i] * g[i] * s;
+        }
+        Ok((storage(dtype, out), pair_shape(gl)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        u: &candle_core::CudaStorage,
+        ul: &Layout,
+        dy: &candle_core::CudaStorage,
+        dyl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((cuda::swiglu_bwd((g, gl), (u, ul), (dy, dyl))?, pair_shape(gl)))
+    }
+}
+
+/// (2, ..) of a layout's shape.
+fn pair_shape(l: &Layout) -> Shape {
+    let mut dims = vec![2];
+    dims.extend_from_slice(l.dims());
+    Shape::from(dims)
+}
+
+/// 1 / sqrt(mean(x²) + eps) of one row, the sum in f64.
+fn rstd(row: &[f32], eps: f32) -> f32 {
+    let ss: f64 = row.iter().map(|&v| (v * v) as f64).sum();
+    1.0 / ((ss / row.len() as f64) as f32 + eps).sqrt()
+}
+
+/// The common dtype of the inputs (bf16, f16 or f32).
+fn same_dtypes(op: &str, inputs: &[&CpuStorage]) -> Result<DType> {
+    let dtype = inputs[0].dtype();
+    if let Some(other) = inputs.iter().find(|s| s.dtype() != dtype) {
+        bail!("flash-llama {op}: inputs of {dtype:?} and {:?}", other.dtype())
+    }
+    Ok(dtype)
+}
+
+/// A contiguous input as f32 values.
+fn f32s(s: &CpuStorage, l: &Layout, op: &str) -> Result<Vec<f32>> {
+    let Some((start, end)) = l.contiguous_offsets() else {
+        bail!(
+            "flash-llama {op}: inputs must be contiguous, got strides {:?}",
+            l.stride()
+        )
+    };
+    Ok(match s {
+        CpuStorage::BF16(v) => v[start..end].iter().map(|x| x.to_f32()).collect(),
+        CpuStorage::F16(v) => v[start..end].iter().map(|x| x.to_f32()).collect(),
+        CpuStorage::F32(v) => v[start..end].to_vec(),
+        s => bail!("flash-llama {op}: unsupported dtype {:?} (bf16, f16 or f32)", s.dtype()),
+    })
+}
+
+/// f32 values rounded once to `dtype`.
+fn storage(dtype: DType, v: Vec<f32>) -> CpuStorage {
+    match dtype {
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
+        DType::F16 => CpuStorage::F16(v.into_iter().map(f16::from_f32).collect()),
+        _ => CpuStorage::F32(v),
+    }
+}
