@@ -29,18 +29,20 @@ fn function(dev: &CudaDevice, name: String) -> Result<CudaFunction> {
     function_in(CUBIN, dev, name)
 }
 
+/// A loaded cubin's key: the device and the cubin's address (one entry per embedded cubin).
+type CubinKey = (DeviceId, usize);
+
 /// The kernel `name` of `cubin` (one of the cubins build.rs embeds) on `dev`, loading the cubin
 /// on first use.
 pub(crate) fn function_in(cubin: &'static [u8], dev: &CudaDevice, name: String) -> Result<CudaFunction> {
-    // Keyed by the cubin's address: one entry per embedded cubin.
-    let key = (dev.id(), cubin.as_ptr() as usize);
-    static FUNCS: OnceLock<Mutex<HashMap<((DeviceId, usize), String), CudaFunction>>> = OnceLock::new();
+    let key: CubinKey = (dev.id(), cubin.as_ptr() as usize);
+    static FUNCS: OnceLock<Mutex<HashMap<(CubinKey, String), CudaFunction>>> = OnceLock::new();
     let mut funcs = FUNCS.get_or_init(Default::default).lock().unwrap();
     if let Some(f) = funcs.get(&(key, name.clone())) {
         return Ok(f.clone());
     }
     // One module per device and cubin: load it with the first function, then look the others up in it.
-    static MODULES: OnceLock<Mutex<HashMap<(DeviceId, usize), std::sync::Arc<CudaModule>>>> = OnceLock::new();
+    static MODULES: OnceLock<Mutex<HashMap<CubinKey, std::sync::Arc<CudaModule>>>> = OnceLock::new();
     let module = {
         let mut modules = MODULES.get_or_init(Default::default).lock().unwrap();
         match modules.get(&key) {
