@@ -70,6 +70,7 @@ print(exes[-1] if exes else "")
 build_exe TEST_EXE gpu test --release -p flash-attn3-tests --features cuda --test gpu --no-run
 build_exe BENCH_EXE gpu_attention bench -p flash-attn3 --features cuda --bench gpu_attention --no-run
 build_exe MODEL_TEST_EXE gpu test --release -p flash-llama --features cuda --test gpu --no-run
+build_exe TRAIN_TEST_EXE gpu_train test --release -p flash-llama --features cuda --test gpu_train --no-run
 
 mkdir -p "$DEV"
 pack() { # pack SRC NAME: strip and compress SRC into .device/NAME.xz
@@ -84,6 +85,7 @@ pack() { # pack SRC NAME: strip and compress SRC into .device/NAME.xz
 pack "$TEST_EXE" gpu-test
 pack "$BENCH_EXE" gpu-bench
 pack "$MODEL_TEST_EXE" model-gpu-test
+pack "$TRAIN_TEST_EXE" train-gpu-test
 
 {
     echo "packed:  $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
@@ -92,6 +94,7 @@ pack "$MODEL_TEST_EXE" model-gpu-test
     echo "test:    $(basename "$TEST_EXE")"
     echo "bench:   $(basename "$BENCH_EXE")"
     echo "model:   $(basename "$MODEL_TEST_EXE")"
+    echo "train:   $(basename "$TRAIN_TEST_EXE")"
 } >"$DEV/manifest.txt"
 
 if ((ANCHORS)); then

@@ -14,8 +14,9 @@
 #      step is stopped by then, so the summary prints inside a 600 s call; STEP_TIMEOUT (default
 #      DEADLINE) caps each step.
 # A failing step does not stop the others. Full logs: $OUT/<step>.log (or /tmp/gpu-run/ without
-# $OUT; at most 8 files come back from $OUT: this writes at most 7, plus the anchors.json of
-# anchors_bench.py). The summary table prints last; the exit code is non-zero if any step failed.
+# $OUT), plus summary.txt and anchors_bench.py's anchors.json; at most 8 files come back from $OUT,
+# so with both --anchors and --sanitize some logs stay behind. The summary table prints last; the
+# exit code is non-zero if any step failed.
 set -uo pipefail
 
 ANCHORS=0 SANITIZE=0
@@ -92,6 +93,8 @@ if [[ -f $DEV/gpu-test.xz ]] && unxz_to "$DEV/gpu-test.xz" "$BIN/gpu-test"; then
 if [[ -f $DEV/gpu-bench.xz ]] && unxz_to "$DEV/gpu-bench.xz" "$BIN/gpu-bench"; then BENCH_BIN=$BIN/gpu-bench; fi
 MODEL_BIN=
 if [[ -f $DEV/model-gpu-test.xz ]] && unxz_to "$DEV/model-gpu-test.xz" "$BIN/model-gpu-test"; then MODEL_BIN=$BIN/model-gpu-test; fi
+TRAIN_BIN=
+if [[ -f $DEV/train-gpu-test.xz ]] && unxz_to "$DEV/train-gpu-test.xz" "$BIN/train-gpu-test"; then TRAIN_BIN=$BIN/train-gpu-test; fi
 
 NOLOG=1 step gpu nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 GPU_NAME=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n1)
@@ -108,6 +111,12 @@ if [[ -n $MODEL_BIN ]]; then
     step model-tests "$MODEL_BIN" --test-threads=1
 else
     skip_step model-tests "no .device/model-gpu-test.xz: run scripts/gpu-pack.sh and carry .device"
+fi
+# flash-llama's differentiable training ops (crates/model/tests/gpu_train.rs).
+if [[ -n $TRAIN_BIN ]]; then
+    step train-tests "$TRAIN_BIN" --test-threads=1
+else
+    skip_step train-tests "no .device/train-gpu-test.xz: run scripts/gpu-pack.sh and carry .device"
 fi
 
 if [[ -n $BENCH_BIN ]]; then
