@@ -27,6 +27,10 @@ tied embeddings), then
     --warmup --ignore-eos`) vs transformers (SDPA, a greedy loop over its KV cache, one host
     sync per step like `model.generate`), plus the weight-bandwidth bound of decode at batch 1.
 
+With --gguf FILE it checks a real model instead (the default SmolLM2-135M-Instruct Q4_1 GGUF):
+the same f32 and bf16 comparisons on transformers' own dequantisation of the file (it needs the
+`gguf` Python package: `pip download gguf --no-deps` here, install it there with --no-index).
+
 Random weights: linear layers N(0, 0.02), RMSNorm scales 1 + N(0, 0.1), the (tied) embedding
 N(0, 2.4 / sqrt(hidden)) so that the logits spread over a few units (clear greedy choices).
 Results: a summary printed last and results.json in --out.
@@ -137,12 +141,17 @@ def write_model(cfg, path, seed):
 
 
 def load_hf(path, dtype):
+    """transformers' model from an HF directory, or from a .gguf file (dequantised by transformers
+    through the `gguf` package)."""
     from transformers import LlamaForCausalLM
 
+    kw = {"attn_implementation": "sdpa"}
+    if path.endswith(".gguf"):
+        path, kw["gguf_file"] = os.path.dirname(path), os.path.basename(path)
     try:
-        m = LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        m = LlamaForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     except TypeError:
-        m = LlamaForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
+        m = LlamaForCausalLM.from_pretrained(path, torch_dtype=dtype, **kw)
     return m.to("cuda").eval()
 
 
@@ -230,7 +239,8 @@ def correctness(args, name, cfg, model_dir, res):
     tok32, _ = ours(args, model_dir, prompts, n, ["--cpu", "--dtype", "f32", "--dump-logits", f32_npy])
     our32 = load_npy(f32_npy)  # (steps, batch, vocab)
     hf32 = load_hf(model_dir, torch.float32)
-    check_rope(hf32, cfg)
+    if "rope_theta" in cfg:
+        check_rope(hf32, cfg)
     r32 = []
     for b, p in enumerate(prompts):
         ref = hf_teacher_forced(hf32, p, tok32[b])
@@ -373,6 +383,12 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--check-lens", default="40,23", help="prompt lengths of the correctness checks (one batch)")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument(
+        "--gguf",
+        default=None,
+        help="check this real .gguf model (e.g. the default SmolLM2-135M-Instruct Q4_1) instead of the random-weight"
+        " models: ours and transformers (which needs the `gguf` package) both dequantise its weights; no speed",
+    )
     ap.add_argument("--compare-bin", action="append", default=[], help="another generate binary timed on the same prompts (before/after; repeatable)")
     ap.add_argument("--variants", action="append", default=[], help="extra flags of ours for another bf16 comparison (repeatable)")
     args = ap.parse_args()
@@ -392,6 +408,25 @@ def main():
     bw = copy_bandwidth()
     results["copy_bandwidth"] = bw
     log(f"device-to-device copy: {bw / 1e12:.2f} TB/s (bytes read + written)")
+    if args.gguf:
+        from transformers import AutoConfig
+
+        path = os.path.abspath(args.gguf)
+        hf_cfg = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        name = os.path.basename(path)
+        res = results.setdefault(name, {})
+        log(f"\n=== {name} (real weights; vocab {hf_cfg.vocab_size}, {hf_cfg.num_hidden_layers} layers)")
+        try:
+            correctness(args, name, {"vocab_size": hf_cfg.vocab_size}, path, res)
+        except Exception:
+            traceback.print_exc()
+            res["correctness_error"] = traceback.format_exc()[-2000:]
+        if args.out:
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        log("\n=== summary")
+        log(json.dumps(results, indent=1))
+        return
     for name in args.models.split(","):
         cfg = MODELS[name]
         res = results.setdefault(name, {})
