@@ -17,6 +17,11 @@ fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let nvcc = find_nvcc();
+    let header = manifest.join("../../kernels/model/dtype.cuh");
+    println!(
+        "cargo:rerun-if-changed={}",
+        header.canonicalize().unwrap_or(header).display()
+    );
     // Each kernels/model/NAME.cu becomes $OUT_DIR/NAME.cubin.
     for name in ["fused", "train_ops"] {
         let src = manifest.join(format!("../../kernels/model/{name}.cu"));

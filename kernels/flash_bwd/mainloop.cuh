@@ -158,6 +158,27 @@ __device__ __forceinline__ void scores_to_grads(const BwdParams& p, const KeyBlo
     }
 }
 
+// scores_to_grads for query block m, with one uniform branch per block picking the specialised
+// math (softcap or not, masked or not). q0: the score tile's first query within the block (0, or
+// the wide warpgroup's half); lse / dpsum: the stage's vectors, from the block's first row.
+template <class Tr>
+__device__ __forceinline__ void block_scores_to_grads(const BwdParams& p, const KeyBlock& kb, float (&st)[Tr::kSRegs],
+                                                      float (&dpt)[Tr::kSRegs], uint32_t lse, uint32_t dpsum,
+                                                      const QueryInterval (&seen_by)[2], int m, int q0,
+                                                      int quad_lane) {
+    const int i0 = m * Tr::kBlockM + q0;
+    lse += q0 * 4;
+    dpsum += q0 * 4;
+    const bool masked = !block_unmasked<Tr>(p, kb, m);
+    if (p.softcap_pre != 0.f) {
+        if (masked) scores_to_grads<Tr, true, true>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
+        else scores_to_grads<Tr, false, true>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
+    } else {
+        if (masked) scores_to_grads<Tr, true, false>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
+        else scores_to_grads<Tr, false, false>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
+    }
+}
+
 // Accumulator pairs 8kk..8kk+7 are the four A registers of k-step kk (rows r, r+8; columns +0, +8).
 template <class Tr>
 __device__ __forceinline__ void to_a_operand(const float (&acc)[Tr::kSRegs], uint32_t (&a)[Tr::kSCols / 16][4]) {
@@ -289,18 +310,8 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
             // ---- Pᵀ, dSᵀ (d128: Pᵀ while dPᵀ is still in flight), then both as 16-bit A operands;
             // one uniform branch per query block picks the specialised math
             uint32_t pa[Tr::kSCols / 16][4], dsa[Tr::kSCols / 16][4];
-            {
-                const uint32_t lse = smem_u32(s.lse_log2[stage]), dpsum = smem_u32(s.dpsum[stage]);
-                const int i0 = m * Tr::kBlockM;
-                const bool masked = !block_unmasked<Tr>(p, kb, m);
-                if (p.softcap_pre != 0.f) {
-                    if (masked) scores_to_grads<Tr, true, true>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
-                    else scores_to_grads<Tr, false, true>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
-                } else {
-                    if (masked) scores_to_grads<Tr, true, false>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
-                    else scores_to_grads<Tr, false, false>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
-                }
-            }
+            block_scores_to_grads<Tr>(p, kb, st, dpt, smem_u32(s.lse_log2[stage]), smem_u32(s.dpsum[stage]), seen_by, m,
+                                      0, quad_lane);
             to_a_operand<Tr>(st, pa);
             to_a_operand<Tr>(dpt, dsa);
 

@@ -72,19 +72,8 @@ __device__ void bwd_consumer_wide(const BwdParams& p, BwdSharedStorage<Tr>& s, c
             wgmma_commit();
             issue_k_major<Tr>(dpt, v_base, do_base + q_half * 128);
             wgmma_commit();
-            {
-                const uint32_t lse = smem_u32(s.lse_log2[stage]) + q_half * 4;
-                const uint32_t dpsum = smem_u32(s.dpsum[stage]) + q_half * 4;
-                const int i0 = m * Tr::kBlockM + q_half;
-                const bool masked = !block_unmasked<Tr>(p, kb, m);
-                if (p.softcap_pre != 0.f) {
-                    if (masked) scores_to_grads<Tr, true, true>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
-                    else scores_to_grads<Tr, false, true>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
-                } else {
-                    if (masked) scores_to_grads<Tr, true, false>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
-                    else scores_to_grads<Tr, false, false>(p, kb, st, dpt, lse, dpsum, seen_by, i0, quad_lane);
-                }
-            }
+            block_scores_to_grads<Tr>(p, kb, st, dpt, smem_u32(s.lse_log2[stage]), smem_u32(s.dpsum[stage]), seen_by, m,
+                                      q_half, quad_lane);
 
             // ---- Pᵀ and dSᵀ (16-bit) into this warpgroup's query chunks of the buffers (last read
             // two query blocks ago, before the previous barrier), then wait for the other half

@@ -1,20 +1,11 @@
 // Small fused kernels of flash-llama's inference path (Kernels::Fused on the GPU): each replaces
 // two or three candle launches of a decode step. Arithmetic in f32, one rounding per output.
 // Compiled by crates/model/build.rs into one sm_90a cubin; launched by crates/model/src/fused/.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "dtype.cuh"
+
 namespace {
-
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 constexpr int kNormThreads = 256;
 // The vector path of add_rms_norm: 16-byte loads, up to kNormIters of them per thread held in

@@ -4,20 +4,11 @@
 // partial sums, then a sum over the chunks), so gradients are deterministic. Compiled by
 // crates/model/build.rs into an sm_90a cubin; launched by crates/model/src/train_ops/cuda.rs.
 // The CPU loops of crates/model/src/train_ops/mod.rs compute the same things.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "dtype.cuh"
+
 namespace {
-
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 // Rows per block of the row kernels: one warp per row.
 constexpr int kRowWarps = 8;
