@@ -7,7 +7,7 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
-use common::{hf_model, Family, VOCAB};
+use common::{hf_model, rel_diff, Family, VOCAB};
 use flash_llama::fused::{add_rms_norm, rope_store, silu_mul, CacheStore};
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::nn::{rope_per_head, RmsNorm};
@@ -15,22 +15,6 @@ use flash_llama::{Kernels, Llama};
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device")
-}
-
-/// Largest |a - b| over the largest |b| (at least 1), in f32.
-fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let (a, b) = (a.to_dtype(DType::F32).unwrap(), b.to_dtype(DType::F32).unwrap());
-    let max = |t: &Tensor| {
-        t.abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    };
-    max(&(&a - &b).unwrap()) / max(&b).max(1.0)
 }
 
 /// Tolerance of one kernel against the composed ops: a couple of roundings of the dtype.

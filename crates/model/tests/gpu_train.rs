@@ -3,6 +3,7 @@
 //! candle's autograd) on CUDA, bf16/f16/f32, odd sizes; and the CUDA kernels against the CPU
 //! loops of the same ops. Needs the `cuda` feature and a Hopper GPU.
 
+mod common;
 mod train_ops_common;
 
 use candle_core::{DType, Device, Result, Tensor, Var};

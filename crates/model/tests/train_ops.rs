@@ -1,6 +1,7 @@
 //! The training ops (`flash_llama::train_ops`, CPU loops) against the composed candle ops:
 //! forward and autograd gradients in f32 (tight), and in bf16/f16 (a rounding or two).
 
+mod common;
 mod train_ops_common;
 
 use candle_core::{DType, Device, Result};

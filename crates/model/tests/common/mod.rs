@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 pub const VOCAB: usize = 64;
 pub const HIDDEN: usize = 32;
@@ -228,4 +228,19 @@ pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
         .to_scalar::<f32>()
         .unwrap()
+}
+
+/// Largest |a - b| over the largest |b| (at least 1), both compared in f32.
+pub fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let (a, b) = (a.to_dtype(DType::F32).unwrap(), b.to_dtype(DType::F32).unwrap());
+    let max_abs_b = b
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    max_diff(&a, &b) / max_abs_b.max(1.0)
 }

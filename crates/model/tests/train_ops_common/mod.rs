@@ -8,21 +8,7 @@ use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use flash_llama::nn::{apply_rope, RmsNorm};
 use flash_llama::{train_ops, Kernels};
 
-/// Largest |a - b| over the largest |b| (at least 1), in f32.
-pub fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let (a, b) = (a.to_dtype(DType::F32).unwrap(), b.to_dtype(DType::F32).unwrap());
-    let max = |t: &Tensor| {
-        t.abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    };
-    max(&(&a - &b).unwrap()) / max(&b).max(1.0)
-}
+pub use crate::common::rel_diff;
 
 pub fn randn(shape: &[usize], dtype: DType, dev: &Device) -> Tensor {
     Tensor::randn(0f32, 1.0, shape, dev).unwrap().to_dtype(dtype).unwrap()
