@@ -244,3 +244,8 @@ pub fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap();
     max_diff(&a, &b) / max_abs_b.max(1.0)
 }
+
+/// The sum of |t| over all elements (f32 tensors): 0 exactly for an all-zero row.
+pub fn abs_sum(t: &Tensor) -> f32 {
+    t.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap()
+}
