@@ -295,6 +295,12 @@ fn run(args: Args) -> Result<()> {
         generation.decode_secs,
         generation.decode_tokens_per_sec(),
     );
+    if device.is_cuda() && generation.decode_secs > 0.0 {
+        eprintln!(
+            "generation: {:.0}% of the time waiting for the device (less: the host's own work per step is the limit)",
+            100.0 * generation.decode_wait_secs / generation.decode_secs
+        );
+    }
     Ok(())
 }
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds, here (no GPU needed), what scripts/gpu-run.sh runs on the GPU machine, into .device/
-# (git-ignored): the GPU test binaries (tests/gpu.rs, crates/model/tests/gpu.rs) and the GPU
-# benchmark binary (crates/flash-attn/benches/gpu_attention.rs), stripped and xz-compressed.
+# (git-ignored): the GPU test binaries (tests/gpu.rs, crates/model/tests/gpu.rs and gpu_train.rs),
+# the GPU benchmark binaries (crates/flash-attn/benches/gpu_attention.rs,
+# crates/model/benches/decode_host.rs) and the generate example built for the GPU (for
+# scripts/gpu_model_check.py), stripped and xz-compressed.
 #
 #   scripts/gpu-pack.sh [--anchors]
 #
@@ -71,6 +73,8 @@ build_exe TEST_EXE gpu test --release -p flash-attn3-tests --features cuda --tes
 build_exe BENCH_EXE gpu_attention bench -p flash-attn3 --features cuda --bench gpu_attention --no-run
 build_exe MODEL_TEST_EXE gpu test --release -p flash-llama --features cuda --test gpu --no-run
 build_exe TRAIN_TEST_EXE gpu_train test --release -p flash-llama --features cuda --test gpu_train --no-run
+build_exe HOST_BENCH_EXE decode_host bench -p flash-llama --features cuda --bench decode_host --no-run
+build_exe GENERATE_EXE generate build --release -p flash-attn3-examples --features cuda --example generate
 
 mkdir -p "$DEV"
 pack() { # pack SRC NAME: strip and compress SRC into .device/NAME.xz
@@ -86,6 +90,8 @@ pack "$TEST_EXE" gpu-test
 pack "$BENCH_EXE" gpu-bench
 pack "$MODEL_TEST_EXE" model-gpu-test
 pack "$TRAIN_TEST_EXE" train-gpu-test
+pack "$HOST_BENCH_EXE" decode-host
+pack "$GENERATE_EXE" generate
 
 {
     echo "packed:  $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
@@ -95,6 +101,8 @@ pack "$TRAIN_TEST_EXE" train-gpu-test
     echo "bench:   $(basename "$BENCH_EXE")"
     echo "model:   $(basename "$MODEL_TEST_EXE")"
     echo "train:   $(basename "$TRAIN_TEST_EXE")"
+    echo "host:    $(basename "$HOST_BENCH_EXE")"
+    echo "generate: $(basename "$GENERATE_EXE")"
 } >"$DEV/manifest.txt"
 
 if ((ANCHORS)); then

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine, from the repo root, with .device/ carried (made by scripts/gpu-pack.sh):
 #
-#   bash scripts/gpu-run.sh [--anchors] [--sanitize]
+#   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model]
 #
-# Steps: GPU name; the GPU test binary (--test-threads=1); the GPU benchmark binary;
+# Steps: GPU name; the GPU test binaries (--test-threads=1); the GPU benchmark binary; the host
+#   cost of a decode step (decode-host);
 #   --anchors   the anchor benchmark (.device/anchors, from gpu-pack.sh --anchors);
 #               env SEQS, HDIMS, PASSES, IMPLS pass through to anchors_bench.py; then
 #               scripts/decode_anchor.py (FA3 on the decode-like shapes; BENCH_DECODE=0 skips it)
 #   --sanitize  compute-sanitizer memcheck and racecheck on the test binary, with the test filter
 #               in env SANITIZE_FILTER (empty: every test; racecheck is slow, so filter)
+#   --model     scripts/gpu_model_check.py with the packed generate example: our logits against
+#               HF transformers' on random-weight models (SmolLM2-135M, Llama-3.2-1B shapes), then
+#               prefill/decode tokens/s next to transformers' (MODEL_CHECK_ARGS: extra arguments)
 # Env: TEST_ARGS / BENCH_ARGS: extra arguments to the test / benchmark binary (e.g. a filter).
 #      DEADLINE (default 570): seconds from the start after which no step runs any more, and each
 #      step is stopped by then, so the summary prints inside a 600 s call; STEP_TIMEOUT (default
@@ -19,13 +23,14 @@
 # exit code is non-zero if any step failed.
 set -uo pipefail
 
-ANCHORS=0 SANITIZE=0
+ANCHORS=0 SANITIZE=0 MODEL=0
 for arg in "$@"; do
     case $arg in
         --anchors) ANCHORS=1 ;;
         --sanitize) SANITIZE=1 ;;
-        -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
-        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize])" >&2; exit 2 ;;
+        --model) MODEL=1 ;;
+        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model])" >&2; exit 2 ;;
     esac
 done
 
@@ -95,6 +100,9 @@ MODEL_BIN=
 if [[ -f $DEV/model-gpu-test.xz ]] && unxz_to "$DEV/model-gpu-test.xz" "$BIN/model-gpu-test"; then MODEL_BIN=$BIN/model-gpu-test; fi
 TRAIN_BIN=
 if [[ -f $DEV/train-gpu-test.xz ]] && unxz_to "$DEV/train-gpu-test.xz" "$BIN/train-gpu-test"; then TRAIN_BIN=$BIN/train-gpu-test; fi
+HOST_BIN= GENERATE_BIN=
+if [[ -f $DEV/decode-host.xz ]] && unxz_to "$DEV/decode-host.xz" "$BIN/decode-host"; then HOST_BIN=$BIN/decode-host; fi
+if [[ -f $DEV/generate.xz ]] && unxz_to "$DEV/generate.xz" "$BIN/generate"; then GENERATE_BIN=$BIN/generate; fi
 
 NOLOG=1 step gpu nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 GPU_NAME=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n1)
@@ -123,6 +131,22 @@ if [[ -n $BENCH_BIN ]]; then
     step bench "$BENCH_BIN" ${BENCH_ARGS:-}
 else
     skip_step bench "no .device/gpu-bench.xz: run scripts/gpu-pack.sh and carry .device"
+fi
+
+# Host cost of a batch-1 decode step of the Llama-3.2-1B shape and of its ops.
+if [[ -n $HOST_BIN ]]; then
+    step decode-host "$HOST_BIN"
+else
+    skip_step decode-host "no .device/decode-host.xz: run scripts/gpu-pack.sh and carry .device"
+fi
+
+if ((MODEL)); then
+    if [[ -n $GENERATE_BIN ]]; then
+        step model-check python3 scripts/gpu_model_check.py --bin "$GENERATE_BIN" \
+            --work /tmp/flash-llama-check --out "$LOGS" ${MODEL_CHECK_ARGS:-}
+    else
+        skip_step model-check "no .device/generate.xz: run scripts/gpu-pack.sh and carry .device"
+    fi
 fi
 
 if ((ANCHORS)); then

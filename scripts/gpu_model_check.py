@@ -7,12 +7,8 @@ built with `--features cuda` (see docs/model.md, "On the GPU"):
     python3 scripts/gpu_model_check.py --bin /tmp/generate --work /tmp/models --out $OUT \
         [--variants=--reference-attention --variants=--composed]
 
-Packing the binary here (no GPU needed), then one device call with carry [".device-model"]:
-
-    cargo build --release --features cuda --example generate -p flash-attn3-examples
-    mkdir -p .device-model && cp target/release/examples/generate /tmp/gen && strip --strip-debug /tmp/gen \
-        && xz -T2 -6 -c /tmp/gen > .device-model/generate.xz
-    # on the device: xz -dc .device-model/generate.xz > /tmp/b/generate && chmod +x /tmp/b/generate
+scripts/gpu-pack.sh packs that binary into .device/generate.xz, and `scripts/gpu-run.sh --model`
+(one device call with carry [".device"]) runs this script with it.
 
 For each model shape (SmolLM2-135M's config, a Llama-3.2-1B-shaped config) it writes a
 random-weight HF directory (config.json in the Hub's format + model.safetensors, bf16 weights,

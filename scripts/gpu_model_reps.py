@@ -46,12 +46,17 @@ for name, cfg in g.MODELS.items():
                     cmd += ["--token-ids", ",".join(map(str, p))]
                 err = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stderr
                 m = re.search(r"\(([\d.]+) tokens/s\); generation: \d+ tokens in [\d.]+s \(([\d.]+) tokens/s\)", err)
-                res[k].append((float(m.group(1)), float(m.group(2))))
+                # Builds from 2026-11-22 on also print how much of the decode time was spent
+                # waiting for the device.
+                w = re.search(r"(\d+)% of the time waiting", err)
+                res[k].append((float(m.group(1)), float(m.group(2)), int(w.group(1)) if w else None))
         for k, v in res.items():
             dec, pre = [x[1] for x in v], [x[0] for x in v]
+            waits = [x[2] for x in v if x[2] is not None]
+            wait = f"; waiting for the device {', '.join(f'{x}%' for x in waits)}" if waits else ""
             print(
                 f"{name} batch {batch} {k}: decode median {statistics.median(dec):.1f} "
                 f"(runs {', '.join(f'{x:.1f}' for x in dec)}); prefill median {statistics.median(pre):.0f} "
-                f"(runs {', '.join(f'{x:.0f}' for x in pre)})",
+                f"(runs {', '.join(f'{x:.0f}' for x in pre)}){wait}",
                 flush=True,
             )

@@ -84,8 +84,8 @@ fn poison(dev: &Device, elems: usize) -> Result<()> {
 }
 
 /// Checks one fixed-length call (q, k, v given, possibly non-contiguous) against the reference,
-/// twice: with the split count chosen per call (small test shapes leave most SMs idle, so this
-/// often splits the keys) and with `num_splits(1)` (one CTA walks all keys of a tile).
+/// twice: with the split count chosen per call (small test shapes leave most SMs idle, so keys
+/// of more than 8 blocks are split) and with `num_splits(1)` (one CTA walks all keys of a tile).
 fn check(q: &Tensor, k: &Tensor, v: &Tensor, o: Opts, what: &str) -> Result<()> {
     check_splits(q, k, v, o, &[0, 1], what)
 }

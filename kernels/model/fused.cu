@@ -1,5 +1,7 @@
-// Small fused kernels of flash-llama's inference path (Kernels::Fused on the GPU): each replaces
-// two or three candle launches of a decode step. Arithmetic in f32, one rounding per output.
+// Small kernels of flash-llama's inference path (Kernels::Fused on the GPU): fused ops that each
+// replace two or three candle launches of a decode step, a matrix-vector product for a batch-1
+// decode step's projections and the greedy choice of the next token. Arithmetic in f32, one
+// rounding per output.
 // Compiled by crates/model/build.rs into one sm_90a cubin; launched by crates/model/src/fused/.
 #include <stdint.h>
 
@@ -132,6 +134,95 @@ __device__ void rope_store(T* __restrict__ y, const T* __restrict__ cos, const T
     }
 }
 
+// y (n) = w · x [+ bias] for one row x (k) and w (n, k) row-major (a linear layer's weight): the
+// projections of a batch-1 decode step, a matrix-vector product bound by reading w once. One warp
+// per output: its lanes stream the output's weight row in 16-byte loads, kMatvecUnroll of them in
+// flight per lane (x is small and stays in L1/L2), then a warp reduction. k must be a whole
+// number of 16-byte vectors and every pointer 16-byte aligned (checked by the caller, which
+// otherwise uses cuBLAS).
+constexpr int kMatvecWarps = 8;
+constexpr int kMatvecUnroll = 4;
+
+template <typename T>
+__device__ void linear_vector(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
+                              T* __restrict__ y, int n, int k) {
+    constexpr int kVec = 16 / sizeof(T);
+    const int lane = threadIdx.x % 32;
+    const int col = blockIdx.x * kMatvecWarps + threadIdx.x / 32;
+    if (col >= n) return;
+    const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)col * k);
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const int vecs = k / kVec;
+    float acc = 0.f;
+    for (int v0 = lane; v0 < vecs; v0 += 32 * kMatvecUnroll) {
+        uint4 wv[kMatvecUnroll];
+#pragma unroll
+        for (int u = 0; u < kMatvecUnroll; ++u) {
+            const int v = v0 + u * 32;
+            wv[u] = v < vecs ? __ldg(wrow + v) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kMatvecUnroll; ++u) {
+            const int v = v0 + u * 32;
+            if (v >= vecs) break;
+            const uint4 xu = __ldg(xv + v);
+            const T* we = reinterpret_cast<const T*>(&wv[u]);
+            const T* xe = reinterpret_cast<const T*>(&xu);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) acc = fmaf(to_f(we[e]), to_f(xe[e]), acc);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) y[col] = from_f<T>(acc + (bias != nullptr ? to_f(bias[col]) : 0.f));
+}
+
+// The greedy choice of each row of logits x (rows, cols), contiguous: out[row] = the index of the
+// row's largest value, the first one on ties; NaNs are never chosen (a row of NaNs gives 0). As
+// flash_llama::sampling::argmax on the host. One block of kArgmaxThreads per row.
+constexpr int kArgmaxThreads = 512;
+constexpr uint32_t kNoIndex = 0xffffffffu;
+
+// The better of two candidates (value, index); kNoIndex marks "nothing seen yet".
+__device__ __forceinline__ void keep_better(float& v, uint32_t& i, float ov, uint32_t oi) {
+    if (oi == kNoIndex) return;
+    if (i == kNoIndex || ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+
+template <typename T>
+__device__ void argmax_rows(const T* __restrict__ x, uint32_t* __restrict__ out, int cols) {
+    const T* row = x + (size_t)blockIdx.x * cols;
+    float best = 0.f;
+    uint32_t at = kNoIndex;
+    // Ascending indices per thread: a later equal value never replaces the earlier one.
+    for (int c = threadIdx.x; c < cols; c += kArgmaxThreads) {
+        const float v = to_f(row[c]);
+        if (!isnan(v) && (at == kNoIndex || v > best)) {
+            best = v;
+            at = c;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1)
+        keep_better(best, at, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, at, o));
+    __shared__ float warp_best[kArgmaxThreads / 32];
+    __shared__ uint32_t warp_at[kArgmaxThreads / 32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        warp_best[warp] = best;
+        warp_at[warp] = at;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < kArgmaxThreads / 32 ? warp_best[lane] : 0.f;
+        at = lane < kArgmaxThreads / 32 ? warp_at[lane] : kNoIndex;
+        for (int o = 16; o > 0; o >>= 1)
+            keep_better(best, at, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, at, o));
+        if (lane == 0) out[blockIdx.x] = at == kNoIndex ? 0 : at;
+    }
+}
+
 }  // namespace
 
 #define FUSED_OPS(T, SUFFIX)                                                                                         \
@@ -146,6 +237,14 @@ __device__ void rope_store(T* __restrict__ y, const T* __restrict__ cos, const T
                                                    int interleaved, const uint32_t* rows, T* cache,                  \
                                                    long long row_stride, int first) {                                \
         rope_store<T>(y, cos, sin, tokens, heads, d, interleaved, rows, cache, row_stride, first);                   \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_##SUFFIX(const T* x, uint32_t* out,     \
+                                                                                    int cols) {                       \
+        argmax_rows<T>(x, out, cols);                                                                                 \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32) linear_vector_##SUFFIX(                          \
+        const T* x, const T* w, const T* bias, T* y, int n, int k) {                                                  \
+        linear_vector<T>(x, w, bias, y, n, k);                                                                        \
     }
 
 FUSED_OPS(__nv_bfloat16, bf16)

@@ -347,19 +347,29 @@ pub(crate) fn check_varlen(
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) const MAX_SPLITS: usize = 128;
 
+/// Key blocks up to which [`split_count`] never splits (when left to choose).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const MAX_UNSPLIT_KEY_BLOCKS: usize = 8;
+
 /// How many split-KV shares each tile gets when the caller left it to us (`requested` 0).
 ///
 /// Splitting pays when the tiles alone would leave SMs idle: `tiles` CTAs on `sms` SMs, each
 /// walking `key_blocks` key blocks. As FA3 does, pick the split count whose last wave is fullest
 /// (efficiency = waves / ceil(waves)), preferring the smallest within 85% of the best, and skip
 /// counts that do not shorten the longest share (ceil(key_blocks / s) unchanged from s - 1).
+///
+/// Up to [`MAX_UNSPLIT_KEY_BLOCKS`] key blocks, never split: the partial outputs, their
+/// combine launch and its allocations cost more than the shares save. FA3 stops at 4 blocks;
+/// measured on an H100 (batch-1 decode, d64, 32/8 heads; crates/model/benches/decode_host.rs):
+/// 5 blocks 12.8 µs unsplit against 16.4 split, 10 blocks 18.9 against 16.5 — the device times
+/// cross near 8 blocks, and the split also costs about 7 µs more of host time per call.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn split_count(requested: usize, tiles: usize, sms: usize, key_blocks: usize) -> usize {
     if requested > 0 {
         return requested.min(MAX_SPLITS).min(key_blocks.max(1));
     }
     // Enough tiles for most SMs, or too few key blocks to share: no split.
-    if tiles * 10 >= sms * 8 || key_blocks < 2 {
+    if tiles * 10 >= sms * 8 || key_blocks <= MAX_UNSPLIT_KEY_BLOCKS {
         return 1;
     }
     let max_splits = MAX_SPLITS.min(sms).min(key_blocks);
@@ -396,6 +406,9 @@ mod tests {
         // Enough tiles (>= 80% of the SMs) or a single key block: never split.
         assert_eq!(split_count(0, 106, 132, 64), 1);
         assert_eq!(split_count(0, 4, 132, 1), 1);
+        // Few key blocks: the combine costs more than the shares save.
+        assert_eq!(split_count(0, 1, 132, MAX_UNSPLIT_KEY_BLOCKS), 1);
+        assert!(split_count(0, 1, 132, MAX_UNSPLIT_KEY_BLOCKS + 1) > 1);
         // Decode at batch 1 with 8 kv heads (pack-GQA: 8 tiles) and 64 key blocks: enough shares
         // to fill most SMs, each share at least one block.
         let s = split_count(0, 8, 132, 64);

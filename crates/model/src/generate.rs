@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use candle_core::{bail, Device, Result};
 
-use crate::model::Llama;
+use crate::model::{KvCache, Llama};
 use crate::sampling::{Sampler, SamplingParams};
 
 /// What to generate.
@@ -29,6 +29,11 @@ pub struct Generation {
     /// Tokens produced by decode steps (all but the first token of each sequence).
     pub decode_tokens: usize,
     pub decode_secs: f64,
+    /// The part of `decode_secs` the host spent waiting for the device's results (each step's
+    /// logits or chosen tokens); the rest is the host's own work (queuing the steps, sampling).
+    /// On a GPU, near zero means the host is the bottleneck. On the CPU the work is done
+    /// inside the host's calls: there is nothing to wait for.
+    pub decode_wait_secs: f64,
 }
 
 impl Generation {
@@ -40,22 +45,25 @@ impl Generation {
         self.decode_tokens as f64 / self.decode_secs.max(1e-9)
     }
 }
-
 /// Generates continuations of `prompts` together. `on_token(i, token)` is called as soon as
 /// sequence `i` produces `token` (for streaming).
 ///
 /// Each sequence has its own sampler seeded with `seed + i`, so a prompt's output does not
 /// depend on the other prompts of the batch.
+///
+/// Greedy decoding without a repeat penalty on the GPU chooses the tokens there (with the same
+/// rules as [`crate::sampling::argmax`], so the same tokens) and overlaps the host's work on each
+/// step with the device's work on the step before; everything else samples on the host from each
+/// step's logits.
 pub fn generate(
     model: &Llama,
     prompts: &[Vec<u32>],
     opts: &GenerateOptions,
-    mut on_token: impl FnMut(usize, u32) -> Result<()>,
+    on_token: impl FnMut(usize, u32) -> Result<()>,
 ) -> Result<Generation> {
     if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
         bail!("generate: every prompt needs at least one token")
     }
-    let batch = prompts.len();
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     // The cache holds exactly what this call can produce: no more memory, and (for bf16 on the
     // CPU, where the op converts the keys it reads) no more work per step.
@@ -67,52 +75,183 @@ pub fn generate(
             opts.max_tokens
         )
     }
-    let mut cache = model.new_cache(batch, max_seq)?;
+    let mut cache = model.new_cache(prompts.len(), max_seq)?;
+    let mut run = Progress::new(prompts, opts, on_token);
+    #[cfg(feature = "cuda")]
+    if let (true, Device::Cuda(dev)) = (opts.sampling.is_greedy(), model.device()) {
+        greedy_on_device(model, dev, prompts, &mut cache, &mut run)?;
+        return Ok(run.finish(prompts));
+    }
+    sample_on_host(model, prompts, &mut cache, &mut run)?;
+    Ok(run.finish(prompts))
+}
+
+/// The bookkeeping both loops share: tokens so far, which sequences are done, the clocks.
+struct Progress<'a, F> {
+    opts: &'a GenerateOptions,
+    on_token: F,
+    out: Vec<Vec<u32>>,
+    done: Vec<bool>,
+    start: Instant,
+    prefill_secs: Option<f64>,
+    decode_tokens: usize,
+    decode_wait_secs: f64,
+}
+
+impl<'a, F: FnMut(usize, u32) -> Result<()>> Progress<'a, F> {
+    fn new(prompts: &[Vec<u32>], opts: &'a GenerateOptions, on_token: F) -> Self {
+        Self {
+            opts,
+            on_token,
+            out: vec![Vec::new(); prompts.len()],
+            done: vec![opts.max_tokens == 0; prompts.len()],
+            start: Instant::now(),
+            prefill_secs: None,
+            decode_tokens: 0,
+            decode_wait_secs: 0.0,
+        }
+    }
+
+    /// Sequence `i` produced `token`: streams it and ends the sequence on a stop token or at
+    /// `max_tokens`.
+    fn accept(&mut self, i: usize, token: u32) -> Result<()> {
+        self.out[i].push(token);
+        (self.on_token)(i, token)?;
+        if self.prefill_secs.is_some() {
+            self.decode_tokens += 1;
+        }
+        self.done[i] = self.opts.stop_tokens.contains(&token) || self.out[i].len() >= self.opts.max_tokens;
+        Ok(())
+    }
+
+    /// Called once each step's tokens are accepted: the first call ends the prefill.
+    fn end_step(&mut self) {
+        if self.prefill_secs.is_none() {
+            self.prefill_secs = Some(self.start.elapsed().as_secs_f64());
+        }
+    }
+
+    /// Counts `secs` spent waiting for the device, during decode steps only.
+    fn waited(&mut self, secs: f64) {
+        if self.prefill_secs.is_some() {
+            self.decode_wait_secs += secs;
+        }
+    }
+
+    fn finish(self, prompts: &[Vec<u32>]) -> Generation {
+        let prefill_secs = self.prefill_secs.unwrap_or(0.0);
+        Generation {
+            tokens: self.out,
+            prompt_tokens: prompts.iter().map(Vec::len).sum(),
+            prefill_secs,
+            decode_tokens: self.decode_tokens,
+            decode_secs: self.start.elapsed().as_secs_f64() - prefill_secs,
+            decode_wait_secs: self.decode_wait_secs,
+        }
+    }
+}
+
+/// One step at a time: the logits come to the host, each sequence's sampler picks its token.
+fn sample_on_host<F: FnMut(usize, u32) -> Result<()>>(
+    model: &Llama,
+    prompts: &[Vec<u32>],
+    cache: &mut KvCache,
+    run: &mut Progress<F>,
+) -> Result<()> {
+    let batch = prompts.len();
     let mut samplers: Vec<Sampler> = (0..batch)
         .map(|i| {
-            let mut params = opts.sampling.clone();
+            let mut params = run.opts.sampling.clone();
             params.seed = params.seed.wrapping_add(i as u64);
             Sampler::new(params)
         })
         .collect();
     // Sampling history (for the repeat penalty): prompt and generated tokens.
     let mut history: Vec<Vec<u32>> = prompts.to_vec();
-    let mut out: Vec<Vec<u32>> = vec![Vec::new(); batch];
-    let mut done = vec![opts.max_tokens == 0; batch];
-
-    let start = Instant::now();
     let mut inputs = prompts.to_vec();
-    let mut prefill_secs = None;
-    let mut decode_tokens = 0;
-    while done.iter().any(|d| !d) {
+    while run.done.iter().any(|d| !d) {
+        let logits = model.step(&inputs, cache)?;
         // One copy of the whole (batch, vocab) block to the host per step, rather than one
-        // per sequence inside the sampler.
-        let logits = model.step(&inputs, &mut cache)?.to_device(&Device::Cpu)?;
+        // per sequence inside the sampler; it waits for the step to finish.
+        let wait = Instant::now();
+        let logits = logits.to_device(&Device::Cpu)?;
+        run.waited(wait.elapsed().as_secs_f64());
         for i in 0..batch {
-            if done[i] {
+            if run.done[i] {
                 inputs[i].clear();
                 continue;
             }
             let token = samplers[i].sample(&logits.get(i)?, &history[i])?;
             history[i].push(token);
-            out[i].push(token);
-            on_token(i, token)?;
-            if prefill_secs.is_some() {
-                decode_tokens += 1;
-            }
-            done[i] = opts.stop_tokens.contains(&token) || out[i].len() >= opts.max_tokens;
-            inputs[i] = if done[i] { Vec::new() } else { vec![token] };
+            run.accept(i, token)?;
+            inputs[i] = if run.done[i] { Vec::new() } else { vec![token] };
         }
-        if prefill_secs.is_none() {
-            prefill_secs = Some(start.elapsed().as_secs_f64());
-        }
+        run.end_step();
     }
-    let prefill_secs = prefill_secs.unwrap_or(0.0);
-    Ok(Generation {
-        tokens: out,
-        prompt_tokens: prompts.iter().map(Vec::len).sum(),
-        prefill_secs,
-        decode_tokens,
-        decode_secs: start.elapsed().as_secs_f64() - prefill_secs,
-    })
+    Ok(())
+}
+
+/// Greedy decoding on the GPU with the tokens chosen there ([`Llama::step_greedy`]). A step's
+/// chosen tokens stay on the device as the next step's input, and that next step is queued
+/// *before* the host waits for its copy of them: the host prepares step t + 1 (a few hundred
+/// launches) while the device runs step t, instead of the two taking turns. The queued step
+/// guesses that no sequence stops at step t; the rows of one that does are dropped (its cache
+/// gets one key it never reads). Nothing is queued behind the prefill, so that its time is the
+/// prompt's alone.
+#[cfg(feature = "cuda")]
+fn greedy_on_device<F: FnMut(usize, u32) -> Result<()>>(
+    model: &Llama,
+    dev: &candle_core::CudaDevice,
+    prompts: &[Vec<u32>],
+    cache: &mut KvCache,
+    run: &mut Progress<F>,
+) -> Result<()> {
+    use candle_core::Tensor;
+    let batch = prompts.len();
+    // Sequences that have a row in `chosen`, in order.
+    let mut running: Vec<usize> = (0..batch).filter(|&i| !run.done[i]).collect();
+    if running.is_empty() {
+        return Ok(());
+    }
+    let mut readback = crate::fused::cuda::TokenReadback::new(dev, batch)?;
+    let (ids, new) = model.upload_ids(prompts)?;
+    let mut chosen = model.step_greedy(&ids, &new, cache)?;
+    let one_each = |running: &[usize]| -> Vec<usize> { (0..batch).map(|i| running.contains(&i) as usize).collect() };
+    loop {
+        readback.start(&chosen)?;
+        // Every running sequence has produced as many tokens as the others; queue the next step
+        // if, with these, they may produce another.
+        let produced = run.out[running[0]].len() + 1;
+        let next = match run.prefill_secs.is_some() && produced < run.opts.max_tokens {
+            true => Some(model.step_greedy(&chosen, &one_each(&running), cache)?),
+            false => None,
+        };
+        let wait = Instant::now();
+        let tokens = readback.wait()?;
+        run.waited(wait.elapsed().as_secs_f64());
+        for (&i, &token) in running.iter().zip(&tokens) {
+            run.accept(i, token)?;
+        }
+        run.end_step();
+        // The rows of the sequences that go on.
+        let keep: Vec<u32> = (0..)
+            .zip(&running)
+            .filter(|(_, &i)| !run.done[i])
+            .map(|(r, _)| r)
+            .collect();
+        if keep.is_empty() {
+            return Ok(());
+        }
+        let kept: Vec<usize> = keep.iter().map(|&r| running[r as usize]).collect();
+        let rows = |t: Tensor| match keep.len() == running.len() {
+            true => Ok(t),
+            false => t.index_select(&Tensor::new(keep.as_slice(), t.device())?, 0),
+        };
+        chosen = match next {
+            Some(next) => rows(next)?,
+            // After the prefill: the step for these tokens is queued only now.
+            None => model.step_greedy(&rows(chosen)?, &one_each(&kept), cache)?,
+        };
+        running = kept;
+    }
 }

@@ -231,7 +231,7 @@ impl Attention {
                 v.forward(x)?.reshape((tokens, hk, d))?,
             ),
             QkvProj::Fused(qkv) => {
-                let y = qkv.forward(x)?.reshape((tokens, h + 2 * hk, d))?;
+                let y = project(qkv, x, self.kernels)?.reshape((tokens, h + 2 * hk, d))?;
                 if let RopeTables::PerHead { cos, sin } = &plan.rope {
                     let y = if y.device().is_cuda() {
                         // One kernel: q and k rotated in place, v unchanged, k and v stored.
@@ -308,7 +308,11 @@ impl Attention {
             (KeySource::Cached { .. }, None) => bail!("internal error: a cached plan without a cache"),
             (KeySource::Reference { batch, seq }, _) => self.reference_attention(&q, &k, &v, *batch, *seq)?,
         };
-        self.o_proj.forward(&out.reshape((tokens, self.heads * self.head_dim))?)
+        project(
+            &self.o_proj,
+            &out.reshape((tokens, self.heads * self.head_dim))?,
+            self.kernels,
+        )
     }
 
     /// softmax(q·kᵀ·scale + mask)·v over `batch` sequences of `seq` tokens, written with plain
@@ -348,6 +352,16 @@ impl Attention {
         let p = p.broadcast_div(&p.sum_keepdim(D::Minus1)?)?;
         p.matmul(&v)?.transpose(1, 2)?.reshape((batch * seq, h, d))
     }
+}
+
+/// `linear.forward(x)`; with fused kernels on the GPU, the one row of a batch-1 decode step goes
+/// through [`crate::fused::linear_vector`] (one launch, the weights read at full bandwidth) where
+/// its shape rules hold.
+fn project(linear: &Linear, x: &Tensor, kernels: Kernels) -> Result<Tensor> {
+    if kernels == Kernels::Fused && crate::fused::linear_vector_fits(x, linear.weight()) {
+        return crate::fused::linear_vector(x, linear.weight(), linear.bias());
+    }
+    linear.forward(x)
 }
 
 /// Copies runs of packed rows of `src` (tokens, heads, d) into the cache rows given by
@@ -517,7 +531,8 @@ impl Mlp {
             GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
             // On the GPU one kernel reads both halves of the fused output, whatever the tokens.
             GateUp::Fused(gate_up) if x.device().is_cuda() => {
-                return self.down_proj.forward(&silu_mul(&gate_up.forward(x)?)?);
+                let act = silu_mul(&project(gate_up, x, self.kernels)?)?;
+                return project(&self.down_proj, &act, self.kernels);
             }
             GateUp::Fused(gate_up) if x.dim(0)? <= FUSED_MLP_MAX_TOKENS => {
                 let y = gate_up.forward(x)?;
@@ -675,19 +690,56 @@ impl Llama {
     /// decoding is a step with one token per sequence. A sequence given no tokens is left as it
     /// is and its logits row is zero (finished sequences of a batch).
     pub fn step(&self, inputs: &[Vec<u32>], cache: &mut KvCache) -> Result<Tensor> {
-        if inputs.len() != cache.batch() {
+        let (ids, new) = self.upload_ids(inputs)?;
+        let logits = self.step_logits(&ids, &new, cache)?.to_dtype(DType::F32)?;
+        if new.iter().all(|&n| n > 0) {
+            return Ok(logits);
+        }
+        let rows: Vec<u32> = (0..).zip(&new).filter(|(_, &n)| n > 0).map(|(i, _)| i).collect();
+        Tensor::zeros((inputs.len(), self.cfg.vocab_size), DType::F32, &self.device)?.index_add(
+            &Tensor::new(rows, &self.device)?,
+            &logits,
+            0,
+        )
+    }
+
+    /// The tokens of `inputs` packed one sequence after the other, checked against the vocabulary
+    /// and uploaded, with each sequence's count: the input of [`Llama::step_greedy`].
+    pub(crate) fn upload_ids(&self, inputs: &[Vec<u32>]) -> Result<(Tensor, Vec<usize>)> {
+        let flat: Vec<u32> = inputs.iter().flatten().copied().collect();
+        self.check_ids(&flat)?;
+        Ok((Tensor::new(flat, &self.device)?, inputs.iter().map(Vec::len).collect()))
+    }
+
+    /// [`Llama::step`] with the greedy choice made where the model runs: the next token of each
+    /// sequence given tokens, (sequences with `new[i] > 0`,) u32, without the logits leaving the
+    /// device. `ids` (packed, `new[i]` for sequence `i`) must lie inside the vocabulary: they
+    /// come from [`Llama::upload_ids`] or from an earlier `step_greedy` (not checked here, which
+    /// would cost a copy to the host).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn step_greedy(&self, ids: &Tensor, new: &[usize], cache: &mut KvCache) -> Result<Tensor> {
+        crate::fused::argmax_rows(&self.step_logits(ids, new, cache)?)
+    }
+
+    /// The common part of [`Llama::step`] and [`Llama::step_greedy`]: appends `new[i]` tokens of
+    /// the packed `ids` to sequence `i` of `cache` and returns the logits after each sequence's
+    /// last new token, one row per sequence with `new[i] > 0`, in the run dtype.
+    fn step_logits(&self, ids: &Tensor, new: &[usize], cache: &mut KvCache) -> Result<Tensor> {
+        if new.len() != cache.batch() {
             bail!(
                 "step: {} input sequences for a cache of batch {}",
-                inputs.len(),
+                new.len(),
                 cache.batch()
             )
         }
-        let new: Vec<usize> = inputs.iter().map(Vec::len).collect();
         if new.iter().all(|&n| n == 0) {
             bail!("step: no input tokens")
         }
+        if ids.dims() != [new.iter().sum::<usize>()] {
+            bail!("internal error: {:?} token ids for {new:?} new tokens", ids.shape())
+        }
         let max_seq = cache.max_seq;
-        for (i, (&len, &n)) in cache.lens.iter().zip(&new).enumerate() {
+        for (i, (&len, &n)) in cache.lens.iter().zip(new).enumerate() {
             if len + n > max_seq {
                 bail!(
                     "step: sequence {i} would hold {} tokens, more than the cache's max_seq {max_seq}",
@@ -695,15 +747,13 @@ impl Llama {
                 )
             }
         }
-        let flat: Vec<u32> = inputs.iter().flatten().copied().collect();
-        self.check_ids(&flat)?;
         let dev = &self.device;
 
         // Each token's position continues its own sequence.
         let lens = &cache.lens;
         let positions: Vec<u32> = lens
             .iter()
-            .zip(&new)
+            .zip(new)
             .flat_map(|(&len, &n)| (len..len + n).map(|p| p as u32))
             .collect();
         let rope = self.rope_tables(&Tensor::new(positions, dev)?)?;
@@ -717,7 +767,7 @@ impl Llama {
             }
         } else {
             // Each sequence is followed by a gap sequence without queries (see KvCache).
-            let k_lens = lens.iter().zip(&new).flat_map(|(&l, &n)| [l + n, max_seq - l - n]);
+            let k_lens = lens.iter().zip(new).flat_map(|(&l, &n)| [l + n, max_seq - l - n]);
             KeySource::Cached {
                 cu_q: cumulative(new.iter().flat_map(|&n| [n, 0]), dev)?,
                 cu_k: cumulative(k_lens, dev)?,
@@ -727,7 +777,7 @@ impl Llama {
         };
         let mut writes = Vec::new();
         let mut packed = 0;
-        for (i, (&len, &n)) in lens.iter().zip(&new).enumerate() {
+        for (i, (&len, &n)) in lens.iter().zip(new).enumerate() {
             if n > 0 {
                 writes.push((packed, n, i * max_seq + len));
             }
@@ -747,37 +797,25 @@ impl Llama {
             writes,
             cache_rows,
         };
-        let ids = Tensor::new(flat, dev)?;
-        let hidden = self.run_layers(&ids, &plan, Some(cache))?;
-        for (len, n) in cache.lens.iter_mut().zip(&new) {
+        let hidden = self.run_layers(ids, &plan, Some(cache))?;
+        for (len, n) in cache.lens.iter_mut().zip(new) {
             *len += n;
         }
 
-        // Only the last new token of each sequence needs the (vocab-wide) output head.
-        let mut last = Vec::new();
-        let mut rows = Vec::new();
-        let mut end = 0;
-        for (i, &n) in new.iter().enumerate() {
-            end += n;
-            if n > 0 {
-                last.push((end - 1) as u32);
-                rows.push(i as u32);
-            }
-        }
-        // At most one new token per sequence (decode): every packed row is a last token.
+        // Only the last new token of each sequence needs the (vocab-wide) output head. At most
+        // one new token per sequence (decode): every packed row is a last token.
         let hidden = match new.iter().all(|&n| n <= 1) {
             true => hidden,
-            false => hidden.index_select(&Tensor::new(last, dev)?, 0)?,
+            false => {
+                let ends = new.iter().scan(0, |end, &n| {
+                    *end += n;
+                    Some((*end, n))
+                });
+                let last: Vec<u32> = ends.filter(|&(_, n)| n > 0).map(|(end, _)| (end - 1) as u32).collect();
+                hidden.index_select(&Tensor::new(last, dev)?, 0)?
+            }
         };
-        let logits = self.lm_head.forward(&hidden)?.to_dtype(DType::F32)?;
-        if rows.len() == inputs.len() {
-            return Ok(logits);
-        }
-        Tensor::zeros((inputs.len(), self.cfg.vocab_size), DType::F32, dev)?.index_add(
-            &Tensor::new(rows, dev)?,
-            &logits,
-            0,
-        )
+        project(&self.lm_head, &hidden, self.kernels)
     }
 
     /// cos/sin of every token's angles, computed in f32 and cast once per call to the run dtype

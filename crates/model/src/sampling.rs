@@ -29,6 +29,13 @@ impl Default for SamplingParams {
     }
 }
 
+impl SamplingParams {
+    /// Plain greedy decoding: the largest logit, nothing that depends on the history.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 && self.repeat_penalty == 1.0
+    }
+}
+
 /// A sampler with its own random state; use one per sequence so that a sequence's tokens do not
 /// depend on what else is in the batch.
 #[derive(Debug, Clone)]
@@ -116,13 +123,14 @@ impl Sampler {
     }
 }
 
-/// The index of the largest value (the first one on ties), NaN-safe.
+/// The index of the largest value, the first one on ties; NaNs are never chosen (all NaN: 0).
+/// The GPU's greedy choice (`fused::argmax_rows`) follows the same rules.
 pub fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0;
+    let mut best: Option<(usize, f32)> = None;
     for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
+        if !x.is_nan() && best.is_none_or(|(_, b)| x > b) {
+            best = Some((i, x));
         }
     }
-    best as u32
+    best.map_or(0, |(i, _)| i as u32)
 }

@@ -8,10 +8,13 @@ mod common;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use common::{abs_sum, hf_model, rel_diff, Family, VOCAB};
-use flash_llama::fused::{add_rms_norm, rope_store, silu_mul, CacheStore};
+use flash_llama::fused::{
+    add_rms_norm, argmax_rows, linear_vector, linear_vector_fits, rope_store, silu_mul, CacheStore,
+};
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::nn::{rope_per_head, RmsNorm};
-use flash_llama::{Kernels, Llama};
+use flash_llama::sampling::argmax;
+use flash_llama::{generate, GenerateOptions, Kernels, Llama, SamplingParams};
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device")
@@ -139,6 +142,194 @@ fn rope_store_matches_rope_and_copy() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The batch-1 decode projections' kernel against an f64 reference of x · wᵀ + bias: odd output
+/// counts, k from one 16-byte vector to past a lane's unrolled stride, x a view into a larger
+/// tensor (as the model's normed rows are), with and without a bias.
+#[test]
+fn linear_vector_matches_matmul() -> Result<()> {
+    let dev = gpu();
+    for dtype in DTYPES {
+        let vec = 16 / dtype.size_in_bytes();
+        for (n, k) in [
+            (1usize, vec),
+            (7, 576),
+            (3072, 2048),
+            (130, 8200 - 8200 % vec + vec),
+            (33, 4096 + vec),
+        ] {
+            // x: the second row of a (2, k) tensor, as add + RMSNorm's output.
+            let both = randn(&[2, 1, k], dtype, &dev);
+            let x = both.get(1)?;
+            let w = (randn(&[n, k], dtype, &dev) * 0.05)?.to_dtype(dtype)?;
+            let bias = randn(&[n], dtype, &dev);
+            assert!(linear_vector_fits(&x, &w));
+            for with_bias in [false, true] {
+                let got = linear_vector(&x, &w, with_bias.then_some(&bias))?;
+                assert_eq!(got.dims(), [1, n]);
+                let got = got.to_dtype(DType::F64)?;
+                let (x64, w64) = (x.to_dtype(DType::F64)?, w.to_dtype(DType::F64)?);
+                let mut want = x64.matmul(&w64.t()?)?;
+                if with_bias {
+                    want = want.broadcast_add(&bias.to_dtype(DType::F64)?)?;
+                }
+                let err = (&got - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+                let scale = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?.max(1e-3);
+                assert!(
+                    err.is_finite() && err / scale <= tol(dtype) as f64 / 2.0,
+                    "{dtype:?} n {n} k {k} bias {with_bias}: {err:e} of {scale:e}"
+                );
+            }
+        }
+    }
+    // Shapes it does not take: the model falls back to candle's matmul, a direct call errs.
+    let x = Tensor::zeros((1, 64), DType::BF16, &dev)?;
+    let w = Tensor::zeros((5, 64), DType::BF16, &dev)?;
+    let two = Tensor::zeros((2, 64), DType::BF16, &dev)?;
+    let odd_k = Tensor::zeros((1, 60), DType::BF16, &dev)?;
+    let odd_w = Tensor::zeros((5, 60), DType::BF16, &dev)?;
+    let offset = Tensor::zeros((66,), DType::BF16, &dev)?
+        .narrow(0, 2, 64)?
+        .reshape((1, 64))?;
+    let strided = Tensor::zeros((64, 2), DType::BF16, &dev)?.narrow(1, 0, 1)?.t()?;
+    let f16_w = Tensor::zeros((5, 64), DType::F16, &dev)?;
+    let cpu = Tensor::zeros((1, 64), DType::BF16, &Device::Cpu)?;
+    for (what, x, w) in [
+        ("rows", &two, &w),
+        ("k", &odd_k, &odd_w),
+        ("alignment", &offset, &w),
+        ("strides", &strided, &w),
+        ("dtype", &x, &f16_w),
+        ("shared k", &x, &odd_w),
+    ] {
+        assert!(!linear_vector_fits(x, w), "{what}");
+        assert!(linear_vector(x, w, None).is_err(), "{what}");
+    }
+    assert!(linear_vector(&cpu, &w, None).unwrap_err().to_string().contains("CUDA"));
+    let bad_bias = Tensor::zeros(4, DType::BF16, &dev)?;
+    assert!(linear_vector(&x, &w, Some(&bad_bias))
+        .unwrap_err()
+        .to_string()
+        .contains("bias"));
+    Ok(())
+}
+
+/// The device's greedy choice equals the host's `argmax` on the same rows: random logits, planted
+/// ties (the first wins), NaNs (never chosen), rows of NaN or -inf only.
+#[test]
+fn argmax_rows_matches_the_host_argmax() -> Result<()> {
+    let dev = gpu();
+    for dtype in DTYPES {
+        for cols in [1usize, 7, 513, 49_152, 128_257] {
+            let mut x: Vec<Vec<f32>> = randn(&[6, cols], DType::F32, &Device::Cpu).to_vec2()?;
+            if cols > 1 {
+                // Row 1: two equal maxima, the later one planted first in memory order too.
+                x[1][cols - 1] = 100.0;
+                x[1][cols / 2] = 100.0;
+                // Row 2: NaNs, the first element among them.
+                for c in (0..cols).step_by(3) {
+                    x[2][c] = f32::NAN;
+                }
+            }
+            x[3].fill(f32::NAN);
+            x[4].fill(f32::NEG_INFINITY);
+            x[5][0] = f32::NAN;
+            let host = Tensor::new(x, &Device::Cpu)?.to_dtype(dtype)?;
+            let want: Vec<u32> = host
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?
+                .iter()
+                .map(|r| argmax(r))
+                .collect();
+            // Poisoned output memory would show: every row is written.
+            let got: Vec<u32> = argmax_rows(&host.to_device(&dev)?)?.to_vec1()?;
+            assert_eq!(got, want, "{dtype:?} cols {cols}");
+            if cols > 1 {
+                assert_eq!(want[1], (cols / 2) as u32, "the first of two maxima");
+            }
+        }
+    }
+    let cpu = Tensor::zeros((2, 8), DType::F32, &Device::Cpu)?;
+    assert!(argmax_rows(&cpu).unwrap_err().to_string().contains("CUDA"));
+    let flat = Tensor::zeros(8, DType::F32, &dev)?;
+    assert!(argmax_rows(&flat).is_err());
+    let ints = Tensor::zeros((2, 8), DType::U32, &dev)?;
+    assert!(argmax_rows(&ints).unwrap_err().to_string().contains("dtype"));
+    let strided = Tensor::zeros((8, 2), DType::F32, &dev)?.t()?;
+    assert!(argmax_rows(&strided).unwrap_err().to_string().contains("contiguous"));
+    let empty = Tensor::zeros((2, 0), DType::F32, &dev)?;
+    assert!(argmax_rows(&empty).is_err());
+    Ok(())
+}
+
+/// Greedy tokens one step at a time on the host (`step` and `argmax`), each sequence ending at
+/// a stop token or after `max_tokens`: what `generate` must produce.
+fn greedy_on_the_host(model: &Llama, prompts: &[Vec<u32>], max_tokens: usize, stop: &[u32]) -> Vec<Vec<u32>> {
+    let longest = prompts.iter().map(Vec::len).max().unwrap();
+    let mut cache = model.new_cache(prompts.len(), longest + max_tokens).unwrap();
+    let mut out = vec![Vec::new(); prompts.len()];
+    let mut inputs = prompts.to_vec();
+    while inputs.iter().any(|i| !i.is_empty()) {
+        let logits: Vec<Vec<f32>> = model.step(&inputs, &mut cache).unwrap().to_vec2().unwrap();
+        for (i, input) in inputs.iter_mut().enumerate() {
+            if input.is_empty() {
+                continue;
+            }
+            let token = argmax(&logits[i]);
+            out[i].push(token);
+            let done = stop.contains(&token) || out[i].len() >= max_tokens;
+            *input = if done { Vec::new() } else { vec![token] };
+        }
+    }
+    out
+}
+
+/// `generate`'s greedy decoding on the GPU (tokens chosen on the device, the next step queued
+/// before the host reads them) gives the host loop's tokens: a batch of prompts of different
+/// lengths, without stop tokens and with one that ends a sequence mid-batch (its queued step's
+/// row is then dropped), and batch 1.
+#[test]
+fn greedy_generation_on_the_gpu_equals_host_sampling() {
+    let dir = hf_model(Family::Llama);
+    for dtype in [DType::BF16, DType::F16] {
+        let model = load_hf_dir(&dir, dtype, &gpu(), Kernels::Fused).unwrap();
+        let prompts = vec![tokens(5, 1), tokens(9, 2), tokens(70, 3)];
+        let run = |prompts: &[Vec<u32>], stop: Vec<u32>| {
+            let opts = GenerateOptions {
+                max_tokens: 12,
+                sampling: SamplingParams::default(),
+                stop_tokens: stop,
+            };
+            let mut streamed = vec![Vec::new(); prompts.len()];
+            let g = generate(&model, prompts, &opts, |i, t| {
+                streamed[i].push(t);
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(g.tokens, streamed, "streamed tokens differ from the returned ones");
+            g
+        };
+        let want = greedy_on_the_host(&model, &prompts, 12, &[]);
+        let got = run(&prompts, Vec::new());
+        assert_eq!(got.tokens, want, "{dtype:?}, no stop tokens");
+        assert_eq!(got.decode_tokens, 3 * 11);
+        assert!(got.decode_wait_secs >= 0.0 && got.decode_wait_secs <= got.decode_secs);
+        // A stop token (one the second sequence produces) that ends it while another goes on.
+        let (stop, want_stopped) = want[1]
+            .iter()
+            .map(|&stop| (stop, greedy_on_the_host(&model, &prompts, 12, &[stop])))
+            .find(|(_, w)| w.iter().any(|seq| seq.len() > w[1].len()))
+            .expect("a token that stops the second sequence before another");
+        assert_eq!(want_stopped[1].last(), Some(&stop));
+        assert_eq!(
+            run(&prompts, vec![stop]).tokens,
+            want_stopped,
+            "{dtype:?}, stop token {stop}"
+        );
+        assert_eq!(run(&prompts[2..], Vec::new()).tokens, want[2..], "{dtype:?}, batch 1");
+        println!("greedy on the GPU {dtype:?}: {:?}", want);
+    }
 }
 
 #[test]

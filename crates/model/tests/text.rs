@@ -124,6 +124,24 @@ fn sampling_is_greedy_filtered_and_reproducible() {
     assert!(a.iter().all(|&t| t != 4), "top-p 0.9 drops the least likely token");
 }
 
+/// The greedy rules the GPU's argmax kernel copies: the first of equal maxima, NaN never chosen.
+#[test]
+fn argmax_takes_the_first_maximum_and_skips_nan() {
+    use flash_llama::sampling::argmax;
+    assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0]), 1);
+    assert_eq!(argmax(&[f32::NAN, -1.0, 5.0, f32::NAN]), 2);
+    assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+    assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY, f32::NAN, f32::NEG_INFINITY]), 1);
+    assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+    assert_eq!(argmax(&[]), 0);
+    assert!(SamplingParams::default().is_greedy());
+    let penalised = SamplingParams {
+        repeat_penalty: 1.1,
+        ..SamplingParams::default()
+    };
+    assert!(!penalised.is_greedy());
+}
+
 /// A GGUF file holding only a byte-level vocabulary plus the token "12" (merge "1 2"), with the
 /// given `tokenizer.ggml.pre`, read back into a TextTokenizer.
 fn gguf_tokenizer(pre: &str) -> TextTokenizer {

@@ -6,7 +6,8 @@ use std::sync::{Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaModule, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaEvent, CudaFunction, CudaModule, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
@@ -17,6 +18,10 @@ static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fused.cubin"));
 
 /// Threads of the add + RMSNorm blocks (`kNormThreads`), one block per row.
 const NORM_THREADS: u32 = 256;
+/// Threads of the argmax blocks (`kArgmaxThreads`), one block per row.
+const ARGMAX_THREADS: u32 = 512;
+/// Warps (outputs) per block of `linear_vector` (`kMatvecWarps`).
+const MATVEC_WARPS: u32 = 8;
 /// Threads per block of the elementwise kernels (grid-stride loops).
 const THREADS: u32 = 256;
 
@@ -199,6 +204,108 @@ fn silu_mul_t<T: CudaDType + DeviceRepr>(y: (&CudaStorage, &Layout)) -> Result<C
     Ok(T::wrap_cuda_slice(out, dev))
 }
 
+pub(super) fn linear_vector(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    bias: Option<&Tensor>,
+) -> Result<CudaStorage> {
+    match x.0.dtype() {
+        DType::BF16 => linear_vector_t::<bf16>(x, w, bias),
+        DType::F16 => linear_vector_t::<f16>(x, w, bias),
+        DType::F32 => linear_vector_t::<f32>(x, w, bias),
+        d => bail!("flash-llama linear: unsupported dtype {d:?} (bf16, f16 or f32)"),
+    }
+}
+
+fn linear_vector_t<T: CudaDType + DeviceRepr>(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    bias: Option<&Tensor>,
+) -> Result<CudaStorage> {
+    const OP: &str = "linear";
+    let dtype = x.0.dtype();
+    same_dtype(OP, dtype, &[("the weight", w.0.dtype())])?;
+    let dev = x.0.device.clone();
+    let k = x.1.dims()[1];
+    let n = w.1.dims()[0];
+    let (xa, wa) = (addr::<T>(x.0, x.1, OP, "x")?, addr::<T>(w.0, w.1, OP, "the weight")?);
+    // The bias: a read lock on its storage for the launch (as rope_store's cache).
+    let guard = bias.map(|b| b.storage_and_layout());
+    let ba = match &guard {
+        None => 0u64,
+        Some((storage, layout)) => {
+            let Storage::Cuda(bs) = &**storage else {
+                bail!("flash-llama {OP}: the bias must be on the GPU")
+            };
+            same_dtype(OP, dtype, &[("the bias", bs.dtype())])?;
+            addr::<T>(bs, layout, OP, "the bias")?
+        }
+    };
+    if (xa | wa) % 16 != 0 {
+        bail!("flash-llama {OP}: x and the weight must start on 16 bytes")
+    }
+    // SAFETY: the kernel writes all n elements.
+    let mut out = unsafe { dev.alloc::<T>(n.max(1))? };
+    if n == 0 {
+        return Ok(T::wrap_cuda_slice(out, dev));
+    }
+    let func = function(&dev, format!("linear_vector_{}", suffix(dtype, OP)?))?;
+    let stream = dev.cuda_stream();
+    {
+        let (ya, _guard) = out.device_ptr_mut(&stream);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(MATVEC_WARPS as usize) as u32, 1, 1),
+            block_dim: (MATVEC_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n, k) = (n as i32, k as i32);
+        let mut b = stream.launch_builder(&func);
+        b.arg(&xa).arg(&wa).arg(&ba).arg(&ya).arg(&n).arg(&k);
+        // SAFETY: contiguous x (k) and w (n x k), 16-byte aligned with k a whole number of
+        // 16-byte vectors (checked by `linear_vector`); a bias of n if any; an output of n.
+        unsafe { b.launch(cfg) }.map_err(|e| err("linear_vector launch", e))?;
+    }
+    drop(guard);
+    Ok(T::wrap_cuda_slice(out, dev))
+}
+
+pub(super) fn argmax_rows(x: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
+    match x.0.dtype() {
+        DType::BF16 => argmax_rows_t::<bf16>(x),
+        DType::F16 => argmax_rows_t::<f16>(x),
+        DType::F32 => argmax_rows_t::<f32>(x),
+        d => bail!("flash-llama argmax: unsupported dtype {d:?} (bf16, f16 or f32)"),
+    }
+}
+
+fn argmax_rows_t<T: CudaDType + DeviceRepr>(x: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
+    const OP: &str = "argmax";
+    let dev = x.0.device.clone();
+    let (rows, cols) = x.1.shape().dims2()?;
+    let xa = addr::<T>(x.0, x.1, OP, "the logits")?;
+    // SAFETY: the kernel writes one index per row.
+    let mut out = unsafe { dev.alloc::<u32>(rows.max(1))? };
+    if rows == 0 {
+        return Ok(u32::wrap_cuda_slice(out, dev));
+    }
+    let func = function(&dev, format!("argmax_rows_{}", suffix(x.0.dtype(), OP)?))?;
+    let stream = dev.cuda_stream();
+    {
+        let (oa, _guard) = out.device_ptr_mut(&stream);
+        let cols = cols as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (ARGMAX_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&func);
+        b.arg(&xa).arg(&oa).arg(&cols);
+        // SAFETY: a contiguous input of rows x cols elements, an output of rows.
+        unsafe { b.launch(cfg) }.map_err(|e| err("argmax_rows launch", e))?;
+    }
+    Ok(u32::wrap_cuda_slice(out, dev))
+}
+
 pub(super) fn rope_store(
     y: (&mut CudaStorage, &Layout),
     cos: (&CudaStorage, &Layout),
@@ -277,4 +384,75 @@ fn rope_store_t<T: CudaDType + DeviceRepr>(
     unsafe { b.launch(grid(n)) }.map_err(|e| err("rope_store launch", e))?;
     drop(guards);
     Ok(())
+}
+
+/// Copies of a few u32 (a step's chosen tokens) from the device to the host that do not wait for
+/// the work queued after them: the copy goes into page-locked memory, queued on candle's stream
+/// and followed by an event, and [`TokenReadback::wait`] waits for that event only. (candle's
+/// `to_device` waits for the whole stream, so a step queued behind the copy would be waited for
+/// too.) The event is ours: cudarc records the page-locked buffer's own event only when it
+/// tracks several streams, which candle's one stream is not.
+pub(crate) struct TokenReadback {
+    host: PinnedHostSlice<u32>,
+    copied: CudaEvent,
+    len: usize,
+}
+
+impl TokenReadback {
+    /// Room for up to `capacity` tokens.
+    pub(crate) fn new(dev: &CudaDevice, capacity: usize) -> Result<Self> {
+        let ctx = dev.cuda_stream().context().clone();
+        // SAFETY: nothing reads the buffer before a copy has filled it (`wait` reads `len` elements
+        // of the last copy only).
+        let host = unsafe { ctx.alloc_pinned_with_flags::<u32>(capacity.max(1), 0) }
+            .map_err(|e| err("page-locked buffer for the chosen tokens", e))?;
+        let copied = ctx
+            .new_event(None)
+            .map_err(|e| err("an event for the chosen tokens", e))?;
+        Ok(Self { host, copied, len: 0 })
+    }
+
+    /// Queues the copy of `tokens` (a contiguous u32 tensor on this buffer's GPU).
+    pub(crate) fn start(&mut self, tokens: &Tensor) -> Result<()> {
+        let (storage, layout) = tokens.storage_and_layout();
+        let Storage::Cuda(cs) = &*storage else {
+            bail!("flash-llama: reading back tokens of a tensor that is not on the GPU")
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("flash-llama: reading back tokens of a strided tensor")
+        };
+        if end - start > self.host.len() {
+            bail!(
+                "flash-llama: {} tokens to read back into room for {}",
+                end - start,
+                self.host.len()
+            )
+        }
+        let stream = cs.device.cuda_stream();
+        let view = cs.as_cuda_slice::<u32>()?.slice(start..end);
+        // Into a sub-slice of exactly the view's length: a copy into the whole buffer would
+        // copy the buffer's length. As a plain slice, cudarc queues the copy without syncing
+        // (the memory is page-locked, so the driver copies asynchronously).
+        let host = self
+            .host
+            .as_mut_slice()
+            .map_err(|e| err("the buffer for the chosen tokens", e))?;
+        stream
+            .memcpy_dtoh(&view, &mut host[..end - start])
+            .map_err(|e| err("copying the chosen tokens to the host", e))?;
+        self.copied
+            .record(&stream)
+            .map_err(|e| err("marking the copy of the chosen tokens", e))?;
+        self.len = end - start;
+        Ok(())
+    }
+
+    /// Waits for the copy queued by the last [`TokenReadback::start`] and returns its tokens.
+    pub(crate) fn wait(&self) -> Result<Vec<u32>> {
+        self.copied
+            .synchronize()
+            .map_err(|e| err("waiting for the chosen tokens", e))?;
+        let host = self.host.as_slice().map_err(|e| err("reading the chosen tokens", e))?;
+        Ok(host[..self.len].to_vec())
+    }
 }

@@ -4,13 +4,20 @@
 //! - [`add_rms_norm`]: the residual add and the next RMSNorm (`x + h`, then its norm);
 //! - [`silu_mul`]: SiLU of the gate half of a fused gate/up output times its up half;
 //! - [`rope_store`]: RoPE over a fused q/k/v output, in place, with its k and v heads stored
-//!   into the KV cache in the same pass.
+//!   into the KV cache in the same pass;
+//! - [`linear_vector`]: a linear layer over the one row of a batch-1 decode step (a
+//!   matrix-vector product that reads the weights at full bandwidth, one launch with about half
+//!   cuBLAS's host cost);
+//! - [`argmax_rows`]: the greedy choice of each row of logits, on the device, so that a decode
+//!   step's next input never has to visit the host (see `generate`).
 //!
 //! Forward only, CUDA only (bf16, f16, f32; contiguous inputs): anything else is an error. The
 //! CPU keeps the composed candle ops, which these kernels must match (arithmetic in f32, one
 //! rounding per output; tested against the composed ops on the GPU in `tests/gpu.rs`).
 
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Tensor,
+};
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -47,6 +54,71 @@ pub fn silu_mul(y: &Tensor) -> Result<Tensor> {
         )
     }
     y.apply_op1_no_bwd(&SiluMul)
+}
+
+/// Whether [`linear_vector`] takes `x` (1, k) and `w` (n, k): CUDA tensors of one dtype (bf16,
+/// f16, f32), one row, both contiguous, starting on 16 bytes, with rows of whole 16-byte vectors.
+/// Shape checks only, on the host.
+pub fn linear_vector_fits(x: &Tensor, w: &Tensor) -> bool {
+    let (Ok((rows, k)), Ok((_, wk))) = (x.dims2(), w.dims2()) else {
+        return false;
+    };
+    let size = x.dtype().size_in_bytes();
+    let aligned = |t: &Tensor| {
+        let l = t.layout();
+        l.is_contiguous() && (l.start_offset() * size) % 16 == 0
+    };
+    x.device().is_cuda()
+        && w.device().same_device(x.device())
+        && matches!(x.dtype(), DType::BF16 | DType::F16 | DType::F32)
+        && w.dtype() == x.dtype()
+        && rows == 1
+        && k == wk
+        && (k * size) % 16 == 0
+        && aligned(x)
+        && aligned(w)
+}
+
+/// `x · wᵀ (+ bias)` for one row `x` (1, k) and a linear layer's `w` (n, k) (and `bias` (n)):
+/// (1, n), in one launch, when [`linear_vector_fits`] holds (an error otherwise). For the
+/// projections of a batch-1 decode step, where cuBLAS reads the smaller weights at 1-1.5 TB/s and
+/// takes about twice the host time of one of our launches. (With several rows cuBLAS's tiles
+/// win on the device: measured for 2, 4 and 8 rows, docs/benchmarks.md.)
+pub fn linear_vector(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    on_cuda("linear", x)?;
+    if !linear_vector_fits(x, w) {
+        bail!(
+            "flash-llama linear: x {:?} ({:?}, strides {:?}) and w {:?} ({:?}) need one dtype, one row, a shared k of whole 16-byte vectors and contiguous, 16-byte aligned tensors on one GPU",
+            x.shape(),
+            x.dtype(),
+            x.stride(),
+            w.shape(),
+            w.dtype()
+        )
+    }
+    let n = w.dim(0)?;
+    if let Some(b) = bias {
+        if b.dims() != [n] || b.dtype() != x.dtype() || !b.is_contiguous() || !b.device().same_device(x.device()) {
+            bail!(
+                "flash-llama linear: bias {:?} ({:?}) for {n} outputs of {:?}",
+                b.shape(),
+                b.dtype(),
+                x.dtype()
+            )
+        }
+    }
+    x.apply_op2_no_bwd(w, &LinearVector { bias: bias.cloned() })
+}
+
+/// The index of the largest value of each row of `logits` (rows, vocab): (rows,) u32, the first
+/// index on ties, NaNs never chosen; as [`crate::sampling::argmax`] on the host.
+pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
+    on_cuda("argmax", logits)?;
+    let (_, vocab) = logits.dims2()?;
+    if vocab == 0 || vocab > u32::MAX as usize / 2 {
+        bail!("flash-llama argmax: rows of {vocab} logits")
+    }
+    logits.apply_op1_no_bwd(&ArgmaxRows)
 }
 
 /// Where [`rope_store`] puts the rotated k heads and the v heads.
@@ -99,6 +171,14 @@ struct AddRmsNorm {
 }
 
 struct SiluMul;
+
+struct ArgmaxRows;
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct LinearVector {
+    /// Shares the caller's storage; read inside the launch.
+    bias: Option<Tensor>,
+}
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct RopeStore {
@@ -174,6 +254,46 @@ impl CustomOp1 for SiluMul {
         }
         let out = cuda::silu_mul((y, yl))?;
         Ok((out, Shape::from(dims)))
+    }
+}
+
+impl CustomOp1 for ArgmaxRows {
+    fn name(&self) -> &'static str {
+        "argmax-rows"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Err(cuda_only("argmax"))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, x: &candle_core::CudaStorage, xl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        // Rank 2 checked by `argmax_rows`.
+        let out = cuda::argmax_rows((x, xl))?;
+        Ok((out, Shape::from(xl.dims()[0])))
+    }
+}
+
+impl CustomOp2 for LinearVector {
+    fn name(&self) -> &'static str {
+        "linear-vector"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Err(cuda_only("linear"))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        // Shapes, dtypes and alignment checked by `linear_vector`.
+        let out = cuda::linear_vector((x, xl), (w, wl), self.bias.as_ref())?;
+        Ok((out, Shape::from((xl.dims()[0], wl.dims()[0]))))
     }
 }
 
