@@ -76,12 +76,16 @@ pub fn generate(
         )
     }
     let mut cache = model.new_cache(prompts.len(), max_seq)?;
-    let mut run = Progress::new(prompts, opts, on_token);
     #[cfg(feature = "cuda")]
     if let (true, Device::Cuda(dev)) = (opts.sampling.is_greedy(), model.device()) {
-        greedy_on_device(model, dev, prompts, &mut cache, &mut run)?;
+        // Allocated, like the cache, before the clock starts: page-locked memory takes a system
+        // call (up to a millisecond), which is set-up, not prefill.
+        let readback = crate::fused::cuda::TokenReadback::new(dev, prompts.len())?;
+        let mut run = Progress::new(prompts, opts, on_token);
+        greedy_on_device(model, readback, prompts, &mut cache, &mut run)?;
         return Ok(run.finish(prompts));
     }
+    let mut run = Progress::new(prompts, opts, on_token);
     sample_on_host(model, prompts, &mut cache, &mut run)?;
     Ok(run.finish(prompts))
 }
@@ -201,7 +205,7 @@ fn sample_on_host<F: FnMut(usize, u32) -> Result<()>>(
 #[cfg(feature = "cuda")]
 fn greedy_on_device<F: FnMut(usize, u32) -> Result<()>>(
     model: &Llama,
-    dev: &candle_core::CudaDevice,
+    mut readback: crate::fused::cuda::TokenReadback,
     prompts: &[Vec<u32>],
     cache: &mut KvCache,
     run: &mut Progress<F>,
@@ -213,7 +217,6 @@ fn greedy_on_device<F: FnMut(usize, u32) -> Result<()>>(
     if running.is_empty() {
         return Ok(());
     }
-    let mut readback = crate::fused::cuda::TokenReadback::new(dev, batch)?;
     let (ids, new) = model.upload_ids(prompts)?;
     let mut chosen = model.step_greedy(&ids, &new, cache)?;
     let one_each = |running: &[usize]| -> Vec<usize> { (0..batch).map(|i| running.contains(&i) as usize).collect() };
