@@ -20,15 +20,7 @@ use flash_llama::fused::{add_rms_norm, argmax_rows, linear_vector, rope_store, s
 use flash_llama::{Config, Kernels, Llama};
 
 /// meta-llama/Llama-3.2-1B's config.json (the shape only: no weights are read).
-const LLAMA32_1B: &str = r#"{
-  "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-  "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
-  "num_hidden_layers": 16, "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-05,
-  "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-  "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-  "tie_word_embeddings": true, "bos_token_id": 128000, "eos_token_id": 128001
-}"#;
+const LLAMA32_1B: &str = include_str!("llama32_1b.json");
 
 /// Host and device time per call, in µs, of `f` queued `reps` times (after a warm-up).
 fn time(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
