@@ -21,7 +21,7 @@ fn main() -> Result<()> {
     let cfg = Config::from_hf_json(LLAMA32_1B).map_err(candle_core::Error::wrap)?;
     println!(
         "Llama-3.2-1B shape on the CPU ({} threads), {prompt_len}-token prompts, {new} new tokens:",
-        rayon_threads()
+        cpu_threads()
     );
     println!("| dtype | batch | prefill tokens/s | decode tokens/s |");
     println!("|---|---|---|---|");
@@ -57,6 +57,6 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-fn rayon_threads() -> usize {
+fn cpu_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }

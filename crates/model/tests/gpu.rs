@@ -174,8 +174,8 @@ fn linear_vector_matches_matmul() -> Result<()> {
                 if with_bias {
                     want = want.broadcast_add(&bias.to_dtype(DType::F64)?)?;
                 }
-                let err = (&got - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-                let scale = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?.max(1e-3);
+                let max_abs = |t: &Tensor| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>();
+                let (err, scale) = (max_abs(&(&got - &want)?)?, max_abs(&want)?.max(1e-3));
                 assert!(
                     err.is_finite() && err / scale <= tol(dtype) as f64 / 2.0,
                     "{dtype:?} n {n} k {k} bias {with_bias}: {err:e} of {scale:e}"

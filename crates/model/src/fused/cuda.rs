@@ -12,7 +12,6 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
-use half::{bf16, f16};
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fused.cubin"));
 
@@ -24,6 +23,20 @@ const ARGMAX_THREADS: u32 = 512;
 const MATVEC_WARPS: u32 = 8;
 /// Threads per block of the elementwise kernels (grid-stride loops).
 const THREADS: u32 = 256;
+
+/// Calls `$f::<T>($args)` for the element type of `$dtype` (bf16, f16 or f32); any other dtype
+/// is an error naming `$op`. Shared by the launches here and in `train_ops`.
+macro_rules! by_dtype {
+    ($op:expr, $dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            candle_core::DType::BF16 => $f::<half::bf16>($($arg),*),
+            candle_core::DType::F16 => $f::<half::f16>($($arg),*),
+            candle_core::DType::F32 => $f::<f32>($($arg),*),
+            d => candle_core::bail!("flash-llama {}: unsupported dtype {d:?} (bf16, f16 or f32)", $op),
+        }
+    };
+}
+pub(crate) use by_dtype;
 
 pub(crate) fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("flash-llama: {what}: {e:?}"))
@@ -94,6 +107,18 @@ pub(crate) fn addr<T: CudaDType>(s: &CudaStorage, l: &Layout, op: &str, what: &s
     Ok(ptr + (start * std::mem::size_of::<T>()) as u64)
 }
 
+/// The CUDA storage of a tensor that an op holds besides its inputs (a cache, a bias, an index),
+/// checked to be on `dev`, the GPU of the op's inputs. `what` names it in the errors.
+pub(crate) fn held_on<'a>(storage: &'a Storage, dev: &CudaDevice, op: &str, what: &str) -> Result<&'a CudaStorage> {
+    let Storage::Cuda(s) = storage else {
+        bail!("flash-llama {op}: {what} must be on the GPU")
+    };
+    if s.device.id() != dev.id() {
+        bail!("flash-llama {op}: {what} must be on the input's GPU")
+    }
+    Ok(s)
+}
+
 /// A grid of at most 8 blocks per SM-ish for grid-stride loops over `n` elements.
 pub(crate) fn grid(n: usize) -> LaunchConfig {
     LaunchConfig {
@@ -124,12 +149,7 @@ pub(super) fn add_rms_norm(
         dtype,
         &[("h", h.0.dtype()), ("the weight", w.0.dtype())],
     )?;
-    match dtype {
-        DType::BF16 => add_rms_norm_t::<bf16>(x, h, w, eps),
-        DType::F16 => add_rms_norm_t::<f16>(x, h, w, eps),
-        DType::F32 => add_rms_norm_t::<f32>(x, h, w, eps),
-        d => bail!("flash-llama add + RMSNorm: unsupported dtype {d:?} (bf16, f16 or f32)"),
-    }
+    by_dtype!("add + RMSNorm", dtype, add_rms_norm_t(x, h, w, eps))
 }
 
 fn add_rms_norm_t<T: CudaDType + DeviceRepr>(
@@ -172,12 +192,7 @@ fn add_rms_norm_t<T: CudaDType + DeviceRepr>(
 }
 
 pub(super) fn silu_mul(y: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
-    match y.0.dtype() {
-        DType::BF16 => silu_mul_t::<bf16>(y),
-        DType::F16 => silu_mul_t::<f16>(y),
-        DType::F32 => silu_mul_t::<f32>(y),
-        d => bail!("flash-llama SiLU × up: unsupported dtype {d:?} (bf16, f16 or f32)"),
-    }
+    by_dtype!("SiLU × up", y.0.dtype(), silu_mul_t(y))
 }
 
 fn silu_mul_t<T: CudaDType + DeviceRepr>(y: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
@@ -209,12 +224,7 @@ pub(super) fn linear_vector(
     w: (&CudaStorage, &Layout),
     bias: Option<&Tensor>,
 ) -> Result<CudaStorage> {
-    match x.0.dtype() {
-        DType::BF16 => linear_vector_t::<bf16>(x, w, bias),
-        DType::F16 => linear_vector_t::<f16>(x, w, bias),
-        DType::F32 => linear_vector_t::<f32>(x, w, bias),
-        d => bail!("flash-llama linear: unsupported dtype {d:?} (bf16, f16 or f32)"),
-    }
+    by_dtype!("linear", x.0.dtype(), linear_vector_t(x, w, bias))
 }
 
 fn linear_vector_t<T: CudaDType + DeviceRepr>(
@@ -234,9 +244,7 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
     let ba = match &guard {
         None => 0u64,
         Some((storage, layout)) => {
-            let Storage::Cuda(bs) = &**storage else {
-                bail!("flash-llama {OP}: the bias must be on the GPU")
-            };
+            let bs = held_on(storage, &dev, OP, "the bias")?;
             same_dtype(OP, dtype, &[("the bias", bs.dtype())])?;
             addr::<T>(bs, layout, OP, "the bias")?
         }
@@ -270,12 +278,7 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
 }
 
 pub(super) fn argmax_rows(x: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
-    match x.0.dtype() {
-        DType::BF16 => argmax_rows_t::<bf16>(x),
-        DType::F16 => argmax_rows_t::<f16>(x),
-        DType::F32 => argmax_rows_t::<f32>(x),
-        d => bail!("flash-llama argmax: unsupported dtype {d:?} (bf16, f16 or f32)"),
-    }
+    by_dtype!("argmax", x.0.dtype(), argmax_rows_t(x))
 }
 
 fn argmax_rows_t<T: CudaDType + DeviceRepr>(x: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
@@ -313,12 +316,11 @@ pub(super) fn rope_store(
     interleaved: bool,
     store: Option<(&Tensor, &Tensor)>,
 ) -> Result<()> {
-    match y.0.dtype() {
-        DType::BF16 => rope_store_t::<bf16>(y, cos, sin, interleaved, store),
-        DType::F16 => rope_store_t::<f16>(y, cos, sin, interleaved, store),
-        DType::F32 => rope_store_t::<f32>(y, cos, sin, interleaved, store),
-        d => bail!("flash-llama RoPE + KV store: unsupported dtype {d:?} (bf16, f16 or f32)"),
-    }
+    by_dtype!(
+        "RoPE + KV store",
+        y.0.dtype(),
+        rope_store_t(y, cos, sin, interleaved, store)
+    )
 }
 
 fn rope_store_t<T: CudaDType + DeviceRepr>(
@@ -346,12 +348,8 @@ fn rope_store_t<T: CudaDType + DeviceRepr>(
     let (rows_a, cache_a, row_stride, first) = match &guards {
         None => (0u64, 0u64, 0i64, heads as i32),
         Some(((kv_s, kv_l), (rows_s, rows_l))) => {
-            let (Storage::Cuda(kv_s), Storage::Cuda(rows_s)) = (&**kv_s, &**rows_s) else {
-                bail!("flash-llama {OP}: the cache and its rows must be on the GPU")
-            };
-            if kv_s.device.id() != dev.id() || rows_s.device.id() != dev.id() {
-                bail!("flash-llama {OP}: the cache and its rows must be on y's GPU")
-            }
+            let kv_s = held_on(kv_s, &dev, OP, "the cache")?;
+            let rows_s = held_on(rows_s, &dev, OP, "the cache rows")?;
             same_dtype(OP, dtype, &[("the cache", kv_s.dtype())])?;
             let cached = kv_l.dims()[1];
             (

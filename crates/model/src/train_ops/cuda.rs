@@ -3,11 +3,10 @@
 
 use candle_core::cuda_backend::cudarc::driver::{DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaDType;
-use candle_core::{backend::BackendStorage, bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
-use half::{bf16, f16};
+use candle_core::{backend::BackendStorage, CudaStorage, Layout, Result, Tensor};
 
 use super::EmbeddingIndex;
-use crate::fused::cuda::{addr, err, function_in, grid, same_dtype, suffix};
+use crate::fused::cuda::{addr, by_dtype, err, function_in, grid, held_on, same_dtype, suffix};
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/train_ops.cubin"));
 
@@ -19,18 +18,6 @@ const THREADS: usize = 256;
 const DW_BLOCKS: usize = 1024;
 
 type Arg<'a> = (&'a CudaStorage, &'a Layout);
-
-/// Calls `$f::<T>($args)` for the dtype of the storage (bf16, f16 or f32).
-macro_rules! by_dtype {
-    ($op:expr, $dtype:expr, $f:ident($($arg:expr),*)) => {
-        match $dtype {
-            DType::BF16 => $f::<bf16>($($arg),*),
-            DType::F16 => $f::<f16>($($arg),*),
-            DType::F32 => $f::<f32>($($arg),*),
-            d => bail!("flash-llama {}: unsupported dtype {d:?} (bf16, f16 or f32)", $op),
-        }
-    };
-}
 
 fn launch(b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs, cfg: LaunchConfig, name: &str) -> Result<()> {
     // SAFETY: every caller passes contiguous inputs of the element counts its kernel reads and
@@ -250,13 +237,12 @@ fn swiglu_bwd_t<T: CudaDType + DeviceRepr>(g: Arg, u: Arg, dy: Arg) -> Result<Cu
 /// holds the index; every launch is on candle's one stream).
 fn index_addr(t: &Tensor, dev: &candle_core::cuda_backend::CudaDevice) -> Result<u64> {
     let (s, l) = t.storage_and_layout();
-    let Storage::Cuda(s) = &*s else {
-        bail!("flash-llama embedding: the token index is not on the GPU")
-    };
-    if s.device.id() != dev.id() {
-        bail!("flash-llama embedding: the token index is on another GPU")
-    }
-    addr::<u32>(s, l, "embedding", "the token index")
+    addr::<u32>(
+        held_on(&s, dev, "embedding", "the token index")?,
+        l,
+        "embedding",
+        "the token index",
+    )
 }
 
 pub(super) fn embedding(w: Arg, index: &EmbeddingIndex) -> Result<CudaStorage> {

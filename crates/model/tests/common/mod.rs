@@ -216,11 +216,9 @@ pub fn write_gguf(path: &Path) {
     gguf_file::write(&mut file, &md, &ts).unwrap();
 }
 
-/// The largest absolute difference between two tensors of one shape.
-pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
+/// The largest absolute value of an f32 tensor.
+pub fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
         .unwrap()
         .flatten_all()
         .unwrap()
@@ -230,18 +228,15 @@ pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
 }
 
+/// The largest absolute difference between two tensors of one shape.
+pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    max_abs(&(a - b).unwrap())
+}
+
 /// Largest |a - b| over the largest |b| (at least 1), both compared in f32.
 pub fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
     let (a, b) = (a.to_dtype(DType::F32).unwrap(), b.to_dtype(DType::F32).unwrap());
-    let max_abs_b = b
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let max_abs_b = max_abs(&b);
     max_diff(&a, &b) / max_abs_b.max(1.0)
 }
 
