@@ -43,17 +43,25 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
         load_tile_rows<Tr>(&p.tma_q, s.q[qs], &s.bar_q[qs], Tr::kBlockM, q_row, t.head, t.tma_batch);
     }
 
-    for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
-        const int stage = it % Tr::kStages;
-        const uint32_t phase = (it / Tr::kStages) & 1;
-        const int row = t.k_row0 + n * Tr::kBlockN;
+    // K runs one block ahead of V (the order the consumers need them in: Q·Kᵀ of block j+1 is
+    // issued with P·V of block j). A K slot frees as soon as its Q·Kᵀ retired, a V slot only after
+    // its P·V, so K(j+1) must not queue behind the wait for V(j)'s slot.
+    const auto load_k = [&](int n, int at) {
+        const int stage = at % Tr::kStages;
         // A slot is free once the consumers released it last round (passes at once in round 0).
-        mbar_wait(&s.empty_k[stage], phase ^ 1);
+        mbar_wait(&s.empty_k[stage], ((at / Tr::kStages) & 1) ^ 1);
         mbar_arrive_expect_tx(&s.full_k[stage], Tr::kKVBytes);
-        load_tile_rows<Tr>(&p.tma_k, s.k[stage], &s.full_k[stage], Tr::kBlockN, row, t.kv_head, t.tma_batch);
-        mbar_wait(&s.empty_v[stage], phase ^ 1);
+        load_tile_rows<Tr>(&p.tma_k, s.k[stage], &s.full_k[stage], Tr::kBlockN, t.k_row0 + n * Tr::kBlockN,
+                           t.kv_head, t.tma_batch);
+    };
+    load_k(t.n_max - 1, it);
+    for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
+        if (n > t.n_min) load_k(n - 1, it + 1);
+        const int stage = it % Tr::kStages;
+        mbar_wait(&s.empty_v[stage], ((it / Tr::kStages) & 1) ^ 1);
         mbar_arrive_expect_tx(&s.full_v[stage], Tr::kKVBytes);
-        load_tile_rows<Tr>(&p.tma_v, s.v[stage], &s.full_v[stage], Tr::kBlockN, row, t.kv_head, t.tma_batch);
+        load_tile_rows<Tr>(&p.tma_v, s.v[stage], &s.full_v[stage], Tr::kBlockN, t.k_row0 + n * Tr::kBlockN,
+                           t.kv_head, t.tma_batch);
     }
 }
 

@@ -34,6 +34,17 @@ __device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const RowMask& rm
     }
 }
 
+// O's rows times the softmax's correction factors (rows r and r + 8 of the thread).
+template <class Tr> __device__ __forceinline__ void rescale_o(float (&o)[Tr::kORegs], const float (&corr)[2]) {
+#pragma unroll
+    for (int j = 0; j < Tr::kORegs / 4; ++j) {
+        o[4 * j + 0] *= corr[0];
+        o[4 * j + 1] *= corr[0];
+        o[4 * j + 2] *= corr[1];
+        o[4 * j + 3] *= corr[1];
+    }
+}
+
 template <class Tr>
 __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid, int& it,
                          int tc) {
@@ -99,13 +110,7 @@ __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInf
 
         float corr[2];
         softmax.step(sc, p.scale_log2, corr);
-#pragma unroll
-        for (int j = 0; j < Tr::kORegs / 4; ++j) {
-            o[4 * j + 0] *= corr[0];
-            o[4 * j + 1] *= corr[0];
-            o[4 * j + 2] *= corr[1];
-            o[4 * j + 3] *= corr[1];
-        }
+        rescale_o<Tr>(o, corr);
 
         // ---- P to 16 bits, laid out as wgmma's register A operand: k-step kk's four registers
         // are the accumulator pairs 8kk..8kk+7 in order (rows r, r+8; columns +0, +8).
@@ -292,14 +297,9 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         wgmma_fence();
         issue_qk<Tr>(sc, desc.q, desc.k(next));  // S of block n-1
         wgmma_commit();
-        // While Q·Kᵀ runs: bring O to the running max of block n, whose P·V comes next.
-#pragma unroll
-        for (int j = 0; j < Tr::kORegs / 4; ++j) {
-            o[4 * j + 0] *= corr[0];
-            o[4 * j + 1] *= corr[0];
-            o[4 * j + 2] *= corr[1];
-            o[4 * j + 3] *= corr[1];
-        }
+        // O (through block n+1) to the running max of block n, whose P·V comes next: with three
+        // consumer warpgroups here, while Q·Kᵀ runs; with two after this iteration's P·V (below).
+        if constexpr (kWGs == 3) rescale_o<Tr>(o, corr);
         mbar_wait(&s.full_v[stage], phase);
         fence_operand(o);
         wgmma_fence();
@@ -321,6 +321,11 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) fence_operand(pa[kk]);
         mbar_arrive(&s.empty_v[stage]);
         probs_to_a_operand<Tr>(sc, pa);
+        // Two warpgroups: O (now through block n) to the running max of block n-1 here, after the
+        // wait (FA3's order), not between the two GEMMs' issue, where the multiplies delay P·V and
+        // the other warpgroup's turn. Measured (same call, interleaved): d128 and d256 +0..3%;
+        // d64 on three warpgroups lost 1.5..3% with it, so that kernel keeps the other place.
+        if constexpr (kWGs == 2) rescale_o<Tr>(o, corr);
     }
 
     // Every Q·Kᵀ of the tile has retired: the producer may load the next tile's Q.
@@ -330,13 +335,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     {
         const int stage = it % Tr::kStages;
         const uint32_t phase = (it / Tr::kStages) & 1;
-#pragma unroll
-        for (int j = 0; j < Tr::kORegs / 4; ++j) {
-            o[4 * j + 0] *= corr[0];
-            o[4 * j + 1] *= corr[0];
-            o[4 * j + 2] *= corr[1];
-            o[4 * j + 3] *= corr[1];
-        }
+        if constexpr (kWGs == 3) rescale_o<Tr>(o, corr);
         mbar_wait(&s.full_v[stage], phase);
         named_barrier_sync(my_bar, kBoth);
         fence_operand(o);

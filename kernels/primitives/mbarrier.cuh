@@ -24,17 +24,22 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 
-// Spins until the phase with parity `parity` has completed. A fresh barrier is in phase 0, so
+// Waits until the phase with parity `parity` has completed. A fresh barrier is in phase 0, so
 // waiting on parity 1 returns at once: producers start their "slot empty" waits that way.
+// try_wait's suspend-time hint (in ns, an upper bound) lets the waiting thread sleep until the
+// phase completes instead of returning after a few cycles: without it a warp waiting a whole tile
+// (the scheduler thread) re-polled every ~16 cycles, taking issue slots from the consumer warps
+// on its SM sub-partition.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    constexpr uint32_t kSuspendNs = 10000000;
     asm volatile(
         "{\n"
         ".reg .pred done;\n"
         "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
         "@!done bra WAIT_%=;\n"
         "}\n" ::"r"(smem_u32(bar)),
-        "r"(parity)
+        "r"(parity), "n"(kSuspendNs)
         : "memory");
 }
 
