@@ -176,13 +176,16 @@ __device__ __forceinline__ void pingpong_ring_end(int wg) {
 // Tr::kSwizzle bytes wide: a tile of `rows` rows keeps block c at c * rows * kSwizzle bytes.
 template <class Tr> struct OperandDescs {
     static constexpr uint32_t kStageStep = Tr::kKVBytes >> 4;  // s.k[1] - s.k[0], in 16-byte units
-    uint32_t q, k0, v0;
+    uint32_t q_, k0, v0;
     __device__ __forceinline__ OperandDescs(SharedStorage<Tr>& s, int wg, int q_stage)
-        : q(uniform(smem_desc_lo(smem_u32(s.q[q_stage]) + wg * 64 * Tr::kSwizzle, 16))),
+        : q_(uniform(smem_desc_lo(smem_u32(s.q[q_stage]) + wg * 64 * Tr::kSwizzle, 16))),
           k0(uniform(smem_desc_lo(smem_u32(s.k[0]), 16))),
           v0(uniform(smem_desc_lo(smem_u32(s.v[0]), Tr::kBlockN * Tr::kSwizzle))) {}
     // The ring position lives in per-thread registers; uniform() moves the result back to the
     // uniform datapath so the wgmma loop adds its k-step offsets there.
+    // Q's too, re-made uniform at each use: kept across the loop, ptxas holds it in a per-thread
+    // register and then spent an R2UR (and its latency) before every Q·Kᵀ k-step's wgmma.
+    __device__ __forceinline__ uint32_t q() const { return uniform(q_); }
     __device__ __forceinline__ uint32_t k(int stage) const { return uniform(k0 + stage * kStageStep); }
     __device__ __forceinline__ uint32_t v(int stage) const { return uniform(v0 + stage * kStageStep); }
 };
@@ -279,7 +282,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         mbar_wait(&s.full_k[stage], (it / Tr::kStages) & 1);
         named_barrier_sync(my_bar, kBoth);
         wgmma_fence();
-        issue_qk<Tr>(sc, desc.q, desc.k(stage));
+        issue_qk<Tr>(sc, desc.q(), desc.k(stage));
         wgmma_commit();
         named_barrier_arrive(next_bar, kBoth);
         wgmma_wait<0>();
@@ -295,7 +298,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         mbar_wait(&s.full_k[next], next_phase);
         named_barrier_sync(my_bar, kBoth);
         wgmma_fence();
-        issue_qk<Tr>(sc, desc.q, desc.k(next));  // S of block n-1
+        issue_qk<Tr>(sc, desc.q(), desc.k(next));  // S of block n-1
         wgmma_commit();
         // O (through block n+1) to the running max of block n, whose P·V comes next: with three
         // consumer warpgroups here, while Q·Kᵀ runs; with two after this iteration's P·V (below).
