@@ -106,6 +106,16 @@ if [[ -f $DEV/generate.xz ]] && unxz_to "$DEV/generate.xz" "$BIN/generate"; then
 
 NOLOG=1 step gpu nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 GPU_NAME=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n1)
+# Clock, temperature and throttle reasons, at the start and in the summary: one lent machine ran
+# every kernel at half speed (SW thermal slowdown, 85 C) and its numbers looked like a regression.
+gpu_state() {
+    nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw,clocks_event_reasons.active \
+        --format=csv,noheader 2>/dev/null | head -n1
+}
+# Thermal or hardware slowdown among the active reasons (bits 0x08, 0x20, 0x40).
+throttled() { [[ -n $1 ]] && (($(awk -F', ' '{print $4}' <<<"$1") & 0x68)); }
+GPU_STATE_START=$(gpu_state)
+echo "GPU state (SM clock, temperature, power, throttle reasons): ${GPU_STATE_START:-?}"
 
 # shellcheck disable=SC2086 # TEST_ARGS / BENCH_ARGS / SANITIZE_FILTER are word lists
 if [[ -n $TEST_BIN ]]; then
@@ -187,6 +197,11 @@ fi
 {
     printf '\n===== summary (%d s in all, logs in %s)\n' $((SECONDS - START)) "$LOGS"
     echo "GPU: ${GPU_NAME:-?}"
+    GPU_STATE_END=$(gpu_state)
+    echo "GPU state at start: ${GPU_STATE_START:-?}; now: ${GPU_STATE_END:-?}"
+    if throttled "$GPU_STATE_START" || throttled "$GPU_STATE_END"; then
+        echo "WARNING: thermal/hardware slowdown active: timings of this call are not comparable"
+    fi
     [[ -f $DEV/manifest.txt ]] && grep -E '^(packed|commit):' "$DEV/manifest.txt"
     printf '%-16s %-40s %6s\n' step result seconds
     for i in "${!NAMES[@]}"; do

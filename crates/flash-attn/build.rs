@@ -10,6 +10,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=NVCC");
+    println!("cargo:rerun-if-env-changed=FA3_NVCC_FLAGS");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -21,6 +22,11 @@ fn main() {
 
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let nvcc = find_nvcc();
+    // Extra nvcc flags for experiments: -lineinfo for ncu's source view, -DFA3_TRACE for the
+    // forward's timeline (kernels/primitives/trace.cuh).
+    let extra: Vec<String> = env::var("FA3_NVCC_FLAGS")
+        .map(|f| f.split_whitespace().map(String::from).collect())
+        .unwrap_or_default();
     // The forward and the backward are separate cubins, compiled in parallel.
     let jobs: Vec<_> = [
         ("flash_fwd/kernel.cu", "flash_fwd.cubin"),
@@ -36,6 +42,7 @@ fn main() {
                 "-std=c++17",
                 "-Xptxas=-warn-spills",
             ])
+            .args(&extra)
             .arg(kernels.join(src))
             .arg("-o")
             .arg(out_dir.join(cubin))

@@ -111,6 +111,10 @@ FA3_FWD_KERNEL(flash_fwd_simple_d64_f16, 64, 128, fa3::DT_F16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d128_f16, 128, 128, fa3::DT_F16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d256_f16, 256, 80, fa3::DT_F16, false)
 
+#ifdef FA3_TRACE
+extern "C" __global__ void fa3_trace_dump(int) { fa3::trace_dump(); }
+#endif
+
 // Split-KV combine (combine.cuh): 256 threads, one warp per (token, head) row.
 extern "C" __global__ void __launch_bounds__(32 * fa3::kCombineWarps)
     flash_fwd_combine_bf16(const __grid_constant__ fa3::CombineParams p) {

@@ -6,6 +6,7 @@
 #pragma once
 #include "../primitives/mbarrier.cuh"
 #include "../primitives/tma.cuh"
+#include "../primitives/trace.cuh"
 #include "params.cuh"
 #include "scheduler.cuh"
 #include "traits.cuh"
@@ -48,8 +49,10 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     // its P·V, so K(j+1) must not queue behind the wait for V(j)'s slot.
     const auto load_k = [&](int n, int at) {
         const int stage = at % Tr::kStages;
+        trace_stamp(0, at, 0);
         // A slot is free once the consumers released it last round (passes at once in round 0).
         mbar_wait(&s.empty_k[stage], ((at / Tr::kStages) & 1) ^ 1);
+        trace_stamp(0, at, 1);
         mbar_arrive_expect_tx(&s.full_k[stage], Tr::kKVBytes);
         load_tile_rows<Tr>(&p.tma_k, s.k[stage], &s.full_k[stage], Tr::kBlockN, t.k_row0 + n * Tr::kBlockN,
                            t.kv_head, t.tma_batch);
@@ -58,7 +61,9 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
         if (n > t.n_min) load_k(n - 1, it + 1);
         const int stage = it % Tr::kStages;
+        trace_stamp(0, it, 2);
         mbar_wait(&s.empty_v[stage], ((it / Tr::kStages) & 1) ^ 1);
+        trace_stamp(0, it, 3);
         mbar_arrive_expect_tx(&s.full_v[stage], Tr::kKVBytes);
         load_tile_rows<Tr>(&p.tma_v, s.v[stage], &s.full_v[stage], Tr::kBlockN, t.k_row0 + n * Tr::kBlockN,
                            t.kv_head, t.tma_batch);

@@ -380,6 +380,28 @@ unsafe fn launch_with_params<P: DeviceRepr>(
     Ok(())
 }
 
+/// FA3_TRACE=1 in the environment: print CTA 0's timeline after each forward launch (needs a
+/// build with FA3_NVCC_FLAGS=-DFA3_TRACE; kernels/primitives/trace.cuh, scripts/trace_timeline.py).
+fn trace_requested() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("FA3_TRACE").is_some_and(|v| v != "0"))
+}
+
+fn dump_trace(dev: &CudaDevice) -> Result<()> {
+    let func = kernel(dev, "fa3_trace_dump", 0).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "FA3_TRACE is set but the kernels were built without -DFA3_TRACE ({e})"
+        ))
+    })?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the dump kernel reads only its own module's trace buffer.
+    unsafe { launch_with_params(&dev.cuda_stream(), &func, "fa3_trace_dump", cfg, &0i32) }
+}
+
 /// Launches the split-KV combine over `rows` (token, head) rows (kernels/flash_fwd/combine.cuh).
 fn combine_splits(dev: &CudaDevice, dtype: DType, p: &CombineParams, rows: usize) -> Result<()> {
     let name = if dtype == DType::BF16 {
@@ -778,6 +800,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         // SAFETY: the params describe live device buffers (q, k, v, out, lse, cu_*) whose
         // guards are held until after the launch is queued on candle's stream.
         unsafe { launch_with_params(&stream, &func, name, cfg, &p) }?;
+    }
+    if trace_requested() {
+        dump_trace(&dev)?;
     }
     if let (Some(o_accum), Some(lse_accum)) = (&o_accum, &lse_accum) {
         let (o_accum_ptr, _o_accum_sync) = o_accum.device_ptr(&stream);

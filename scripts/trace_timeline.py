@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Summarises the forward kernel's timeline (a bench run built with FA3_NVCC_FLAGS=-DFA3_TRACE).
+
+usage: trace_timeline.py LOG
+The log holds, per launch, CTA 0's "FA3T wg iter t0..t7" lines (kernels/primitives/trace.cuh);
+the last launch before each "ours" bench line is summarised under that line.
+Consumer points (mainloop.cuh, pingpong loop): 0 loop top, 1 K landed, 2 own turn (barrier),
+3 S and P·V issued + turn handed on, 4 S retired (wait<1>), 5 softmax done, 6 P·V retired
+(wait<0>), 7 P converted / O rescaled. Producer (wg 0): 0/1 K slot wait start/end, 2/3 V's.
+"""
+import collections
+import statistics
+import sys
+
+CONSUMER = ["K wait", "turn wait", "issue", "S wait", "softmax", "PV wait", "convert", "to next top"]
+
+
+def summarise(launch):
+    rows = collections.defaultdict(dict)
+    for wg, it, *t in launch:
+        rows[wg][it] = t
+    base = min(t[0] for wg in rows for t in rows[wg].values() if t[0])
+    out = []
+    for wg in sorted(rows):
+        its = sorted(rows[wg])
+        if wg == 0:
+            kw = [rows[0][i][1] - rows[0][i][0] for i in its]
+            vw = [rows[0][i][3] - rows[0][i][2] for i in its]
+            out.append(f"  producer: K slot wait median {statistics.median(kw):.0f}, V slot wait median {statistics.median(vw):.0f} cycles")
+            continue
+        seg = collections.defaultdict(list)
+        period = []
+        for a, b in zip(its, its[1:]):
+            t, u = rows[wg][a], rows[wg][b]
+            if b != a + 1 or not all(t) or not u[0]:
+                continue
+            for k in range(7):
+                seg[CONSUMER[k]].append(t[k + 1] - t[k])
+            seg[CONSUMER[7]].append(u[0] - t[7])
+            period.append(u[2] - t[2])
+        if not period:
+            continue
+        parts = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in seg.items())
+        out.append(f"  wg {wg}: period median {statistics.median(period):.0f} cycles; {parts}")
+    # Hand-over: from one warpgroup's issue end (3) to the next warpgroup's turn (2), same iteration.
+    wgs = sorted(w for w in rows if w > 0)
+    for a, b in zip(wgs, wgs[1:] + wgs[:1]):
+        d = [rows[b][i][2] - rows[a][i][3] for i in rows[a] if i in rows[b] and rows[a][i][3] and rows[b][i][2]]
+        if b == wgs[0]:
+            d = [rows[b][i + 1][2] - rows[a][i][3] for i in rows[a] if i + 1 in rows[b] and rows[b][i + 1][2]]
+        if d:
+            out.append(f"  wg {a} hands on -> wg {b} starts issuing: median {statistics.median(d):.0f} cycles")
+    # A few iterations as an absolute timeline.
+    for i in sorted(rows[wgs[0]])[8:11]:
+        for wg in wgs:
+            if i in rows[wg]:
+                out.append(f"  it {i} wg {wg}: " + " ".join(f"{x - base:>7}" for x in rows[wg][i]))
+    return out
+
+
+def main():
+    launch = []  # the latest launch's lines: a new launch starts where the warpgroup goes back to 0
+    for line in open(sys.argv[1], errors="replace"):
+        if line.startswith("FA3T "):
+            rec = tuple(int(x) for x in line.split()[1:])
+            if launch and rec[0] < launch[-1][0]:
+                launch = []
+            launch.append(rec)
+        elif line.startswith("ours"):
+            print(line.rstrip())
+            if launch:
+                print("\n".join(summarise(launch)))
+            launch = []
+
+
+if __name__ == "__main__":
+    main()
