@@ -18,7 +18,8 @@ CONSUMER = ["K wait", "turn wait", "issue", "S wait", "softmax", "PV wait", "con
 def summarise(launch):
     rows = collections.defaultdict(dict)
     for wg, it, *t in launch:
-        rows[wg][it] = t
+        if any(t):  # the buffer has room for 4 warpgroups; a kernel with fewer leaves zeros
+            rows[wg][it] = t
     base = min(t[0] for wg in rows for t in rows[wg].values() if t[0])
     out = []
     for wg in sorted(rows):
@@ -42,12 +43,12 @@ def summarise(launch):
             continue
         parts = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in seg.items())
         out.append(f"  wg {wg}: period median {statistics.median(period):.0f} cycles; {parts}")
-    # Hand-over: from one warpgroup's issue end (3) to the next warpgroup's turn (2), same iteration.
+    # Hand-over: from one warpgroup's issue end (3) to the next warpgroup's turn (2): same
+    # iteration, or the next one where the ring wraps back to the first warpgroup.
     wgs = sorted(w for w in rows if w > 0)
     for a, b in zip(wgs, wgs[1:] + wgs[:1]):
-        d = [rows[b][i][2] - rows[a][i][3] for i in rows[a] if i in rows[b] and rows[a][i][3] and rows[b][i][2]]
-        if b == wgs[0]:
-            d = [rows[b][i + 1][2] - rows[a][i][3] for i in rows[a] if i + 1 in rows[b] and rows[b][i + 1][2]]
+        step = 1 if b == wgs[0] else 0
+        d = [rows[b][i + step][2] - t[3] for i, t in rows[a].items() if i + step in rows[b] and t[3] and rows[b][i + step][2]]
         if d:
             out.append(f"  wg {a} hands on -> wg {b} starts issuing: median {statistics.median(d):.0f} cycles")
     # A few iterations as an absolute timeline.
