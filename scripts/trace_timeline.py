@@ -7,6 +7,9 @@ the last launch before each "ours" bench line is summarised under that line.
 Consumer points (mainloop.cuh, pingpong loop): 0 loop top, 1 K landed, 2 own turn (barrier),
 3 S and P·V issued + turn handed on, 4 S retired (wait<1>), 5 softmax done, 6 P·V retired
 (wait<0>), 7 P converted / O rescaled. Producer (wg 0): 0/1 K slot wait start/end, 2/3 V's.
+Tiles ("FA3E wg tile t0..t7", by the CTA's tile count): consumers 0 tile start, 1 Q landed,
+2 first S retired, 3 first softmax done (loop entry), 4 loop exit, 5 tail P·V retired, 6 epilogue
+done; producer (wg 0) 0 tile start, 1 Q issued, 2 first K issued, 3 last V issued.
 """
 import collections
 import statistics
@@ -59,19 +62,57 @@ def summarise(launch):
     return out
 
 
+EDGE = ["Q wait", "first S", "first softmax", "loop", "tail P·V", "epilogue"]
+
+
+def summarise_edges(edges):
+    rows = collections.defaultdict(dict)
+    for wg, tile, *t in edges:
+        if t[0]:
+            rows[wg][tile] = t
+    if not rows:
+        return []
+    base = min(t[0] for wg in rows for t in rows[wg].values())
+    out = []
+    for wg in sorted(w for w in rows if w > 0):
+        seg = collections.defaultdict(list)
+        for tile, t in rows[wg].items():
+            if not all(t[:7]):
+                continue
+            for k in range(6):
+                seg[EDGE[k]].append(t[k + 1] - t[k])
+            u = rows[wg].get(tile + 1)
+            if u and all(u[:4]):
+                seg["to next tile"].append(u[0] - t[6])
+                seg["loop exit -> next loop entry"].append(u[3] - t[4])
+        out.append(f"  tiles wg {wg}: " + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in seg.items()))
+    for tile in sorted(rows[min(rows)])[:4]:
+        for wg in sorted(rows):
+            if tile in rows[wg]:
+                out.append(f"  tile {tile} wg {wg}: " + " ".join(f"{x - base:>8}" if x else "       -" for x in rows[wg][tile][:7]))
+    return out
+
+
 def main():
-    launch = []  # the latest launch's lines: a new launch starts where the warpgroup goes back to 0
+    launch, edges = [], []  # the latest launch's lines: a new launch starts where the warpgroup goes back to 0
     for line in open(sys.argv[1], errors="replace"):
         if line.startswith("FA3T "):
             rec = tuple(int(x) for x in line.split()[1:])
             if launch and rec[0] < launch[-1][0]:
                 launch = []
             launch.append(rec)
+        elif line.startswith("FA3E "):
+            rec = tuple(int(x) for x in line.split()[1:])
+            if edges and rec[0] < edges[-1][0]:
+                edges = []
+            edges.append(rec)
         elif line.startswith("ours"):
             print(line.rstrip())
             if launch:
                 print("\n".join(summarise(launch)))
-            launch = []
+            if edges:
+                print("\n".join(summarise_edges(edges)))
+            launch, edges = [], []
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ template <class Tr>
 __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t,
                                          const float (&o)[Tr::kORegs], const float (&inv_sum)[2],
                                          const float (&lse)[2], int wg, int tid, int row_in_tile, int quad_lane) {
-    if (p.num_splits > 1) {
+    if (p.num_splits.d > 1) {
         store_split_partial<Tr>(p, t, o, inv_sum, lse, row_in_tile, quad_lane);
         return;
     }

@@ -30,7 +30,9 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     // it (kQStages tiles ago). With two buffers this load goes out as soon as the previous tile's
     // last K/V load did, a few key blocks before the consumers need it.
     const int qs = tc % Tr::kQStages;
+    trace_edge(0, tc, 0);
     mbar_wait(&s.q_empty[qs], ((tc / Tr::kQStages) & 1) ^ 1);
+    trace_edge(0, tc, 1);
     mbar_arrive_expect_tx(&s.bar_q[qs], p.q_tile_bytes);
     const int q_row = t.q_row0 + t.m_block * p.q_tile_queries;
     if (p.pack_gqa) {
@@ -58,6 +60,7 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
                            t.kv_head, t.tma_batch);
     };
     load_k(t.n_max - 1, it);
+    trace_edge(0, tc, 2);
     for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
         if (n > t.n_min) load_k(n - 1, it + 1);
         const int stage = it % Tr::kStages;
@@ -68,6 +71,7 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
         load_tile_rows<Tr>(&p.tma_v, s.v[stage], &s.full_v[stage], Tr::kBlockN, t.k_row0 + n * Tr::kBlockN,
                            t.kv_head, t.tma_batch);
     }
+    trace_edge(0, tc, 3);
 }
 
 template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<Tr>& s) {

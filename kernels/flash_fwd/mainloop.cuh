@@ -253,6 +253,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     constexpr int kWGs = Tr::kConsumerWGs;
     const int my_bar = sched_barrier(wg), next_bar = sched_barrier(wg + 1 == kWGs ? 0 : wg + 1);
     constexpr int kBoth = 256;  // a warpgroup waiting on its barrier + the one before it arriving
+    trace_edge(wg + 1, tc, 0);
 
     RowMask rm;
 #pragma unroll
@@ -275,6 +276,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     const int qs = tc % Tr::kQStages;
     const OperandDescs<Tr> desc(s, wg, qs);
     mbar_wait(&s.bar_q[qs], (tc / Tr::kQStages) & 1);
+    trace_edge(wg + 1, tc, 1);
 
     // Prologue: S of the first (last-indexed) block alone.
     int n = t.n_max - 1;
@@ -288,10 +290,12 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         named_barrier_arrive(next_bar, kBoth);
         wgmma_wait<0>();
         fence_operand(sc);
+        trace_edge(wg + 1, tc, 2);
         mbar_arrive(&s.empty_k[stage]);
     }
     scores_to_probs<Tr>(p, t, rm, softmax, sc, n, quad_lane, corr);
     probs_to_a_operand<Tr>(sc, pa);
+    trace_edge(wg + 1, tc, 3);
 
     for (; n > t.n_min; --n, ++it) {
         const int stage = it % Tr::kStages, next = (it + 1) % Tr::kStages;
@@ -345,8 +349,10 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
 
     // Every Q·Kᵀ of the tile has retired: the producer may load the next tile's Q.
     mbar_arrive(&s.q_empty[qs]);
+    trace_edge(wg + 1, tc, 4);
 
     // Tail: P·V of the last block.
+    float inv_sum[2], lse[2];
     {
         const int stage = it % Tr::kStages;
         const uint32_t phase = (it / Tr::kStages) & 1;
@@ -358,15 +364,17 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         issue_pv<Tr>(o, pa, desc.v(stage));
         wgmma_commit();
         named_barrier_arrive(next_bar, kBoth);
+        // The row sums' reduction and the LSE need only the softmax state: under the tail P·V.
+        softmax.finalize(p.scale_log2, inv_sum, lse);
         wgmma_wait<0>();
         fence_operand(o);
+        trace_edge(wg + 1, tc, 5);
         mbar_arrive(&s.empty_v[stage]);
         ++it;
     }
 
-    float inv_sum[2], lse[2];
-    softmax.finalize(p.scale_log2, inv_sum, lse);
     epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane);
+    trace_edge(wg + 1, tc, 6);
 }
 
 }  // namespace fa3

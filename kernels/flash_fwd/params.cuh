@@ -8,6 +8,19 @@
 
 namespace fa3 {
 
+// A divisor fixed per launch, with what divides by it without a division instruction (a runtime
+// integer division is ~20 dependent instructions; the tile decode chains four of them): for
+// 0 <= n < 2^31, n / d = umulhi(n, mul) >> shift with the host's mul = ceil(2^(31 + l) / d),
+// shift = l - 1, l = ceil(log2 d) (Granlund and Montgomery's method; `FastDiv::new` in
+// crates/flash-attn/src/cuda/mod.rs). d = 1 passes n through.
+struct FastDiv {
+    int d;
+    uint32_t mul, shift;
+    __device__ __forceinline__ int div(int n) const {
+        return d == 1 ? n : (int)(__umulhi((uint32_t)n, mul) >> shift);
+    }
+};
+
 struct alignas(64) FwdParams {
     // 4-D maps (head_dim, tokens, heads, batch) over q, k and v with their own strides; varlen
     // calls use batch = 1 and address sequences by token offset.
@@ -28,27 +41,27 @@ struct alignas(64) FwdParams {
     int seqlen_q;           // fixed-length calls: every sequence's length
     int seqlen_k;
     int heads;
-    int group;              // heads / kv_heads: q heads that share a kv head
+    FastDiv group;          // heads / kv_heads: q heads that share a kv head
     int head_dim_v;         // columns of out actually written
     int window_left;        // -1: unbounded
     int window_right;       // -1: unbounded; causal is 0
     float scale_log2;       // softmax scale * log2(e) (softcap: cap * log2(e)), > 0
     float softcap_pre;      // != 0: s <- tanh(s * softcap_pre) with softcap_pre = scale / cap
     int negate;             // 1 when the softmax scale is negative: s <- -s, scale_log2 = |scale| log2 e
-    int num_m_blocks;       // query tiles per (batch, head): ceil(max seqlen_q / kBlockM)
+    FastDiv num_m_blocks;   // query tiles per (batch, head): ceil(max seqlen_q / kBlockM)
     int batch;              // sequences
     int direct_store;       // 1: store O straight from registers even where the TMA store applies
     // Pack-GQA (decode-like calls): the `group` q heads of a kv head share one tile, row r being
     // query r / group, head r % group of the tile's first head; tma_q is then a 5-D map
     // (head_dim, q head in group, token, kv head, batch).
     int pack_gqa;
-    int tile_heads;         // heads walked by the tiles: heads, or kv_heads when packing
+    FastDiv tile_heads;     // heads walked by the tiles: heads, or kv_heads when packing
     int q_tile_queries;     // queries per tile: kBlockM, or kBlockM / group when packing
     uint32_t q_tile_bytes;  // bytes of one Q tile load (the TMA boxes)
     // Split-KV (num_splits > 1; decode-like calls with too few tiles to fill the GPU): split s of
     // a tile takes the s-th share of its key blocks and writes its normalised O (f32) and its LSE
     // into the accumulators below, rows in out's (token, head) order; combine.cuh merges them.
-    int num_splits;
+    FastDiv num_splits;
     int total_q;            // tokens of q (batch * seqlen_q, or the varlen total)
     float* o_accum;         // (num_splits, total_q, heads, head_dim_v)
     float* lse_accum;       // (num_splits, total_q, heads)

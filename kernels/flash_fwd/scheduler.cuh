@@ -43,7 +43,7 @@ __device__ __forceinline__ void key_range(const FwdParams& p, int i, int sq, int
 }
 
 __device__ __forceinline__ int num_tiles(const FwdParams& p) {
-    return p.num_m_blocks * p.tile_heads * p.batch * p.num_splits;
+    return p.num_m_blocks.d * p.tile_heads.d * p.batch * p.num_splits.d;
 }
 
 // Tile row r -> its query (index in the sequence) and q head. Rows past the last packed query
@@ -51,9 +51,9 @@ __device__ __forceinline__ int num_tiles(const FwdParams& p) {
 __device__ __forceinline__ void row_position(const FwdParams& p, const TileInfo& t, int r, int& query, int& head) {
     const int m0 = t.m_block * p.q_tile_queries;
     if (p.pack_gqa) {
-        const int q = r / p.group;
+        const int q = p.group.div(r);
         query = q < p.q_tile_queries ? m0 + q : t.seqlen_q;
-        head = t.head + r % p.group;
+        head = t.head + r - q * p.group.d;
     } else {
         query = m0 + r;
         head = t.head;
@@ -66,18 +66,19 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
     // (batch, head): the CTAs running at the same time share a few heads, so their K/V blocks are
     // read from L2 rather than HBM (an order with heads inner streams many heads' K/V at once and
     // ran up to 25% slower at seqlen 512).
-    t.split = tile % p.num_splits;
-    tile /= p.num_splits;
-    const int hb = tile / p.num_m_blocks;
-    t.m_block = p.num_m_blocks - 1 - tile % p.num_m_blocks;
+    const int share = p.num_splits.div(tile);
+    t.split = tile - share * p.num_splits.d;
+    const int hb = p.num_m_blocks.div(share);
+    t.m_block = p.num_m_blocks.d - 1 - (share - hb * p.num_m_blocks.d);
+    t.batch = p.tile_heads.div(hb);
+    const int tile_head = hb - t.batch * p.tile_heads.d;
     if (p.pack_gqa) {  // a tile covers every q head of its kv head; t.head is the first
-        t.kv_head = hb % p.tile_heads;
-        t.head = t.kv_head * p.group;
+        t.kv_head = tile_head;
+        t.head = t.kv_head * p.group.d;
     } else {
-        t.head = hb % p.tile_heads;
-        t.kv_head = t.head / p.group;
+        t.head = tile_head;
+        t.kv_head = p.group.div(t.head);
     }
-    t.batch = hb / p.tile_heads;
     if (p.cu_q != nullptr) {
         int q0 = (int)p.cu_q[t.batch], k0 = (int)p.cu_k[t.batch];
         t.seqlen_q = (int)p.cu_q[t.batch + 1] - q0;
@@ -108,10 +109,10 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
     t.n_max = hi1 > lo0 ? (hi1 + Tr::kBlockN - 1) / Tr::kBlockN : t.n_min;
     t.full_lo = lo1;
     t.full_hi = hi0;
-    if (p.num_splits > 1) {
+    if (p.num_splits.d > 1) {
         // The split's share of the tile's key blocks; a share past the end is empty (n_max ==
         // n_min) and stores a zero partial with LSE -inf, which the combine weighs 0.
-        const int per_split = (t.n_max - t.n_min + p.num_splits - 1) / p.num_splits;
+        const int per_split = p.num_splits.div(t.n_max - t.n_min + p.num_splits.d - 1);
         const int lo = t.n_min + t.split * per_split;
         t.n_min = min(lo, t.n_max);
         t.n_max = min(lo + per_split, t.n_max);

@@ -387,9 +387,90 @@ pub(crate) fn split_count(requested: usize, tiles: usize, sms: usize, key_blocks
         .unwrap_or(1)
 }
 
+/// A divisor fixed per launch, with the multiplier and shift that let the forward kernel divide
+/// by it without a division instruction (`fa3::FastDiv`, kernels/flash_fwd/params.cuh; mirrored
+/// field for field): for `0 <= n < 2^31`, `n / d = umulhi(n, mul) >> shift`, where
+/// `l = ceil(log2 d)`, `mul = ceil(2^(31 + l) / d)` and `shift = l - 1` (Granlund and Montgomery's
+/// method: `mul * d - 2^(31 + l) < d <= 2^l`, so the error times `n < 2^31` stays below
+/// `2^(31 + l)`). `d = 1` is passed through by the kernel (`mul` and `shift` unused).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct FastDiv {
+    d: i32,
+    mul: u32,
+    shift: u32,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl FastDiv {
+    /// `d` must be in `1..2^31` (tile counts and head counts; the launch checks them against i32).
+    pub(crate) fn new(d: usize) -> Result<Self> {
+        if d == 0 || d > i32::MAX as usize {
+            candle_core::bail!("flash-attn: internal divisor {d} out of range")
+        }
+        if d == 1 {
+            return Ok(Self { d: 1, mul: 0, shift: 0 });
+        }
+        let l = usize::BITS - (d - 1).leading_zeros(); // ceil(log2 d), >= 1
+        let mul = (1u64 << (31 + l)).div_ceil(d as u64);
+        Ok(Self {
+            d: d as i32,
+            mul: mul as u32,
+            shift: l - 1,
+        })
+    }
+
+    /// What the kernel computes (for the tests).
+    #[cfg(test)]
+    fn div(&self, n: u32) -> u32 {
+        if self.d == 1 {
+            n
+        } else {
+            ((n as u64 * self.mul as u64) >> 32) as u32 >> self.shift
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fast_div_matches_integer_division() {
+        let mut divisors: Vec<usize> = (1..=300).collect();
+        divisors.extend([
+            511,
+            512,
+            513,
+            1000,
+            4095,
+            65_535,
+            65_536,
+            1 << 20,
+            (1 << 30) + 1,
+            i32::MAX as usize,
+        ]);
+        // Numerators at the ends of the range and around multiples of d, where a rounding error
+        // would show first.
+        for &d in &divisors {
+            let f = FastDiv::new(d).unwrap();
+            let mut ns: Vec<u32> = vec![0, 1, 2, 3, i32::MAX as u32, i32::MAX as u32 - 1];
+            for m in [1u64, 2, 3, 7, 1000, (i32::MAX as u64) / d as u64] {
+                for delta in [-1i64, 0, 1] {
+                    let n = (m * d as u64) as i64 + delta;
+                    if (0..=i32::MAX as i64).contains(&n) {
+                        ns.push(n as u32);
+                    }
+                }
+            }
+            for n in ns {
+                assert_eq!(f.div(n), n / d as u32, "{n} / {d}");
+            }
+        }
+        assert!(FastDiv::new(0).is_err());
+        assert!(FastDiv::new(1 << 31).is_err());
+    }
 
     fn params(left: Option<usize>, right: Option<usize>) -> AttnParams {
         AttnParams {
