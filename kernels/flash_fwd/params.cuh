@@ -12,12 +12,18 @@ namespace fa3 {
 // integer division is ~20 dependent instructions; the tile decode chains four of them): for
 // 0 <= n < 2^31, n / d = umulhi(n, mul) >> shift with the host's mul = ceil(2^(31 + l) / d),
 // shift = l - 1, l = ceil(log2 d) (Granlund and Montgomery's method; `FastDiv::new` in
-// crates/flash-attn/src/cuda/mod.rs). d = 1 passes n through.
+// crates/flash-attn/src/params.rs). d = 1 passes n through.
 struct FastDiv {
     int d;
     uint32_t mul, shift;
     __device__ __forceinline__ int div(int n) const {
         return d == 1 ? n : (int)(__umulhi((uint32_t)n, mul) >> shift);
+    }
+    // n / d, with n % d in rem.
+    __device__ __forceinline__ int divmod(int n, int& rem) const {
+        const int q = div(n);
+        rem = n - q * d;
+        return q;
     }
 };
 

@@ -51,9 +51,10 @@ __device__ __forceinline__ int num_tiles(const FwdParams& p) {
 __device__ __forceinline__ void row_position(const FwdParams& p, const TileInfo& t, int r, int& query, int& head) {
     const int m0 = t.m_block * p.q_tile_queries;
     if (p.pack_gqa) {
-        const int q = p.group.div(r);
+        int head_in_group;
+        const int q = p.group.divmod(r, head_in_group);
         query = q < p.q_tile_queries ? m0 + q : t.seqlen_q;
-        head = t.head + r - q * p.group.d;
+        head = t.head + head_in_group;
     } else {
         query = m0 + r;
         head = t.head;
@@ -66,12 +67,11 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
     // (batch, head): the CTAs running at the same time share a few heads, so their K/V blocks are
     // read from L2 rather than HBM (an order with heads inner streams many heads' K/V at once and
     // ran up to 25% slower at seqlen 512).
-    const int share = p.num_splits.div(tile);
-    t.split = tile - share * p.num_splits.d;
-    const int hb = p.num_m_blocks.div(share);
-    t.m_block = p.num_m_blocks.d - 1 - (share - hb * p.num_m_blocks.d);
-    t.batch = p.tile_heads.div(hb);
-    const int tile_head = hb - t.batch * p.tile_heads.d;
+    int m_rev, tile_head;
+    const int share = p.num_splits.divmod(tile, t.split);
+    const int hb = p.num_m_blocks.divmod(share, m_rev);
+    t.m_block = p.num_m_blocks.d - 1 - m_rev;
+    t.batch = p.tile_heads.divmod(hb, tile_head);
     if (p.pack_gqa) {  // a tile covers every q head of its kv head; t.head is the first
         t.kv_head = tile_head;
         t.head = t.kv_head * p.group.d;
