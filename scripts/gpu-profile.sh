@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine, from the repo root, with .device/ carried (scripts/gpu-pack.sh):
-# Nsight Compute on one forward launch per case of the GPU benchmark binary.
+# Nsight Compute on one forward (or backward) launch per case of the GPU benchmark binary.
 #
 #   PROFILE_CASES="128:2048:0 64:8192:0" bash scripts/gpu-profile.sh
+#   PROFILE_PASS=bwd PROFILE_CASES="128:4096:0" bash scripts/gpu-profile.sh
 #
 # A case is HEAD_DIM:SEQLEN:CAUSAL on the benchmark's grid (16k tokens, hidden 2048, bf16). For
 # each, ncu (--set full, clocks left alone) profiles the 4th launch (after the bench's warm-ups)
 # and prints the headline metrics and the SASS instructions with the most stall samples.
 # $OUT/profile.tar.xz (or /tmp/gpu-profile/) gets each case's details page and per-instruction CSV.
-# Env: PROFILE_SET (default full), PROFILE_TOP (default 30 instructions).
+# Env: PROFILE_PASS (fwd or bwd; default fwd: the backward's main kernel is profiled, not its
+# pre/postprocess), PROFILE_SET (default full), PROFILE_TOP (default 30 instructions),
+# PROFILE_METRICS (extra comma-separated ncu metrics, printed per case).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -19,12 +22,19 @@ BENCH=$WORK/gpu-bench
 [[ -x $BENCH ]] || { xz -dc "$DEV/gpu-bench.xz" >"$BENCH" && chmod +x "$BENCH"; } || exit 2
 command -v ncu >/dev/null || { echo "gpu-profile: ncu not found" >&2; exit 2; }
 
+PASS=${PROFILE_PASS:-fwd}
+case $PASS in
+fwd) KERNEL=regex:flash_fwd ;;
+bwd) KERNEL=regex:flash_bwd_d ;;
+*) echo "gpu-profile: PROFILE_PASS is fwd or bwd" >&2; exit 2 ;;
+esac
+
 for case in ${PROFILE_CASES:-128:2048:0}; do
     IFS=: read -r d s c <<<"$case"
-    name=d${d}_s${s}_c${c}
+    name=${PASS}_d${d}_s${s}_c${c}
     echo "===== $name"
-    BENCH_HDIMS=$d BENCH_SEQS=$s BENCH_CAUSAL=$c BENCH_DECODE=0 \
-        ncu --clock-control none --set "${PROFILE_SET:-full}" -k regex:flash_fwd --launch-skip 3 --launch-count 1 \
+    BENCH_HDIMS=$d BENCH_SEQS=$s BENCH_CAUSAL=$c BENCH_DECODE=0 BENCH_PASSES=$PASS \
+        ncu --clock-control none --set "${PROFILE_SET:-full}" -k $KERNEL --launch-skip 3 --launch-count 1 \
         --import-source no -f -o "$WORK/$name" "$BENCH" >"$WORK/$name.run.log" 2>&1 ||
         { tail -20 "$WORK/$name.run.log"; continue; }
     ncu -i "$WORK/$name.ncu-rep" --page details --print-units base >"$WORK/$name.details.txt" 2>&1
@@ -32,6 +42,11 @@ for case in ${PROFILE_CASES:-128:2048:0}; do
     grep -E "^  [A-Za-z]" "$WORK/$name.details.txt" | grep -E \
         "Duration|Elapsed Cycles|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc Active|No Eligible|Achieved Occupancy|Local Memory|Shared Memory Configuration" |
         sort -u | head -30
+    if [[ -n ${PROFILE_METRICS:-} ]]; then
+        BENCH_HDIMS=$d BENCH_SEQS=$s BENCH_CAUSAL=$c BENCH_DECODE=0 BENCH_PASSES=$PASS \
+            ncu --clock-control none --metrics "$PROFILE_METRICS" -k $KERNEL --launch-skip 3 --launch-count 1 \
+            "$BENCH" 2>&1 | grep -E "^ +[a-z0-9_]+__[a-z0-9_.]+ " || echo "gpu-profile: the metrics run printed no metric"
+    fi
     python3 - "$WORK/$name.sass.csv" "${PROFILE_TOP:-30}" <<'EOF'
 import csv, sys
 path, top = sys.argv[1], int(sys.argv[2])

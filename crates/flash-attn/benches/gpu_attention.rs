@@ -62,7 +62,7 @@ fn seq_label(s: usize) -> String {
 fn backward_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
     let mut table = Vec::new();
     for &d in hdims {
-        for causal in [false, true] {
+        for causal in list("BENCH_CAUSAL", &[0, 1]).into_iter().map(|c| c != 0) {
             let mut row = Vec::new();
             for &s in seqs {
                 let (b, h) = (16384 / s, 2048 / d);
