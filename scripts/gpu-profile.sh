@@ -29,23 +29,26 @@ bwd) KERNEL=regex:flash_bwd_d ;;
 *) echo "gpu-profile: PROFILE_PASS is fwd or bwd" >&2; exit 2 ;;
 esac
 
+# ncu ARGS... on the 4th launch of the case's kernel (after the bench's warm-ups).
+profile_case() {
+    BENCH_HDIMS=$d BENCH_SEQS=$s BENCH_CAUSAL=$c BENCH_DECODE=0 BENCH_PASSES=$PASS \
+        ncu --clock-control none -k $KERNEL --launch-skip 3 --launch-count 1 "$@" "$BENCH"
+}
+
 for case in ${PROFILE_CASES:-128:2048:0}; do
     IFS=: read -r d s c <<<"$case"
     name=${PASS}_d${d}_s${s}_c${c}
     echo "===== $name"
-    BENCH_HDIMS=$d BENCH_SEQS=$s BENCH_CAUSAL=$c BENCH_DECODE=0 BENCH_PASSES=$PASS \
-        ncu --clock-control none --set "${PROFILE_SET:-full}" -k $KERNEL --launch-skip 3 --launch-count 1 \
-        --import-source no -f -o "$WORK/$name" "$BENCH" >"$WORK/$name.run.log" 2>&1 ||
+    profile_case --set "${PROFILE_SET:-full}" --import-source no -f -o "$WORK/$name" >"$WORK/$name.run.log" 2>&1 ||
         { tail -20 "$WORK/$name.run.log"; continue; }
     ncu -i "$WORK/$name.ncu-rep" --page details --print-units base >"$WORK/$name.details.txt" 2>&1
     ncu -i "$WORK/$name.ncu-rep" --page source --csv --print-source sass >"$WORK/$name.sass.csv" 2>&1
-    grep -E "^  [A-Za-z]" "$WORK/$name.details.txt" | grep -E \
-        "Duration|Elapsed Cycles|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc Active|No Eligible|Achieved Occupancy|Local Memory|Shared Memory Configuration" |
-        sort -u | head -30
+    # The details page indents its metric rows by four spaces.
+    grep -E "^ {4}(Duration|Elapsed Cycles|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc Active|No Eligible|Achieved Occupancy|Local Memory|Shared Memory Configuration)" \
+        "$WORK/$name.details.txt" | sort -u | head -30
     if [[ -n ${PROFILE_METRICS:-} ]]; then
-        BENCH_HDIMS=$d BENCH_SEQS=$s BENCH_CAUSAL=$c BENCH_DECODE=0 BENCH_PASSES=$PASS \
-            ncu --clock-control none --metrics "$PROFILE_METRICS" -k $KERNEL --launch-skip 3 --launch-count 1 \
-            "$BENCH" 2>&1 | grep -E "^ +[a-z0-9_]+__[a-z0-9_.]+ " || echo "gpu-profile: the metrics run printed no metric"
+        profile_case --metrics "$PROFILE_METRICS" 2>&1 | grep -E "^ +[a-z0-9_]+__[a-z0-9_.]+ " ||
+            echo "gpu-profile: the metrics run printed no metric"
     fi
     python3 - "$WORK/$name.sass.csv" "${PROFILE_TOP:-30}" <<'EOF'
 import csv, sys
