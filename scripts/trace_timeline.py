@@ -18,12 +18,20 @@ import sys
 CONSUMER = ["K wait", "turn wait", "issue", "S wait", "softmax", "PV wait", "convert", "to next top"]
 
 
-def summarise(launch):
+def gather(records, keep):
+    """{warpgroup: {iteration or tile: stamps}} of the records that `keep` accepts, and the
+    earliest first stamp (the origin of the absolute timelines printed)."""
     rows = collections.defaultdict(dict)
-    for wg, it, *t in launch:
-        if any(t):  # the buffer has room for 4 warpgroups; a kernel with fewer leaves zeros
-            rows[wg][it] = t
-    base = min(t[0] for wg in rows for t in rows[wg].values() if t[0])
+    for wg, idx, *t in records:
+        if keep(t):
+            rows[wg][idx] = t
+    base = min((t[0] for wg in rows for t in rows[wg].values() if t[0]), default=0)
+    return rows, base
+
+
+def summarise(launch):
+    # The buffer has room for 4 warpgroups; a kernel with fewer leaves zeros.
+    rows, base = gather(launch, any)
     out = []
     for wg in sorted(rows):
         its = sorted(rows[wg])
@@ -66,13 +74,9 @@ EDGE = ["Q wait", "first S", "first softmax", "loop", "tail P·V", "epilogue"]
 
 
 def summarise_edges(edges):
-    rows = collections.defaultdict(dict)
-    for wg, tile, *t in edges:
-        if t[0]:
-            rows[wg][tile] = t
+    rows, base = gather(edges, lambda t: t[0])
     if not rows:
         return []
-    base = min(t[0] for wg in rows for t in rows[wg].values())
     out = []
     for wg in sorted(w for w in rows if w > 0):
         seg = collections.defaultdict(list)
