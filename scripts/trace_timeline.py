@@ -98,25 +98,22 @@ def summarise_edges(edges):
 
 
 def main():
-    launch, edges = [], []  # the latest launch's lines: a new launch starts where the warpgroup goes back to 0
+    # Per tag, the latest launch's records: a new launch starts where the warpgroup goes back to 0.
+    summaries = {"FA3T": summarise, "FA3E": summarise_edges}
+    records = {tag: [] for tag in summaries}
     for line in open(sys.argv[1], errors="replace"):
-        if line.startswith("FA3T "):
-            rec = tuple(int(x) for x in line.split()[1:])
-            if launch and rec[0] < launch[-1][0]:
-                launch = []
-            launch.append(rec)
-        elif line.startswith("FA3E "):
-            rec = tuple(int(x) for x in line.split()[1:])
-            if edges and rec[0] < edges[-1][0]:
-                edges = []
-            edges.append(rec)
+        tag, *fields = line.split() or [""]
+        if tag in records:
+            rec = tuple(int(x) for x in fields)
+            if records[tag] and rec[0] < records[tag][-1][0]:
+                records[tag] = []
+            records[tag].append(rec)
         elif line.startswith("ours"):
             print(line.rstrip())
-            if launch:
-                print("\n".join(summarise(launch)))
-            if edges:
-                print("\n".join(summarise_edges(edges)))
-            launch, edges = [], []
+            for tag, summary in summaries.items():
+                if records[tag]:
+                    print("\n".join(summary(records[tag])))
+                records[tag] = []
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-// Shared by the build scripts of flash-attn3 and flash-llama, which `include!` it (a build script
-// can only depend on a published crate, and this is twenty lines): finding nvcc, compiling
-// kernels/ sources into sm_90a cubins in parallel, and watching the sources for changes.
+// Shared by the build scripts of flash-attn3 and flash-llama, which `include!` it (a build
+// dependency would have to be a crate of its own, for three small functions): finding nvcc,
+// compiling kernels/ sources into sm_90a cubins in parallel, and watching the sources for changes.
 
 /// nvcc from $NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin or the PATH; panics with how to install one.
 fn find_nvcc(crate_name: &str) -> std::path::PathBuf {
