@@ -2,8 +2,8 @@
 // (TMA + wgmma), postprocess. See docs/kernels/backward-sm90.md.
 //
 // Main kernel: one CTA per (key block, kv head, sequence) with 3 warpgroups. Warpgroup 0 is the
-// producer (one thread issues the copies; the warpgroup gives its registers away with
-// setmaxnreg); warpgroups 1 and 2 are consumers that keep dK and dV of the key block in
+// producer (one thread issues the copies, two warps hand the consumers' dQ shares to the bulk
+// engine; the warpgroup gives its registers away with setmaxnreg); warpgroups 1 and 2 are consumers that keep dK and dV of the key block in
 // registers (head dims 64, 128: 64 keys each of a block of 128; head dim 256: half the columns
 // each of a block of 64 keys, mainloop_wide.cuh) while the query blocks of every q head of the kv
 // head's group stream past. dK and dV are therefore complete when the loop ends (GQA sums inside
@@ -40,13 +40,22 @@ template <class Tr> __device__ __forceinline__ void flash_bwd(const BwdParams& p
 
     if (wg == 0) {
         warpgroup_reg_dealloc<Tr::kProducerRegs>();
-        if (tid == 0) bwd_producer<Tr>(p, s, kb);
+        // Warp 0: the copies; warps 1, 2: the dQ writers of consumer warpgroups 0, 1 (staged
+        // shares only: not d256, not the deterministic mode). The warp index goes through the
+        // uniform datapath: branching on tid / 32 directly made ptxas spill the producer's loop.
+        const int warp = uniform(tid / 32);
+        if (warp == 0) {
+            if (tid == 0) bwd_producer<Tr>(p, s, kb);
+        } else if (!Tr::kWide && warp <= Tr::kConsumerWGs && p.dq_semaphore == nullptr) {
+            bwd_dq_writer<Tr>(p, s, warp - 1, tid % 32);
+        }
     } else {
         warpgroup_reg_alloc<Tr::kConsumerRegs>();
         float dk[Tr::kAccRegs], dv[Tr::kAccRegs];
         if constexpr (Tr::kWide) bwd_consumer_wide<Tr>(p, s, kb, wg - 1, tid, dk, dv);
         else bwd_consumer<Tr>(p, s, kb, wg - 1, tid, dk, dv);
-        store_dk_dv<Tr>(p, kb, dk, dv, wg - 1, tid);
+        if constexpr (Tr::kWide) store_dk_dv<Tr>(p, kb, dk, dv, wg - 1, tid);
+        else store_dk_dv_staged<Tr>(p, s, kb, dk, dv, wg - 1, tid);
     }
 }
 

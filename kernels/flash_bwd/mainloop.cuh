@@ -7,8 +7,10 @@
 //   dV += Pᵀ·dO,  dK += dSᵀ·Q   wgmma, A = Pᵀ / dSᵀ from registers, B = dO / Q read transposed
 //   dSᵀ -> shared memory; after a named barrier over both consumer warpgroups:
 //   dQ  = dS·K (this warpgroup's 64 x 64 share)  wgmma, A = dSᵀ and B = K both read transposed,
-//   added to the f32 dq_accum in global memory with one bulk reduce-add per share (deterministic
-//   mode: vector reductions in key-block order through a per-(head, query block) semaphore).
+//   staged in shared memory and handed to a dQ writer warp of the producer warpgroup, which adds
+//   it to the f32 dq_accum in global memory with one bulk reduce-add (deterministic mode: the
+//   consumers add it with vector reductions in key-block order through a per-(head, query block)
+//   semaphore).
 // dS here leaves out the softmax scale, which the epilogue (dK) and the postprocess (dQ) apply.
 #pragma once
 #include "../primitives/atomic.cuh"
@@ -22,9 +24,14 @@
 namespace fa3 {
 
 // Named barriers (0 is __syncthreads): dSᵀ of a query block is in shared memory (both consumer
-// warpgroups, 256 threads); per-warpgroup barriers of the deterministic dQ hand-off.
+// warpgroups, 256 threads); per-warpgroup barriers (128 threads: the deterministic dQ hand-off,
+// the dK/dV epilogue); the dQ hand-off between consumer warpgroup wg and its writer warp (128 +
+// 32 threads): "full" once the share is staged, "empty" once the bulk engine has read it.
 constexpr int kBarDsReady = 1;
-__device__ __forceinline__ int dq_barrier(int wg) { return 2 + wg; }
+__device__ __forceinline__ int wg_barrier(int wg) { return 2 + wg; }
+constexpr int kDqHandoffThreads = 128 + 32;
+__device__ __forceinline__ int dq_full_barrier(int wg) { return 4 + wg; }
+__device__ __forceinline__ int dq_empty_barrier(int wg) { return 6 + wg; }
 
 // Low word of a wgmma descriptor (smem_desc_lo). d128 keeps it on the uniform datapath
 // (uniform(): a warp reduction, the k-step offsets are then uniform adds); for d64 that measured
@@ -225,13 +232,13 @@ __device__ __forceinline__ void dq_turn_wait(const BwdParams& p, const KeyBlock&
         while (ld_acquire(dq_semaphore<Tr>(p, kb, head, m)) < turn) {
         }
     }
-    named_barrier_sync(dq_barrier(wg), 128);
+    named_barrier_sync(wg_barrier(wg), 128);
 }
 template <class Tr>
 __device__ __forceinline__ void dq_turn_release(const BwdParams& p, const KeyBlock& kb, int head, int m, int wg,
                                                 int tid) {
     __threadfence();
-    named_barrier_sync(dq_barrier(wg), 128);
+    named_barrier_sync(wg_barrier(wg), 128);
     if (tid == 0) red_release_add(dq_semaphore<Tr>(p, kb, head, m), 1);
 }
 
@@ -243,9 +250,9 @@ __device__ __forceinline__ void red_add_dq_share(float* share, const float (&dq)
 }
 
 // Adds this warpgroup's 64 x 64 share of dQ (f32, without the scale) to the accumulator block of
-// (head, query block m). Default: the share is staged in shared memory in register order and one
-// thread adds it with a single bulk reduce-add (asynchronous: the buffer is reused once the bulk
-// engine has read it, checked before the next dS barrier). Deterministic: vector reductions in
+// (head, query block m). Default: the share is staged in shared memory in register order (once
+// the writer warp has freed the buffer), and the writer warp adds it with a
+// single bulk reduce-add: the consumers only store and arrive. Deterministic: vector reductions in
 // key-block order.
 template <class Tr>
 __device__ __forceinline__ void add_dq(const BwdParams& p, BwdSharedStorage<Tr>& s, const KeyBlock& kb,
@@ -253,17 +260,14 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, BwdSharedStorage<Tr>&
     float* share = p.dq_accum + dq_share_base(p.padded_rows, Tr::kBlockM, Tr::kDqShares, head, kb.seq.pad0 + m * Tr::kBlockM, wg);
     if (p.dq_semaphore == nullptr) {
         const uint32_t stage = smem_u32(s.dq_share[wg]) + tid * 8;
+        named_barrier_sync(dq_empty_barrier(wg), kDqHandoffThreads);
 #pragma unroll
         for (int pair = 0; pair < 16; ++pair)
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(stage + pair * 128 * 8), "f"(dq[2 * pair]),
                          "f"(dq[2 * pair + 1])
                          : "memory");
-        fence_proxy_async_smem();
-        named_barrier_sync(dq_barrier(wg), 128);
-        if (tid == 0) {
-            bulk_reduce_add_f32(share, s.dq_share[wg], kDqShare * 4);
-            bulk_commit_group();
-        }
+        fence_proxy_async_smem();  // the bulk engine (async proxy) reads what st.shared wrote
+        named_barrier_arrive(dq_full_barrier(wg), kDqHandoffThreads);
         return;
     }
     dq_turn_wait<Tr>(p, kb, head, m, wg, tid);
@@ -323,11 +327,8 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
             wgmma_fence();
             issue_rs<Tr>(dv, pa, do_base);
             wgmma_commit();
-            // The async proxy (wgmma) must see the dS stores. The barrier also tells this
-            // warpgroup that its dQ staging buffer is free again: the thread that issued the last
-            // bulk reduce-add waits until the engine has read it.
+            // The async proxy (wgmma) must see the dS stores.
             fence_proxy_async_smem();
-            if (tid == 0) bulk_wait_group_read<0>();
             named_barrier_sync(kBarDsReady, 256);
 
             // ---- dQ share = dS·K: A = dSᵀ (keys x queries) and B = K (keys x head dim), both
@@ -361,11 +362,93 @@ __device__ void bwd_consumer(const BwdParams& p, BwdSharedStorage<Tr>& s, const 
             mbar_arrive(&s.empty[stage]);  // Q, dO, lse_log2, dpsum of this stage are no longer read
         }
     }
-    if (tid == 0) bulk_wait_group<0>();  // shared memory must outlive the last bulk reduce-add
+    // The writer's last bulk read is done: the staging buffer is free for the dK/dV epilogue.
+    if (p.dq_semaphore == nullptr) named_barrier_sync(dq_empty_barrier(wg), kDqHandoffThreads);
 }
 
-// Stores this warpgroup's dK (times the softmax scale) and dV straight from registers: keys
-// past the sequence end and padding columns of a rounded-up head dim are skipped.
+// A writer warp of the producer warpgroup: for every query block, waits until consumer warpgroup
+// wg has staged its dQ share, adds it to the accumulator with one bulk reduce-add and frees the
+// staging buffer once the bulk engine has read it, so that the consumers only store and arrive.
+// (Before this warp, a consumer thread issued the reduce-add after a 128-thread barrier and waited
+// for the engine's read before the next dS barrier.) The key block is derived again here rather
+// than passed in: values live across the producer warpgroup's setmaxnreg would have to fit its
+// 24 registers.
+template <class Tr> __device__ void bwd_dq_writer(const BwdParams& p, BwdSharedStorage<Tr>& s, int wg, int lane) {
+    KeyBlock kb;
+    get_key_block<Tr>(p, kb);
+#pragma unroll 1
+    for (int g = 0; g < p.group; ++g) {
+        const int head = kb.kv_head * p.group + g;
+#pragma unroll 1
+        for (int m = kb.m_min; m < kb.m_max; ++m) {
+            named_barrier_arrive(dq_empty_barrier(wg), kDqHandoffThreads);
+            named_barrier_sync(dq_full_barrier(wg), kDqHandoffThreads);
+            if (lane == 0) {
+                bulk_reduce_add_f32(p.dq_accum + dq_share_base(p.padded_rows, Tr::kBlockM, Tr::kDqShares, head,
+                                                               kb.seq.pad0 + m * Tr::kBlockM, wg),
+                                    s.dq_share[wg], kDqShare * 4);
+                bulk_commit_group();
+                bulk_wait_group_read<0>();
+            }
+            __syncwarp();
+        }
+    }
+    // The last share is read: the consumers may reuse the buffer (the dK/dV epilogue).
+    named_barrier_arrive(dq_empty_barrier(wg), kDqHandoffThreads);
+    if (lane == 0) bulk_wait_group<0>();  // shared memory must outlive the last bulk reduce-add
+}
+
+__device__ __forceinline__ uint4 ld_shared_u32x4(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
+// One of dK, dV of this warpgroup's 64 keys through its dQ staging buffer (free once the loop has
+// ended): 16-bit pairs stored with the 16-byte chunks of each row XOR-swizzled by row % 8
+// (conflict-free), then read back as whole 16-byte chunks and written as full rows (coalesced
+// 16-byte stores; keys past the sequence end and padding columns skipped). Stored straight from
+// registers, a warp's 4-byte stores covered 8 rows x 16 bytes: the epilogue measured 2-9% of the
+// whole kernel (docs/kernels/backward-sm90.md, version 17).
+template <class Tr>
+__device__ __forceinline__ void store_rows_staged(const BwdParams& p, const KeyBlock& kb, uint32_t stage,
+                                                  const float (&acc)[Tr::kAccRegs], float mul, uint16_t* out,
+                                                  int cols, int wg, int tid) {
+    constexpr int kRowBytes = Tr::kHeadDim * 2, kChunks = kRowBytes / 16;
+    const int warp = tid / 32, lane = tid % 32;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = warp * 16 + lane / 4 + 8 * h;
+#pragma unroll
+        for (int j = 0; j < Tr::kAccRegs / 4; ++j)
+            st_shared_u32(stage + row * kRowBytes + ((j ^ (row % 8)) * 16) + (lane % 4) * 4,
+                          pack16x2<Tr::kDtype>(acc[4 * j + 2 * h] * mul, acc[4 * j + 2 * h + 1] * mul));
+    }
+    named_barrier_sync(wg_barrier(wg), 128);
+    const int key0 = kb.n * Tr::kBlockN + wg * 64;
+#pragma unroll
+    for (int idx = tid; idx < 64 * kChunks; idx += 128) {
+        const int row = idx / kChunks, c = idx % kChunks;
+        const uint4 v = ld_shared_u32x4(stage + row * kRowBytes + ((c ^ (row % 8)) * 16));
+        const int key = key0 + row;
+        if (key < kb.seq.seqlen_k && c * 8 < cols)
+            *reinterpret_cast<uint4*>(out + ((kb.seq.k_tok0 + key) * p.kv_heads + kb.kv_head) * cols + c * 8) = v;
+    }
+    named_barrier_sync(wg_barrier(wg), 128);  // read back before the next tensor is staged
+}
+
+template <class Tr>
+__device__ __forceinline__ void store_dk_dv_staged(const BwdParams& p, BwdSharedStorage<Tr>& s, const KeyBlock& kb,
+                                                   const float (&dk)[Tr::kAccRegs], const float (&dv)[Tr::kAccRegs],
+                                                   int wg, int tid) {
+    const uint32_t stage = smem_u32(s.dq_share[wg]);
+    store_rows_staged<Tr>(p, kb, stage, dk, p.scale, p.dk, p.head_dim, wg, tid);
+    store_rows_staged<Tr>(p, kb, stage, dv, 1.f, p.dv, p.head_dim_v, wg, tid);
+}
+
+// Head dim 256 (no shared memory left to stage them): stores this warpgroup's dK (times the
+// softmax scale) and dV straight from registers; keys past the sequence end and padding columns
+// of a rounded-up head dim are skipped.
 template <class Tr>
 __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const KeyBlock& kb, const float (&dk)[Tr::kAccRegs],
                                             const float (&dv)[Tr::kAccRegs], int wg, int tid) {
