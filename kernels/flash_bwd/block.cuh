@@ -32,6 +32,14 @@ template <class Tr> __device__ __forceinline__ bool get_key_block(const BwdParam
     return true;
 }
 
+// Share `share` (a 64 x 64 tile, kDqShares per block) of the f32 dQ accumulator block of
+// (head, query block m) of the CTA's sequence.
+template <class Tr>
+__device__ __forceinline__ float* dq_share_ptr(const BwdParams& p, const KeyBlock& kb, int head, int m, int share) {
+    return p.dq_accum +
+           dq_share_base(p.padded_rows, Tr::kBlockM, Tr::kDqShares, head, kb.seq.pad0 + m * Tr::kBlockM, share);
+}
+
 // The queries [lo, hi] that see key `key` of a sequence (key_range turned around: query i sees
 // the key iff lo <= i <= hi; empty when hi < lo). A consumer thread computes it once for each of
 // its two key rows, so that a boundary block's element mask is two compares per entry.

@@ -257,7 +257,6 @@ __device__ __forceinline__ void red_add_dq_share(float* share, const float (&dq)
 template <class Tr>
 __device__ __forceinline__ void add_dq(const BwdParams& p, BwdSharedStorage<Tr>& s, const KeyBlock& kb,
                                        const float (&dq)[32], int head, int m, int wg, int tid) {
-    float* share = p.dq_accum + dq_share_base(p.padded_rows, Tr::kBlockM, Tr::kDqShares, head, kb.seq.pad0 + m * Tr::kBlockM, wg);
     if (p.dq_semaphore == nullptr) {
         const uint32_t stage = smem_u32(s.dq_share[wg]) + tid * 8;
         named_barrier_sync(dq_empty_barrier(wg), kDqHandoffThreads);
@@ -271,7 +270,7 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, BwdSharedStorage<Tr>&
         return;
     }
     dq_turn_wait<Tr>(p, kb, head, m, wg, tid);
-    red_add_dq_share(share, dq, tid);
+    red_add_dq_share(dq_share_ptr<Tr>(p, kb, head, m, wg), dq, tid);
     dq_turn_release<Tr>(p, kb, head, m, wg, tid);
 }
 
@@ -384,9 +383,7 @@ template <class Tr> __device__ void bwd_dq_writer(const BwdParams& p, BwdSharedS
             named_barrier_arrive(dq_empty_barrier(wg), kDqHandoffThreads);
             named_barrier_sync(dq_full_barrier(wg), kDqHandoffThreads);
             if (lane == 0) {
-                bulk_reduce_add_f32(p.dq_accum + dq_share_base(p.padded_rows, Tr::kBlockM, Tr::kDqShares, head,
-                                                               kb.seq.pad0 + m * Tr::kBlockM, wg),
-                                    s.dq_share[wg], kDqShare * 4);
+                bulk_reduce_add_f32(dq_share_ptr<Tr>(p, kb, head, m, wg), s.dq_share[wg], kDqShare * 4);
                 bulk_commit_group();
                 bulk_wait_group_read<0>();
             }
@@ -408,8 +405,8 @@ __device__ __forceinline__ uint4 ld_shared_u32x4(uint32_t addr) {
 // ended): 16-bit pairs stored with the 16-byte chunks of each row XOR-swizzled by row % 8
 // (conflict-free), then read back as whole 16-byte chunks and written as full rows (coalesced
 // 16-byte stores; keys past the sequence end and padding columns skipped). Stored straight from
-// registers, a warp's 4-byte stores covered 8 rows x 16 bytes: the epilogue measured 2-9% of the
-// whole kernel (docs/kernels/backward-sm90.md, version 17).
+// registers, a warp's 4-byte stores covered 8 rows x 16 bytes; staging them gained 2-9% on the
+// whole kernel (docs/kernels/backward-sm90.md, version 18).
 template <class Tr>
 __device__ __forceinline__ void store_rows_staged(const BwdParams& p, const KeyBlock& kb, uint32_t stage,
                                                   const float (&acc)[Tr::kAccRegs], float mul, uint16_t* out,

@@ -101,8 +101,7 @@ __device__ void bwd_consumer_wide(const BwdParams& p, BwdSharedStorage<Tr>& s, c
             issue_ss_bt<Tr>(dk, ds_buf, q_base + qd_cols);
             wgmma_commit();
 
-            float* shares = p.dq_accum + dq_share_base(p.padded_rows, Tr::kBlockM, Tr::kDqShares, head,
-                                                         kb.seq.pad0 + m * Tr::kBlockM, 2 * wg);
+            float* shares = dq_share_ptr<Tr>(p, kb, head, m, 2 * wg);
             const bool ordered = p.dq_semaphore != nullptr;
             if (ordered) dq_turn_wait<Tr>(p, kb, head, m, wg, tid);
             wgmma_wait<2>();
