@@ -3,11 +3,12 @@
 //
 // Main kernel: one CTA per (key block, kv head, sequence) with 3 warpgroups. Warpgroup 0 is the
 // producer (one thread issues the copies, two warps hand the consumers' dQ shares to the bulk
-// engine; the warpgroup gives its registers away with setmaxnreg); warpgroups 1 and 2 are consumers that keep dK and dV of the key block in
-// registers (head dims 64, 128: 64 keys each of a block of 128; head dim 256: half the columns
-// each of a block of 64 keys, mainloop_wide.cuh) while the query blocks of every q head of the kv
-// head's group stream past. dK and dV are therefore complete when the loop ends (GQA sums inside
-// the CTA, no atomics); dQ is summed over key blocks in an f32 buffer in global memory.
+// engine; the warpgroup gives its registers away with setmaxnreg); warpgroups 1 and 2 are
+// consumers that keep dK and dV of the key block in registers (head dims 64, 128: 64 keys each of
+// a block of 128; head dim 256: half the columns each of a block of 64 keys, mainloop_wide.cuh)
+// while the query blocks of every q head of the kv head's group stream past. dK and dV are
+// therefore complete when the loop ends (GQA sums inside the CTA, no atomics); dQ is summed over
+// key blocks in an f32 buffer in global memory.
 #include "../primitives/warp.cuh"
 #include "load.cuh"
 #include "mainloop.cuh"
@@ -54,7 +55,7 @@ template <class Tr> __device__ __forceinline__ void flash_bwd(const BwdParams& p
         float dk[Tr::kAccRegs], dv[Tr::kAccRegs];
         if constexpr (Tr::kWide) bwd_consumer_wide<Tr>(p, s, kb, wg - 1, tid, dk, dv);
         else bwd_consumer<Tr>(p, s, kb, wg - 1, tid, dk, dv);
-        if constexpr (Tr::kWide) store_dk_dv<Tr>(p, kb, dk, dv, wg - 1, tid);
+        if constexpr (Tr::kWide) store_dk_dv_wide<Tr>(p, kb, dk, dv, wg - 1, tid);
         else store_dk_dv_staged<Tr>(p, s, kb, dk, dv, wg - 1, tid);
     }
 }

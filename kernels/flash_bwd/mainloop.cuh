@@ -443,33 +443,4 @@ __device__ __forceinline__ void store_dk_dv_staged(const BwdParams& p, BwdShared
     store_rows_staged<Tr>(p, kb, stage, dv, 1.f, p.dv, p.head_dim_v, wg, tid);
 }
 
-// Head dim 256 (no shared memory left to stage them): stores this warpgroup's dK (times the
-// softmax scale) and dV straight from registers; keys past the sequence end and padding columns
-// of a rounded-up head dim are skipped.
-template <class Tr>
-__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const KeyBlock& kb, const float (&dk)[Tr::kAccRegs],
-                                            const float (&dv)[Tr::kAccRegs], int wg, int tid) {
-    const int warp = tid / 32, lane = tid % 32;
-    // Wide: every warpgroup has all of the block's keys and columns [wg·kAccCols, ...).
-    const int key0 = kb.n * Tr::kBlockN + (Tr::kWide ? 0 : wg * 64) + warp * 16 + lane / 4;
-    const int col0 = Tr::kWide ? wg * Tr::kAccCols : 0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int key = key0 + 8 * h;
-        if (key >= kb.seq.seqlen_k) continue;
-        const int64_t row = (kb.seq.k_tok0 + key) * p.kv_heads + kb.kv_head;
-        uint16_t* dk_row = p.dk + row * p.head_dim;
-        uint16_t* dv_row = p.dv + row * p.head_dim_v;
-#pragma unroll
-        for (int j = 0; j < Tr::kAccRegs / 4; ++j) {
-            const int col = col0 + 8 * j + 2 * (lane % 4);
-            if (col < p.head_dim)
-                *reinterpret_cast<uint32_t*>(dk_row + col) =
-                    pack16x2<Tr::kDtype>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
-            if (col < p.head_dim_v)
-                *reinterpret_cast<uint32_t*>(dv_row + col) = pack16x2<Tr::kDtype>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
-        }
-    }
-}
-
 }  // namespace fa3

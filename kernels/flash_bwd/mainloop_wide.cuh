@@ -119,4 +119,35 @@ __device__ void bwd_consumer_wide(const BwdParams& p, BwdSharedStorage<Tr>& s, c
     }
 }
 
+// The epilogue: no shared memory is left to stage dK and dV (d64/d128 stage them,
+// store_dk_dv_staged), so this warpgroup stores its columns [wg·kAccCols, ...) of all the block's
+// keys straight from registers, dK times the softmax scale, as 4-byte pairs; keys past the
+// sequence end and padding columns of a rounded-up head dim are skipped.
+template <class Tr>
+__device__ __forceinline__ void store_dk_dv_wide(const BwdParams& p, const KeyBlock& kb,
+                                                 const float (&dk)[Tr::kAccRegs], const float (&dv)[Tr::kAccRegs],
+                                                 int wg, int tid) {
+    static_assert(Tr::kWide, "head dims 64 and 128 stage dK and dV (store_dk_dv_staged)");
+    const int warp = tid / 32, lane = tid % 32;
+    const int key0 = kb.n * Tr::kBlockN + warp * 16 + lane / 4;
+    const int col0 = wg * Tr::kAccCols;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int key = key0 + 8 * h;
+        if (key >= kb.seq.seqlen_k) continue;
+        const int64_t row = (kb.seq.k_tok0 + key) * p.kv_heads + kb.kv_head;
+        uint16_t* dk_row = p.dk + row * p.head_dim;
+        uint16_t* dv_row = p.dv + row * p.head_dim_v;
+#pragma unroll
+        for (int j = 0; j < Tr::kAccRegs / 4; ++j) {
+            const int col = col0 + 8 * j + 2 * (lane % 4);
+            if (col < p.head_dim)
+                *reinterpret_cast<uint32_t*>(dk_row + col) =
+                    pack16x2<Tr::kDtype>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
+            if (col < p.head_dim_v)
+                *reinterpret_cast<uint32_t*>(dv_row + col) = pack16x2<Tr::kDtype>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+        }
+    }
+}
+
 }  // namespace fa3
