@@ -511,6 +511,28 @@ fn dynamic_scheduler_causal_window_varlen() -> Result<()> {
 }
 
 #[test]
+fn l2_sections_with_a_shorter_last_section() -> Result<()> {
+    // Causal tiles are ordered longest first inside sections of (batch, head) pairs sized to L2
+    // (scheduler.cuh): long key sequences make the sections small, here 8 pairs of d256 (3 MB of
+    // K/V per head at 1.5k keys) and 24 of d128 with GQA (8 kv heads, 3 q heads each), each call
+    // ending on a shorter section (22 and 36 pairs).
+    let mut rng = TestRng::fresh("gpu-l2-sections");
+    let cases = [
+        ((2, 300, rng.odd_len(1400, 1600), 11, 11, 256, 256), DType::BF16),
+        ((3, 260, rng.odd_len(2000, 2100), 12, 4, 128, 128), DType::F16),
+    ];
+    for (dims, dtype) in cases {
+        let d = dims.5;
+        let o = Opts {
+            right: Some(0),
+            ..Opts::new(1.0 / (d as f64).sqrt())
+        };
+        check_shape(AttnShape::new(dims), dtype, o, &mut rng, "l2 sections causal")?;
+    }
+    Ok(())
+}
+
+#[test]
 fn dynamic_small_causal_for_sanitizer() -> Result<()> {
     // 140 heads x 2 query tiles, causal: more tiles than SMs, claimed through the atomic counter.
     // Small enough for compute-sanitizer.

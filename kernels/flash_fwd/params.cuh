@@ -68,6 +68,14 @@ struct alignas(64) FwdParams {
     // a tile takes the s-th share of its key blocks and writes its normalised O (f32) and its LSE
     // into the accumulators below, rows in out's (token, head) order; combine.cuh merges them.
     FastDiv num_splits;
+    // Tile order of dynamically scheduled calls (scheduler.cuh, get_tile): the (batch, head) pairs
+    // are cut into sections of l2_section pairs (the last one l2_last_section pairs); within a
+    // section the query tiles run longest first across all its pairs. l2_section_tiles =
+    // l2_section * num_m_blocks. l2_section = 1: pairs outer, each pair's tiles longest first.
+    FastDiv l2_section;
+    FastDiv l2_last_section;
+    FastDiv l2_section_tiles;
+    int l2_full_sections;   // sections of l2_section pairs (all but a shorter last one)
     int total_q;            // tokens of q (batch * seqlen_q, or the varlen total)
     float* o_accum;         // (num_splits, total_q, heads, head_dim_v)
     float* lse_accum;       // (num_splits, total_q, heads)

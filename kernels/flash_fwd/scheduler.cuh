@@ -6,10 +6,13 @@
 //     same): every gridDim.x-th tile after the current one, or
 //   - dynamic (causal/windows, varlen): gridDim.x + atomicAdd(p.tile_counter, 1), a global counter
 //     zeroed per launch, so a CTA that finished early takes the next unclaimed tile.
-// Within a (batch, head), query tiles are numbered last first: under a causal mask the last tiles
-// see the most keys, so every head's long tiles are claimed before its short ones and the tail of
-// the launch is made of the shortest tiles. (batch, head) stays outer so that the CTAs running at
-// the same time work on one or a few heads and share their K/V blocks in L2.
+// Query tiles are numbered last first: under a causal mask the last tiles see the most keys. The
+// (batch, head) pairs are cut into sections whose K/V fit in L2 together (FA3's order; the host
+// sizes them, `l2_section_pairs` in params.rs); a section runs its longest tiles of every pair
+// first, then the next longest, so the CTAs running at the same time share the section's K/V in
+// L2 and the launch ends on the shortest tiles of the last section. (Sections of one pair, the
+// order before version 28, left the last pairs' long tiles to the end: a launch tail of up to
+// half a long tile, measured 5-6% of a d128 causal 2k-8k call.)
 //
 // A scheduler thread claims the tiles and hands each index to the TMA thread and the consumer
 // warpgroups through one slot in shared memory (tile_idx, tile_full / tile_empty barriers); an
@@ -63,13 +66,16 @@ __device__ __forceinline__ void row_position(const FwdParams& p, const TileInfo&
 
 // Decodes tile index `tile`; false when the tile lies past its sequence's end (varlen).
 template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p, int tile, TileInfo& t) {
-    // Splits innermost (consecutive CTAs take the key shares of one tile), then query tiles, then
-    // (batch, head): the CTAs running at the same time share a few heads, so their K/V blocks are
-    // read from L2 rather than HBM (an order with heads inner streams many heads' K/V at once and
-    // ran up to 25% slower at seqlen 512).
-    int m_rev, tile_head;
+    // Splits innermost (consecutive CTAs take the key shares of one tile), then the pairs of a
+    // section, then query tiles, then sections. Sections bound how many heads' K/V the CTAs
+    // running at the same time read (heads inner over all heads streamed them from HBM and ran up
+    // to 25% slower at seqlen 512, version 4).
+    int in_section, hb_in_section, tile_head;
     const int share = p.num_splits.divmod(tile, t.split);
-    const int hb = p.num_m_blocks.divmod(share, m_rev);
+    const int section = p.l2_section_tiles.divmod(share, in_section);
+    const FastDiv& pairs = section < p.l2_full_sections ? p.l2_section : p.l2_last_section;
+    const int m_rev = pairs.divmod(in_section, hb_in_section);
+    const int hb = section * p.l2_section.d + hb_in_section;
     t.m_block = p.num_m_blocks.d - 1 - m_rev;
     t.batch = p.tile_heads.divmod(hb, tile_head);
     if (p.pack_gqa) {  // a tile covers every q head of its kv head; t.head is the first

@@ -387,6 +387,32 @@ pub(crate) fn split_count(requested: usize, tiles: usize, sms: usize, key_blocks
         .unwrap_or(1)
 }
 
+/// Bytes of K and V that the dynamic tile order keeps in L2 at once (FA3's budget; the H100's L2
+/// holds 50 MB).
+const L2_SECTION_BYTES: usize = 32 << 20;
+
+/// How many (batch, head) pairs share a section of the dynamic tile order
+/// (`fa3::FwdParams::l2_section`, kernels/flash_fwd/scheduler.cuh): a section runs the longest
+/// query tile of each of its pairs first, then the next longest, so that a launch of uneven
+/// (causal, windowed, varlen) tiles ends on short tiles, while the CTAs working at the same time
+/// read the K/V of at most one section's heads. As in FA3: the kv heads whose K/V
+/// (`seqlen_k * (head_dim + head_dim_v)` 16-bit elements each, counted twice for headroom) fit in
+/// [`L2_SECTION_BYTES`], rounded down to a power of two, times the q heads per kv head (`group`;
+/// 1 when a tile already packs the group). At least 1, at most `pairs`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn l2_section_pairs(
+    seqlen_k: usize,
+    head_dim: usize,
+    head_dim_v: usize,
+    group: usize,
+    pairs: usize,
+) -> usize {
+    let kv_head_bytes = (seqlen_k.max(1) * (head_dim + head_dim_v) * 2 * 2).max(1);
+    let kv_heads = L2_SECTION_BYTES / kv_head_bytes;
+    let pow2 = if kv_heads == 0 { 1 } else { 1 << kv_heads.ilog2() };
+    (pow2 * group.max(1)).clamp(1, pairs.max(1))
+}
+
 /// A divisor fixed per launch, with the multiplier and shift that let the forward kernel divide
 /// by it without a division instruction (`fa3::FastDiv`, kernels/flash_fwd/params.cuh; mirrored
 /// field for field): for `0 <= n < 2^31`, `n / d = umulhi(n, mul) >> shift`, where
@@ -470,6 +496,60 @@ mod tests {
         }
         assert!(FastDiv::new(0).is_err());
         assert!(FastDiv::new(1 << 31).is_err());
+    }
+
+    /// The kernel's tile decode (scheduler.cuh, get_tile, without splits): tile -> (m_block, pair).
+    fn decode_tile(tile: usize, num_m_blocks: usize, pairs: usize, section: usize) -> (usize, usize) {
+        let full_sections = pairs / section;
+        let last = if pairs % section == 0 { section } else { pairs % section };
+        let (sec, in_section) = (tile / (section * num_m_blocks), tile % (section * num_m_blocks));
+        let width = if sec < full_sections { section } else { last };
+        let (m_rev, hb_in) = (in_section / width, in_section % width);
+        (num_m_blocks - 1 - m_rev, sec * section + hb_in)
+    }
+
+    #[test]
+    fn l2_sections_cover_every_tile_once_longest_first() {
+        for (num_m_blocks, pairs, section) in [
+            (16, 128, 16),
+            (16, 128, 1),
+            (5, 7, 4),
+            (3, 10, 10),
+            (1, 9, 2),
+            (4, 6, 8),
+        ] {
+            let section = section.min(pairs);
+            let tiles: Vec<(usize, usize)> = (0..num_m_blocks * pairs)
+                .map(|t| decode_tile(t, num_m_blocks, pairs, section))
+                .collect();
+            let mut seen = tiles.clone();
+            seen.sort();
+            seen.dedup();
+            assert_eq!(
+                seen.len(),
+                num_m_blocks * pairs,
+                "{num_m_blocks} x {pairs} by {section}"
+            );
+            assert!(tiles.iter().all(|&(m, hb)| m < num_m_blocks && hb < pairs));
+            // Inside a section the query tiles never grow; sections follow one another.
+            for w in tiles.windows(2) {
+                let (s0, s1) = (w[0].1 / section, w[1].1 / section);
+                assert!(s1 == s0 && w[1].0 <= w[0].0 || s1 == s0 + 1, "{w:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn l2_section_pairs_follow_the_l2_budget() {
+        // d128 bf16: 2 MiB of K/V per kv head at 2k keys (counted twice) -> 16 pairs; 8 at 4k.
+        assert_eq!(l2_section_pairs(2048, 128, 128, 1, 128), 16);
+        assert_eq!(l2_section_pairs(4096, 128, 128, 1, 64), 8);
+        // Rounded down to a power of two, times the q heads per kv head, within [1, pairs].
+        assert_eq!(l2_section_pairs(3000, 128, 128, 1, 1000), 8);
+        assert_eq!(l2_section_pairs(4096, 128, 128, 4, 1000), 32);
+        assert_eq!(l2_section_pairs(4096, 128, 128, 1, 3), 3);
+        assert_eq!(l2_section_pairs(1 << 20, 256, 256, 1, 100), 1);
+        assert_eq!(l2_section_pairs(0, 64, 64, 1, 0), 1);
     }
 
     fn params(left: Option<usize>, right: Option<usize>) -> AttnParams {

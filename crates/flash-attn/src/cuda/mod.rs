@@ -18,7 +18,7 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
-use crate::params::{split_count, AttnParams, Dims, FastDiv, Varlen};
+use crate::params::{l2_section_pairs, split_count, AttnParams, Dims, FastDiv, Varlen};
 
 mod backward;
 pub(crate) use backward::{backward, SavedForBackward};
@@ -67,6 +67,10 @@ struct FwdParams {
     q_tile_queries: i32,
     q_tile_bytes: u32,
     num_splits: FastDiv,
+    l2_section: FastDiv,
+    l2_last_section: FastDiv,
+    l2_section_tiles: FastDiv,
+    l2_full_sections: i32,
     total_q: i32,
     o_accum: u64,
     lse_accum: u64,
@@ -257,6 +261,18 @@ fn direct_store() -> bool {
 fn per_tile() -> bool {
     static PER_TILE: OnceLock<bool> = OnceLock::new();
     *PER_TILE.get_or_init(|| std::env::var("FA3_FWD_PER_TILE").is_ok_and(|v| v == "1"))
+}
+
+/// `FA3_FWD_L2_SECTION=N`: (batch, head) pairs per section of the tile order for every call
+/// (1: each pair's tiles in a row, the order before sections; for comparisons).
+fn l2_section_override() -> Option<usize> {
+    static SECTION: OnceLock<Option<usize>> = OnceLock::new();
+    *SECTION.get_or_init(|| {
+        std::env::var("FA3_FWD_L2_SECTION")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n > 0)
+    })
 }
 
 /// The device's multiprocessor count (the persistent grid size), cached per device.
@@ -666,6 +682,24 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         dims.seqlen_k.div_ceil(variant.block_n),
     );
     let num_tiles = num_m_blocks * tile_heads * dims.batch * splits;
+    // Tile order: uneven tiles run longest first across the pairs of an L2-sized section; even
+    // tiles keep one pair per section (each pair's tiles in a row).
+    let pairs = tile_heads * dims.batch;
+    let section = match l2_section_override() {
+        Some(n) => n.clamp(1, pairs),
+        None if uneven => l2_section_pairs(
+            dims.seqlen_k,
+            dims.head_dim,
+            dims.head_dim_v,
+            if pack_gqa { 1 } else { dims.group() },
+            pairs,
+        ),
+        None => 1,
+    };
+    let last_section = match pairs % section {
+        0 => section,
+        r => r,
+    };
     // Split-KV partials: (splits, total_q, heads, head_dim_v) f32 and (splits, total_q, heads).
     // SAFETY (both): every split writes every row of its tiles (zeros and -inf for a share
     // without keys), and the combine reads only those rows.
@@ -788,6 +822,10 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             q_tile_queries: q_tile_queries as i32,
             q_tile_bytes,
             num_splits: FastDiv::new(splits)?,
+            l2_section: FastDiv::new(section)?,
+            l2_last_section: FastDiv::new(last_section)?,
+            l2_section_tiles: FastDiv::new(section * num_m_blocks)?,
+            l2_full_sections: (pairs / section) as i32,
             total_q: dims.total_q as i32,
             o_accum: o_accum_ptr,
             lse_accum: lse_accum_ptr,
