@@ -6,6 +6,14 @@
 //
 // Scores stay in raw units (q·k, or tanh(.) under softcap); scale·log2(e) is folded into one FFMA
 // per element: p = exp2(s·scale_log2 - max·scale_log2).
+//
+// kLazyMax: the running max a row's probabilities are taken against moves only when a block's max
+// exceeds it by more than kMaxSlack (log2 units): until then p may reach 2^kMaxSlack = 256
+// (harmless for the fp32 sums and the 16-bit P), and the correction factor is exactly 1, so O
+// needs no rescale (the consumer skips it when every row of a warp kept its max; FA4's trick).
+// The result is the same softmax: O, the row sum and the LSE all use the same reference max.
+// Without it (the d64 kernel on three warpgroups, whose 160 registers it strains: 7% slower) the
+// max follows every block.
 #pragma once
 #include <cmath>
 
@@ -13,7 +21,9 @@
 
 namespace fa3 {
 
-template <int kSRegs> struct OnlineSoftmax {
+constexpr float kMaxSlack = 8.f;
+
+template <int kSRegs, bool kLazyMax> struct OnlineSoftmax {
     float row_max[2];
     float row_sum[2];  // this thread's partial sums; reduced over the quad at the end
 
@@ -22,7 +32,8 @@ template <int kSRegs> struct OnlineSoftmax {
         row_sum[0] = row_sum[1] = 0.f;
     }
 
-    // Turns s into unnormalised probabilities; returns the factors by which O must be rescaled.
+    // Turns s into unnormalised probabilities; returns the factors by which O must be rescaled
+    // (exactly 1 for a row whose reference max did not move).
     __device__ __forceinline__ void step(float (&s)[kSRegs], float scale_log2, float (&corr)[2]) {
         // Row max and row sum each run as 4 independent chains (then combined): one chain through
         // all 32 elements of a row would serialise on the FMNMX / FADD latency.
@@ -35,10 +46,21 @@ template <int kSRegs> struct OnlineSoftmax {
             float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2(-inf) = 0.
-            const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-            corr[h] = fast_exp2(row_max[h] * scale_log2 - m_scaled);
-            row_max[h] = mx;
+            // The reference max moves only past the slack (the first visible key always moves it
+            // off -inf). A row that has seen only masked keys keeps -inf: subtract 0 so that
+            // exp2(-inf) = 0.
+            float m_scaled;
+            if constexpr (kLazyMax) {
+                const float old_scaled = row_max[h] * scale_log2, new_scaled = mx * scale_log2;
+                const bool moves = new_scaled > old_scaled + kMaxSlack;
+                corr[h] = moves ? fast_exp2(old_scaled - new_scaled) : 1.f;
+                if (moves) row_max[h] = mx;
+                m_scaled = row_max[h] == -INFINITY ? 0.f : row_max[h] * scale_log2;
+            } else {
+                m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+                corr[h] = fast_exp2(row_max[h] * scale_log2 - m_scaled);
+                row_max[h] = mx;
+            }
             float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < kSRegs / 4; ++j) {
