@@ -35,44 +35,80 @@ template <int kSRegs, bool kLazyMax> struct OnlineSoftmax {
     // Turns s into unnormalised probabilities; returns the factors by which O must be rescaled
     // (exactly 1 for a row whose reference max did not move).
     __device__ __forceinline__ void step(float (&s)[kSRegs], float scale_log2, float (&corr)[2]) {
-        // Row max and row sum each run as 4 independent chains (then combined): one chain through
-        // all 32 elements of a row would serialise on the FMNMX / FADD latency.
         static_assert(kSRegs % 4 == 0 && kSRegs >= 16, "at least 4 column groups per row");
+        if constexpr (kLazyMax) {
+            float mx[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float m4[4] = {row_max[h], -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-            for (int j = 0; j < kSRegs / 4; ++j) m4[j % 4] = fmaxf(m4[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-            float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            for (int h = 0; h < 2; ++h) mx[h] = thread_max(s, h);
             // The reference max moves only past the slack (the first visible key always moves it
-            // off -inf). A row that has seen only masked keys keeps -inf: subtract 0 so that
-            // exp2(-inf) = 0.
-            float m_scaled;
-            if constexpr (kLazyMax) {
-                const float old_scaled = row_max[h] * scale_log2, new_scaled = mx * scale_log2;
-                const bool moves = new_scaled > old_scaled + kMaxSlack;
-                corr[h] = moves ? fast_exp2(old_scaled - new_scaled) : 1.f;
-                if (moves) row_max[h] = mx;
-                m_scaled = row_max[h] == -INFINITY ? 0.f : row_max[h] * scale_log2;
-            } else {
-                m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-                corr[h] = fast_exp2(row_max[h] * scale_log2 - m_scaled);
-                row_max[h] = mx;
-            }
-            float s4[4] = {0.f, 0.f, 0.f, 0.f};
+            // off -inf). A row's 4 lanes agree through the quad's max, which is needed only when
+            // some lane of the warp saw a score past the slack: otherwise no row moves, and the
+            // exponentials start without the two shuffles' latency (version 31).
+            bool may_move = false;
 #pragma unroll
-            for (int j = 0; j < kSRegs / 4; ++j) {
+            for (int h = 0; h < 2; ++h) may_move |= mx[h] * scale_log2 > row_max[h] * scale_log2 + kMaxSlack;
+            corr[0] = corr[1] = 1.f;
+            if (__any_sync(0xffffffffu, may_move)) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float pv = fast_exp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -m_scaled));
-                    s[4 * j + 2 * h + e] = pv;
-                    s4[(2 * j + e) % 4] += pv;
+                for (int h = 0; h < 2; ++h) {
+                    const float m = quad_max(mx[h]);
+                    const float old_scaled = row_max[h] * scale_log2, new_scaled = m * scale_log2;
+                    if (new_scaled > old_scaled + kMaxSlack) {
+                        corr[h] = fast_exp2(old_scaled - new_scaled);
+                        row_max[h] = m;
+                    }
                 }
             }
-            row_sum[h] = row_sum[h] * corr[h] + ((s4[0] + s4[1]) + (s4[2] + s4[3]));
+#pragma unroll
+            for (int h = 0; h < 2; ++h) exponentiate_row(s, h, scaled_max(h, scale_log2), scale_log2, corr[h]);
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float m = quad_max(thread_max(s, h));
+                const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;  // as in scaled_max
+                corr[h] = fast_exp2(row_max[h] * scale_log2 - m_scaled);
+                row_max[h] = m;
+                exponentiate_row(s, h, m_scaled, scale_log2, corr[h]);
+            }
         }
+    }
+
+    // Row h's max over this thread's scores and the row's reference max. Row max and row sum each
+    // run as 4 independent chains (then combined): one chain through all 32 elements of a row
+    // would serialise on the FMNMX / FADD latency.
+    __device__ __forceinline__ float thread_max(const float (&s)[kSRegs], int h) const {
+        float m4[4] = {row_max[h], -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < kSRegs / 4; ++j) m4[j % 4] = fmaxf(m4[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        return fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
+    }
+
+    // The max over the 4 lanes of a quad (one row).
+    __device__ __forceinline__ static float quad_max(float m) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+        return fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+    }
+
+    // Row h's reference max in scaled units; a row that has seen only masked keys keeps max -inf:
+    // subtract 0 so that exp2(-inf) = 0.
+    __device__ __forceinline__ float scaled_max(int h, float scale_log2) const {
+        return row_max[h] == -INFINITY ? 0.f : row_max[h] * scale_log2;
+    }
+
+    // p = exp2(s·scale_log2 - m_scaled) in place for row h; the row sum rescaled and extended.
+    __device__ __forceinline__ void exponentiate_row(float (&s)[kSRegs], int h, float m_scaled, float scale_log2,
+                                                     float corr) {
+        float s4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < kSRegs / 4; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float pv = fast_exp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -m_scaled));
+                s[4 * j + 2 * h + e] = pv;
+                s4[(2 * j + e) % 4] += pv;
+            }
+        }
+        row_sum[h] = row_sum[h] * corr + ((s4[0] + s4[1]) + (s4[2] + s4[3]));
     }
 
     // The final row sums (over the quad) and natural-log LSE; a row with no visible key gets
