@@ -686,7 +686,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // tiles keep one pair per section (each pair's tiles in a row).
     let pairs = tile_heads * dims.batch;
     let section = match l2_section_override() {
-        Some(n) => n.clamp(1, pairs),
+        Some(n) => n.clamp(1, pairs.max(1)),
         None if uneven => l2_section_pairs(
             dims.seqlen_k,
             dims.head_dim,
