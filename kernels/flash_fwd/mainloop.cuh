@@ -35,13 +35,15 @@ __device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const RowMask& rm
     }
 }
 
-// O's rows times the softmax's correction factors (rows r and r + 8 of the thread). With two
-// consumer warpgroups (the lazy max, softmax.cuh), skipped when every row of the warp kept its
-// reference max (factors exactly 1): after the first blocks nearly always, which takes
-// kHeadDim / 2 multiplies per thread off the chain between a block's P·V and the next issue
-// (version 29).
+// The consumers' online softmax (softmax.cuh), lazy or exact as the traits choose.
+template <class Tr> using Softmax = OnlineSoftmax<Tr::kSRegs, Tr::kLazyMax>;
+
+// O's rows times the softmax's correction factors (rows r and r + 8 of the thread). With the lazy
+// max, skipped when every row of the warp kept its reference max (factors exactly 1): after the
+// first blocks nearly always, which takes kHeadDim / 2 multiplies per thread off the chain
+// between a block's P·V and the next issue (version 29).
 template <class Tr> __device__ __forceinline__ void rescale_o(float (&o)[Tr::kORegs], const float (&corr)[2]) {
-    if constexpr (Tr::kConsumerWGs == 2) {
+    if constexpr (Tr::kLazyMax) {
         if (__all_sync(0xffffffffu, corr[0] == 1.f && corr[1] == 1.f)) return;
     }
 #pragma unroll
@@ -74,7 +76,7 @@ __device__ void consumer(const FwdParams& p, SharedStorage<Tr>& s, const TileInf
     float o[Tr::kORegs];
 #pragma unroll
     for (int i = 0; i < Tr::kORegs; ++i) o[i] = 0.f;
-    OnlineSoftmax<Tr::kSRegs, Tr::kConsumerWGs == 2> softmax;
+    Softmax<Tr> softmax;
     softmax.init();
 
     // Descriptor bases. Q: this warpgroup's 64 rows inside each 128-row column block.
@@ -226,7 +228,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[Tr::kORegs], const uint32_t 
 // Softcap / sign, boundary mask and online softmax of one S block, in place (fp32).
 template <class Tr>
 __device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileInfo& t, const RowMask& rm,
-                                                OnlineSoftmax<Tr::kSRegs, Tr::kConsumerWGs == 2>& softmax, float (&sc)[Tr::kSRegs], int n,
+                                                Softmax<Tr>& softmax, float (&sc)[Tr::kSRegs], int n,
                                                 int quad_lane, float (&corr)[2]) {
     if (p.softcap_pre != 0.f) {
 #pragma unroll
@@ -274,7 +276,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     float o[Tr::kORegs];
 #pragma unroll
     for (int i = 0; i < Tr::kORegs; ++i) o[i] = 0.f;
-    OnlineSoftmax<Tr::kSRegs, Tr::kConsumerWGs == 2> softmax;
+    Softmax<Tr> softmax;
     softmax.init();
     float sc[Tr::kSRegs];
     uint32_t pa[Tr::kBlockN / 16][4];

@@ -12,8 +12,8 @@
 // (harmless for the fp32 sums and the 16-bit P), and the correction factor is exactly 1, so O
 // needs no rescale (the consumer skips it when every row of a warp kept its max; FA4's trick).
 // The result is the same softmax: O, the row sum and the LSE all use the same reference max.
-// Without it (the d64 kernel on three warpgroups, whose 160 registers it strains: 7% slower) the
-// max follows every block.
+// Without it (FwdTraits::kLazyMax false: the d64 kernel on three warpgroups) the max follows
+// every block.
 #pragma once
 #include <cmath>
 
