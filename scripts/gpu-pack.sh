@@ -5,10 +5,12 @@
 # crates/model/benches/decode_host.rs) and the generate example built for the GPU (for
 # scripts/gpu_model_check.py), stripped and xz-compressed.
 #
-#   scripts/gpu-pack.sh [--anchors]
+#   scripts/gpu-pack.sh [--anchors] [--fp8]
 #
 # --anchors  also puts the anchor benchmark (../shared/anchors/anchors_bench.py) and its wheels
 #            (../shared/anchors/get-wheels.sh, about 50 MB) into .device/anchors/.
+# --fp8      puts the FP8 anchors' wheels (scripts/get-fp8-wheels.sh: fa3-fwd, cudnn-frontend,
+#            about 28 MB) into .device/fp8/ for gpu-run.sh --fp8 (too big to go with --anchors).
 #
 # The toolkit comes from $CUDA_DIR (default ~/.cache/flash-attn3/cuda, as in .ci/run), installed there by
 # scripts/install-cuda-toolkit.sh if absent. Then, with the device tool:
@@ -19,12 +21,13 @@ set -euo pipefail
 log() { printf '[gpu-pack] %s\n' "$*" >&2; }
 die() { printf '[gpu-pack] error: %s\n' "$*" >&2; exit 1; }
 
-ANCHORS=0
+ANCHORS=0 FP8=0
 for arg in "$@"; do
     case $arg in
         --anchors) ANCHORS=1 ;;
-        -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
-        *) die "unknown argument: $arg (usage: $0 [--anchors])" ;;
+        --fp8) FP8=1 ;;
+        -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
+        *) die "unknown argument: $arg (usage: $0 [--anchors] [--fp8])" ;;
     esac
 done
 
@@ -114,6 +117,12 @@ if ((ANCHORS)); then
     "$SHARED/anchors/get-wheels.sh" "$DEV/anchors" >&2 || die "get-wheels.sh failed"
 else
     rm -rf "$DEV/anchors" # only carry anchors when asked for
+fi
+if ((FP8)); then
+    log "downloading the fp8 anchor wheels into .device/fp8"
+    "$REPO/scripts/get-fp8-wheels.sh" "$DEV/fp8" >&2 || die "get-fp8-wheels.sh failed"
+else
+    rm -rf "$DEV/fp8"
 fi
 
 # Sizes: what travels is the working tree (tracked + untracked-not-ignored files) plus .device.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine, from the repo root, with .device/ carried (made by scripts/gpu-pack.sh):
 #
-#   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model]
+#   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model] [--fp8]
 #
 # Steps: GPU name; the GPU test binaries (--test-threads=1); the GPU benchmark binary; the host
 #   cost of a decode step (decode-host);
@@ -13,7 +13,12 @@
 #   --model     scripts/gpu_model_check.py with the packed generate example: our logits against
 #               HF transformers' on random-weight models (SmolLM2-135M, Llama-3.2-1B shapes), then
 #               prefill/decode tokens/s next to transformers' (MODEL_CHECK_ARGS: extra arguments)
+#   --fp8       the FP8 anchors (scripts/fp8_anchors.py with the wheels of .device/fp8, from
+#               gpu-pack.sh --fp8: FA3's fp8 forward and cuDNN's fp8 SDPA, the accuracy protocol's
+#               inputs and f64 reference), then the benchmark's fp8 grid and our RMSE on those
+#               inputs (BENCH_PASSES=fp8 BENCH_FP8_ACC_DIR=/tmp/fp8_acc; FP8_BENCH_ENV adds env)
 # Env: TEST_ARGS / BENCH_ARGS: extra arguments to the test / benchmark binary (e.g. a filter).
+#      SKIP: step names not to run, comma-separated (e.g. SKIP=model-tests,train-tests,decode-host).
 #      DEADLINE (default 570): seconds from the start after which no step runs any more, and each
 #      step is stopped by then, so the summary prints inside a 600 s call; STEP_TIMEOUT (default
 #      DEADLINE) caps each step.
@@ -23,14 +28,15 @@
 # exit code is non-zero if any step failed.
 set -uo pipefail
 
-ANCHORS=0 SANITIZE=0 MODEL=0
+ANCHORS=0 SANITIZE=0 MODEL=0 FP8=0
 for arg in "$@"; do
     case $arg in
         --anchors) ANCHORS=1 ;;
+        --fp8) FP8=1 ;;
         --sanitize) SANITIZE=1 ;;
         --model) MODEL=1 ;;
-        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
-        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model])" >&2; exit 2 ;;
+        -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
+        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model] [--fp8])" >&2; exit 2 ;;
     esac
 done
 
@@ -52,6 +58,10 @@ FAILED=0
 step() {
     local name=$1 rc t0 left limit status
     shift
+    if [[ ,${SKIP:-}, == *,$name,* ]]; then
+        NAMES+=("$name") STATUS+=("skipped (SKIP)") SECS+=(0)
+        return
+    fi
     left=$((DEADLINE - (SECONDS - START)))
     if ((left < 5)); then
         NAMES+=("$name") STATUS+=("SKIP (deadline)") SECS+=(0)
@@ -174,6 +184,23 @@ if ((ANCHORS)); then
             'PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 exec python3 scripts/decode_anchor.py'
     else
         skip_step anchors "no .device/anchors: run scripts/gpu-pack.sh --anchors"
+    fi
+fi
+
+if ((FP8)); then
+    shopt -s nullglob
+    wheels=("$DEV"/fp8/*.whl)
+    shopt -u nullglob
+    if ((${#wheels[@]} > 0)); then
+        step fp8-anchors bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fp8 "$@" &&
+            PYTHONPATH=/tmp/site-fp8${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 ACC_DIR=/tmp/fp8_acc exec python3 scripts/fp8_anchors.py' \
+            bash "${wheels[@]}"
+    else
+        skip_step fp8-anchors "no .device/fp8: run scripts/gpu-pack.sh --fp8"
+    fi
+    if [[ -n $BENCH_BIN ]]; then
+        # shellcheck disable=SC2086 # FP8_BENCH_ENV is a list of NAME=VALUE words
+        step fp8-bench env BENCH_PASSES=fp8 BENCH_DECODE=0 BENCH_FP8_ACC_DIR=/tmp/fp8_acc ${FP8_BENCH_ENV:-} "$BENCH_BIN"
     fi
 fi
 

@@ -51,23 +51,29 @@ fn varlen_with(seqlens_q: &Tensor, seqlens_k: &Tensor, max_q: usize, max_k: usiz
 #[test]
 fn f64_inputs_are_rejected() {
     let t = zeros((1, 8, 2, 16), DType::F64);
-    assert_err(flash_attn(&t, &t, &t, 0.25, false), &["f32, f16 or bf16", "F64"]);
+    assert_err(
+        flash_attn(&t, &t, &t, 0.25, false),
+        &["f32, f16, bf16 or f8e4m3", "F64"],
+    );
     let t = zeros((8, 2, 16), DType::F64);
     let s = seqlens(&[0, 8]);
     assert_err(
         flash_attn_varlen(&t, &t, &t, &s, &s, 8, 8, 0.25, false),
-        &["f32, f16 or bf16", "F64"],
+        &["f32, f16, bf16 or f8e4m3", "F64"],
     );
 }
 
 #[test]
 fn integer_inputs_are_rejected() {
     let t = zeros((1, 8, 2, 16), DType::U32);
-    assert_err(flash_attn(&t, &t, &t, 0.25, false), &["f32, f16 or bf16", "U32"]);
+    assert_err(
+        flash_attn(&t, &t, &t, 0.25, false),
+        &["f32, f16, bf16 or f8e4m3", "U32"],
+    );
     let t = zeros((1, 8, 2, 16), DType::I64);
     assert_err(
         FlashAttn::new(0.25).forward_with_lse(&t, &t, &t),
-        &["f32, f16 or bf16", "I64"],
+        &["f32, f16, bf16 or f8e4m3", "I64"],
     );
 }
 

@@ -821,3 +821,7 @@ fn backward_functional_matches_reference() -> Result<()> {
     );
     Ok(())
 }
+
+// FP8 (e4m3) inputs: tests/gpu/fp8.rs.
+#[path = "gpu/fp8.rs"]
+mod fp8;

@@ -25,6 +25,16 @@ constexpr int kPingpongBarrier0 = 1;
 constexpr int kEpilogueBarrier0 = 4;
 __device__ __forceinline__ int epilogue_barrier(int wg) { return kEpilogueBarrier0 + wg; }
 
+// A pair of output values as 16 bits each: the kernel's dtype, or for fp8 kernels bf16 or f16 as
+// the call asks (a uniform select in the epilogue).
+template <class Tr> __device__ __forceinline__ uint32_t pack_out(const FwdParams& p, float lo, float hi) {
+    if constexpr (Tr::kFp8) {
+        return p.out_f16 ? pack16x2<DT_F16>(lo, hi) : pack16x2<DT_BF16>(lo, hi);
+    } else {
+        return pack16x2<Tr::kDtype>(lo, hi);
+    }
+}
+
 template <class Tr>
 __device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInfo& t, const float (&o)[Tr::kORegs],
                                                const float (&inv_sum)[2], int row_in_tile, int quad_lane) {
@@ -40,7 +50,7 @@ __device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInf
             const int col = 8 * j + 2 * quad_lane;
             if (col < p.head_dim_v) {
                 *reinterpret_cast<uint32_t*>(out + col) =
-                    pack16x2<Tr::kDtype>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+                    pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
             }
         }
     }
@@ -89,30 +99,31 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         if (tid == 0) bulk_wait_group_read<0>();
         named_barrier_sync(bar, 128);
         const uint32_t o_smem = smem_u32(s.o);
-        // Tile layout as for Q: column block c at c * kBlockM * kColElems elements, rows of
-        // kSwizzle bytes; TMA's swizzle stores the 16-byte chunk u of row r at chunk
-        // u ^ ((r * kSwizzle / 128) % chunks per row): u ^ (r % 8) for 128B, u ^ (r / 2 % 4) for 64B.
-        constexpr int kChunks = Tr::kSwizzle / 16;
+        // Tile layout as for Q in 16 bits: column block c at c * kBlockM * kOutColElems elements,
+        // rows of kOutSwizzle bytes; TMA's swizzle stores the 16-byte chunk u of row r at chunk
+        // u ^ ((r * kOutSwizzle / 128) % chunks per row): u ^ (r % 8) for 128B, u ^ (r / 2 % 4) for 64B.
+        constexpr int kChunks = Tr::kOutSwizzle / 16;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = row_in_tile + 8 * h;
-            const int row_xor = (r * Tr::kSwizzle / 128) % kChunks;
+            const int row_xor = (r * Tr::kOutSwizzle / 128) % kChunks;
 #pragma unroll
             for (int j = 0; j < Tr::kORegs / 4; ++j) {
                 const int c = j / kChunks, chunk = (j % kChunks) ^ row_xor;
-                const uint32_t elem = c * Tr::kBlockM * Tr::kColElems + r * Tr::kColElems + chunk * 8 + 2 * quad_lane;
+                const uint32_t elem =
+                    c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8 + 2 * quad_lane;
                 st_shared_u32(o_smem + 2 * elem,
-                              pack16x2<Tr::kDtype>(o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]));
+                              pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]));
             }
         }
         fence_proxy_async_smem();
         named_barrier_sync(bar, 128);
         if (tid == 0) {
 #pragma unroll
-            for (int c = 0; c < Tr::kColBlocks; ++c) {
-                if (c * Tr::kColElems < p.head_dim_v)
-                    tma_store_4d(&p.tma_o, s.o + c * Tr::kBlockM * Tr::kColElems + wg * 64 * Tr::kColElems,
-                                 c * Tr::kColElems, t.q_row0 + wg_row0, t.head, t.tma_batch);
+            for (int c = 0; c < Tr::kOutColBlocks; ++c) {
+                if (c * Tr::kOutColElems < p.head_dim_v)
+                    tma_store_4d(&p.tma_o, s.o + c * Tr::kBlockM * Tr::kOutColElems + wg * 64 * Tr::kOutColElems,
+                                 c * Tr::kOutColElems, t.q_row0 + wg_row0, t.head, t.tma_batch);
             }
             bulk_commit_group();
         }

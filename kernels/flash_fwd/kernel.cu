@@ -7,6 +7,7 @@
 // See docs/kernels/forward-sm90.md.
 #include "../primitives/warp.cuh"
 #include "combine.cuh"
+#include "fp8_prepass.cuh"
 #include "load.cuh"
 #include "mainloop.cuh"
 
@@ -104,6 +105,11 @@ FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 80, fa3::DT_F16, true)
 // except short masked calls (crates/flash-attn/src/cuda/mod.rs, Variant::pick).
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_bf16, 64, 128, fa3::DT_BF16, true, 3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_f16, 64, 128, fa3::DT_F16, true, 3)
+// FP8 (e4m3 inputs, bf16 or f16 output): 128-key blocks (whole 128-byte rows of V^T); head dims
+// 96 and 192 run on d128 and d256 with zero-filled columns. docs/kernels/forward-fp8.md.
+FA3_FWD_KERNEL(flash_fwd_d64_e4m3, 64, 128, fa3::DT_E4M3, true)
+FA3_FWD_KERNEL(flash_fwd_d128_e4m3, 128, 128, fa3::DT_E4M3, true)
+FA3_FWD_KERNEL(flash_fwd_d256_e4m3, 256, 128, fa3::DT_E4M3, true)
 FA3_FWD_KERNEL(flash_fwd_simple_d64_bf16, 64, 128, fa3::DT_BF16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d128_bf16, 128, 128, fa3::DT_BF16, false)
 FA3_FWD_KERNEL(flash_fwd_simple_d256_bf16, 256, 80, fa3::DT_BF16, false)
@@ -114,6 +120,12 @@ FA3_FWD_KERNEL(flash_fwd_simple_d256_f16, 256, 80, fa3::DT_F16, false)
 #ifdef FA3_TRACE
 extern "C" __global__ void fa3_trace_dump(int) { fa3::trace_dump(); }
 #endif
+
+// The fp8 forward's V transpose (fp8_prepass.cuh): grid (key blocks of 64, kv heads, sequences).
+extern "C" __global__ void __launch_bounds__(fa3::kPrepassThreads)
+    flash_fwd_fp8_transpose_v(const __grid_constant__ fa3::Fp8PrepassParams p) {
+    fa3::fp8_transpose_v(p);
+}
 
 // Split-KV combine (combine.cuh): 256 threads, one warp per (token, head) row.
 extern "C" __global__ void __launch_bounds__(32 * fa3::kCombineWarps)

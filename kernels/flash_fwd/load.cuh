@@ -14,12 +14,22 @@
 namespace fa3 {
 
 template <class Tr>
-__device__ __forceinline__ void load_tile_rows(const TmaDesc* desc, uint16_t* dst, uint64_t* bar, int rows, int row,
+__device__ __forceinline__ void load_tile_rows(const TmaDesc* desc, typename Tr::Elem* dst, uint64_t* bar, int rows, int row,
                                                int head, int batch) {
     // One box per column block: a box row may not exceed the swizzle span (128 or 64 bytes).
 #pragma unroll
     for (int c = 0; c < Tr::kColBlocks; ++c)
         tma_load_4d(desc, dst + c * rows * Tr::kColElems, bar, c * Tr::kColElems, row, head, batch);
+}
+
+// FP8: key block n of V^T (head_dim rows x kBlockN keys), one box per 128-key column block; the
+// pre-pass padded every sequence to its own rows of V^T, so the coordinates are (key, 0, kv head,
+// sequence) for fixed-length and varlen calls alike.
+template <class Tr>
+__device__ __forceinline__ void load_vt_block(const FwdParams& p, uint8_t* dst, uint64_t* bar, int n, const TileInfo& t) {
+#pragma unroll
+    for (int c = 0; c < Tr::kVtColBlocks; ++c)
+        tma_load_4d(&p.tma_v, dst + c * Tr::kHeadDim * 128, bar, n * Tr::kBlockN + c * 128, 0, t.kv_head, t.batch);
 }
 
 // it: K/V blocks issued so far by this CTA (the ring position, continued across tiles);
@@ -68,8 +78,12 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
         mbar_wait(&s.empty_v[stage], ((it / Tr::kStages) & 1) ^ 1);
         trace_stamp(0, it, 3);
         mbar_arrive_expect_tx(&s.full_v[stage], Tr::kKVBytes);
-        load_tile_rows<Tr>(&p.tma_v, s.v[stage], &s.full_v[stage], Tr::kBlockN, t.k_row0 + n * Tr::kBlockN,
-                           t.kv_head, t.tma_batch);
+        if constexpr (Tr::kFp8) {
+            load_vt_block<Tr>(p, s.v[stage], &s.full_v[stage], n, t);
+        } else {
+            load_tile_rows<Tr>(&p.tma_v, s.v[stage], &s.full_v[stage], Tr::kBlockN, t.k_row0 + n * Tr::kBlockN,
+                               t.kv_head, t.tma_batch);
+        }
     }
     trace_edge(0, tc, 3);
 }

@@ -2,6 +2,8 @@
 //   S  = Q·Kᵀ      wgmma, A = Q and B = K both from 128B-swizzled shared memory (K-major)
 //   P  = softmax   online, fp32 in registers (softmax.cuh); masks only on boundary blocks
 //   O += P·V       wgmma, A = P from registers (16-bit), B = V from shared memory read transposed
+// FP8 kernels (Tr::kFp8): the same with e4m3 operands (k = 32 per instruction), P converted to
+// e4m3 in registers, V^T (the pre-pass's) as a K-major B, and the descales (TileScales).
 #pragma once
 #include "../primitives/mbarrier.cuh"
 #include "../primitives/trace.cuh"
@@ -36,7 +38,8 @@ __device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const RowMask& rm
 }
 
 // The consumers' online softmax (softmax.cuh), lazy or exact as the traits choose.
-template <class Tr> using Softmax = OnlineSoftmax<Tr::kSRegs, Tr::kLazyMax>;
+// FP8 kernels scale p by 2^8 for P's e4m3 rounding (softmax.cuh).
+template <class Tr> using Softmax = OnlineSoftmax<Tr::kSRegs, Tr::kLazyMax, Tr::kFp8 ? 8 : 0>;
 
 // O's rows times the softmax's correction factors (rows r and r + 8 of the thread). With the lazy
 // max, skipped when every row of the warp kept its reference max (factors exactly 1): after the
@@ -190,7 +193,7 @@ template <class Tr> struct OperandDescs {
     __device__ __forceinline__ OperandDescs(SharedStorage<Tr>& s, int wg, int q_stage)
         : q_(uniform(smem_desc_lo(smem_u32(s.q[q_stage]) + wg * 64 * Tr::kSwizzle, 16))),
           k0(uniform(smem_desc_lo(smem_u32(s.k[0]), 16))),
-          v0(uniform(smem_desc_lo(smem_u32(s.v[0]), Tr::kBlockN * Tr::kSwizzle))) {}
+          v0(uniform(smem_desc_lo(smem_u32(s.v[0]), Tr::kFp8 ? 16 : Tr::kBlockN * Tr::kSwizzle))) {}
     // The ring position lives in per-thread registers; uniform() moves the result back to the
     // uniform datapath so the wgmma loop adds its k-step offsets there.
     // Q's too, re-made uniform at each use: kept across the loop, ptxas holds it in a per-thread
@@ -201,12 +204,13 @@ template <class Tr> struct OperandDescs {
 };
 
 // S = Q·Kᵀ: k-step kk reads column block kk / kSteps and its 32-byte slice kk % kSteps of the rows
-// (kSteps = 4 k-steps of 16 elements per 128-byte row, 2 per 64-byte row).
+// (kSteps = 4 k-steps of 32 bytes per 128-byte row, 2 per 64-byte row; 16 elements of 16 bits or
+// 32 of e4m3 per k-step).
 template <class Tr>
 __device__ __forceinline__ void issue_qk(float (&sc)[Tr::kSRegs], uint32_t q_lo, uint32_t k_lo) {
-    constexpr int kSteps = Tr::kColElems / 16, W = Tr::kSwizzle;
+    constexpr int kSteps = Tr::kSwizzle / 32, W = Tr::kSwizzle;
 #pragma unroll
-    for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
+    for (int kk = 0; kk < Tr::kHeadDim / Tr::kStepElems; ++kk) {
         const uint32_t off = (kk / kSteps), in_row = (kk % kSteps) * 32;
         wgmma_ss<Tr::kBlockN, Tr::kDtype>(sc, smem_desc_at<Tr::kAtomBytes, W>(q_lo, off * Tr::kBlockM * W + in_row),
                                           smem_desc_at<Tr::kAtomBytes, W>(k_lo, off * Tr::kBlockN * W + in_row),
@@ -216,40 +220,115 @@ __device__ __forceinline__ void issue_qk(float (&sc)[Tr::kSRegs], uint32_t q_lo,
 
 // O += P·V: k-step kk reads keys 16kk..16kk+15 of V, MN-major (LBO: the step between column
 // blocks, set in the low word; SBO: between groups of 8 keys).
+// FP8: V^T is K-major (keys contiguous, 128-key column blocks of kHeadDim rows): k-step kk reads
+// the 32-byte slice kk % 4 of column block kk / 4.
 template <class Tr>
-__device__ __forceinline__ void issue_pv(float (&o)[Tr::kORegs], const uint32_t (&pa)[Tr::kBlockN / 16][4],
+__device__ __forceinline__ void issue_pv(float (&o)[Tr::kORegs], const uint32_t (&pa)[Tr::kPSteps][4],
                                          uint32_t v_lo) {
 #pragma unroll
-    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
-        wgmma_rs<Tr::kHeadDim, Tr::kDtype>(o, pa[kk],
-                                           smem_desc_at<Tr::kAtomBytes, Tr::kSwizzle>(v_lo, kk * 16 * Tr::kSwizzle));
+    for (int kk = 0; kk < Tr::kPSteps; ++kk) {
+        if constexpr (Tr::kFp8) {
+            wgmma_rs<Tr::kHeadDim, Tr::kDtype>(
+                o, pa[kk], smem_desc_at<1024, 128>(v_lo, (kk / 4) * Tr::kHeadDim * 128 + (kk % 4) * 32));
+        } else {
+            wgmma_rs<Tr::kHeadDim, Tr::kDtype>(o, pa[kk],
+                                               smem_desc_at<Tr::kAtomBytes, Tr::kSwizzle>(v_lo, kk * 16 * Tr::kSwizzle));
+        }
+    }
+}
+
+// What a tile's scores and output are multiplied by, FP8 kernels: the call's constants times the
+// descales of the tile (q's of this warpgroup's rows, k's and v's of the kv head). 16-bit kernels
+// read the call's constants straight from the parameters and never build one.
+struct TileScales {
+    float scale_log2;               // FwdParams::scale_log2 · |q descale · k descale| (no softcap)
+    float softcap_pre;              // FwdParams::softcap_pre · q descale · k descale
+    int negate;                     // FwdParams::negate, flipped when q descale · k descale < 0
+    float v_descale;
+    const float* k_block_descale;   // per-block K descales of the tile's (sequence, kv head), else null
+};
+
+template <class Tr>
+__device__ __forceinline__ TileScales tile_scales(const FwdParams& p, const TileInfo& t, int wg) {
+    TileScales ts;
+    const int kv_heads = p.group.div(p.heads);
+    const int q_blocks = max(p.q_descale_blocks, 1), k_blocks = max(p.k_descale_blocks, 1);
+    // A warpgroup whose rows all lie past the sequence's end (the last tile) reads the last
+    // block's descale: its rows are never stored.
+    const int q_block = p.q_descale_blocks > 0 ? min(t.m_block * Tr::kConsumerWGs + wg, p.q_descale_blocks - 1) : 0;
+    const float qd = p.q_descale[((int64_t)t.batch * p.heads + t.head) * q_blocks + q_block];
+    const int64_t kv = (int64_t)t.batch * kv_heads + t.kv_head;
+    float qk = qd;
+    if (p.k_descale_blocks > 0) {
+        ts.k_block_descale = p.k_descale + kv * k_blocks;
+    } else {
+        ts.k_block_descale = nullptr;
+        qk *= p.k_descale[kv];
+    }
+    ts.v_descale = p.v_descale[kv];
+    ts.softcap_pre = p.softcap_pre * qk;
+    ts.negate = p.negate ^ (qk < 0.f);
+    ts.scale_log2 = p.softcap_pre != 0.f ? p.scale_log2 : fmaxf(p.scale_log2 * fabsf(qk), 1e-30f);
+    return ts;
 }
 
 // Softcap / sign, boundary mask and online softmax of one S block, in place (fp32).
+// FP8: per-block K descales multiply the raw scores first; the tile's scales replace the call's.
 template <class Tr>
-__device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileInfo& t, const RowMask& rm,
-                                                Softmax<Tr>& softmax, float (&sc)[Tr::kSRegs], int n,
-                                                int quad_lane, float (&corr)[2]) {
+__device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileScales& ts, const TileInfo& t,
+                                                const RowMask& rm, Softmax<Tr>& softmax, float (&sc)[Tr::kSRegs],
+                                                int n, int quad_lane, float (&corr)[2]) {
+    float softcap_pre = p.softcap_pre, scale_log2 = p.scale_log2;
+    int negate = p.negate;
+    if constexpr (Tr::kFp8) {
+        if (ts.k_block_descale != nullptr) {
+            const float kd = ts.k_block_descale[n];
+#pragma unroll
+            for (int i = 0; i < Tr::kSRegs; ++i) sc[i] *= kd;
+        }
+        softcap_pre = ts.softcap_pre;
+        scale_log2 = ts.scale_log2;
+        negate = ts.negate;
+    }
     if (p.softcap_pre != 0.f) {
 #pragma unroll
-        for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = tanhf(sc[i] * p.softcap_pre);
-    } else if (p.negate) {
+        for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = tanhf(sc[i] * softcap_pre);
+    } else if (negate) {
 #pragma unroll
         for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = -sc[i];
     }
     const int k0 = n * Tr::kBlockN;
     if (!(k0 >= t.full_lo && k0 + Tr::kBlockN <= t.full_hi)) apply_mask(sc, rm, k0, 2 * quad_lane);
-    softmax.step(sc, p.scale_log2, corr);
+    softmax.step(sc, scale_log2, corr);
 }
 
 // P to 16 bits, laid out as wgmma's register A operand: k-step kk's four registers are the
 // accumulator pairs 8kk..8kk+7 in order (rows r, r+8; columns +0, +8).
+// FP8: k-step kk (32 keys) wants in register 2·g + h row r (+8 for h = 1), keys 16g + 4q + 0..3
+// (q = lane % 4); the thread holds keys 16g + {2q, 2q+1, 8+2q, 9+2q} of those rows (accumulator
+// groups 4kk + 2g and + 1). Packing those four as they are computes P·V with the keys of each
+// 16-key group permuted (key 4q + e <- 2q + e for e < 2, 8 + 2q + e - 2 otherwise): the pre-pass
+// stores V^T with the same permutation, so no register moves between lanes.
 template <class Tr>
-__device__ __forceinline__ void probs_to_a_operand(const float (&sc)[Tr::kSRegs], uint32_t (&pa)[Tr::kBlockN / 16][4]) {
+__device__ __forceinline__ void probs_to_a_operand(const float (&sc)[Tr::kSRegs], uint32_t (&pa)[Tr::kPSteps][4]) {
+    if constexpr (Tr::kFp8) {
 #pragma unroll
-    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+        for (int kk = 0; kk < Tr::kPSteps; ++kk) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) pa[kk][r] = pack16x2<Tr::kDtype>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+            for (int g = 0; g < 2; ++g) {
+                const int j0 = 4 * kk + 2 * g, j1 = j0 + 1;
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    pa[kk][2 * g + h] = pack_e4m3x4(sc[4 * j0 + 2 * h], sc[4 * j0 + 2 * h + 1], sc[4 * j1 + 2 * h],
+                                                    sc[4 * j1 + 2 * h + 1]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < Tr::kPSteps; ++kk) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pa[kk][r] = pack16x2<Tr::kDtype>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+        }
     }
 }
 
@@ -279,8 +358,10 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     Softmax<Tr> softmax;
     softmax.init();
     float sc[Tr::kSRegs];
-    uint32_t pa[Tr::kBlockN / 16][4];
+    uint32_t pa[Tr::kPSteps][4];
     float corr[2];
+    TileScales ts{};
+    if constexpr (Tr::kFp8) ts = tile_scales<Tr>(p, t, wg);
 
     const int qs = tc % Tr::kQStages;
     const OperandDescs<Tr> desc(s, wg, qs);
@@ -302,7 +383,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         trace_edge(wg + 1, tc, 2);
         mbar_arrive(&s.empty_k[stage]);
     }
-    scores_to_probs<Tr>(p, t, rm, softmax, sc, n, quad_lane, corr);
+    scores_to_probs<Tr>(p, ts, t, rm, softmax, sc, n, quad_lane, corr);
     probs_to_a_operand<Tr>(sc, pa);
     trace_edge(wg + 1, tc, 3);
     // Whether the K block the next iteration issues against has already landed (two consumer
@@ -341,7 +422,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         // wait<0> (ptxas places the wait as early as its basic block allows; FA3's SASS has about
         // two thirds of its softmax there too). Forcing all of it above the wait measured ±1.5% on
         // d128/d256 and −7% on d64 (docs/kernels/forward-sm90.md, version 20), so it stays as is.
-        scores_to_probs<Tr>(p, t, rm, softmax, sc, n - 1, quad_lane, corr);
+        scores_to_probs<Tr>(p, ts, t, rm, softmax, sc, n - 1, quad_lane, corr);
         trace_stamp(wg + 1, it, 5);
         wgmma_wait<0>();
         fence_operand(o);
@@ -350,7 +431,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         // into the same registers while the tensor cores still read them (ptxas then serialises
         // every wgmma, warning C7513).
 #pragma unroll
-        for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) fence_operand(pa[kk]);
+        for (int kk = 0; kk < Tr::kPSteps; ++kk) fence_operand(pa[kk]);
         mbar_arrive(&s.empty_v[stage]);
         if constexpr (kWGs == 2) {
             // The next iteration issues against ring position it + 2: with two stages, this
@@ -385,7 +466,13 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         wgmma_commit();
         named_barrier_arrive(next_bar, kBoth);
         // The row sums' reduction and the LSE need only the softmax state: under the tail P·V.
-        softmax.finalize(p.scale_log2, inv_sum, lse);
+        if constexpr (Tr::kFp8) {
+            softmax.finalize(ts.scale_log2, inv_sum, lse);
+            inv_sum[0] *= ts.v_descale;
+            inv_sum[1] *= ts.v_descale;
+        } else {
+            softmax.finalize(p.scale_log2, inv_sum, lse);
+        }
         wgmma_wait<0>();
         fence_operand(o);
         trace_edge(wg + 1, tc, 5);

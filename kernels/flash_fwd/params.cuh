@@ -79,6 +79,37 @@ struct alignas(64) FwdParams {
     int total_q;            // tokens of q (batch * seqlen_q, or the varlen total)
     float* o_accum;         // (num_splits, total_q, heads, head_dim_v)
     float* lse_accum;       // (num_splits, total_q, heads)
+    // FP8 kernels only (FwdTraits::kFp8). tma_v then maps V^T, (keys, head_dim_v, kv heads,
+    // sequences), written by the pre-pass (fp8_prepass.cuh). Descales (f32, x = e4m3 value ·
+    // descale): q (batch, heads, q_descale_blocks), k (batch, kv_heads, k_descale_blocks),
+    // v (batch, kv_heads); a block count of 0 means one value per (batch, head), else one per
+    // block of kFp8QBlockRows query rows / kBlockN keys.
+    const float* q_descale;
+    const float* k_descale;
+    const float* v_descale;
+    int q_descale_blocks;
+    int k_descale_blocks;
+    int out_f16;            // 1: out is f16, 0: bf16
+};
+
+// Query rows per Q descale block of the fp8 kernels (one consumer warpgroup's rows): mirrored
+// by flash_attn3::fp8::Q_BLOCK_ROWS.
+constexpr int kFp8QBlockRows = 64;
+
+// The fp8 pre-pass (fp8_prepass.cuh): V (tokens, kv heads, head_dim_v) e4m3 -> V^T (sequences,
+// kv heads, head_dim_v, keys_padded), keys permuted inside each group of 16 so that P's
+// accumulator registers are wgmma's A operand as they are; zeros past each sequence's end.
+struct Fp8PrepassParams {
+    const uint8_t* v;
+    uint8_t* vt;
+    const uint32_t* cu_k;   // varlen: batch + 1 offsets; null: fixed length seqlen_k
+    int64_t v_token_stride; // elements (bytes)
+    int64_t v_head_stride;
+    int64_t v_batch_stride; // fixed length only
+    int seqlen_k;           // fixed length: every sequence's keys
+    int keys_padded;        // V^T row length: max keys rounded up to 16
+    int head_dim_v;
+    int kv_heads;
 };
 
 // The combine kernel's parameters (combine.cuh).

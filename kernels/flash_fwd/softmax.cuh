@@ -14,6 +14,12 @@
 // The result is the same softmax: O, the row sum and the LSE all use the same reference max.
 // Without it (FwdTraits::kLazyMax false: the d64 kernel on three warpgroups) the max follows
 // every block.
+//
+// kPScaleLog2 (fp8 kernels: 8): p is computed times 2^kPScaleLog2, as FA3 does, so that P's e4m3
+// rounding keeps 3 mantissa bits down to 2^-14 of the row max instead of 2^-6 (below e4m3's
+// normal range a value keeps only an absolute 2^-10); O and the row sum carry the same factor,
+// which the LSE takes back out. The largest p is then 2^(kPScaleLog2 + slack), which must stay
+// under e4m3's 448 = 2^8.8: the lazy max's slack shrinks to 0.75.
 #pragma once
 #include <cmath>
 
@@ -23,7 +29,9 @@ namespace fa3 {
 
 constexpr float kMaxSlack = 8.f;
 
-template <int kSRegs, bool kLazyMax> struct OnlineSoftmax {
+template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0> struct OnlineSoftmax {
+    static constexpr float kSlack = kPScaleLog2 == 0 ? kMaxSlack : 8.75f - kPScaleLog2;
+    static_assert(kPScaleLog2 >= 0 && kPScaleLog2 <= 8, "p <= 2^8.75 < 448 with the slack above");
     float row_max[2];
     float row_sum[2];  // this thread's partial sums; reduced over the quad at the end
 
@@ -46,14 +54,14 @@ template <int kSRegs, bool kLazyMax> struct OnlineSoftmax {
             // exponentials start without the two shuffles' latency (version 31).
             bool may_move = false;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) may_move |= mx[h] * scale_log2 > row_max[h] * scale_log2 + kMaxSlack;
+            for (int h = 0; h < 2; ++h) may_move |= mx[h] * scale_log2 > row_max[h] * scale_log2 + kSlack;
             corr[0] = corr[1] = 1.f;
             if (__any_sync(0xffffffffu, may_move)) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const float m = quad_max(mx[h]);
                     const float old_scaled = row_max[h] * scale_log2, new_scaled = m * scale_log2;
-                    if (new_scaled > old_scaled + kMaxSlack) {
+                    if (new_scaled > old_scaled + kSlack) {
                         corr[h] = fast_exp2(old_scaled - new_scaled);
                         row_max[h] = m;
                     }
@@ -65,7 +73,7 @@ template <int kSRegs, bool kLazyMax> struct OnlineSoftmax {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float m = quad_max(thread_max(s, h));
-                const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;  // as in scaled_max
+                const float m_scaled = (m == -INFINITY ? 0.f : m * scale_log2) - kPScaleLog2;  // as in scaled_max
                 corr[h] = fast_exp2(row_max[h] * scale_log2 - m_scaled);
                 row_max[h] = m;
                 exponentiate_row(s, h, m_scaled, scale_log2, corr[h]);
@@ -92,7 +100,7 @@ template <int kSRegs, bool kLazyMax> struct OnlineSoftmax {
     // Row h's reference max in scaled units; a row that has seen only masked keys keeps max -inf:
     // subtract 0 so that exp2(-inf) = 0.
     __device__ __forceinline__ float scaled_max(int h, float scale_log2) const {
-        return row_max[h] == -INFINITY ? 0.f : row_max[h] * scale_log2;
+        return (row_max[h] == -INFINITY ? 0.f : row_max[h] * scale_log2) - kPScaleLog2;
     }
 
     // p = exp2(s·scale_log2 - m_scaled) in place for row h; the row sum rescaled and extended.
@@ -121,7 +129,7 @@ template <int kSRegs, bool kLazyMax> struct OnlineSoftmax {
             sum += __shfl_xor_sync(0xffffffff, sum, 2);
             const bool empty = !(sum > 0.f) || row_max[h] == -INFINITY;
             inv_sum[h] = empty ? 0.f : 1.f / sum;
-            lse[h] = empty ? -INFINITY : (row_max[h] * scale_log2 + log2f(sum)) * 0.69314718055994531f;
+            lse[h] = empty ? -INFINITY : (row_max[h] * scale_log2 + log2f(sum) - kPScaleLog2) * 0.69314718055994531f;
         }
     }
 };

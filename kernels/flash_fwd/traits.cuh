@@ -1,21 +1,30 @@
 // Compile-time shape of one kernel instantiation and its shared-memory layout.
 #pragma once
 #include <cstdint>
+#include <type_traits>
+
+#include "../primitives/wgmma_ops.cuh"
 
 namespace fa3 {
 
 // kHeadDim: the (padded) head dim of q, k and v; kBlockN: keys per pipeline stage;
-// kDtype: DT_BF16 or DT_F16; kConsumerWGs: consumer warpgroups of 64 query rows each.
+// kDtype: DT_BF16, DT_F16 or DT_E4M3 (fp8 inputs, bf16/f16 output); kConsumerWGs: consumer
+// warpgroups of 64 query rows each.
 template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2> struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kDtype = kDtype_;
     static constexpr int kConsumerWGs = kConsumerWGs_;
+    // FP8 kernels read q, k, v as e4m3 and V transposed (keys contiguous, written by the pre-pass
+    // in fp8_prepass.cuh), apply descales, and write a 16-bit output. docs/kernels/forward-fp8.md.
+    static constexpr bool kFp8 = kDtype_ == DT_E4M3;
+    static constexpr int kElemBytes = kFp8 ? 1 : 2;
+    using Elem = typename std::conditional<kFp8, uint8_t, uint16_t>::type;
     static constexpr int kBlockM = 64 * kConsumerWGs;  // query rows per tile
     static constexpr int kThreads = 128 * (1 + kConsumerWGs);
     static constexpr int kStages = 2;
     // Q buffers: with two, the producer loads the next tile's Q while the consumers still work
-    // on the current one (same room condition as kTmaStoreO).
+    // on the current one (no room at d256: fp8's O staging tile takes the second buffer's place).
     static constexpr int kQStages = kHeadDim_ <= 128 && kBlockN_ <= 128 ? 2 : 1;
     // setmaxnreg split of the 64K registers (128 producer + 128·kConsumerWGs consumer threads).
     // 2 consumer warpgroups: 40 / 232 leaves the producer's TMA loop spill-free; d256's consumers
@@ -26,32 +35,44 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2> struc
     static_assert(kConsumerWGs == 2 || kConsumerWGs == 3, "2 or 3 consumer warpgroups");
     static_assert(128 * kProducerRegs + 128 * kConsumerWGs * kConsumerRegs <= 65536, "register split");
     // Tiles are stored as column blocks of [rows][kColElems] elements, swizzled by TMA, the layout
-    // wgmma reads through its descriptors: 128-byte rows (64 elements, 128B swizzle, 1024-byte
-    // atoms of 8 rows) when the head dim is a multiple of 64, else 64-byte rows (32 elements, 64B
-    // swizzle, 512-byte atoms): head dim 96.
-    static constexpr int kSwizzle = kHeadDim_ % 64 == 0 ? 128 : 64;  // bytes per row of a column block
-    static constexpr int kColElems = kSwizzle / 2;
+    // wgmma reads through its descriptors: 128-byte rows (1024-byte atoms of 8 rows) when a row
+    // of the head dim is a multiple of 128 bytes, else 64-byte rows (64B swizzle, 512-byte atoms):
+    // head dim 96 in 16 bits, head dim 64 in fp8.
+    static constexpr int kSwizzle = (kHeadDim_ * kElemBytes) % 128 == 0 ? 128 : 64;  // bytes per row of a column block
+    static constexpr int kColElems = kSwizzle / kElemBytes;
     static constexpr int kAtomBytes = 8 * kSwizzle;  // 8 rows: the wgmma SBO
     static constexpr int kColBlocks = kHeadDim / kColElems;
-    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
-    // The epilogue stages O in shared memory and TMA-stores it (d <= 128 with 128-key blocks;
-    // d256 and the 176-key blocks have no room next to Q and the K/V ring, and store straight
-    // from registers).
-    static constexpr bool kTmaStoreO = kHeadDim_ <= 128 && kBlockN_ <= 128;
+    // One wgmma k-step reads 32 bytes of each row: 16 elements of 16 bits, 32 of e4m3.
+    static constexpr int kStepElems = 32 / kElemBytes;
+    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * kElemBytes;
+    // FP8: V^T tiles are kHeadDim rows of kBlockN keys, in 128-byte (128-key) column blocks.
+    static constexpr int kVtColBlocks = kFp8 ? kBlockN / 128 : 0;
+    static_assert(!kFp8 || kBlockN % 128 == 0, "fp8 key blocks are whole 128-byte rows of V^T");
+    // The output: 16-bit, staged (TMA-store epilogue) in column blocks of kOutColElems elements
+    // (the input's layout for 16-bit kernels; 64 columns, 128-byte rows for fp8).
+    static constexpr int kOutSwizzle = kFp8 ? 128 : kSwizzle;
+    static constexpr int kOutColElems = kOutSwizzle / 2;
+    static constexpr int kOutColBlocks = kHeadDim / kOutColElems;
+    // The epilogue stages O in shared memory and TMA-stores it (d <= 128 with 128-key blocks, and
+    // every fp8 kernel; d256 and the 176-key blocks in 16 bits have no room next to Q and the
+    // K/V ring, and store straight from registers).
+    static constexpr bool kTmaStoreO = kFp8 || (kHeadDim_ <= 128 && kBlockN_ <= 128);
     // The softmax's lazy running max and the O rescale it lets the consumers skip (softmax.cuh,
     // mainloop.cuh rescale_o; version 29): two consumer warpgroups only, the three-warpgroup d64
     // kernel's 160 registers measured 4-7% slower with it.
     static constexpr bool kLazyMax = kConsumerWGs == 2;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
+    // P as wgmma's register A operand: per k-step 4 registers of 2 (16-bit) or 4 (e4m3) values.
+    static constexpr int kPSteps = kBlockN / kStepElems;
     static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0, "tile shape");
 };
 
 template <class Tr> struct SharedStorage {
-    alignas(1024) uint16_t q[Tr::kQStages][Tr::kBlockM * Tr::kHeadDim];
-    alignas(1024) uint16_t k[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
-    alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
-    alignas(1024) uint16_t o[Tr::kTmaStoreO ? Tr::kBlockM * Tr::kHeadDim : 8];  // O staging, same layout as q
+    alignas(1024) typename Tr::Elem q[Tr::kQStages][Tr::kBlockM * Tr::kHeadDim];
+    alignas(1024) typename Tr::Elem k[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
+    alignas(1024) typename Tr::Elem v[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];  // fp8: V^T
+    alignas(1024) uint16_t o[Tr::kTmaStoreO ? Tr::kBlockM * Tr::kHeadDim : 8];  // O staging (kOutColElems blocks)
     alignas(8) uint64_t bar_q[Tr::kQStages];      // Q of a tile landed
     alignas(8) uint64_t q_empty[Tr::kQStages];    // every consumer warpgroup is done with that Q
     alignas(8) uint64_t full_k[Tr::kStages];      // K of a stage landed

@@ -1,4 +1,5 @@
-// Conversions between f32 and pairs of 16-bit values (bf16 or f16) packed in one 32-bit register.
+// Conversions between f32 and pairs of 16-bit values (bf16 or f16) packed in one 32-bit register,
+// and from f32 to four e4m3 values in one register (the fp8 kernels' P).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,6 +29,15 @@ template <int kDtype> __device__ __forceinline__ float2 unpack16x2(uint32_t x) {
     } else {
         return __half22float2(*reinterpret_cast<__half2*>(&x));
     }
+}
+
+// Four f32 values as e4m3 in one register, the first in the lowest byte (round to nearest,
+// saturating to ±448: never NaN from a finite input). cvt puts its first source in the upper byte.
+__device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+    uint16_t lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+    return (uint32_t)lo | ((uint32_t)hi << 16);
 }
 
 }  // namespace fa3

@@ -22,6 +22,7 @@ use candle_core::Var;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Result, Tensor};
+use flash_attn3::fp8::{self, Granularity, Quantizer};
 use flash_attn3::FlashAttn;
 
 fn list(var: &str, default: &[usize]) -> Vec<usize> {
@@ -170,7 +171,7 @@ fn decode_shapes(dev: &Device) -> Result<()> {
             let bytes = (2 * b * sk * hk * d * 2) as f64;
             let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
             let auto = time(dev, || attn.forward(&q, &k, &v))?;
-            let one = time(dev, || attn.num_splits(1).forward(&q, &k, &v))?;
+            let one = time(dev, || attn.clone().num_splits(1).forward(&q, &k, &v))?;
             println!(
                 "| {b} | {sq} | {h}/{hk} | {sk} | {} | {:.1} | {:.2} | {:.1} | {:.2} |",
                 causal as u8,
@@ -184,13 +185,125 @@ fn decode_shapes(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// The fp8 forward over the grid: ours with e4m3 inputs (descales of 1: the op's cost does not
+/// depend on their values), TFLOP/s; `ours_fp8` rows in the anchors' line format.
+fn fp8_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
+    let mut table = Vec::new();
+    for &d in hdims {
+        for causal in list("BENCH_CAUSAL", &[0, 1]).into_iter().map(|c| c != 0) {
+            let mut row = Vec::new();
+            for &s in seqs {
+                let (b, h) = (16384 / s, 2048 / d);
+                // candle 0.11's CUDA backend has no f32 -> e4m3 cast: made on the host.
+                let rnd = || {
+                    Tensor::randn(0f32, 1., (b, s, h, d), &Device::Cpu)?
+                        .to_dtype(DType::F8E4M3)?
+                        .to_device(dev)
+                };
+                let (q, k, v) = (rnd()?, rnd()?, rnd()?);
+                let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
+                let secs = time(dev, || attn.forward(&q, &k, &v))?;
+                let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
+                let tflops = flops / secs / 1e12;
+                println!(
+                    "ours_fp8     fwd d={d:>3} causal={} s={s:>5} b={b:>2} h={h:>2}: {:>8.3} ms {tflops:>7.1} TFLOP/s",
+                    causal as u8,
+                    secs * 1e3
+                );
+                row.push(tflops);
+            }
+            table.push((d, causal, row));
+        }
+    }
+    println!("\nGPU forward, fp8 (e4m3 in, bf16 out), TFLOP/s (16k tokens, hidden 2048)");
+    print!("| head dim | mask |");
+    for s in seqs {
+        print!(" {} |", seq_label(*s));
+    }
+    println!("\n|---|---|{}", "---|".repeat(seqs.len()));
+    for (d, causal, row) in &table {
+        print!("| {d} | {} |", if *causal { "causal" } else { "full" });
+        for t in row {
+            print!(" {t:.0} |");
+        }
+        println!();
+    }
+    Ok(())
+}
+
+/// RMSE of our fp8 output against the f64 reference that scripts/fp8_anchors.py stored in `dir`.
+fn fp8_accuracy(dev: &Device, dir: &str) -> Result<()> {
+    let shape = list("BENCH_FP8_ACC_SHAPE", &[2, 4096, 16, 128]);
+    let shape = (shape[0], shape[1], shape[2], shape[3]);
+    let read = |name: &str| -> Result<Tensor> {
+        let bytes = std::fs::read(format!("{dir}/{name}"))?;
+        let values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Tensor::from_vec(values, shape, dev)
+    };
+    let (q, k, v, want) = (read("q.f32")?, read("k.f32")?, read("v.f32")?, read("ref.f32")?);
+    let scale = 1.0 / (shape.3 as f32).sqrt();
+    let rmse = |out: &Tensor| -> Result<f64> {
+        let diff = (out.to_dtype(DType::F32)? - &want)?;
+        Ok((diff.sqr()?.mean_all()?.to_scalar::<f32>()? as f64).sqrt())
+    };
+    let bf16 = FlashAttn::new(scale).forward(
+        &q.to_dtype(DType::BF16)?,
+        &k.to_dtype(DType::BF16)?,
+        &v.to_dtype(DType::BF16)?,
+    )?;
+    println!("ACC ours_bf16 rmse={:.3e}", rmse(&bf16)?);
+    let cases: [(&str, Granularity, Granularity, Option<u64>); 4] = [
+        ("per-tensor", Granularity::Tensor, Granularity::Tensor, None),
+        ("per-head", Granularity::Head, Granularity::Head, None),
+        (
+            "per-block",
+            Granularity::Block(fp8::Q_BLOCK_ROWS),
+            Granularity::Block(fp8::K_BLOCK_ROWS),
+            None,
+        ),
+        (
+            "per-block+incoherent",
+            Granularity::Block(fp8::Q_BLOCK_ROWS),
+            Granularity::Block(fp8::K_BLOCK_ROWS),
+            Some(0x5eed),
+        ),
+    ];
+    for (name, gq, gk, seed) in cases {
+        let with = |g: Granularity| match seed {
+            Some(s) => Quantizer::new(g).incoherent(s),
+            None => Quantizer::new(g),
+        };
+        let (q8, k8) = (with(gq).quantize(&q)?, with(gk).quantize(&k)?);
+        let gv = if gq == Granularity::Tensor {
+            Granularity::Tensor
+        } else {
+            Granularity::Head
+        };
+        let v8 = Quantizer::new(gv).quantize(&v)?;
+        let out = FlashAttn::new(scale)
+            .descale(Some(&q8.descale), Some(&k8.descale), Some(&v8.descale))
+            .forward(&q8.data, &k8.data, &v8.data)?;
+        println!("ACC ours_fp8 {name} rmse={:.3e}", rmse(&out)?);
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let dev = Device::new_cuda(0)?;
+    if let Ok(dir) = std::env::var("BENCH_FP8_ACC_DIR") {
+        fp8_accuracy(&dev, &dir)?;
+    }
     let seqs = list("BENCH_SEQS", &[512, 1024, 2048, 4096, 8192, 16384]);
     let hdims = list("BENCH_HDIMS", &[64, 128, 256]);
     let passes = std::env::var("BENCH_PASSES").unwrap_or_else(|_| "fwd".into());
     if passes.split(',').any(|p| p.trim() == "bwd") {
         backward_grid(&dev, &seqs, &hdims)?;
+    }
+    if passes.split(',').any(|p| p.trim() == "fp8") {
+        fp8_grid(&dev, &seqs, &hdims)?;
     }
     if !passes.split(',').any(|p| p.trim() == "fwd") {
         return Ok(());

@@ -42,13 +42,16 @@
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod descale;
+pub mod fp8;
 mod op;
 mod params;
 
 use std::sync::Arc;
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
+use descale::{Descales, Fp8Call};
 use op::FlashAttnFwd;
 pub use params::MAX_HEAD_DIM;
 use params::{AttnParams, Dims, Offsets, Varlen};
@@ -235,7 +238,7 @@ pub fn flash_attn_varlen_offsets(
 /// Each setter replaces its own earlier value, so `causal(false)` undoes `causal(true)`.
 /// Two builders are equal when their attention options (and split count) are equal; the
 /// `deterministic` flag only affects the backward and is not compared.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct FlashAttn {
     softmax_scale: f32,
     causal: bool,
@@ -244,6 +247,8 @@ pub struct FlashAttn {
     softcap: Option<f32>,
     deterministic: bool,
     num_splits: usize,
+    descales: Descales,
+    out_dtype: Option<DType>,
 }
 
 impl FlashAttn {
@@ -257,6 +262,8 @@ impl FlashAttn {
             softcap: None,
             deterministic: false,
             num_splits: 0,
+            descales: Descales::default(),
+            out_dtype: None,
         }
     }
 
@@ -297,6 +304,43 @@ impl FlashAttn {
         self
     }
 
+    /// FP8 (e4m3) inputs: the f32 factors that turn q, k and v back into the values they stand
+    /// for (x = e4m3 · descale); `None` means 1.0. Shapes (batch may be 1, shared by every
+    /// sequence): q (batch, kv_heads) as in FA3, (batch, heads), or per block of
+    /// [`fp8::Q_BLOCK_ROWS`] queries (batch, heads, ceil(seqlen_q / 64)); k (batch, kv_heads) or
+    /// per block of [`fp8::K_BLOCK_ROWS`] keys (batch, kv_heads, ceil(seqlen_k / 128)); v
+    /// (batch, kv_heads). Per-block forms need fixed-length inputs. [`fp8::quantize`] returns
+    /// descales in these shapes. Descales on inputs that are not `F8E4M3` are an error.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use flash_attn3::fp8::{quantize, Granularity};
+    /// # fn main() -> candle_core::Result<()> {
+    /// let dev = Device::Cpu;
+    /// let x = Tensor::randn(0f32, 1., (1, 100, 2, 64), &dev)?;
+    /// let (q, k, v) = (quantize(&x, Granularity::Block(64))?, quantize(&x, Granularity::Block(128))?, quantize(&x, Granularity::Head)?);
+    /// let out = flash_attn3::FlashAttn::new(0.125)
+    ///     .descale(Some(&q.descale), Some(&k.descale), Some(&v.descale))
+    ///     .forward(&q.data, &k.data, &v.data)?;
+    /// assert_eq!(out.dtype(), DType::BF16);
+    /// # Ok(()) }
+    /// ```
+    pub fn descale(mut self, q: Option<&Tensor>, k: Option<&Tensor>, v: Option<&Tensor>) -> Self {
+        self.descales = Descales {
+            q: q.cloned(),
+            k: k.cloned(),
+            v: v.cloned(),
+        };
+        self
+    }
+
+    /// The output dtype of an FP8 call: bf16 (the default) or f16. Other inputs give their own
+    /// dtype; asking them for another is an error.
+    pub fn out_dtype(mut self, dtype: DType) -> Self {
+        self.out_dtype = Some(dtype);
+        self
+    }
+
     /// The options as the kernels see them: causal is a right window of 0.
     fn attn_params(&self) -> AttnParams {
         AttnParams {
@@ -323,7 +367,7 @@ impl FlashAttn {
     pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let params = self.params()?;
         let dims = params::check_fixed(q, k, v)?;
-        run(params, q, k, v, dims, None, self.deterministic)
+        self.run(params, q, k, v, dims, None)
     }
 
     /// The varlen form of [`FlashAttn::forward`]; see [`flash_attn_varlen`] for the layout.
@@ -365,7 +409,7 @@ impl FlashAttn {
             max_seqlen_q,
             max_seqlen_k,
         )?;
-        run(params, q, k, v, dims, Some(varlen), self.deterministic)
+        self.run(params, q, k, v, dims, Some(varlen))
     }
 
     /// The gradients (dq, dk, dv) of a fixed-length call without candle's autograd: from the
@@ -389,6 +433,9 @@ impl FlashAttn {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let params = self.params()?;
         let dims = params::check_fixed(q, k, v)?;
+        if q.dtype() == DType::F8E4M3 {
+            candle_core::bail!("flash-attn3: fp8 attention has no backward (FA3 has none either); run the call in bf16 to train through it")
+        }
         let out_shape = [dims.batch, dims.seqlen_q, dims.heads, dims.head_dim_v];
         for (name, t) in [("out", out), ("grad_out", grad_out)] {
             if t.dims() != out_shape || t.dtype() != q.dtype() || !t.device().same_device(q.device()) {
@@ -451,7 +498,7 @@ impl FlashAttn {
             max_seqlen_q,
             max_seqlen_k,
         )?;
-        run(params, q, k, v, dims, Some(varlen), self.deterministic)
+        self.run(params, q, k, v, dims, Some(varlen))
     }
 }
 
@@ -461,22 +508,73 @@ impl PartialEq for FlashAttn {
     }
 }
 
-/// Applies the forward op and hands back the LSE it kept for its backward.
-fn run(
-    params: AttnParams,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    dims: Dims,
-    varlen: Option<Varlen>,
-    deterministic: bool,
-) -> Result<(Tensor, Tensor)> {
-    let mut op = FlashAttnFwd::new(params, dims, varlen);
-    op.deterministic = deterministic;
-    let lse = op.lse.clone();
-    let out = q.apply_op3(k, v, op)?;
-    match lse.get() {
-        Some(lse) => Ok((out, lse.clone())),
-        None => candle_core::bail!("flash-attn3: the forward pass returned without its LSE"),
+impl FlashAttn {
+    /// The fp8 description of a call with these inputs: `None` for 16- and 32-bit inputs, which
+    /// take neither descales nor another output dtype.
+    fn fp8_call(&self, q: &Tensor, dims: &Dims, varlen: bool) -> Result<Option<Fp8Call>> {
+        if q.dtype() == DType::F8E4M3 {
+            return Ok(Some(Fp8Call::new(
+                &self.descales,
+                self.out_dtype,
+                dims,
+                varlen,
+                q.device(),
+            )?));
+        }
+        let d = &self.descales;
+        if d.q.is_some() || d.k.is_some() || d.v.is_some() {
+            candle_core::bail!("flash-attn3: descales apply to F8E4M3 inputs only, got {:?}", q.dtype())
+        }
+        match self.out_dtype {
+            Some(dt) if dt != q.dtype() => candle_core::bail!(
+                "flash-attn3: out_dtype {dt:?} applies to F8E4M3 inputs only; {:?} inputs give {:?}",
+                q.dtype(),
+                q.dtype()
+            ),
+            _ => Ok(None),
+        }
+    }
+
+    /// Applies the forward op and hands back the LSE it kept for its backward. FP8 inputs on the
+    /// CPU are dequantised (exactly, into f32) and run through the f32 path.
+    fn run(
+        &self,
+        params: AttnParams,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        dims: Dims,
+        varlen: Option<Varlen>,
+    ) -> Result<(Tensor, Tensor)> {
+        let fp8 = self.fp8_call(q, &dims, varlen.is_some())?;
+        if let (Some(call), Device::Cpu) = (&fp8, q.device()) {
+            let (cu_q, cu_k) = op::cumulative_lengths(&dims, varlen.as_ref());
+            let (q, k, v) = call.dequantize((q, k, v), &dims, &cu_q, &cu_k)?;
+            let (out, lse) = self.apply(params, &q, &k, &v, dims, varlen, None)?;
+            return Ok((out.to_dtype(call.out_dtype)?, lse));
+        }
+        self.apply(params, q, k, v, dims, varlen, fp8)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn apply(
+        &self,
+        params: AttnParams,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        dims: Dims,
+        varlen: Option<Varlen>,
+        fp8: Option<Fp8Call>,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut op = FlashAttnFwd::new(params, dims, varlen);
+        op.deterministic = self.deterministic;
+        op.fp8 = fp8;
+        let lse = op.lse.clone();
+        let out = q.apply_op3(k, v, op)?;
+        match lse.get() {
+            Some(lse) => Ok((out, lse.clone())),
+            None => candle_core::bail!("flash-attn3: the forward pass returned without its LSE"),
+        }
     }
 }

@@ -10,6 +10,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use crate::cpu;
+use crate::descale::Fp8Call;
 use crate::params::{AttnParams, Dims, Varlen};
 
 /// The shape of the attention output: q's shape with v's head dim.
@@ -51,6 +52,8 @@ pub(crate) struct FlashAttnFwd {
     pub lse: Arc<OnceLock<Tensor>>,
     /// The GPU backward sums dQ in a fixed order (bitwise reproducible gradients).
     pub deterministic: bool,
+    /// FP8 inputs (GPU): their descales and the output dtype.
+    pub fp8: Option<Fp8Call>,
 }
 
 impl FlashAttnFwd {
@@ -61,6 +64,7 @@ impl FlashAttnFwd {
             varlen,
             lse: Arc::new(OnceLock::new()),
             deterministic: false,
+            fp8: None,
         }
     }
 
@@ -121,6 +125,7 @@ impl CustomOp3 for FlashAttnFwd {
             (q, q_l),
             (k, k_l),
             (v, v_l),
+            self.fp8.as_ref(),
         )?;
         self.keep_lse(Storage::Cuda(lse));
         Ok((out, output_shape(&self.dims, self.varlen.is_some())))
@@ -134,6 +139,9 @@ impl CustomOp3 for FlashAttnFwd {
         out: &Tensor,
         grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if self.fp8.is_some() {
+            bail!("flash-attn3: fp8 attention has no backward (FA3 has none either); run the call in bf16 to train through it")
+        }
         let (dq, dk, dv) = backward_grads(
             self.params,
             self.dims,

@@ -90,8 +90,8 @@ pub(crate) struct Varlen {
 
 fn check_dtypes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
     let dtype = q.dtype();
-    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        bail!("flash-attn3: unsupported dtype {dtype:?}: q, k and v must be f32, f16 or bf16")
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3) {
+        bail!("flash-attn3: unsupported dtype {dtype:?}: q, k and v must be f32, f16, bf16 or f8e4m3 (forward only)")
     }
     if k.dtype() != dtype || v.dtype() != dtype {
         bail!(

@@ -121,7 +121,7 @@ fn main() -> Result<()> {
         let kv = Tensor::zeros((slot, 2 * hk, d), dt, &dev)?;
         let (ck, cv) = (kv.narrow(1, 0, hk)?, kv.narrow(1, hk, hk)?);
         for (how, splits) in [("split-KV auto", 0), ("num_splits 1", 1)] {
-            let attn = attn.num_splits(splits);
+            let attn = attn.clone().num_splits(splits);
             let (cu_q, cu_k) = (
                 SeqOffsets::from_lengths([1, 0], &dev)?,
                 SeqOffsets::from_lengths([slot - 40, 40], &dev)?,

@@ -11,16 +11,18 @@ use std::sync::{Arc, Mutex, OnceLock};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     sys, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
+use crate::descale::Fp8Call;
 use crate::params::{l2_section_pairs, split_count, AttnParams, Dims, FastDiv, Varlen};
 
 mod backward;
+mod fp8;
 pub(crate) use backward::{backward, SavedForBackward};
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_fwd.cubin"));
@@ -74,6 +76,12 @@ struct FwdParams {
     total_q: i32,
     o_accum: u64,
     lse_accum: u64,
+    q_descale: u64,
+    k_descale: u64,
+    v_descale: u64,
+    q_descale_blocks: i32,
+    k_descale_blocks: i32,
+    out_f16: i32,
 }
 
 /// Mirror of `fa3::CombineParams` (kernels/flash_fwd/params.cuh).
@@ -103,11 +111,13 @@ const COMBINE_ROWS_PER_BLOCK: usize = 8;
 // SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
 unsafe impl DeviceRepr for FwdParams {}
 
-/// One compiled instantiation: padded head dim, keys per pipeline stage, consumer warpgroups.
+/// One compiled instantiation: padded head dim, keys per pipeline stage, consumer warpgroups,
+/// e4m3 inputs or 16-bit.
 struct Variant {
     head_dim: usize,
     block_n: usize,
     consumer_wgs: usize,
+    fp8: bool,
 }
 
 impl Variant {
@@ -129,30 +139,52 @@ impl Variant {
                 } else {
                     3
                 },
+                fp8: false,
             },
             // Native d96 (64-byte swizzled tiles), 128 x 128 like d128.
             65..=96 if !simple_kernels() => Self {
                 head_dim: 96,
                 block_n: 128,
                 consumer_wgs: 2,
+                fp8: false,
             },
             65..=128 => Self {
                 head_dim: 128,
                 block_n: 128,
                 consumer_wgs: 2,
+                fp8: false,
             },
             // FA3's d192 tile: 112-key blocks (one Q buffer, O stored from registers: 218 KiB).
             129..=192 if !simple_kernels() => Self {
                 head_dim: 192,
                 block_n: 112,
                 consumer_wgs: 2,
+                fp8: false,
             },
             129..=256 => Self {
                 head_dim: 256,
                 block_n: 80,
                 consumer_wgs: 2,
+                fp8: false,
             },
             d => bail!("flash-attn3: the GPU kernel supports head dims up to 256, got {d}"),
+        })
+    }
+
+    /// The fp8 kernels: d64, d128 and d256 (96 and 192 run on the next one up, TMA zero-filling
+    /// the columns), 128-key blocks, two consumer warpgroups.
+    fn pick_fp8(head_dim: usize, head_dim_v: usize) -> Result<Self> {
+        let head_dim = match head_dim.max(head_dim_v) {
+            0..=64 => 64,
+            65..=128 => 128,
+            129..=256 => 256,
+            d => bail!("flash-attn3: the GPU kernel supports head dims up to 256, got {d}"),
+        };
+        Ok(Self {
+            head_dim,
+            block_n: fp8::BLOCK_N,
+            consumer_wgs: 2,
+            fp8: true,
         })
     }
 
@@ -160,6 +192,13 @@ impl Variant {
     /// block at a time per warpgroup; no d96 or d192 one: `pick` sends those head dims to d128 and
     /// d256), kept as a reference path for debugging.
     fn kernel_name(&self, dtype: DType) -> &'static str {
+        if self.fp8 {
+            return match self.head_dim {
+                64 => "flash_fwd_d64_e4m3",
+                128 => "flash_fwd_d128_e4m3",
+                _ => "flash_fwd_d256_e4m3",
+            };
+        }
         let simple = simple_kernels();
         let bf16 = dtype == DType::BF16;
         if self.consumer_wgs == 3 {
@@ -195,6 +234,12 @@ impl Variant {
     /// d <= 128, `kQStages`), the 2-stage K/V ring, the O staging tile of the TMA-store epilogue
     /// (d <= 128, `kTmaStoreO`) and the barriers.
     fn smem_bytes(&self) -> usize {
+        if self.fp8 {
+            // One-byte Q and K/V ring (two Q buffers up to d128), the 16-bit O staging tile.
+            let q_tiles = if self.head_dim <= 128 { 2 } else { 1 };
+            let bytes = self.head_dim * (q_tiles * self.block_m() + 2 * 2 * self.block_n + 2 * self.block_m());
+            return bytes + 1024 + 1024;
+        }
         let roomy = self.head_dim <= 128 && self.block_n <= 128;
         let (q_tiles, o_tiles) = if roomy { (2, 1) } else { (1, 0) };
         let rows = (q_tiles + o_tiles) * self.block_m() + 2 * 2 * self.block_n;
@@ -204,6 +249,10 @@ impl Variant {
     /// Columns per shared-memory column block (and TMA box): 64 (128-byte swizzle), or 32 (64-byte
     /// swizzle) for head dim 96, which is no multiple of 64 (`fa3::FwdTraits::kColElems`).
     fn col_elems(&self) -> u32 {
+        if self.fp8 {
+            // 128-byte rows, or 64-byte rows (64B swizzle) for d64.
+            return if self.head_dim % 128 == 0 { 128 } else { 64 };
+        }
         if self.head_dim % 64 == 0 {
             64
         } else {
@@ -462,8 +511,9 @@ fn tensor_map(
 }
 
 /// A TMA map of rank 1 + `sizes.len()` (at most 5): head_dim innermost in boxes of `col_elems`
-/// columns (64: 128-byte swizzle; 32: 64-byte swizzle, the head dim 96 kernels), then the outer
-/// dimensions `sizes` with element strides `strides` and box extents `box_outer`.
+/// columns (128-byte rows: 128B swizzle; 64-byte rows: 64B swizzle, the 16-bit head dim 96 and
+/// the fp8 head dim 64 kernels), then the outer dimensions `sizes` with element strides
+/// `strides` and box extents `box_outer`. Elements are 16-bit, or bytes for `DType::F8E4M3`.
 #[allow(clippy::too_many_arguments)]
 fn tensor_map_nd(
     name: &str,
@@ -478,19 +528,24 @@ fn tensor_map_nd(
     let rank = 1 + sizes.len();
     assert!(rank <= 5 && strides.len() == sizes.len() && box_outer.len() == sizes.len());
     if addr % 16 != 0 {
-        bail!("flash-attn3: {name} must start at a 16-byte aligned address for TMA (its start offset is not a multiple of 8 elements)")
+        bail!("flash-attn3: {name} must start at a 16-byte aligned address for TMA (its start offset is not a multiple of 16 bytes)")
     }
-    let total_bytes = (sizes.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>() + head_dim) * 2;
+    let (dt, elem) = match dtype {
+        DType::BF16 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
+        DType::F8E4M3 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),
+        _ => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
+    };
+    let total_bytes = (sizes.iter().zip(strides).map(|(n, s)| (n - 1) * s).sum::<usize>() + head_dim) * elem;
     let mut gstrides = [0u64; 4];
     for i in 0..sizes.len() {
-        let bytes = strides[i] * 2;
+        let bytes = strides[i] * elem;
         gstrides[i] = if sizes[i] == 1 {
             // The stride of a size-1 dimension never moves the address: any valid value will do.
             (total_bytes as u64).div_ceil(16) * 16
         } else {
             if bytes % 16 != 0 || bytes == 0 {
                 bail!(
-                    "flash-attn3: {name}'s token/head/batch strides must be non-zero multiples of 8 elements (16 bytes) for TMA, got element strides {strides:?}; call .contiguous() first"
+                    "flash-attn3: {name}'s token/head/batch strides must be non-zero multiples of 16 bytes for TMA, got element strides {strides:?}; call .contiguous() first"
                 )
             }
             bytes as u64
@@ -505,10 +560,6 @@ fn tensor_map_nd(
         boxdim[i + 1] = box_outer[i];
     }
     let estrides = [1u32; 5];
-    let dt = match dtype {
-        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-    };
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: every pointer argument points at a live array of at least `rank` (or rank - 1) entries.
     let res = unsafe {
@@ -522,8 +573,8 @@ fn tensor_map_nd(
             boxdim.as_ptr(),
             estrides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            match col_elems {
-                64 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            match col_elems as usize * elem {
+                128 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
                 _ => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
             },
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -557,7 +608,8 @@ fn geometry(layout: &Layout) -> ([usize; 3], [usize; 3]) {
     }
 }
 
-/// Runs the forward on the GPU; returns the output and the LSE.
+/// Runs the forward on the GPU; returns the output and the LSE. `fp8`: the descales and output
+/// dtype of e4m3 inputs.
 pub(crate) fn forward(
     dims: &Dims,
     params: AttnParams,
@@ -565,12 +617,31 @@ pub(crate) fn forward(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
+    fp8: Option<&Fp8Call>,
 ) -> Result<(CudaStorage, CudaStorage)> {
-    match q.0.dtype() {
-        DType::BF16 => forward_t::<bf16>(dims, params, varlen, q, k, v),
-        DType::F16 => forward_t::<f16>(dims, params, varlen, q, k, v),
-        dt => bail!("flash-attn3: the GPU kernel supports bf16 and f16, got {dt:?}; convert with .to_dtype(DType::BF16) or run on the CPU"),
+    match (q.0.dtype(), fp8.map(|f| f.out_dtype)) {
+        (DType::BF16, None) | (DType::F8E4M3, Some(DType::BF16)) => forward_t::<bf16>(dims, params, varlen, q, k, v, fp8),
+        (DType::F16, None) | (DType::F8E4M3, Some(DType::F16)) => forward_t::<f16>(dims, params, varlen, q, k, v, fp8),
+        (dt, _) => bail!("flash-attn3: the GPU kernel supports bf16, f16 and f8e4m3, got {dt:?}; convert with .to_dtype(DType::BF16) or run on the CPU"),
     }
+}
+
+/// The device address of an input (any of the kernels' dtypes) at its layout's start, with the
+/// guard that orders the launch after the storage's pending work.
+fn input_ptr<'a>(s: &'a CudaStorage, layout: &Layout, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)> {
+    fn at<'a, T>(s: &'a CudaSlice<T>, layout: &Layout, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        let (ptr, sync) = s.device_ptr(stream);
+        (ptr + (layout.start_offset() * std::mem::size_of::<T>()) as u64, sync)
+    }
+    Ok(match s.dtype() {
+        DType::BF16 => at(s.as_cuda_slice::<bf16>()?, layout, stream),
+        DType::F16 => at(s.as_cuda_slice::<f16>()?, layout, stream),
+        DType::F8E4M3 => match &s.slice {
+            candle_core::cuda_backend::CudaStorageSlice::F8E4M3(x) => at(x, layout, stream),
+            _ => bail!("flash-attn3: an F8E4M3 storage without its e4m3 slice"),
+        },
+        dt => bail!("flash-attn3: the GPU kernel supports bf16, f16 and f8e4m3, got {dt:?}"),
+    })
 }
 
 fn device_addr<T>(s: &CudaSlice<T>, stream: &CudaStream, layout: &Layout) -> u64 {
@@ -578,6 +649,8 @@ fn device_addr<T>(s: &CudaSlice<T>, stream: &CudaStream, layout: &Layout) -> u64
     ptr + (layout.start_offset() * std::mem::size_of::<T>()) as u64
 }
 
+/// The forward launch; `T` is the output's element type (the inputs' for 16-bit calls, bf16 or
+/// f16 for fp8 calls).
 fn forward_t<T: CudaDType + DeviceRepr>(
     dims: &Dims,
     params: AttnParams,
@@ -585,19 +658,28 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
+    fp8: Option<&Fp8Call>,
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dtype = q.0.dtype();
+    let out_dtype = fp8.map_or(dtype, |f| f.out_dtype);
     let dev = q.0.device.clone();
     if !(k.0.device.id() == dev.id() && v.0.device.id() == dev.id()) {
         bail!("flash-attn3: q, k and v must be on the same GPU")
     }
     let uneven = varlen.is_some() || params.window_left.is_some() || params.window_right.is_some();
     let group = dims.group();
-    let pack_gqa = pack_gqa(group, dims.seqlen_q);
-    let variant = Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q)?;
+    // FP8: a packed tile holds a whole GQA group, so its q heads must share one descale.
+    let pack_gqa = pack_gqa(group, dims.seqlen_q) && fp8.is_none_or(|f| f.q_shared_by_group);
+    let variant = match fp8 {
+        Some(_) => Variant::pick_fp8(dims.head_dim, dims.head_dim_v)?,
+        None => Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q)?,
+    };
+    let elem_bytes = if variant.fp8 { 1 } else { 2 };
     let stream = dev.cuda_stream();
 
-    let (qs, ks, vs) = (T::as_cuda_slice(q.0)?, T::as_cuda_slice(k.0)?, T::as_cuda_slice(v.0)?);
+    let (q_addr, _q_sync) = input_ptr(q.0, q.1, &stream)?;
+    let (k_addr, _k_sync) = input_ptr(k.0, k.1, &stream)?;
+    let (v_addr, _v_sync) = input_ptr(v.0, v.1, &stream)?;
     let (q_sizes, q_strides) = geometry(q.1);
     let (k_sizes, k_strides) = geometry(k.1);
     let (v_sizes, v_strides) = geometry(v.1);
@@ -617,7 +699,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         tensor_map_nd(
             "q",
             dtype,
-            device_addr(qs, &stream, q.1),
+            q_addr,
             dims.head_dim,
             &[group, tokens, dims.kv_heads, batch],
             &[head_stride, token_stride, group * head_stride, batch_stride],
@@ -625,33 +707,10 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             cols,
         )?
     } else {
-        map(
-            "q",
-            device_addr(qs, &stream, q.1),
-            dims.head_dim,
-            q_sizes,
-            q_strides,
-            block_m,
-        )?
+        map("q", q_addr, dims.head_dim, q_sizes, q_strides, block_m)?
     };
-    let q_tile_bytes = (variant.head_dim * 2 * if pack_gqa { q_tile_queries * group } else { block_m }) as u32;
-    let tma_k = map(
-        "k",
-        device_addr(ks, &stream, k.1),
-        dims.head_dim,
-        k_sizes,
-        k_strides,
-        variant.block_n,
-    )?;
-    let tma_v = map(
-        "v",
-        device_addr(vs, &stream, v.1),
-        dims.head_dim_v,
-        v_sizes,
-        v_strides,
-        variant.block_n,
-    )?;
-
+    let q_tile_bytes = (variant.head_dim * elem_bytes * if pack_gqa { q_tile_queries * group } else { block_m }) as u32;
+    let tma_k = map("k", k_addr, dims.head_dim, k_sizes, k_strides, variant.block_n)?;
     // The output is ours, contiguous (total_q, heads, head_dim_v); the epilogue stores 64-row
     // boxes, one per consumer warpgroup.
     let out_len = dims.total_q * dims.heads * dims.head_dim_v;
@@ -670,7 +729,19 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         }
     };
     let out_addr = device_addr(&out, &stream, &Layout::contiguous(out_len));
-    let tma_o = map("out", out_addr, dims.head_dim_v, o_sizes, o_strides, WG_ROWS)?;
+    // 16-bit output in the kernel's staging layout: the inputs' column blocks, or 64 columns
+    // (128-byte rows) for fp8 kernels.
+    let out_cols = if variant.fp8 { 64 } else { cols };
+    let tma_o = tensor_map_nd(
+        "out",
+        out_dtype,
+        out_addr,
+        dims.head_dim_v,
+        &o_sizes,
+        &o_strides,
+        &[WG_ROWS as u32, 1, 1],
+        out_cols,
+    )?;
 
     let num_m_blocks = dims.seqlen_q.div_ceil(q_tile_queries);
     let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
@@ -765,6 +836,34 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         varlen.map_or(&[][..], |v| &v.cu_k),
     )?;
 
+    // V as the kernel reads it: the caller's (keys, head_dim_v) rows, or for fp8 V^T written by
+    // the pre-pass (sequences, kv heads, head_dim_v, keys), 128-key boxes of the whole head dim.
+    let vt = match fp8 {
+        Some(_) => Some(fp8::transpose_v(&dev, dims, v, cu_k)?),
+        None => None,
+    };
+    let tma_v = match &vt {
+        Some(vt) => {
+            let padded = vt.keys_padded;
+            let slab = padded * dims.head_dim_v;
+            tensor_map_nd(
+                "v (transposed)",
+                dtype,
+                fp8::vt_addr(vt, &dev),
+                padded,
+                &[dims.head_dim_v, dims.kv_heads, dims.batch],
+                &[padded, slab, slab * dims.kv_heads],
+                &[variant.head_dim as u32, 1, 1],
+                fp8::BLOCK_N as u32,
+            )?
+        }
+        None => map("v", v_addr, dims.head_dim_v, v_sizes, v_strides, variant.block_n)?,
+    };
+    let descales = match fp8 {
+        Some(call) => Some(fp8::DescalePtrs::new(&dev, call)?),
+        None => None,
+    };
+
     let window = |w: Option<usize>| w.map_or(-1, |w| w.min(1 << 30) as i32);
     let scale = params.softmax_scale;
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -784,10 +883,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     {
         let (out_ptr, _out_sync) = out.device_ptr_mut(&stream);
         let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
-        let (qp, _qg) = qs.device_ptr(&stream);
-        let (kp, _kg) = ks.device_ptr(&stream);
-        let (vp, _vg) = vs.device_ptr(&stream);
-        let _ = (qp, kp, vp);
+        let _vt_sync = vt.as_ref().map(|vt| vt.vt.device_ptr(&stream));
         let (o_accum_ptr, _o_accum_sync) = optional_ptr_mut(&mut o_accum, &stream);
         let (lse_accum_ptr, _lse_accum_sync) = optional_ptr_mut(&mut lse_accum, &stream);
         let (tile_counter, _counter_sync) = optional_ptr_mut(&mut counter, &stream);
@@ -829,6 +925,12 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             total_q: dims.total_q as i32,
             o_accum: o_accum_ptr,
             lse_accum: lse_accum_ptr,
+            q_descale: descales.as_ref().map_or(0, |d| d.q),
+            k_descale: descales.as_ref().map_or(0, |d| d.k),
+            v_descale: descales.as_ref().map_or(0, |d| d.v),
+            q_descale_blocks: fp8.map_or(0, |f| f.q_blocks as i32),
+            k_descale_blocks: fp8.map_or(0, |f| f.k_blocks as i32),
+            out_f16: (out_dtype == DType::F16) as i32,
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
@@ -849,7 +951,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
         combine_splits(
             &dev,
-            dtype,
+            out_dtype,
             &CombineParams {
                 o_accum: o_accum_ptr,
                 lse_accum: lse_accum_ptr,
@@ -871,6 +973,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // order after the kernels.
     drop(uploads);
     drop(counter);
+    drop((vt, descales));
     drop((o_accum, lse_accum));
     Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
 }

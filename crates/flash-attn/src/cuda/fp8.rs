@@ -1,0 +1,133 @@
+//! The FP8 (e4m3) forward's host side: the V transpose pre-pass, the descale pointers, and the
+//! kernel variants (kernels/flash_fwd/, `FwdTraits::kFp8`; docs/kernels/forward-fp8.md). The
+//! launch itself is the 16-bit forward's (`forward_t` in mod.rs) with these pieces plugged in.
+
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{bail, CudaStorage, Layout, Result, Storage, Tensor};
+
+use super::{device_addr, geometry, input_ptr, kernel, launch_with_params};
+use crate::descale::Fp8Call;
+use crate::params::Dims;
+
+/// Keys of one fp8 pipeline stage: whole 128-byte rows of V^T (`FwdTraits::kBlockN`).
+pub(super) const BLOCK_N: usize = 128;
+
+/// Mirror of `fa3::Fp8PrepassParams` (kernels/flash_fwd/params.cuh).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PrepassParams {
+    v: u64,
+    vt: u64,
+    cu_k: u64,
+    v_token_stride: i64,
+    v_head_stride: i64,
+    v_batch_stride: i64,
+    seqlen_k: i32,
+    keys_padded: i32,
+    head_dim_v: i32,
+    kv_heads: i32,
+}
+
+// SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
+unsafe impl DeviceRepr for PrepassParams {}
+
+/// Keys per CTA of the pre-pass (`fa3::kPrepassKeys`) and its threads.
+const PREPASS_KEYS: usize = 64;
+const PREPASS_THREADS: u32 = 256;
+
+/// V^T as the fp8 kernels read it: (sequences, kv heads, head_dim_v, keys_padded) e4m3, each
+/// sequence from row 0 of its own slab (varlen calls too), keys permuted inside groups of 16.
+pub(super) struct TransposedV {
+    pub vt: CudaSlice<u8>,
+    pub keys_padded: usize,
+}
+
+/// Runs the pre-pass (kernels/flash_fwd/fp8_prepass.cuh) on candle's stream. `cu_k`: the varlen
+/// offsets' device address, 0 for fixed-length calls.
+pub(super) fn transpose_v(dev: &CudaDevice, dims: &Dims, v: (&CudaStorage, &Layout), cu_k: u64) -> Result<TransposedV> {
+    let stream = dev.cuda_stream();
+    let (_, [token_stride, head_stride, batch_stride]) = geometry(v.1);
+    let (v_addr, _v_sync) = input_ptr(v.0, v.1, &stream)?;
+    // 16-byte loads of V rows.
+    let batched = dims.batch > 1 && cu_k == 0;
+    let strides_ok =
+        token_stride % 16 == 0 && (dims.kv_heads == 1 || head_stride % 16 == 0) && (!batched || batch_stride % 16 == 0);
+    if v_addr % 16 != 0 || !strides_ok {
+        bail!(
+            "flash-attn3: fp8 v must start at a 16-byte aligned address with token/head/batch strides that are multiples of 16 elements, got element strides {:?}; call .contiguous() first",
+            v.1.stride()
+        )
+    }
+    let keys_padded = dims.seqlen_k.div_ceil(16) * 16;
+    let len = dims.batch * dims.kv_heads * dims.head_dim_v * keys_padded;
+    // SAFETY: the pre-pass writes every byte (zeros past each sequence's end).
+    let mut vt = unsafe { dev.alloc::<u8>(len)? };
+    {
+        let (vt_ptr, _vt_sync) = vt.device_ptr_mut(&stream);
+        let p = PrepassParams {
+            v: v_addr,
+            vt: vt_ptr,
+            cu_k,
+            v_token_stride: token_stride as i64,
+            v_head_stride: head_stride as i64,
+            v_batch_stride: batch_stride as i64,
+            seqlen_k: dims.seqlen_k as i32,
+            keys_padded: keys_padded as i32,
+            head_dim_v: dims.head_dim_v as i32,
+            kv_heads: dims.kv_heads as i32,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                keys_padded.div_ceil(PREPASS_KEYS) as u32,
+                dims.kv_heads as u32,
+                dims.batch as u32,
+            ),
+            block_dim: (PREPASS_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let name = "flash_fwd_fp8_transpose_v";
+        let func = kernel(dev, name, 0)?;
+        // SAFETY: v and vt are alive (guards held) until the launch is queued; the grid covers
+        // exactly vt's (sequence, kv head, key block) slabs.
+        unsafe { launch_with_params(&stream, &func, name, cfg, &p) }?;
+    }
+    Ok(TransposedV { vt, keys_padded })
+}
+
+/// The device addresses of an fp8 call's descales; the storages stay borrowed (alive) while
+/// this lives.
+pub(super) struct DescalePtrs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    _keep: [Tensor; 3],
+}
+
+impl DescalePtrs {
+    pub fn new(dev: &CudaDevice, call: &Fp8Call) -> Result<Self> {
+        let stream = dev.cuda_stream();
+        let addr = |t: &Tensor| -> Result<u64> {
+            let (storage, layout) = t.storage_and_layout();
+            match &*storage {
+                Storage::Cuda(cs) if cs.device.id() == dev.id() => {
+                    Ok(device_addr(cs.as_cuda_slice::<f32>()?, &stream, layout))
+                }
+                _ => bail!("flash-attn3: the fp8 descales must be on the GPU of q"),
+            }
+        };
+        Ok(Self {
+            q: addr(&call.q_descale)?,
+            k: addr(&call.k_descale)?,
+            v: addr(&call.v_descale)?,
+            _keep: [call.q_descale.clone(), call.k_descale.clone(), call.v_descale.clone()],
+        })
+    }
+}
+
+/// Keeps the pre-pass output's device pointer guard type in one place for mod.rs.
+pub(super) fn vt_addr(t: &TransposedV, dev: &CudaDevice) -> u64 {
+    let stream = dev.cuda_stream();
+    let (ptr, _) = t.vt.device_ptr(&stream);
+    ptr
+}

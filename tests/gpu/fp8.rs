@@ -1,0 +1,379 @@
+//! FP8 (e4m3) forward tests: the kernels against the f64 reference of the dequantised inputs
+//! (x = e4m3 · descale, exactly what the kernel multiplies), with fresh random inputs per check.
+//!
+//! The bound: S = Q·Kᵀ is exact up to fp32 accumulation, the softmax is fp32, and P is rounded to
+//! e4m3 before P·V (as in FA3): a relative error of at most 2^-4 per probability (3 mantissa
+//! bits), so |O - O_ref| <= 2^-4 · max|v| per element from P, plus the 16-bit rounding of O
+//! (2^-8 relative in bf16). Probabilities below e4m3's normal range (2^-6, relative to the row's
+//! reference max) round with an absolute error of 2^-10 instead; at these sizes their total
+//! weight stays far below the bound. `check_fp8` asserts max |O - O_ref| <= (2^-4 + 2^-8) · max|v|,
+//! an RMS error under 1e-2 · max|v| (P's rounding errors are unbiased, so the RMS sits far below
+//! the worst case), and the LSE (fp32 from unrounded scores) to 1e-3 as for 16-bit inputs.
+
+use candle_core::{DType, Device, Result, Tensor};
+use flash_attn3::fp8::{self, Granularity, Quantized, Quantizer};
+use flash_attn3_tests::{
+    assert_close, attention_ref, attention_ref_varlen, cumulative, max_len, seqlens_tensor, to_f64_vec, AttnShape,
+    Opts, TestRng,
+};
+
+use super::{gpu, poison, variants, LSE_TOL};
+
+/// P's e4m3 rounding plus the output's bf16 rounding, relative to max|v| (module docs).
+const MAX_ERR: f64 = 1.0 / 16.0 + 1.0 / 256.0;
+const RMS_ERR: f64 = 1e-2;
+
+/// max |got - want| and the RMS of the difference, both over max|v|; NaN or a non-finite
+/// mismatch fails.
+fn errors(got: &Tensor, want: &Tensor, v_max: f64, what: &str) -> Result<(f64, f64)> {
+    let (g, w) = (to_f64_vec(got)?, to_f64_vec(want)?);
+    assert_eq!(g.len(), w.len(), "{what}: sizes");
+    let (mut max, mut sq) = (0f64, 0f64);
+    for (i, (&g, &w)) in g.iter().zip(&w).enumerate() {
+        assert!(g.is_finite() && w.is_finite(), "{what}: element {i} got {g}, want {w}");
+        max = max.max((g - w).abs());
+        sq += (g - w) * (g - w);
+    }
+    Ok((max / v_max, (sq / g.len().max(1) as f64).sqrt() / v_max))
+}
+
+fn assert_fp8_close(got: &Tensor, want: &Tensor, v: &Tensor, what: &str) -> Result<()> {
+    let v_max = flash_attn3_tests::max_abs(v)?.max(1e-30);
+    let (max, rms) = errors(got, want, v_max, what)?;
+    assert!(
+        max <= MAX_ERR && rms <= RMS_ERR,
+        "{what}: max error {max:.3e} (bound {MAX_ERR:.3e}), rms {rms:.3e} (bound {RMS_ERR:.1e}), relative to max|v| {v_max:.3}"
+    );
+    Ok(())
+}
+
+/// q, k and v quantized with the given granularity (q and k per block of the kernels' block
+/// sizes when `Block`), optionally with the incoherent rotation of q and k.
+fn quantize_qkv(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    granularity: Granularity,
+    rotate: Option<u64>,
+) -> Result<(Quantized, Quantized, Quantized)> {
+    let (gq, gk, gv) = match granularity {
+        Granularity::Block(_) => (
+            Granularity::Block(fp8::Q_BLOCK_ROWS),
+            Granularity::Block(fp8::K_BLOCK_ROWS),
+            Granularity::Head,
+        ),
+        g => (g, g, g),
+    };
+    let quant = |g: Granularity, rot: bool| match (rot, rotate) {
+        (true, Some(seed)) => Quantizer::new(g).incoherent(seed),
+        _ => Quantizer::new(g),
+    };
+    Ok((
+        quant(gq, true).quantize(q)?,
+        quant(gk, true).quantize(k)?,
+        quant(gv, false).quantize(v)?,
+    ))
+}
+
+fn fp8_builder(o: Opts, q: &Quantized, k: &Quantized, v: &Quantized) -> flash_attn3::FlashAttn {
+    o.builder()
+        .descale(Some(&q.descale), Some(&k.descale), Some(&v.descale))
+}
+
+/// One fixed-length fp8 call against the f64 reference of its dequantised inputs, with the
+/// split count chosen per call and with num_splits(1); `out_dtype` bf16 or f16.
+fn check_fp8(
+    qkv: (&Tensor, &Tensor, &Tensor),
+    granularity: Granularity,
+    o: Opts,
+    out_dtype: DType,
+    what: &str,
+) -> Result<()> {
+    let (q8, k8, v8) = quantize_qkv(qkv, granularity, None)?;
+    let (qd, kd, vd) = (fp8::dequantize(&q8)?, fp8::dequantize(&k8)?, fp8::dequantize(&v8)?);
+    let (want, want_lse) = attention_ref(&qd, &kd, &vd, &o.reference())?;
+    for splits in [0, 1] {
+        poison(qkv.0.device(), want.elem_count() * 2)?;
+        let (out, lse) = fp8_builder(o, &q8, &k8, &v8)
+            .out_dtype(out_dtype)
+            .num_splits(splits)
+            .forward_with_lse(&q8.data, &k8.data, &v8.data)?;
+        assert_eq!(out.dtype(), out_dtype, "{what}: out dtype");
+        let what = format!("{what} {granularity:?} num_splits({splits})");
+        assert_fp8_close(&out, &want, &vd, &format!("{what}: out"))?;
+        assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn fp8_every_option_head_dims_and_granularities() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-options");
+    let mut n = 0;
+    for d in [64, 96, 128, 192, 256] {
+        for (name, o) in variants(d, &mut rng) {
+            let ratio = rng.pick(&[1, 2, 4, 8]);
+            let kv_heads = rng.range(1, 2);
+            let (sq, sk) = if rng.coin() {
+                (rng.odd_len(1, 200), rng.odd_len(130, 400))
+            } else {
+                (rng.odd_len(130, 330), rng.odd_len(1, 200))
+            };
+            let shape = AttnShape::new((rng.range(1, 2), sq, sk, kv_heads * ratio, kv_heads, d, d));
+            let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
+            let granularity = rng.pick(&[Granularity::Tensor, Granularity::Head, Granularity::Block(0)]);
+            let out_dtype = if rng.coin() { DType::BF16 } else { DType::F16 };
+            let what = format!("fp8 d{d} {name} {shape:?} {out_dtype:?} seed {}", rng.seed());
+            check_fp8((&q, &k, &v), granularity, o, out_dtype, &what)?;
+            n += 1;
+        }
+    }
+    eprintln!("{n} fp8 cases");
+    Ok(())
+}
+
+#[test]
+fn fp8_every_granularity_long_keys_and_gqa() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-granularity");
+    for granularity in [Granularity::Tensor, Granularity::Head, Granularity::Block(0)] {
+        for causal in [false, true] {
+            let d = rng.pick(&[64, 128, 256]);
+            let shape = AttnShape::new((2, rng.odd_len(300, 700), rng.odd_len(700, 1500), 8, 2, d, d));
+            let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
+            let o = if causal {
+                Opts::new(shape.scale()).causal()
+            } else {
+                Opts::new(shape.scale())
+            };
+            let what = format!("fp8 {shape:?} causal {causal} seed {}", rng.seed());
+            check_fp8((&q, &k, &v), granularity, o, DType::BF16, &what)?;
+        }
+    }
+    Ok(())
+}
+
+/// Scales that are not 1: inputs of very different magnitudes per head, and a softmax scale
+/// that is negative or zero (the descales fold into it).
+#[test]
+fn fp8_scales_magnitudes_negative_zero() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-scales");
+    let shape = AttnShape::new((2, 77, 301, 4, 2, 128, 128));
+    for scale in [0.09, -0.09, 0.0, 1.5] {
+        let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
+        let mag = Tensor::new(&[1e-3f32, 30.0], &dev)?.reshape((1, 1, 2, 1))?;
+        let (q, k, v) = (
+            q.broadcast_mul(&mag.repeat((1, 1, 2, 1))?)?,
+            k.broadcast_mul(&mag)?,
+            v.broadcast_mul(&mag)?,
+        );
+        let what = format!("fp8 scale {scale} seed {}", rng.seed());
+        check_fp8((&q, &k, &v), Granularity::Head, Opts::new(scale), DType::BF16, &what)?;
+    }
+    Ok(())
+}
+
+/// The incoherent rotation: the kernel sees rotated q and k (e4m3 · descale), whose product is
+/// the unrotated one's; compare against the reference of the rotated, dequantised inputs and,
+/// loosely, against the unrotated f32 inputs.
+#[test]
+fn fp8_incoherent_block_quantization() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-incoherent");
+    let shape = AttnShape::new((1, 333, 517, 4, 4, 128, 128));
+    let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
+    let (q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Block(0), Some(rng.seed()))?;
+    let (qd, kd, vd) = (fp8::dequantize(&q8)?, fp8::dequantize(&k8)?, fp8::dequantize(&v8)?);
+    let o = Opts::new(shape.scale());
+    let (want, _) = attention_ref(&qd, &kd, &vd, &o.reference())?;
+    let out = fp8_builder(o, &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
+    assert_fp8_close(&out, &want, &vd, "incoherent vs its dequantised inputs")?;
+    let (exact, _) = attention_ref(&q, &k, &v, &o.reference())?;
+    let v_max = flash_attn3_tests::max_abs(&v)?;
+    let (_, rms) = errors(&out, &exact, v_max, "incoherent vs f32 inputs")?;
+    assert!(rms < 2e-2, "incoherent vs the unquantised inputs: rms {rms:.3e}");
+    Ok(())
+}
+
+#[test]
+fn fp8_varlen_with_empty_sequences() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-varlen");
+    for d in [64, 128, 256] {
+        let lens_q = [rng.odd_len(1, 150), 0, rng.odd_len(100, 300), 1];
+        let lens_k = [rng.odd_len(100, 300), rng.odd_len(1, 50), 0, rng.odd_len(1, 200)];
+        let (cu_q, cu_k) = (cumulative(&lens_q), cumulative(&lens_k));
+        let (hq, hk) = (4, 2);
+        let q = rng.randn((cu_q[4], hq, d), DType::F32, &dev)?;
+        let k = rng.randn((cu_k[4], hk, d), DType::F32, &dev)?;
+        let v = rng.randn((cu_k[4], hk, d), DType::F32, &dev)?;
+        let granularity = rng.pick(&[Granularity::Tensor, Granularity::Head]);
+        let (q8, k8, v8) = quantize_qkv((&q, &k, &v), granularity, None)?;
+        let (qd, kd, vd) = (fp8::dequantize(&q8)?, fp8::dequantize(&k8)?, fp8::dequantize(&v8)?);
+        for causal in [false, true] {
+            let o = if causal {
+                Opts::new(0.1).causal()
+            } else {
+                Opts::new(0.1)
+            };
+            let (want, want_lse) = attention_ref_varlen(&qd, &kd, &vd, &cu_q, &cu_k, &o.reference())?;
+            poison(&dev, want.elem_count() * 2)?;
+            let (out, lse) = fp8_builder(o, &q8, &k8, &v8).forward_varlen_with_lse(
+                &q8.data,
+                &k8.data,
+                &v8.data,
+                &seqlens_tensor(&cu_q, &dev)?,
+                &seqlens_tensor(&cu_k, &dev)?,
+                max_len(&cu_q),
+                max_len(&cu_k),
+            )?;
+            let what = format!("fp8 varlen d{d} causal {causal} {granularity:?} seed {}", rng.seed());
+            assert_fp8_close(&out, &want, &vd, &format!("{what}: out"))?;
+            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Decode-like GQA calls: FA3's (batch, kv_heads) q descale lets a tile hold the whole group
+/// (pack-GQA); a (batch, heads) one does not, and the call must not pack.
+#[test]
+fn fp8_decode_pack_gqa_and_split_kv() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-decode");
+    for (sk, per_kv_head) in [(4097, true), (3000, false), (70, true)] {
+        let shape = AttnShape::new((3, 1, sk, 16, 2, 128, 128));
+        let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
+        let (mut q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Head, None)?;
+        if per_kv_head {
+            // One q descale per (batch, kv head): the group's largest, applied to all its heads.
+            let amax = q
+                .abs()?
+                .max_keepdim(3)?
+                .max_keepdim(1)?
+                .reshape((3, 2, 8))?
+                .max_keepdim(2)?
+                .squeeze(2)?;
+            let descale = (amax / fp8::E4M3_MAX as f64)?;
+            let per_head = descale.unsqueeze(2)?.broadcast_as((3, 2, 8))?.reshape((3, 16))?;
+            // candle 0.11's CUDA backend has no f32 -> e4m3 cast: convert on the host.
+            let data = q.broadcast_div(&per_head.unsqueeze(1)?.unsqueeze(3)?)?;
+            let data = data.to_device(&Device::Cpu)?.to_dtype(DType::F8E4M3)?.to_device(&dev)?;
+            q8 = Quantized {
+                data,
+                descale,
+                granularity: Granularity::Head,
+            };
+        }
+        let q_deq = if per_kv_head {
+            let per_head = q8.descale.unsqueeze(2)?.broadcast_as((3, 2, 8))?.reshape((3, 16))?;
+            // candle 0.11's CUDA backend has no e4m3 casts either way: dequantise on the host.
+            let cpu = Device::Cpu;
+            let data = q8.data.to_device(&cpu)?.to_dtype(DType::F32)?;
+            data.broadcast_mul(&per_head.to_device(&cpu)?.unsqueeze(1)?.unsqueeze(3)?)?
+        } else {
+            fp8::dequantize(&q8)?
+        };
+        let (kd, vd) = (fp8::dequantize(&k8)?, fp8::dequantize(&v8)?);
+        let o = Opts::new(shape.scale());
+        let (want, want_lse) = attention_ref(&q_deq, &kd, &vd, &o.reference())?;
+        for splits in [0, 1, 3] {
+            poison(&dev, want.elem_count() * 2)?;
+            let (out, lse) = fp8_builder(o, &q8, &k8, &v8)
+                .num_splits(splits)
+                .forward_with_lse(&q8.data, &k8.data, &v8.data)?;
+            let what = format!(
+                "fp8 decode sk {sk} per kv head {per_kv_head} splits {splits} seed {}",
+                rng.seed()
+            );
+            assert_fp8_close(&out, &want, &vd, &format!("{what}: out"))?;
+            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+        }
+    }
+    Ok(())
+}
+
+/// The same call on the CPU (exact f32 of the dequantised inputs) and on the GPU agree to the
+/// kernel's bound: the API is the same on every device.
+#[test]
+fn fp8_cpu_and_gpu_agree() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-cpu");
+    let shape = AttnShape::new((2, 100, 260, 4, 2, 64, 64));
+    let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &Device::Cpu)?;
+    let (q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Block(0), None)?;
+    let o = Opts::new(shape.scale()).causal();
+    let cpu = fp8_builder(o, &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
+    let to_gpu = |x: &Quantized| -> Result<Quantized> {
+        Ok(Quantized {
+            data: x.data.to_device(&dev)?,
+            descale: x.descale.to_device(&dev)?,
+            granularity: x.granularity,
+        })
+    };
+    let (qg, kg, vg) = (to_gpu(&q8)?, to_gpu(&k8)?, to_gpu(&v8)?);
+    let gpu_out = fp8_builder(o, &qg, &kg, &vg).forward(&qg.data, &kg.data, &vg.data)?;
+    assert_eq!(cpu.dtype(), DType::BF16);
+    assert_fp8_close(
+        &gpu_out.to_device(&Device::Cpu)?,
+        &cpu,
+        &fp8::dequantize(&v8)?,
+        "gpu vs cpu",
+    )?;
+    Ok(())
+}
+
+#[test]
+fn fp8_small_for_sanitizer() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-small");
+    let shape = AttnShape::new((1, 130, 260, 2, 1, 128, 128));
+    let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
+    check_fp8(
+        (&q, &k, &v),
+        Granularity::Block(0),
+        Opts::new(shape.scale()).causal(),
+        DType::BF16,
+        "fp8 small",
+    )
+}
+
+#[test]
+fn fp8_errors() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-errors");
+    let x = rng.randn((1, 64, 2, 128), DType::F32, &dev)?;
+    let q = fp8::quantize(&x, Granularity::Head)?;
+    let err = |r: Result<Tensor>| r.expect_err("must fail").to_string();
+    // Wrong descale shape, descale on bf16 inputs, out dtype f32.
+    let bad = Tensor::ones((1, 3), DType::F32, &dev)?;
+    let e = err(flash_attn3::FlashAttn::new(0.1)
+        .descale(Some(&bad), None, None)
+        .forward(&q.data, &q.data, &q.data));
+    assert!(e.contains("q_descale"), "{e}");
+    let xb = x.to_dtype(DType::BF16)?;
+    let e = err(flash_attn3::FlashAttn::new(0.1)
+        .descale(None, None, Some(&q.descale))
+        .forward(&xb, &xb, &xb));
+    assert!(e.contains("F8E4M3 inputs only"), "{e}");
+    let e = err(flash_attn3::FlashAttn::new(0.1)
+        .out_dtype(DType::F32)
+        .forward(&q.data, &q.data, &q.data));
+    assert!(e.contains("bf16 or f16"), "{e}");
+    // Head dim 72 is no multiple of 16.
+    let x72 = rng
+        .randn((1, 8, 1, 72), DType::F32, &Device::Cpu)?
+        .to_dtype(DType::F8E4M3)?
+        .to_device(&dev)?;
+    let e = err(flash_attn3::flash_attn(&x72, &x72, &x72, 0.1, false));
+    assert!(e.contains("multiples of 16"), "{e}");
+    // No backward.
+    let out = flash_attn3::flash_attn(&q.data, &q.data, &q.data, 0.1, false)?;
+    let e = flash_attn3::FlashAttn::new(0.1)
+        .backward(&q.data, &q.data, &q.data, &out, &out, &out)
+        .map(|_| ())
+        .expect_err("fp8 backward must fail")
+        .to_string();
+    assert!(e.contains("no backward"), "{e}");
+    Ok(())
+}
