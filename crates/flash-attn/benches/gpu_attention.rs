@@ -215,20 +215,29 @@ fn fp8_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
             table.push((d, causal, row));
         }
     }
-    println!("\nGPU forward, fp8 (e4m3 in, bf16 out), TFLOP/s (16k tokens, hidden 2048)");
+    print_grid(
+        "GPU forward, fp8 (e4m3 in, bf16 out), TFLOP/s (16k tokens, hidden 2048)",
+        seqs,
+        &table,
+    );
+    Ok(())
+}
+
+/// A grid of TFLOP/s as a Markdown table: one row per (head dim, mask), one column per seqlen.
+fn print_grid(title: &str, seqs: &[usize], table: &[(usize, bool, Vec<f64>)]) {
+    println!("\n{title}");
     print!("| head dim | mask |");
     for s in seqs {
         print!(" {} |", seq_label(*s));
     }
     println!("\n|---|---|{}", "---|".repeat(seqs.len()));
-    for (d, causal, row) in &table {
+    for (d, causal, row) in table {
         print!("| {d} | {} |", if *causal { "causal" } else { "full" });
         for t in row {
             print!(" {t:.0} |");
         }
         println!();
     }
-    Ok(())
 }
 
 /// RMSE of our fp8 output against the f64 reference that scripts/fp8_anchors.py stored in `dir`.
@@ -332,27 +341,7 @@ fn main() -> Result<()> {
         }
     }
 
-    println!("\nGPU forward, bf16, TFLOP/s (16k tokens, hidden 2048)");
-    print!("| head dim | mask |");
-    for s in &seqs {
-        print!(
-            " {} |",
-            if *s >= 1024 {
-                format!("{}k", s / 1024)
-            } else {
-                s.to_string()
-            }
-        );
-    }
-    println!();
-    println!("|---|---|{}", "---|".repeat(seqs.len()));
-    for (d, causal, row) in &table {
-        print!("| {d} | {} |", if *causal { "causal" } else { "full" });
-        for t in row {
-            print!(" {t:.0} |");
-        }
-        println!();
-    }
+    print_grid("GPU forward, bf16, TFLOP/s (16k tokens, hidden 2048)", &seqs, &table);
 
     if std::env::var("BENCH_DECODE").map(|v| v != "0").unwrap_or(true) {
         decode_shapes(&dev)?;

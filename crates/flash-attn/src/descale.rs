@@ -69,7 +69,8 @@ impl Fp8Call {
         let (q_descale, q_per_block, q_shared_by_group) = match &descales.q {
             None => (ones(&[batch, heads, 1])?, false, true),
             Some(t) => {
-                let (t, b) = check_descale("q", t, batch, device)?;
+                let b = check_descale("q", t, batch, device)?;
+                let t = t.clone();
                 match t.dims()[1..] {
                     [h] if h == kv_heads => {
                         let group = heads / kv_heads;
@@ -88,7 +89,8 @@ impl Fp8Call {
         let (k_descale, k_per_block) = match &descales.k {
             None => (ones(&[batch, kv_heads, 1])?, false),
             Some(t) => {
-                let (t, b) = check_descale("k", t, batch, device)?;
+                let b = check_descale("k", t, batch, device)?;
+                let t = t.clone();
                 match t.dims()[1..] {
                     [h] if h == kv_heads => (t.reshape((b, kv_heads, 1))?, false),
                     [h, n] if h == kv_heads && n == k_blocks && !varlen => (t, true),
@@ -102,7 +104,8 @@ impl Fp8Call {
         let v_descale = match &descales.v {
             None => ones(&[batch, kv_heads])?,
             Some(t) => {
-                let (t, b) = check_descale("v", t, batch, device)?;
+                let b = check_descale("v", t, batch, device)?;
+                let t = t.clone();
                 if t.dims()[1..] != [kv_heads] {
                     bail!(
                         "flash-attn3: v_descale must be (batch, kv_heads) = ({batch}, {kv_heads}) (batch may be 1): the output's scale is one per kv head; got {:?}",
@@ -166,8 +169,8 @@ impl Fp8Call {
     }
 }
 
-/// A descale tensor's dtype, device and leading (batch) dimension; returns it with that batch.
-fn check_descale(name: &str, t: &Tensor, batch: usize, device: &Device) -> Result<(Tensor, usize)> {
+/// A descale tensor's dtype, device and leading (batch) dimension; returns that batch.
+fn check_descale(name: &str, t: &Tensor, batch: usize, device: &Device) -> Result<usize> {
     if t.dtype() != DType::F32 {
         bail!("flash-attn3: {name}_descale must be f32, got {:?}", t.dtype())
     }
@@ -191,5 +194,5 @@ fn check_descale(name: &str, t: &Tensor, batch: usize, device: &Device) -> Resul
             t.dims()
         )
     }
-    Ok((t.clone(), b))
+    Ok(b)
 }

@@ -2,7 +2,7 @@
 //! kernel variants (kernels/flash_fwd/, `FwdTraits::kFp8`; docs/kernels/forward-fp8.md). The
 //! launch itself is the 16-bit forward's (`forward_t` in mod.rs) with these pieces plugged in.
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, CudaStorage, Layout, Result, Storage, Tensor};
 
@@ -123,11 +123,4 @@ impl DescalePtrs {
             _keep: [call.q_descale.clone(), call.k_descale.clone(), call.v_descale.clone()],
         })
     }
-}
-
-/// Keeps the pre-pass output's device pointer guard type in one place for mod.rs.
-pub(super) fn vt_addr(t: &TransposedV, dev: &CudaDevice) -> u64 {
-    let stream = dev.cuda_stream();
-    let (ptr, _) = t.vt.device_ptr(&stream);
-    ptr
 }

@@ -849,7 +849,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             tensor_map_nd(
                 "v (transposed)",
                 dtype,
-                fp8::vt_addr(vt, &dev),
+                device_addr(&vt.vt, &stream, &Layout::contiguous(vt.vt.len())),
                 padded,
                 &[dims.head_dim_v, dims.kv_heads, dims.batch],
                 &[padded, slab, slab * dims.kv_heads],
