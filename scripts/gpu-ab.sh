@@ -3,8 +3,7 @@
 # base, new), then the new build's GPU tests. Between device calls the same binary moves by up to
 # 8%, so kernel versions are compared this way only.
 #
-#   here:  scripts/gpu-pack.sh; mkdir -p .device-base; cp <old .device>/gpu-bench.xz .device-base/
-#          (pack the base build first and copy its gpu-bench.xz aside, then pack the new build)
+#   here:  scripts/gpu-pack.sh --attn --baseline REV   (REV's benchmark into .device-base/)
 #   run    carry [".device", ".device-base"]  command "bash scripts/gpu-ab.sh"
 #
 # Env: PASSES (fwd, bwd or fwd,bwd; default fwd), SEQS (default 512..8192), HD (head dims, default

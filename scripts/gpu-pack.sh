@@ -5,8 +5,14 @@
 # crates/model/benches/decode_host.rs) and the generate example built for the GPU (for
 # scripts/gpu_model_check.py), stripped and xz-compressed.
 #
-#   scripts/gpu-pack.sh [--anchors] [--fp8]
+#   scripts/gpu-pack.sh [--anchors] [--fp8] [--attn] [--baseline REV]
 #
+# --attn     only the attention test and benchmark binaries (a few minutes instead of ~12 when the
+#            model crates are cold); gpu-run.sh then reports the model steps as not packed.
+# --baseline REV  also the benchmark binary of git revision REV, as .device-base/gpu-bench.xz for
+#            scripts/gpu-ab.sh (carry [".device", ".device-base"]): an A/B of the two builds in one
+#            call. Built in a worktree under target/baseline/ with a target dir of its own (cargo's
+#            hashes ignore where a workspace lives, so a shared one would overwrite this build).
 # --anchors  also puts the anchor benchmark (../shared/anchors/anchors_bench.py) and its wheels
 #            (../shared/anchors/get-wheels.sh, about 50 MB) into .device/anchors/.
 # --fp8      puts the FP8 anchors' wheels (scripts/get-fp8-wheels.sh: fa3-fwd, cudnn-frontend,
@@ -21,14 +27,17 @@ set -euo pipefail
 log() { printf '[gpu-pack] %s\n' "$*" >&2; }
 die() { printf '[gpu-pack] error: %s\n' "$*" >&2; exit 1; }
 
-ANCHORS=0 FP8=0
-for arg in "$@"; do
-    case $arg in
+ANCHORS=0 FP8=0 ATTN_ONLY=0 BASELINE=
+while (($#)); do
+    case $1 in
         --anchors) ANCHORS=1 ;;
         --fp8) FP8=1 ;;
-        -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
-        *) die "unknown argument: $arg (usage: $0 [--anchors] [--fp8])" ;;
+        --attn) ATTN_ONLY=1 ;;
+        --baseline) BASELINE=${2:?--baseline needs a git revision}; shift ;;
+        -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+        *) die "unknown argument: $1 (usage: $0 [--anchors] [--fp8] [--attn] [--baseline REV])" ;;
     esac
+    shift
 done
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -74,12 +83,25 @@ print(exes[-1] if exes else "")
 
 build_exe TEST_EXE gpu test --release -p flash-attn3-tests --features cuda --test gpu --no-run
 build_exe BENCH_EXE gpu_attention bench -p flash-attn3 --features cuda --bench gpu_attention --no-run
-build_exe MODEL_TEST_EXE gpu test --release -p flash-llama --features cuda --test gpu --no-run
-build_exe TRAIN_TEST_EXE gpu_train test --release -p flash-llama --features cuda --test gpu_train --no-run
-build_exe HOST_BENCH_EXE decode_host bench -p flash-llama --features cuda --bench decode_host --no-run
-build_exe GENERATE_EXE generate build --release -p flash-attn3-examples --features cuda --example generate
+if ((!ATTN_ONLY)); then
+    build_exe MODEL_TEST_EXE gpu test --release -p flash-llama --features cuda --test gpu --no-run
+    build_exe TRAIN_TEST_EXE gpu_train test --release -p flash-llama --features cuda --test gpu_train --no-run
+    build_exe HOST_BENCH_EXE decode_host bench -p flash-llama --features cuda --bench decode_host --no-run
+    build_exe GENERATE_EXE generate build --release -p flash-attn3-examples --features cuda --example generate
+fi
+if [[ -n $BASELINE ]]; then
+    BASE_REV=$(git rev-parse --short "$BASELINE^{commit}") || die "--baseline $BASELINE: no such revision"
+    BASE_TREE=$REPO/target/baseline/$BASE_REV
+    [[ -d $BASE_TREE ]] || git worktree add --detach "$BASE_TREE" "$BASE_REV" >&2 || die "git worktree add $BASE_TREE failed"
+    BASE_EXE=$(
+        cd "$BASE_TREE" &&
+            CARGO_TARGET_DIR=$REPO/target/baseline/target build_exe base_exe gpu_attention bench -p flash-attn3 --features cuda --bench gpu_attention --no-run &&
+            echo "$base_exe"
+    ) || die "baseline build failed"
+fi
 
 mkdir -p "$DEV"
+rm -f "$DEV"/*.xz # what is not packed below must not travel from an older pack
 pack() { # pack SRC NAME: strip and compress SRC into .device/NAME.xz
     local src=$1 dst=$DEV/$2 t0=$SECONDS
     cp -f "$src" "$dst.tmp"
@@ -91,10 +113,17 @@ pack() { # pack SRC NAME: strip and compress SRC into .device/NAME.xz
 }
 pack "$TEST_EXE" gpu-test
 pack "$BENCH_EXE" gpu-bench
-pack "$MODEL_TEST_EXE" model-gpu-test
-pack "$TRAIN_TEST_EXE" train-gpu-test
-pack "$HOST_BENCH_EXE" decode-host
-pack "$GENERATE_EXE" generate
+if ((!ATTN_ONLY)); then
+    pack "$MODEL_TEST_EXE" model-gpu-test
+    pack "$TRAIN_TEST_EXE" train-gpu-test
+    pack "$HOST_BENCH_EXE" decode-host
+    pack "$GENERATE_EXE" generate
+fi
+if [[ -n $BASELINE ]]; then
+    mkdir -p "$REPO/.device-base"
+    DEV=$REPO/.device-base pack "$BASE_EXE" gpu-bench
+    echo "baseline: $BASE_REV ($(git log -1 --format=%s "$BASE_REV" | cut -c1-60))" >"$REPO/.device-base/manifest.txt"
+fi
 
 {
     echo "packed:  $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
@@ -102,10 +131,14 @@ pack "$GENERATE_EXE" generate
     echo "nvcc:    $(nvcc --version | grep -o 'release [0-9.]*, V[0-9.]*')"
     echo "test:    $(basename "$TEST_EXE")"
     echo "bench:   $(basename "$BENCH_EXE")"
-    echo "model:   $(basename "$MODEL_TEST_EXE")"
-    echo "train:   $(basename "$TRAIN_TEST_EXE")"
-    echo "host:    $(basename "$HOST_BENCH_EXE")"
-    echo "generate: $(basename "$GENERATE_EXE")"
+    if ((ATTN_ONLY)); then
+        echo "only:    attention (gpu-pack.sh --attn)"
+    else
+        echo "model:   $(basename "$MODEL_TEST_EXE")"
+        echo "train:   $(basename "$TRAIN_TEST_EXE")"
+        echo "host:    $(basename "$HOST_BENCH_EXE")"
+        echo "generate: $(basename "$GENERATE_EXE")"
+    fi
 } >"$DEV/manifest.txt"
 
 if ((ANCHORS)); then
@@ -128,6 +161,7 @@ fi
 # Sizes: what travels is the working tree (tracked + untracked-not-ignored files) plus .device.
 tree_bytes=$( (git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null || true) | tail -n1 | cut -f1)
 dev_bytes=$(du -sb "$DEV" | cut -f1)
+[[ -n $BASELINE ]] && dev_bytes=$((dev_bytes + $(du -sb "$REPO/.device-base" | cut -f1)))
 total=$((tree_bytes + dev_bytes))
 echo "== .device contents"
 (cd "$DEV" && find . -type f -printf '%s\t%p\n' | sort -k2 | awk -F'\t' '{printf "%10.2f MiB  %s\n", $1/1048576, $2}')

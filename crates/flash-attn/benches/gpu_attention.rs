@@ -15,7 +15,9 @@
 //! bookkeeping), FLOPs 2.5 × the forward's (the FA3 paper's convention), and the op alone through
 //! `FlashAttn::backward` (second table): the anchors time torch.autograd.grad, which returns the
 //! op's gradients without candle's bookkeeping (the root's ones_like, a zeros_like per input that
-//! the op's gradient is added into).
+//! the op's gradient is added into). `fp8` runs the grid with e4m3 inputs; `quantize` times the
+//! GPU fp8 quantizer against candle's copy and the fp8 forward. BENCH_FP8_ACC_DIR=dir first runs
+//! the FA3-paper accuracy protocol on the inputs scripts/fp8_anchors.py stored there.
 
 use candle_core::Var;
 
@@ -223,6 +225,50 @@ fn fp8_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
     Ok(())
 }
 
+/// The GPU quantizer (flash_attn3::fp8) on one bf16 input of the grid's size (16k tokens, hidden
+/// 2048) per head dim and granularity: µs per tensor, GB/s of one read plus one write (per head
+/// and per tensor read the input twice: their scale needs the whole sequence first), against
+/// candle's own copy of the same tensor, and the three tensors' time (q, k, v) next to the fp8
+/// forward they feed at seqlen 4k, unmasked.
+fn quantize_table(dev: &Device, hdims: &[usize]) -> Result<()> {
+    let (tokens, hidden) = (16384usize, 2048usize);
+    let seqlen = 4096;
+    let x = Tensor::randn(0f32, 1., (tokens / seqlen, seqlen, 1, hidden), dev)?.to_dtype(DType::BF16)?;
+    let bytes = (x.elem_count() * 3) as f64; // 2 bytes in, 1 out
+    let copy_secs = time(dev, || x.copy())?;
+    let copy_gbs = (x.elem_count() * 4) as f64 / copy_secs / 1e9;
+    println!("\nfp8 quantize of one bf16 (4, 4096, 2048 / d, d) tensor; candle's bf16 copy of it: {copy_gbs:.0} GB/s");
+    println!("| head dim | granularity | µs | GB/s | of copy | q+k+v / fp8 fwd at 4k |");
+    println!("|---|---|---|---|---|---|");
+    for &d in hdims {
+        let x = x.reshape((tokens / seqlen, seqlen, hidden / d, d))?;
+        let q8 = fp8::quantize(&x, Granularity::Head)?.data;
+        let attn = FlashAttn::new(1.0 / (d as f32).sqrt());
+        let fwd = time(dev, || attn.forward(&q8, &q8, &q8))?;
+        let cases: [(&str, Quantizer); 5] = [
+            ("tensor", Quantizer::new(Granularity::Tensor)),
+            ("head", Quantizer::new(Granularity::Head)),
+            ("block 64", Quantizer::new(Granularity::Block(fp8::Q_BLOCK_ROWS))),
+            ("block 128", Quantizer::new(Granularity::Block(fp8::K_BLOCK_ROWS))),
+            (
+                "block 64 + incoherent",
+                Quantizer::new(Granularity::Block(fp8::Q_BLOCK_ROWS)).incoherent(7),
+            ),
+        ];
+        for (name, quantizer) in cases {
+            let secs = time(dev, || Ok(quantizer.quantize(&x)?.data))?;
+            let gbs = bytes / secs / 1e9;
+            println!(
+                "| {d} | {name} | {:.1} | {gbs:.0} | {:.0}% | {:.2} |",
+                secs * 1e6,
+                100.0 * gbs / copy_gbs,
+                3.0 * secs / fwd
+            );
+        }
+    }
+    Ok(())
+}
+
 /// A grid of TFLOP/s as a Markdown table: one row per (head dim, mask), one column per seqlen.
 fn print_grid(title: &str, seqs: &[usize], table: &[(usize, bool, Vec<f64>)]) {
     println!("\n{title}");
@@ -313,6 +359,9 @@ fn main() -> Result<()> {
     }
     if passes.split(',').any(|p| p.trim() == "fp8") {
         fp8_grid(&dev, &seqs, &hdims)?;
+    }
+    if passes.split(',').any(|p| p.trim() == "quantize") {
+        quantize_table(&dev, &hdims)?;
     }
     if !passes.split(',').any(|p| p.trim() == "fwd") {
         return Ok(());

@@ -7,8 +7,13 @@
 //! resolution; the incoherent rotation (FA3 section 3.3) attacks the same outliers from the other
 //! side, spreading each over its head's dims so that one scale fits them all.
 //!
-//! The math runs on the host: a tensor on a GPU is copied to the CPU and the results are copied
-//! back to its device. A GPU kernel will replace that; the results will not change.
+//! A tensor on a GPU is quantized there in one pass (kernels/fp8/quantize.cu; per head and per
+//! tensor read it twice, since their scale needs the whole sequence first); a CPU tensor on the
+//! host. Both give the same bits: the kernel repeats the host's f32 operations in the same order.
+//! The one difference is non-finite input: the host returns an error, while the GPU (which would
+//! need a device-to-host sync to know) gives the group holding it a NaN descale, so the attention
+//! rows that use it come out NaN. Head dims the kernel does not take (above 256 or not a multiple
+//! of 8) go through the host from a GPU tensor too.
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 use rayon::prelude::*;
@@ -79,6 +84,16 @@ impl Quantizer {
         const WHAT: &str = "quantize";
         check_float(x.dtype(), WHAT)?;
         let groups = Groups::new(x.dims(), self.granularity, WHAT)?;
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() && crate::cuda::quantize::supports(groups.head_dim) {
+            let signs = self.incoherent.map(|seed| sign_words(seed, groups.head_dim));
+            let (data, descale) = crate::cuda::quantize::run(x, &groups, signs.as_deref())?;
+            return Ok(Quantized {
+                data,
+                descale,
+                granularity: self.granularity,
+            });
+        }
         let mut values = host_f32(x)?;
         if values.iter().any(|v| !v.is_finite()) {
             bail!("flash-attn3: fp8 quantize: input has non-finite values")
@@ -91,9 +106,10 @@ impl Quantizer {
             .par_chunks_mut(groups.head_dim)
             .enumerate()
             .for_each(|(row, chunk)| {
-                let d = descale[groups.index(row)];
+                // Times the reciprocal, as the GPU kernel does (a multiply, not a division).
+                let inv = 1.0 / descale[groups.index(row)];
                 for v in chunk {
-                    *v = (*v / d).clamp(-E4M3_MAX, E4M3_MAX);
+                    *v = (*v * inv).clamp(-E4M3_MAX, E4M3_MAX);
                 }
             });
         // candle's f32 → e4m3 conversion rounds to nearest even; the values are already in range.
@@ -187,17 +203,17 @@ fn host_f32(x: &Tensor) -> Result<Vec<f32>> {
 
 /// The groups of one quantization. Varlen input is one batch whose sequence is all the tokens, so
 /// that rows map to scales by one formula; its descale is (1, heads) all the same.
-struct Groups {
-    seqlen: usize,
-    heads: usize,
-    head_dim: usize,
+pub(crate) struct Groups {
+    pub seqlen: usize,
+    pub heads: usize,
+    pub head_dim: usize,
     /// Sequence positions per scale: the whole sequence unless per block.
-    rows: usize,
+    pub rows: usize,
     /// Scales per (batch, head).
-    blocks: usize,
-    batch: usize,
+    pub blocks: usize,
+    pub batch: usize,
     varlen: bool,
-    granularity: Granularity,
+    pub granularity: Granularity,
 }
 
 impl Groups {
@@ -234,7 +250,7 @@ impl Groups {
         })
     }
 
-    fn descale_dims(&self) -> Vec<usize> {
+    pub fn descale_dims(&self) -> Vec<usize> {
         match (self.granularity, self.varlen) {
             (_, true) => vec![1, self.heads],
             (Granularity::Block(_), false) => vec![self.batch, self.heads, self.blocks],
@@ -286,7 +302,7 @@ impl Groups {
 fn rotate_rows(values: &mut [f32], d: usize, seed: u64) {
     let signs = signs(seed, d);
     let b = 1usize << d.trailing_zeros();
-    let norm = (b as f32).sqrt();
+    let inv_norm = 1.0 / (b as f32).sqrt();
     values.par_chunks_mut(d).for_each(|row| {
         for (v, s) in row.iter_mut().zip(&signs) {
             *v *= s;
@@ -294,31 +310,37 @@ fn rotate_rows(values: &mut [f32], d: usize, seed: u64) {
         for block in row.chunks_exact_mut(b) {
             fwht(block);
             for v in block {
-                *v /= norm;
+                *v *= inv_norm;
             }
         }
     });
 }
 
-/// ±1 per dim from splitmix64: a fixed function of the seed, so q and k rotated apart (even on
-/// different machines) meet the same R.
+/// ±1 per dim: -1 where dim i's bit of [`sign_words`] is set.
 fn signs(seed: u64, d: usize) -> Vec<f32> {
-    let mut state = seed;
-    let mut word = 0u64;
+    let words = sign_words(seed, d);
     (0..d)
         .map(|i| {
-            if i % 64 == 0 {
-                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = state;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                word = z ^ (z >> 31);
-            }
-            if (word >> (i % 64)) & 1 == 1 {
+            if (words[i / 64] >> (i % 64)) & 1 == 1 {
                 -1.0
             } else {
                 1.0
             }
+        })
+        .collect()
+}
+
+/// The sign bits of R, 64 dims per word, from splitmix64: a fixed function of the seed, so q and
+/// k rotated apart (even on different machines, or one on the GPU) meet the same R.
+fn sign_words(seed: u64, d: usize) -> Vec<u64> {
+    let mut state = seed;
+    (0..d.div_ceil(64))
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
         })
         .collect()
 }

@@ -23,6 +23,7 @@ use crate::params::{l2_section_pairs, split_count, AttnParams, Dims, FastDiv, Va
 
 mod backward;
 mod fp8;
+pub(crate) mod quantize;
 pub(crate) use backward::{backward, SavedForBackward};
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_fwd.cubin"));
@@ -636,11 +637,12 @@ fn input_ptr<'a>(s: &'a CudaStorage, layout: &Layout, stream: &'a CudaStream) ->
     Ok(match s.dtype() {
         DType::BF16 => at(s.as_cuda_slice::<bf16>()?, layout, stream),
         DType::F16 => at(s.as_cuda_slice::<f16>()?, layout, stream),
+        DType::F32 => at(s.as_cuda_slice::<f32>()?, layout, stream),
         DType::F8E4M3 => match &s.slice {
             candle_core::cuda_backend::CudaStorageSlice::F8E4M3(x) => at(x, layout, stream),
             _ => bail!("flash-attn3: an F8E4M3 storage without its e4m3 slice"),
         },
-        dt => bail!("flash-attn3: the GPU kernel supports bf16, f16 and f8e4m3, got {dt:?}"),
+        dt => bail!("flash-attn3: the GPU kernels take f32, bf16, f16 and f8e4m3 inputs, got {dt:?}"),
     })
 }
 
