@@ -44,6 +44,7 @@ mod cpu;
 mod cuda;
 mod descale;
 pub mod fp8;
+pub mod kvcache;
 mod op;
 mod params;
 
@@ -52,6 +53,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor};
 
 use descale::{Descales, Fp8Call};
+pub use kvcache::{flash_attn_with_kvcache, KvCacheAttn};
 use op::FlashAttnFwd;
 pub use params::MAX_HEAD_DIM;
 use params::{AttnParams, Dims, Offsets, Varlen};

@@ -1,0 +1,505 @@
+//! Attention of a few new queries against a KV cache that the same call extends: FA3's
+//! `flash_attn_with_kvcache`, the decode step of every serving engine.
+//!
+//! The cache is either contiguous, k (batch_cache, seqlen_cache, kv_heads, head_dim), or paged
+//! (vLLM's layout), k (num_pages, page_size, kv_heads, head_dim) with a `page_table`
+//! (batch, max_pages) of u32 page indices: sequence b's key j lives in page
+//! `page_table[b][j / page_size]` at row `j % page_size`. Pages may come in any order and be
+//! shared between sequences (a common prompt prefix). v has the same layout with head_dim_v.
+//!
+//! `cache_seqlens` (batch,) u32 counts the keys each sequence already holds. With
+//! [`KvCacheAttn::append`], the call first writes k_new / v_new (batch, seqlen_new, kv_heads, d)
+//! into the cache at positions `cache_seqlens[b]..` (in place: the cache tensors are modified),
+//! then every query attends to keys `0 .. cache_seqlens[b] + seqlen_new`; causal and window
+//! masks align bottom-right over those keys (query i's diagonal is key
+//! `cache_seqlens[b] + seqlen_new - seqlen_q + i`). `cache_seqlens` itself is not advanced:
+//! the caller adds seqlen_new for the next step, as with FA3.
+//!
+//! With [`KvCacheAttn::rotary`], q and k_new are rotated first (rotary embedding at their
+//! positions, from cos / sin tables of (positions, rotary_dim / 2)): k_new at `cache_seqlens[b] +
+//! i`, q at the same positions when the call is causal or windowed, and all at
+//! `cache_seqlens[b]` otherwise (FA3's rule: a non-causal step's queries share one position).
+//! The first rotary_dim dims turn, pairs (x_i, x_{i + rotary_dim / 2}), or (x_2i, x_2i+1) if
+//! interleaved; the rest pass unchanged.
+//!
+//! `cache_batch_idx` (batch,) u32 picks the cache row of each batch entry (contiguous caches
+//! only; a page table already maps sequences to pages).
+//!
+//! Status: the CPU path computes every option exactly (in f32, the cache gathered per sequence
+//! and run through the CPU attention); the GPU kernels are in progress and a GPU call returns an
+//! error saying so.
+
+use candle_core::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Result, Tensor};
+
+use crate::{FlashAttn, SeqOffsets};
+
+/// Page sizes the paged cache takes (tokens per page): the powers of two from vLLM's default 16
+/// to 256.
+pub const PAGE_SIZES: [usize; 5] = [16, 32, 64, 128, 256];
+
+/// A [`FlashAttn`] call against a KV cache; made by [`FlashAttn::kv_cache`].
+#[derive(Debug, Clone)]
+pub struct KvCacheAttn<'a> {
+    attn: FlashAttn,
+    k_cache: &'a Tensor,
+    v_cache: &'a Tensor,
+    cache_seqlens: &'a Tensor,
+    new: Option<(&'a Tensor, &'a Tensor)>,
+    page_table: Option<&'a Tensor>,
+    cache_batch_idx: Option<&'a Tensor>,
+    rotary: Option<Rotary<'a>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Rotary<'a> {
+    cos: &'a Tensor,
+    sin: &'a Tensor,
+    interleaved: bool,
+}
+
+impl FlashAttn {
+    /// This call's options against a KV cache (module [`crate::kvcache`]): `k_cache` / `v_cache`
+    /// contiguous (batch_cache, seqlen_cache, kv_heads, d) or, with
+    /// [`KvCacheAttn::page_table`], paged (num_pages, page_size, kv_heads, d); `cache_seqlens`
+    /// (batch,) u32, the keys each sequence holds.
+    pub fn kv_cache<'a>(&self, k_cache: &'a Tensor, v_cache: &'a Tensor, cache_seqlens: &'a Tensor) -> KvCacheAttn<'a> {
+        KvCacheAttn {
+            attn: self.clone(),
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            new: None,
+            page_table: None,
+            cache_batch_idx: None,
+            rotary: None,
+        }
+    }
+}
+
+/// [`FlashAttn::kv_cache`] in one call, FA3's argument order: append `k` / `v` (if given) at
+/// `cache_seqlens`, then attend.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_with_kvcache(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    k: Option<&Tensor>,
+    v: Option<&Tensor>,
+    cache_seqlens: &Tensor,
+    softmax_scale: f32,
+    causal: bool,
+) -> Result<Tensor> {
+    let attn = FlashAttn::new(softmax_scale).causal(causal);
+    let call = attn.kv_cache(k_cache, v_cache, cache_seqlens);
+    match (k, v) {
+        (Some(k), Some(v)) => call.append(k, v).forward(q),
+        (None, None) => call.forward(q),
+        _ => bail!("flash-attn3: kvcache: k and v are appended together: pass both or neither"),
+    }
+}
+
+impl<'a> KvCacheAttn<'a> {
+    /// Writes `k` / `v` (batch, seqlen_new, kv_heads, d) into the cache at `cache_seqlens[b]..`
+    /// before attending; the queries then see them as their last keys.
+    pub fn append(mut self, k: &'a Tensor, v: &'a Tensor) -> Self {
+        self.new = Some((k, v));
+        self
+    }
+
+    /// Makes the cache paged: `page_table` (batch, max_pages) u32 page indices into the caches'
+    /// first axis, whose second is the page size (one of [`PAGE_SIZES`]).
+    pub fn page_table(mut self, page_table: &'a Tensor) -> Self {
+        self.page_table = Some(page_table);
+        self
+    }
+
+    /// The cache row of each batch entry, (batch,) u32 (contiguous caches only).
+    pub fn cache_batch_idx(mut self, idx: &'a Tensor) -> Self {
+        self.cache_batch_idx = Some(idx);
+        self
+    }
+
+    /// Rotary embedding of q and k_new inside the call (module docs for the positions):
+    /// `cos` / `sin` (positions, rotary_dim / 2) in q's dtype or f32.
+    pub fn rotary(mut self, cos: &'a Tensor, sin: &'a Tensor, interleaved: bool) -> Self {
+        self.rotary = Some(Rotary { cos, sin, interleaved });
+        self
+    }
+
+    /// The attention output, (batch, seqlen_q, heads, head_dim_v).
+    pub fn forward(&self, q: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_with_lse(q)?.0)
+    }
+
+    /// The output and the f32 log-sum-exp of each query row, (batch, heads, seqlen_q).
+    pub fn forward_with_lse(&self, q: &Tensor) -> Result<(Tensor, Tensor)> {
+        let shape = self.check(q)?;
+        match q.device() {
+            Device::Cpu => self.forward_cpu(q, &shape),
+            _ => bail!(
+                "flash-attn3: kvcache: the GPU kernels of flash_attn_with_kvcache are not written yet; \
+                 run the call on the CPU, or use FlashAttn::forward_varlen_offsets over a contiguous cache"
+            ),
+        }
+    }
+
+    /// Shapes, dtypes and devices: everything the host can check without reading a tensor.
+    fn check(&self, q: &Tensor) -> Result<CacheShape> {
+        const E: &str = "flash-attn3: kvcache";
+        let (batch, seqlen_q, heads, head_dim) = match *q.dims() {
+            [b, s, h, d] => (b, s, h, d),
+            _ => bail!("{E}: q must be (batch, seqlen_q, heads, head_dim), got {:?}", q.dims()),
+        };
+        let dtype = q.dtype();
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            bail!("{E}: q must be f32, f16 or bf16, got {dtype:?} (an fp8 cache is to come)")
+        }
+        let same_device = |t: &Tensor| t.device().same_device(q.device());
+        let (k, v) = (self.k_cache, self.v_cache);
+        for (name, t) in [("k_cache", k), ("v_cache", v)] {
+            if t.rank() != 4 {
+                bail!("{E}: {name} must have rank 4, got shape {:?}", t.dims())
+            }
+            if t.dtype() != dtype || !same_device(t) {
+                bail!(
+                    "{E}: {name} must be {dtype:?} on q's device, got {:?} on {:?}",
+                    t.dtype(),
+                    t.device().location()
+                )
+            }
+            if !t.is_contiguous() {
+                bail!("{E}: {name} must be contiguous (the call writes it in place)")
+            }
+        }
+        let (k_dims, v_dims) = (k.dims(), v.dims());
+        let (slots, rows, kv_heads) = (k_dims[0], k_dims[1], k_dims[2]);
+        if k_dims[3] != head_dim || v_dims[..3] != k_dims[..3] {
+            bail!(
+                "{E}: k_cache {k_dims:?} and v_cache {v_dims:?} must share their first three dims, and k_cache's head dim must be q's ({head_dim})"
+            )
+        }
+        let head_dim_v = v_dims[3];
+        if batch == 0
+            || seqlen_q == 0
+            || heads == 0
+            || head_dim == 0
+            || head_dim_v == 0
+            || slots == 0
+            || rows == 0
+            || kv_heads == 0
+        {
+            bail!(
+                "{E}: empty tensors: q {:?}, k_cache {k_dims:?}, v_cache {v_dims:?}",
+                q.dims()
+            )
+        }
+        if head_dim > crate::params::MAX_HEAD_DIM || head_dim_v > crate::params::MAX_HEAD_DIM {
+            bail!(
+                "{E}: head dims up to {} are supported, got {head_dim} / {head_dim_v}",
+                crate::params::MAX_HEAD_DIM
+            )
+        }
+        if heads % kv_heads != 0 {
+            bail!("{E}: q's {heads} heads are not a multiple of the cache's {kv_heads} kv heads")
+        }
+        check_u32(self.cache_seqlens, "cache_seqlens", &[batch], q)?;
+        let seqlen_new = match self.new {
+            None => 0,
+            Some((kn, vn)) => {
+                let sn = kn.dims().get(1).copied().unwrap_or(0);
+                let want_k = [batch, sn, kv_heads, head_dim];
+                let want_v = [batch, sn, kv_heads, head_dim_v];
+                if kn.dims() != want_k || vn.dims() != want_v {
+                    bail!(
+                        "{E}: k_new / v_new must be {want_k:?} / {want_v:?} (batch, seqlen_new, kv_heads, d), got {:?} / {:?}",
+                        kn.dims(),
+                        vn.dims()
+                    )
+                }
+                for (name, t) in [("k_new", kn), ("v_new", vn)] {
+                    if t.dtype() != dtype || !same_device(t) {
+                        bail!("{E}: {name} must be {dtype:?} on q's device, got {:?}", t.dtype())
+                    }
+                }
+                sn
+            }
+        };
+        let paged = match self.page_table {
+            None => None,
+            Some(pt) => {
+                if self.cache_batch_idx.is_some() {
+                    bail!("{E}: cache_batch_idx applies to contiguous caches; a paged cache maps sequences through its page table")
+                }
+                if !PAGE_SIZES.contains(&rows) {
+                    bail!("{E}: the page size (k_cache's second dim) must be one of {PAGE_SIZES:?}, got {rows}")
+                }
+                let max_pages = pt.dims().get(1).copied().unwrap_or(0);
+                check_u32(pt, "page_table", &[batch, max_pages], q)?;
+                if max_pages == 0 {
+                    bail!("{E}: the page table has no columns")
+                }
+                Some(max_pages)
+            }
+        };
+        if let Some(idx) = self.cache_batch_idx {
+            check_u32(idx, "cache_batch_idx", &[batch], q)?;
+        }
+        let rotary_dim = match self.rotary {
+            None => 0,
+            Some(r) => {
+                let (positions, half) = match *r.cos.dims() {
+                    [p, h] => (p, h),
+                    _ => bail!(
+                        "{E}: rotary cos must be (positions, rotary_dim / 2), got {:?}",
+                        r.cos.dims()
+                    ),
+                };
+                if r.sin.dims() != r.cos.dims() || half == 0 || 2 * half > head_dim || positions == 0 {
+                    bail!(
+                        "{E}: rotary cos / sin must be (positions, rotary_dim / 2) with 0 < rotary_dim <= head_dim ({head_dim}), got {:?} / {:?}",
+                        r.cos.dims(),
+                        r.sin.dims()
+                    )
+                }
+                for (name, t) in [("cos", r.cos), ("sin", r.sin)] {
+                    if !(t.dtype() == dtype || t.dtype() == DType::F32) || !same_device(t) {
+                        bail!(
+                            "{E}: rotary {name} must be {dtype:?} or f32 on q's device, got {:?}",
+                            t.dtype()
+                        )
+                    }
+                }
+                2 * half
+            }
+        };
+        Ok(CacheShape {
+            batch,
+            seqlen_q,
+            seqlen_new,
+            heads,
+            kv_heads,
+            head_dim,
+            head_dim_v,
+            slots,
+            rows,
+            paged,
+            rotary_dim,
+        })
+    }
+
+    /// The CPU path: read the small index tensors, check them, rotate, append in place, gather
+    /// each sequence's keys and run one varlen call of the CPU attention.
+    fn forward_cpu(&self, q: &Tensor, s: &CacheShape) -> Result<(Tensor, Tensor)> {
+        const E: &str = "flash-attn3: kvcache";
+        let lens = self.cache_seqlens.to_vec1::<u32>()?;
+        let idx = match self.cache_batch_idx {
+            Some(t) => t.to_vec1::<u32>()?,
+            None => (0..s.batch as u32).collect(),
+        };
+        let pages = match self.page_table {
+            Some(t) => t.flatten_all()?.to_vec1::<u32>()?,
+            None => Vec::new(),
+        };
+        // Cache row (token slot, in units of kv_heads × d) of key j of sequence b.
+        let capacity = s.paged.map_or(s.rows, |max_pages| max_pages * s.rows);
+        let slot_of = |b: usize, j: usize| -> usize {
+            match s.paged {
+                Some(max_pages) => pages[b * max_pages + j / s.rows] as usize * s.rows + j % s.rows,
+                None => idx[b] as usize * s.rows + j,
+            }
+        };
+        let mut keys = Vec::with_capacity(s.batch);
+        for b in 0..s.batch {
+            let n = lens[b] as usize + s.seqlen_new;
+            if n > capacity {
+                bail!(
+                    "{E}: sequence {b} needs {n} keys (cache_seqlens {} + {} new), its cache holds {capacity}",
+                    lens[b],
+                    s.seqlen_new
+                )
+            }
+            if idx[b] as usize >= s.slots {
+                bail!(
+                    "{E}: cache_batch_idx[{b}] = {} is past the cache's {} rows",
+                    idx[b],
+                    s.slots
+                )
+            }
+            if let Some(max_pages) = s.paged {
+                for (i, &p) in pages[b * max_pages..][..n.div_ceil(s.rows)].iter().enumerate() {
+                    if p as usize >= s.slots {
+                        bail!("{E}: page_table[{b}][{i}] = {p} is past the cache's {} pages", s.slots)
+                    }
+                }
+            }
+            keys.push(n);
+        }
+        let rotary = match self.rotary {
+            Some(r) => {
+                let positions = r.cos.dim(0)?;
+                let need = keys.iter().copied().max().unwrap_or(0);
+                if need > positions {
+                    bail!("{E}: the rotary tables cover {positions} positions, the call needs {need}")
+                }
+                Some(RotaryTables {
+                    cos: r.cos.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+                    sin: r.sin.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+                    half: s.rotary_dim / 2,
+                    interleaved: r.interleaved,
+                })
+            }
+            None => None,
+        };
+        // q at cache_seqlens + i when causal or windowed, else all at cache_seqlens (FA3).
+        let params = self.attn.params()?;
+        let per_token = params.window_left.is_some() || params.window_right.is_some();
+        let q = match &rotary {
+            Some(rot) => rot.apply(q, |b, i| lens[b] as usize + if per_token { i } else { 0 })?,
+            None => q.clone(),
+        };
+        if let Some((kn, vn)) = self.new {
+            let kn = match &rotary {
+                Some(rot) => rot.apply(kn, |b, i| lens[b] as usize + i)?,
+                None => kn.clone(),
+            };
+            let slots: Vec<usize> = (0..s.batch)
+                .flat_map(|b| (0..s.seqlen_new).map(move |i| (b, i)))
+                .map(|(b, i)| slot_of(b, lens[b] as usize + i))
+                .collect();
+            write_slots(self.k_cache, &kn, &slots)?;
+            write_slots(self.v_cache, vn, &slots)?;
+        }
+        // Each sequence's keys in order, gathered into one packed (sum of keys, kv_heads, d).
+        let gather: Vec<u32> = (0..s.batch)
+            .flat_map(|b| (0..keys[b]).map(move |j| (b, j)))
+            .map(|(b, j)| slot_of(b, j) as u32)
+            .collect();
+        let gather = Tensor::new(gather.as_slice(), &Device::Cpu)?;
+        let flat = |t: &Tensor, d: usize| t.reshape((s.slots * s.rows, s.kv_heads, d));
+        let k = flat(self.k_cache, s.head_dim)?.index_select(&gather, 0)?;
+        let v = flat(self.v_cache, s.head_dim_v)?.index_select(&gather, 0)?;
+        let cu_q = SeqOffsets::from_lengths(std::iter::repeat_n(s.seqlen_q, s.batch), &Device::Cpu)?;
+        let cu_k = SeqOffsets::from_lengths(keys.iter().copied(), &Device::Cpu)?;
+        let max_k = keys.iter().copied().max().unwrap_or(0);
+        let q = q.reshape((s.batch * s.seqlen_q, s.heads, s.head_dim))?;
+        let (out, lse) = self
+            .attn
+            .forward_varlen_offsets_with_lse(&q, &k, &v, &cu_q, &cu_k, s.seqlen_q, max_k)?;
+        let out = out.reshape((s.batch, s.seqlen_q, s.heads, s.head_dim_v))?;
+        // (heads, batch × seqlen_q) → (batch, heads, seqlen_q).
+        let lse = lse
+            .reshape((s.heads, s.batch, s.seqlen_q))?
+            .transpose(0, 1)?
+            .contiguous()?;
+        Ok((out, lse))
+    }
+}
+
+/// The sizes of one kvcache call.
+struct CacheShape {
+    batch: usize,
+    seqlen_q: usize,
+    seqlen_new: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    head_dim_v: usize,
+    /// The caches' first dim: sequences (contiguous) or pages (paged).
+    slots: usize,
+    /// The caches' second dim: keys per sequence (contiguous) or per page (paged).
+    rows: usize,
+    /// Paged: the page table's columns.
+    paged: Option<usize>,
+    rotary_dim: usize,
+}
+
+fn check_u32(t: &Tensor, name: &str, dims: &[usize], q: &Tensor) -> Result<()> {
+    if t.dims() != dims || t.dtype() != DType::U32 || !t.device().same_device(q.device()) {
+        bail!(
+            "flash-attn3: kvcache: {name} must be a u32 tensor of shape {dims:?} on q's device, got {:?} {:?}",
+            t.dtype(),
+            t.dims()
+        )
+    }
+    Ok(())
+}
+
+/// cos / sin as f32 on the host.
+struct RotaryTables {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    half: usize,
+    interleaved: bool,
+}
+
+impl RotaryTables {
+    /// x (batch, seqlen, heads, d) with token (b, i) turned to position `pos(b, i)`, in f32,
+    /// rounded once to x's dtype.
+    fn apply(&self, x: &Tensor, pos: impl Fn(usize, usize) -> usize) -> Result<Tensor> {
+        let (batch, seqlen, heads, d) = x.dims4()?;
+        let mut values = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let half = self.half;
+        for b in 0..batch {
+            for i in 0..seqlen {
+                let p = pos(b, i);
+                let (cos, sin) = (&self.cos[p * half..][..half], &self.sin[p * half..][..half]);
+                for h in 0..heads {
+                    let row = &mut values[((b * seqlen + i) * heads + h) * d..][..d];
+                    for r in 0..half {
+                        let (a, c) = if self.interleaved {
+                            (2 * r, 2 * r + 1)
+                        } else {
+                            (r, r + half)
+                        };
+                        let (x0, x1) = (row[a], row[c]);
+                        row[a] = x0 * cos[r] - x1 * sin[r];
+                        row[c] = x0 * sin[r] + x1 * cos[r];
+                    }
+                }
+            }
+        }
+        Tensor::from_vec(values, (batch, seqlen, heads, d), &Device::Cpu)?.to_dtype(x.dtype())
+    }
+}
+
+/// Writes the rows of `src` (batch, seqlen_new, kv_heads, d), in (batch, token) order, into the
+/// cache slots `slots` (one per row), in place.
+fn write_slots(cache: &Tensor, src: &Tensor, slots: &[usize]) -> Result<()> {
+    let src = src.contiguous()?;
+    let row = src.dim(2)? * src.dim(3)?;
+    cache.inplace_op2(
+        &src,
+        &WriteSlots {
+            slots: slots.to_vec(),
+            row,
+        },
+    )
+}
+
+/// The in-place CPU write of [`write_slots`].
+struct WriteSlots {
+    slots: Vec<usize>,
+    row: usize,
+}
+
+impl InplaceOp2 for WriteSlots {
+    fn name(&self) -> &'static str {
+        "flash-attn3-kvcache-append"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout, src: &CpuStorage, src_l: &Layout) -> Result<()> {
+        fn copy<T: Copy>(dst: &mut [T], dst_l: &Layout, src: &[T], src_l: &Layout, op: &WriteSlots) {
+            let (dst, src) = (&mut dst[dst_l.start_offset()..], &src[src_l.start_offset()..]);
+            for (i, &slot) in op.slots.iter().enumerate() {
+                dst[slot * op.row..][..op.row].copy_from_slice(&src[i * op.row..][..op.row]);
+            }
+        }
+        match (dst, src) {
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => copy(d, dst_l, s, src_l, self),
+            (CpuStorage::F16(d), CpuStorage::F16(s)) => copy(d, dst_l, s, src_l, self),
+            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => copy(d, dst_l, s, src_l, self),
+            _ => bail!("flash-attn3: kvcache append: the cache and the new rows must be f32, f16 or bf16 of one dtype"),
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,547 @@
+//! `flash_attn_with_kvcache` on the CPU (flash_attn3::kvcache): the call against a model of the
+//! cache kept here in f64 — which rows each sequence's keys are, what the append writes, where
+//! rotary turns q and k — and the f64 attention reference over the keys that model gives.
+//! Contiguous and paged caches (every page size, shuffled pages, a prefix page shared by two
+//! sequences), append with and without rotary (interleaved or not), cache_batch_idx
+//! permutations, zero-length sequences, GQA, causal / window / softcap; then the errors.
+
+use candle_core::{DType, Device, Result, Tensor};
+use flash_attn3::kvcache::PAGE_SIZES;
+use flash_attn3::FlashAttn;
+use flash_attn3_tests::{assert_close, attention_ref_varlen, cumulative, to_f64_vec, Opts, TestRng};
+
+const F32_TOL: f64 = 1e-5;
+
+/// One random kvcache call and the host model of its cache.
+struct Case {
+    batch: usize,
+    seqlen_q: usize,
+    seqlen_new: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    dv: usize,
+    /// Keys each sequence holds before the call.
+    lens: Vec<usize>,
+    /// None: contiguous, one cache row per sequence (through `batch_idx`); Some: the page size.
+    page_size: Option<usize>,
+    /// Cache slot of key j of sequence b: (slot, row) in the caches' first two dims.
+    slots: Vec<Vec<(usize, usize)>>,
+    page_table: Option<Vec<u32>>,
+    max_pages: usize,
+    batch_idx: Option<Vec<u32>>,
+    /// The caches' first two dims.
+    cache_dims: (usize, usize),
+}
+
+impl Case {
+    fn random(rng: &mut TestRng, page_size: Option<usize>, append: bool) -> Self {
+        let batch = rng.range(1, 4);
+        let kv_heads = rng.pick(&[1, 2]);
+        let heads = kv_heads * rng.pick(&[1, 3, 4]);
+        let d = rng.pick(&[32, 64, 40]);
+        let dv = rng.pick(&[d, 48]);
+        let seqlen_new = if append { rng.range(1, 5) } else { 0 };
+        let seqlen_q = if append { seqlen_new } else { rng.range(1, 5) };
+        // One sequence empty when nothing is appended (zero keys: zero output, LSE -inf).
+        let lens: Vec<usize> = (0..batch)
+            .map(|b| if b == 1 && !append { 0 } else { rng.range(0, 300) })
+            .collect();
+        let keys: Vec<usize> = lens.iter().map(|l| l + seqlen_new).collect();
+        match page_size {
+            None => {
+                let capacity = keys.iter().copied().max().unwrap() + rng.range(0, 40);
+                let rows_in_cache = batch + rng.range(0, 3);
+                // A permutation: batch entry b uses cache row batch_idx[b].
+                let mut rows: Vec<u32> = (0..rows_in_cache as u32).collect();
+                for i in (1..rows.len()).rev() {
+                    rows.swap(i, rng.range(0, i));
+                }
+                let batch_idx: Vec<u32> = rows[..batch].to_vec();
+                let slots = (0..batch)
+                    .map(|b| (0..keys[b]).map(|j| (batch_idx[b] as usize, j)).collect())
+                    .collect();
+                Self {
+                    batch,
+                    seqlen_q,
+                    seqlen_new,
+                    heads,
+                    kv_heads,
+                    d,
+                    dv,
+                    lens,
+                    page_size,
+                    slots,
+                    page_table: None,
+                    max_pages: 0,
+                    batch_idx: Some(batch_idx),
+                    cache_dims: (rows_in_cache, capacity),
+                }
+            }
+            Some(ps) => {
+                let pages_of = |n: usize| n.div_ceil(ps);
+                let max_pages = keys.iter().map(|&n| pages_of(n)).max().unwrap().max(1) + rng.range(0, 2);
+                // Sequences 0 and 1 share their first page when both hold at least a page of
+                // keys before the call (the append never writes into it).
+                let share = batch > 1 && lens[0] >= ps && lens[1] >= ps;
+                let needed: usize = keys.iter().map(|&n| pages_of(n)).sum::<usize>() - share as usize;
+                let num_pages = needed + rng.range(1, 4);
+                let mut free: Vec<u32> = (0..num_pages as u32).collect();
+                for i in (1..free.len()).rev() {
+                    free.swap(i, rng.range(0, i));
+                }
+                let mut table = vec![0u32; batch * max_pages];
+                for b in 0..batch {
+                    for p in 0..max_pages {
+                        table[b * max_pages + p] = if p < pages_of(keys[b]) {
+                            if share && b == 1 && p == 0 {
+                                table[0]
+                            } else {
+                                free.pop().unwrap()
+                            }
+                        } else {
+                            // Unused entries may hold anything in range.
+                            rng.range(0, num_pages - 1) as u32
+                        };
+                    }
+                }
+                let slots = (0..batch)
+                    .map(|b| {
+                        (0..keys[b])
+                            .map(|j| (table[b * max_pages + j / ps] as usize, j % ps))
+                            .collect()
+                    })
+                    .collect();
+                Self {
+                    batch,
+                    seqlen_q,
+                    seqlen_new,
+                    heads,
+                    kv_heads,
+                    d,
+                    dv,
+                    lens,
+                    page_size,
+                    slots,
+                    page_table: Some(table),
+                    max_pages,
+                    batch_idx: None,
+                    cache_dims: (num_pages, ps),
+                }
+            }
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "batch {} sq {} new {} heads {}/{} d {}/{} lens {:?} page {:?}",
+            self.batch,
+            self.seqlen_q,
+            self.seqlen_new,
+            self.heads,
+            self.kv_heads,
+            self.d,
+            self.dv,
+            self.lens,
+            self.page_size
+        )
+    }
+}
+
+/// Rotary tables (positions, rotary_dim / 2), f32, of a base-10000 RoPE.
+fn rotary_tables(positions: usize, rotary_dim: usize) -> Result<(Tensor, Tensor)> {
+    let half = rotary_dim / 2;
+    let mut cos = Vec::with_capacity(positions * half);
+    let mut sin = Vec::with_capacity(positions * half);
+    for p in 0..positions {
+        for i in 0..half {
+            let angle = p as f64 / 10000f64.powf(i as f64 / half as f64);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    let dev = Device::Cpu;
+    Ok((
+        Tensor::from_vec(cos, (positions, half), &dev)?,
+        Tensor::from_vec(sin, (positions, half), &dev)?,
+    ))
+}
+
+/// `row` (d values, f64) turned to position `pos` by the f32 tables, in f64.
+fn rotate(row: &mut [f64], pos: usize, cos: &[f32], sin: &[f32], half: usize, interleaved: bool) {
+    for r in 0..half {
+        let (a, b) = if interleaved { (2 * r, 2 * r + 1) } else { (r, r + half) };
+        let (c, s) = (cos[pos * half + r] as f64, sin[pos * half + r] as f64);
+        let (x0, x1) = (row[a], row[b]);
+        row[a] = x0 * c - x1 * s;
+        row[b] = x0 * s + x1 * c;
+    }
+}
+
+/// Runs one case in f32 and checks the output, the LSE and the cache contents after the call.
+fn check(rng: &mut TestRng, case: &Case, opts: Opts, rotary: Option<(usize, bool)>) -> Result<()> {
+    let dev = Device::Cpu;
+    let what = format!(
+        "{} opts {opts:?} rotary {rotary:?} seed {}",
+        case.describe(),
+        rng.seed()
+    );
+    let (slots, rows) = case.cache_dims;
+    let (b, hk, d, dv) = (case.batch, case.kv_heads, case.d, case.dv);
+    let k_cache = rng.randn((slots, rows, hk, d), DType::F32, &dev)?;
+    let v_cache = rng.randn((slots, rows, hk, dv), DType::F32, &dev)?;
+    let (k_before, v_before) = (to_f64_vec(&k_cache)?, to_f64_vec(&v_cache)?);
+    let q = rng.randn((b, case.seqlen_q, case.heads, d), DType::F32, &dev)?;
+    let k_new = rng.randn((b, case.seqlen_new, hk, d), DType::F32, &dev)?;
+    let v_new = rng.randn((b, case.seqlen_new, hk, dv), DType::F32, &dev)?;
+    let lens_u32: Vec<u32> = case.lens.iter().map(|&l| l as u32).collect();
+    let cache_seqlens = Tensor::new(lens_u32.as_slice(), &dev)?;
+    let page_table = match &case.page_table {
+        Some(t) => Some(Tensor::from_vec(t.clone(), (b, case.max_pages), &dev)?),
+        None => None,
+    };
+    let batch_idx = match &case.batch_idx {
+        Some(i) => Some(Tensor::new(i.as_slice(), &dev)?),
+        None => None,
+    };
+    let max_keys = case.lens.iter().map(|l| l + case.seqlen_new).max().unwrap();
+    let tables = match rotary {
+        Some((rd, _)) => Some(rotary_tables(max_keys + rng.range(0, 5), rd)?),
+        None => None,
+    };
+
+    let builder = opts.builder();
+    let mut call = builder.kv_cache(&k_cache, &v_cache, &cache_seqlens);
+    if case.seqlen_new > 0 {
+        call = call.append(&k_new, &v_new);
+    }
+    if let Some(pt) = &page_table {
+        call = call.page_table(pt);
+    }
+    if let Some(idx) = &batch_idx {
+        call = call.cache_batch_idx(idx);
+    }
+    if let (Some((cos, sin)), Some((_, interleaved))) = (&tables, rotary) {
+        call = call.rotary(cos, sin, interleaved);
+    }
+    let (out, lse) = call.forward_with_lse(&q)?;
+    assert_eq!(out.dims(), &[b, case.seqlen_q, case.heads, dv], "{what}: out shape");
+    assert_eq!(lse.dims(), &[b, case.heads, case.seqlen_q], "{what}: lse shape");
+
+    // The model: the cache after the append, and q and k_new as rotated.
+    let (mut k_model, mut v_model) = (k_before.clone(), v_before.clone());
+    let (mut q_rot, mut kn_rot) = (to_f64_vec(&q)?, to_f64_vec(&k_new)?);
+    let vn = to_f64_vec(&v_new)?;
+    let per_token = opts.left.is_some() || opts.right.is_some();
+    if let (Some((cos, sin)), Some((rd, interleaved))) = (&tables, rotary) {
+        let (cos, sin) = (
+            cos.flatten_all()?.to_vec1::<f32>()?,
+            sin.flatten_all()?.to_vec1::<f32>()?,
+        );
+        for bi in 0..b {
+            for i in 0..case.seqlen_q {
+                let pos = case.lens[bi] + if per_token { i } else { 0 };
+                for h in 0..case.heads {
+                    let at = ((bi * case.seqlen_q + i) * case.heads + h) * d;
+                    rotate(&mut q_rot[at..at + d], pos, &cos, &sin, rd / 2, interleaved);
+                }
+            }
+            for i in 0..case.seqlen_new {
+                for h in 0..hk {
+                    let at = ((bi * case.seqlen_new + i) * hk + h) * d;
+                    rotate(
+                        &mut kn_rot[at..at + d],
+                        case.lens[bi] + i,
+                        &cos,
+                        &sin,
+                        rd / 2,
+                        interleaved,
+                    );
+                }
+            }
+        }
+    }
+    let mut appended = vec![false; slots * rows];
+    for bi in 0..b {
+        for i in 0..case.seqlen_new {
+            let (slot, row) = case.slots[bi][case.lens[bi] + i];
+            appended[slot * rows + row] = true;
+            for h in 0..hk {
+                let src = (bi * case.seqlen_new + i) * hk + h;
+                let dst = (slot * rows + row) * hk + h;
+                k_model[dst * d..][..d].copy_from_slice(&kn_rot[src * d..][..d]);
+                v_model[dst * dv..][..dv].copy_from_slice(&vn[src * dv..][..dv]);
+            }
+        }
+    }
+    // The caches after the call: v and unrotated k copied bit for bit, untouched rows unchanged,
+    // rotated k within f32 rounding of the f64 rotation.
+    let (k_after, v_after) = (to_f64_vec(&k_cache)?, to_f64_vec(&v_cache)?);
+    for (slot_row, &was_appended) in appended.iter().enumerate() {
+        for h in 0..hk {
+            let at = slot_row * hk + h;
+            for x in 0..d {
+                let (got, want) = (k_after[at * d + x], k_model[at * d + x]);
+                let exact = !was_appended || rotary.is_none();
+                let ok = if exact {
+                    got == want
+                } else {
+                    (got - want).abs() <= 1e-6 * (1.0 + want.abs())
+                };
+                assert!(ok, "{what}: k_cache slot {slot_row} head {h} dim {x}: {got} vs {want}");
+            }
+            for x in 0..dv {
+                assert_eq!(
+                    v_after[at * dv + x],
+                    v_model[at * dv + x],
+                    "{what}: v_cache slot {slot_row} head {h}"
+                );
+            }
+        }
+    }
+
+    // The reference: each sequence's keys gathered from the model, one varlen f64 call.
+    let keys: Vec<usize> = case.lens.iter().map(|l| l + case.seqlen_new).collect();
+    let (mut k_seq, mut v_seq) = (Vec::new(), Vec::new());
+    for (seq, &n) in case.slots.iter().zip(&keys) {
+        for &(slot, row) in &seq[..n] {
+            let at = (slot * rows + row) * hk;
+            k_seq.extend_from_slice(&k_model[at * d..(at + hk) * d]);
+            v_seq.extend_from_slice(&v_model[at * dv..(at + hk) * dv]);
+        }
+    }
+    let total_k: usize = keys.iter().sum();
+    let k_ref = Tensor::from_vec(k_seq, (total_k, hk, d), &dev)?;
+    let v_ref = Tensor::from_vec(v_seq, (total_k, hk, dv), &dev)?;
+    let q_ref = Tensor::from_vec(q_rot, (b * case.seqlen_q, case.heads, d), &dev)?;
+    let cu_q = cumulative(&vec![case.seqlen_q; b]);
+    let cu_k = cumulative(&keys);
+    let (want, want_lse) = attention_ref_varlen(&q_ref, &k_ref, &v_ref, &cu_q, &cu_k, &opts.reference())?;
+    let want = want.reshape((b, case.seqlen_q, case.heads, dv))?;
+    let want_lse = want_lse
+        .reshape((case.heads, b, case.seqlen_q))?
+        .transpose(0, 1)?
+        .contiguous()?;
+    assert_close(&out, &want, F32_TOL, &format!("{what}: out"))?;
+    assert_close(&lse, &want_lse, F32_TOL, &format!("{what}: lse"))?;
+    Ok(())
+}
+
+#[test]
+fn kvcache_contiguous_every_option() -> Result<()> {
+    let mut rng = TestRng::fresh("cpu-kvcache-contiguous");
+    for append in [false, true] {
+        for opts in [
+            Opts::new(0.125),
+            Opts::new(0.2).causal(),
+            Opts::new(0.1).window(Some(37), Some(0)).softcap(5.0),
+        ] {
+            for rotary in [None, Some((32, false)), Some((16, true))] {
+                if rotary.is_some() && !append {
+                    continue;
+                }
+                let case = Case::random(&mut rng, None, append);
+                check(&mut rng, &case, opts, rotary)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn kvcache_paged_every_page_size() -> Result<()> {
+    let mut rng = TestRng::fresh("cpu-kvcache-paged");
+    for page_size in PAGE_SIZES {
+        for (append, opts, rotary) in [
+            (false, Opts::new(0.125), None),
+            (true, Opts::new(0.2).causal(), Some((32, false))),
+            (true, Opts::new(0.15), None),
+        ] {
+            let case = Case::random(&mut rng, Some(page_size), append);
+            check(&mut rng, &case, opts, rotary)?;
+        }
+    }
+    Ok(())
+}
+
+/// bf16: the same call, the output within bf16 rounding of the f32 call on the same values.
+#[test]
+fn kvcache_bf16_matches_f32() -> Result<()> {
+    let dev = Device::Cpu;
+    let mut rng = TestRng::fresh("cpu-kvcache-bf16");
+    let (b, hk, h, d, ps, pages) = (2, 2, 8, 64, 16, 12);
+    let q = rng.randn((b, 3, h, d), DType::BF16, &dev)?;
+    let k_cache = rng.randn((pages, ps, hk, d), DType::BF16, &dev)?;
+    let v_cache = rng.randn((pages, ps, hk, d), DType::BF16, &dev)?;
+    let k_new = rng.randn((b, 3, hk, d), DType::BF16, &dev)?;
+    let v_new = rng.randn((b, 3, hk, d), DType::BF16, &dev)?;
+    let lens = Tensor::new(&[40u32, 17], &dev)?;
+    let table = Tensor::new(&[[3u32, 7, 1, 0], [9, 2, 11, 5]], &dev)?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let attn = FlashAttn::new(0.125).causal(true);
+    let (k32, v32) = (f32(&k_cache)?, f32(&v_cache)?);
+    let want = attn
+        .kv_cache(&k32, &v32, &lens)
+        .append(&f32(&k_new)?, &f32(&v_new)?)
+        .page_table(&table)
+        .forward(&f32(&q)?)?;
+    let got = attn
+        .kv_cache(&k_cache, &v_cache, &lens)
+        .append(&k_new, &v_new)
+        .page_table(&table)
+        .forward(&q)?;
+    assert_eq!(got.dtype(), DType::BF16);
+    assert_close(&got, &want, 1e-2, &format!("bf16 vs f32, seed {}", rng.seed()))?;
+    // Both appends wrote the same values (bf16 → f32 is exact).
+    assert_eq!(
+        to_f64_vec(&k_cache)?,
+        to_f64_vec(&k32)?,
+        "the bf16 and f32 caches after the appends"
+    );
+    Ok(())
+}
+
+#[test]
+fn kvcache_function_form() -> Result<()> {
+    let dev = Device::Cpu;
+    let mut rng = TestRng::fresh("cpu-kvcache-fn");
+    let q = rng.randn((1, 1, 4, 32), DType::F32, &dev)?;
+    let k_cache = rng.randn((1, 20, 2, 32), DType::F32, &dev)?;
+    let v_cache = rng.randn((1, 20, 2, 32), DType::F32, &dev)?;
+    let k_new = rng.randn((1, 1, 2, 32), DType::F32, &dev)?;
+    let v_new = rng.randn((1, 1, 2, 32), DType::F32, &dev)?;
+    let lens = Tensor::new(&[9u32], &dev)?;
+    let out =
+        flash_attn3::flash_attn_with_kvcache(&q, &k_cache, &v_cache, Some(&k_new), Some(&v_new), &lens, 0.2, true)?;
+    // The same as plain attention over the first 10 cache rows after the append.
+    let want = FlashAttn::new(0.2)
+        .causal(true)
+        .forward(&q, &k_cache.narrow(1, 0, 10)?, &v_cache.narrow(1, 0, 10)?)?;
+    assert_close(&out, &want, F32_TOL, "function form")?;
+    assert_eq!(
+        to_f64_vec(&k_cache.narrow(1, 9, 1)?)?,
+        to_f64_vec(&k_new)?,
+        "appended row"
+    );
+    Ok(())
+}
+
+#[test]
+fn kvcache_errors() -> Result<()> {
+    let dev = Device::Cpu;
+    let mut rng = TestRng::fresh("cpu-kvcache-errors");
+    let q = rng.randn((2, 1, 4, 32), DType::F32, &dev)?;
+    let kc = rng.randn((2, 32, 2, 32), DType::F32, &dev)?;
+    let vc = rng.randn((2, 32, 2, 32), DType::F32, &dev)?;
+    let kn = rng.randn((2, 1, 2, 32), DType::F32, &dev)?;
+    let lens = Tensor::new(&[3u32, 5], &dev)?;
+    let attn = FlashAttn::new(0.1);
+    let err = |r: Result<Tensor>| r.expect_err("must fail").to_string();
+    let expect = |e: String, needle: &str| assert!(e.contains(needle), "{needle:?} not in: {e}");
+
+    // cache_seqlens past the cache.
+    let long = Tensor::new(&[3u32, 32], &dev)?;
+    expect(
+        err(attn.kv_cache(&kc, &vc, &long).append(&kn, &kn).forward(&q)),
+        "its cache holds 32",
+    );
+    // cache_seqlens of the wrong dtype and length.
+    expect(
+        err(attn.kv_cache(&kc, &vc, &lens.to_dtype(DType::I64)?).forward(&q)),
+        "cache_seqlens must be a u32",
+    );
+    expect(
+        err(attn.kv_cache(&kc, &vc, &Tensor::new(&[1u32], &dev)?).forward(&q)),
+        "cache_seqlens must be a u32",
+    );
+    // Mismatched dtypes, heads, head dims.
+    expect(
+        err(attn.kv_cache(&kc.to_dtype(DType::BF16)?, &vc, &lens).forward(&q)),
+        "k_cache must be F32",
+    );
+    let q5 = rng.randn((2, 1, 5, 32), DType::F32, &dev)?;
+    expect(err(attn.kv_cache(&kc, &vc, &lens).forward(&q5)), "not a multiple");
+    let q16 = rng.randn((2, 1, 4, 16), DType::F32, &dev)?;
+    expect(
+        err(attn.kv_cache(&kc, &vc, &lens).forward(&q16)),
+        "head dim must be q's",
+    );
+    expect(
+        err(attn
+            .kv_cache(&kc, &vc, &lens)
+            .append(&kn, &kn.narrow(1, 0, 0)?)
+            .forward(&q)),
+        "k_new / v_new must be",
+    );
+    // cache_batch_idx out of range.
+    let idx = Tensor::new(&[1u32, 2], &dev)?;
+    expect(
+        err(attn.kv_cache(&kc, &vc, &lens).cache_batch_idx(&idx).forward(&q)),
+        "cache_batch_idx[1] = 2",
+    );
+    // Paged: an unsupported page size, a page index out of range, a table too short, with
+    // cache_batch_idx.
+    let table = Tensor::new(&[[0u32, 1], [2, 3]], &dev)?;
+    let kp24 = rng.randn((4, 24, 2, 32), DType::F32, &dev)?;
+    expect(
+        err(attn.kv_cache(&kp24, &kp24, &lens).page_table(&table).forward(&q)),
+        "page size",
+    );
+    let kp = rng.randn((4, 16, 2, 32), DType::F32, &dev)?;
+    let bad = Tensor::new(&[[0u32, 1], [4, 3]], &dev)?;
+    expect(
+        err(attn.kv_cache(&kp, &kp, &lens).page_table(&bad).forward(&q)),
+        "page_table[1][0] = 4",
+    );
+    let short = Tensor::new(&[3u32, 33], &dev)?;
+    expect(
+        err(attn.kv_cache(&kp, &kp, &short).page_table(&table).forward(&q)),
+        "its cache holds 32",
+    );
+    expect(
+        err(attn
+            .kv_cache(&kp, &kp, &lens)
+            .page_table(&table)
+            .cache_batch_idx(&idx)
+            .forward(&q)),
+        "cache_batch_idx applies to contiguous caches",
+    );
+    // Rotary tables too short, or of a bad shape.
+    let (cos, sin) = rotary_tables(4, 16)?;
+    expect(
+        err(attn
+            .kv_cache(&kc, &vc, &lens)
+            .append(&kn, &kn)
+            .rotary(&cos, &sin, false)
+            .forward(&q)),
+        "cover 4 positions",
+    );
+    let (cos, sin) = rotary_tables(64, 48)?;
+    expect(
+        err(attn
+            .kv_cache(&kc, &vc, &lens)
+            .append(&kn, &kn)
+            .rotary(&cos, &sin, false)
+            .forward(&q)),
+        "rotary_dim <= head_dim",
+    );
+    // k without v in the function form; empty q.
+    expect(
+        err(flash_attn3::flash_attn_with_kvcache(
+            &q,
+            &kc,
+            &vc,
+            Some(&kn),
+            None,
+            &lens,
+            0.1,
+            false,
+        )),
+        "pass both or neither",
+    );
+    expect(
+        err(attn.kv_cache(&kc, &vc, &lens).forward(&q.narrow(1, 0, 0)?)),
+        "empty",
+    );
+    Ok(())
+}
