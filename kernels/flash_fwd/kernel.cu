@@ -106,8 +106,10 @@ FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 80, fa3::DT_F16, true)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_bf16, 64, 128, fa3::DT_BF16, true, 3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_f16, 64, 128, fa3::DT_F16, true, 3)
 // FP8 (e4m3 inputs, bf16 or f16 output): 128-key blocks (whole 128-byte rows of V^T); head dims
-// 96 and 192 run on d128 and d256 with zero-filled columns. docs/kernels/forward-fp8.md.
+// 96 and 192 run on d128 and d256 with zero-filled columns; d64 also on 192-row tiles, chosen as
+// for 16 bits. docs/kernels/forward-fp8.md.
 FA3_FWD_KERNEL(flash_fwd_d64_e4m3, 64, 128, fa3::DT_E4M3, true)
+FA3_FWD_KERNEL_WG(flash_fwd_d64x3_e4m3, 64, 128, fa3::DT_E4M3, true, 3)
 FA3_FWD_KERNEL(flash_fwd_d128_e4m3, 128, 128, fa3::DT_E4M3, true)
 FA3_FWD_KERNEL(flash_fwd_d256_e4m3, 256, 128, fa3::DT_E4M3, true)
 FA3_FWD_KERNEL(flash_fwd_simple_d64_bf16, 64, 128, fa3::DT_BF16, false)

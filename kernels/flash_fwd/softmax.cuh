@@ -73,8 +73,10 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0> struct OnlineSoftmax {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float m = quad_max(thread_max(s, h));
-                const float m_scaled = (m == -INFINITY ? 0.f : m * scale_log2) - kPScaleLog2;  // as in scaled_max
-                corr[h] = fast_exp2(row_max[h] * scale_log2 - m_scaled);
+                const float m_unscaled = m == -INFINITY ? 0.f : m * scale_log2;
+                // Old and new p both carry 2^kPScaleLog2: the correction is between the maxes alone.
+                corr[h] = fast_exp2(row_max[h] * scale_log2 - m_unscaled);
+                const float m_scaled = m_unscaled - kPScaleLog2;  // as in scaled_max
                 row_max[h] = m;
                 exponentiate_row(s, h, m_scaled, scale_log2, corr[h]);
             }

@@ -364,27 +364,28 @@ fn fp8_cpu_and_gpu_agree() -> Result<()> {
     Ok(())
 }
 
-/// One small case per fp8 kernel (d64, d128, d256) for compute-sanitizer, with the GPU quantizer
-/// in both of its modes (per block: one launch; per head: amax, then quantize) and the rotation.
+/// One small case per fp8 kernel (d64 on 128- and 192-row tiles, d128, d256) for
+/// compute-sanitizer, with the GPU quantizer in both of its modes (per block: one launch; per
+/// head: amax, then quantize) and the rotation.
 #[test]
 fn fp8_small_for_sanitizer() -> Result<()> {
     let dev = gpu()?;
     let mut rng = TestRng::fresh("gpu-fp8-small");
-    for (d, granularity) in [
-        (64, Granularity::Head),
-        (128, Granularity::Block(0)),
-        (256, Granularity::Tensor),
+    for (d, granularity, causal) in [
+        (64, Granularity::Head, true),
+        (64, Granularity::Block(0), false),
+        (128, Granularity::Block(0), true),
+        (256, Granularity::Tensor, true),
     ] {
         let shape = AttnShape::new((1, 130, 260, 2, 1, d, d));
         let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
-        let what = format!("fp8 small d{d} {granularity:?}");
-        check_fp8(
-            (&q, &k, &v),
-            granularity,
-            Opts::new(shape.scale()).causal(),
-            DType::BF16,
-            &what,
-        )?;
+        let o = if causal {
+            Opts::new(shape.scale()).causal()
+        } else {
+            Opts::new(shape.scale())
+        };
+        let what = format!("fp8 small d{d} {granularity:?} causal {causal}");
+        check_fp8((&q, &k, &v), granularity, o, DType::BF16, &what)?;
     }
     let x = rng.randn((1, 70, 2, 128), DType::BF16, &dev)?;
     let rotated = Quantizer::new(Granularity::Block(fp8::Q_BLOCK_ROWS))

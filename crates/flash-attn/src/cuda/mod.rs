@@ -173,18 +173,22 @@ impl Variant {
     }
 
     /// The fp8 kernels: d64, d128 and d256 (96 and 192 run on the next one up, TMA zero-filling
-    /// the columns), 128-key blocks, two consumer warpgroups.
-    fn pick_fp8(head_dim: usize, head_dim_v: usize) -> Result<Self> {
+    /// the columns), 128-key blocks, two consumer warpgroups (three for d64 where `pick` uses
+    /// three).
+    fn pick_fp8(head_dim: usize, head_dim_v: usize, uneven: bool, seqlen_q: usize) -> Result<Self> {
         let head_dim = match head_dim.max(head_dim_v) {
             0..=64 => 64,
             65..=128 => 128,
             129..=256 => 256,
             d => bail!("flash-attn3: the GPU kernel supports head dims up to 256, got {d}"),
         };
+        // d64 on 192-row tiles (three consumer warpgroups) by the 16-bit rule: +6..+11% unmasked
+        // from 2k, +2..+7% causal from 4k, -10% causal at 512 and 1k (session 14, same call).
+        let three = head_dim == 64 && !(uneven && seqlen_q < 4096);
         Ok(Self {
             head_dim,
             block_n: fp8::BLOCK_N,
-            consumer_wgs: 2,
+            consumer_wgs: if three { 3 } else { 2 },
             fp8: true,
         })
     }
@@ -195,6 +199,7 @@ impl Variant {
     fn kernel_name(&self, dtype: DType) -> &'static str {
         if self.fp8 {
             return match self.head_dim {
+                64 if self.consumer_wgs == 3 => "flash_fwd_d64x3_e4m3",
                 64 => "flash_fwd_d64_e4m3",
                 128 => "flash_fwd_d128_e4m3",
                 _ => "flash_fwd_d256_e4m3",
@@ -673,7 +678,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // FP8: a packed tile holds a whole GQA group, so its q heads must share one descale.
     let pack_gqa = pack_gqa(group, dims.seqlen_q) && fp8.is_none_or(|f| f.q_shared_by_group);
     let variant = match fp8 {
-        Some(_) => Variant::pick_fp8(dims.head_dim, dims.head_dim_v)?,
+        Some(_) => Variant::pick_fp8(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q)?,
         None => Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q)?,
     };
     let elem_bytes = if variant.fp8 { 1 } else { 2 };
