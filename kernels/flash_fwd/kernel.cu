@@ -13,7 +13,7 @@
 
 namespace fa3 {
 
-template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(const FwdParams& p) {
+template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p) {
     extern __shared__ uint8_t smem_raw[];
     // TMA's 128B swizzle and the wgmma descriptors assume 1024-byte aligned tiles.
     uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
@@ -49,7 +49,7 @@ template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(co
         warpgroup_reg_alloc<Tr::kConsumerRegs>();
         // it: K/V blocks consumed so far (ring position); tc: tiles with keys so far (Q parity).
         int it = 0, tc = 0;
-        if constexpr (kPingpong) pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);
+        pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);
         for (int k = 0;; ++k) {
             const int tile = receive_tile<Tr>(s, k, true);  // claimed by the scheduler thread
             if (tile >= num_tiles(p)) break;
@@ -65,59 +65,48 @@ template <class Tr, bool kPingpong> __device__ __forceinline__ void flash_fwd(co
                 epilogue<Tr>(p, s, t, o, inv, lse, wg - 1, tid, (wg - 1) * 64 + warp * 16 + lane / 4, lane % 4);
                 continue;
             }
-            if constexpr (kPingpong) {
-                consumer_pingpong<Tr>(p, s, t, wg - 1, tid, it, tc);
-            } else {
-                consumer<Tr>(p, s, t, wg - 1, tid, it, tc);
-            }
+            consumer_pingpong<Tr>(p, s, t, wg - 1, tid, it, tc);
             ++tc;
         }
-        if constexpr (kPingpong) pingpong_ring_end(wg - 1);
+        pingpong_ring_end(wg - 1);
         epilogue_drain<Tr>(tid);
     }
 }
 
 }  // namespace fa3
 
-#define FA3_FWD_KERNEL_WG(NAME, D, BN, DT, PP, WGS)                                                   \
+#define FA3_FWD_KERNEL_WG(NAME, D, BN, DT, WGS)                                                       \
     extern "C" __global__ void __launch_bounds__(128 * (1 + WGS), 1)                                    \
         NAME(const __grid_constant__ fa3::FwdParams p) {                                                \
-        fa3::flash_fwd<fa3::FwdTraits<D, BN, DT, WGS>, PP>(p);                                          \
+        fa3::flash_fwd<fa3::FwdTraits<D, BN, DT, WGS>>(p);                                              \
     }
-#define FA3_FWD_KERNEL(NAME, D, BN, DT, PP) FA3_FWD_KERNEL_WG(NAME, D, BN, DT, PP, 2)
+#define FA3_FWD_KERNEL(NAME, D, BN, DT) FA3_FWD_KERNEL_WG(NAME, D, BN, DT, 2)
 
 // Instantiations: (padded head dim, key block) per dtype. Any other head dim (a multiple of 8)
 // runs on the next one up with TMA zero-filling the missing columns.
-// flash_fwd_*: the pingpong + overlap consumers (stage 2); flash_fwd_simple_*: the stage-1
-// consumers (one block at a time), kept as a reference path (env FA3_FWD_SIMPLE=1; head dims
-// above 128 then run on the d256 one).
-FA3_FWD_KERNEL(flash_fwd_d64_bf16, 64, 128, fa3::DT_BF16, true)
-FA3_FWD_KERNEL(flash_fwd_d96_bf16, 96, 128, fa3::DT_BF16, true)
-FA3_FWD_KERNEL(flash_fwd_d128_bf16, 128, 128, fa3::DT_BF16, true)
-FA3_FWD_KERNEL(flash_fwd_d192_bf16, 192, 112, fa3::DT_BF16, true)
-FA3_FWD_KERNEL(flash_fwd_d256_bf16, 256, 80, fa3::DT_BF16, true)
-FA3_FWD_KERNEL(flash_fwd_d64_f16, 64, 128, fa3::DT_F16, true)
-FA3_FWD_KERNEL(flash_fwd_d96_f16, 96, 128, fa3::DT_F16, true)
-FA3_FWD_KERNEL(flash_fwd_d128_f16, 128, 128, fa3::DT_F16, true)
-FA3_FWD_KERNEL(flash_fwd_d192_f16, 192, 112, fa3::DT_F16, true)
-FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 80, fa3::DT_F16, true)
+// (The stage-1 consumers, one key block at a time per warpgroup, were retired in session 14:
+// docs/kernels/forward-sm90.md, version 1.)
+FA3_FWD_KERNEL(flash_fwd_d64_bf16, 64, 128, fa3::DT_BF16)
+FA3_FWD_KERNEL(flash_fwd_d96_bf16, 96, 128, fa3::DT_BF16)
+FA3_FWD_KERNEL(flash_fwd_d128_bf16, 128, 128, fa3::DT_BF16)
+FA3_FWD_KERNEL(flash_fwd_d192_bf16, 192, 112, fa3::DT_BF16)
+FA3_FWD_KERNEL(flash_fwd_d256_bf16, 256, 80, fa3::DT_BF16)
+FA3_FWD_KERNEL(flash_fwd_d64_f16, 64, 128, fa3::DT_F16)
+FA3_FWD_KERNEL(flash_fwd_d96_f16, 96, 128, fa3::DT_F16)
+FA3_FWD_KERNEL(flash_fwd_d128_f16, 128, 128, fa3::DT_F16)
+FA3_FWD_KERNEL(flash_fwd_d192_f16, 192, 112, fa3::DT_F16)
+FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 80, fa3::DT_F16)
 // d64 with 3 consumer warpgroups (192-row tiles, FA3's d64 shape): the default for head dims <= 64
 // except short masked calls (crates/flash-attn/src/cuda/mod.rs, Variant::pick).
-FA3_FWD_KERNEL_WG(flash_fwd_d64x3_bf16, 64, 128, fa3::DT_BF16, true, 3)
-FA3_FWD_KERNEL_WG(flash_fwd_d64x3_f16, 64, 128, fa3::DT_F16, true, 3)
+FA3_FWD_KERNEL_WG(flash_fwd_d64x3_bf16, 64, 128, fa3::DT_BF16, 3)
+FA3_FWD_KERNEL_WG(flash_fwd_d64x3_f16, 64, 128, fa3::DT_F16, 3)
 // FP8 (e4m3 inputs, bf16 or f16 output): 128-key blocks (whole 128-byte rows of V^T); head dims
 // 96 and 192 run on d128 and d256 with zero-filled columns; d64 also on 192-row tiles, chosen as
 // for 16 bits. docs/kernels/forward-fp8.md.
-FA3_FWD_KERNEL(flash_fwd_d64_e4m3, 64, 128, fa3::DT_E4M3, true)
-FA3_FWD_KERNEL_WG(flash_fwd_d64x3_e4m3, 64, 128, fa3::DT_E4M3, true, 3)
-FA3_FWD_KERNEL(flash_fwd_d128_e4m3, 128, 128, fa3::DT_E4M3, true)
-FA3_FWD_KERNEL(flash_fwd_d256_e4m3, 256, 128, fa3::DT_E4M3, true)
-FA3_FWD_KERNEL(flash_fwd_simple_d64_bf16, 64, 128, fa3::DT_BF16, false)
-FA3_FWD_KERNEL(flash_fwd_simple_d128_bf16, 128, 128, fa3::DT_BF16, false)
-FA3_FWD_KERNEL(flash_fwd_simple_d256_bf16, 256, 80, fa3::DT_BF16, false)
-FA3_FWD_KERNEL(flash_fwd_simple_d64_f16, 64, 128, fa3::DT_F16, false)
-FA3_FWD_KERNEL(flash_fwd_simple_d128_f16, 128, 128, fa3::DT_F16, false)
-FA3_FWD_KERNEL(flash_fwd_simple_d256_f16, 256, 80, fa3::DT_F16, false)
+FA3_FWD_KERNEL(flash_fwd_d64_e4m3, 64, 128, fa3::DT_E4M3)
+FA3_FWD_KERNEL_WG(flash_fwd_d64x3_e4m3, 64, 128, fa3::DT_E4M3, 3)
+FA3_FWD_KERNEL(flash_fwd_d128_e4m3, 128, 128, fa3::DT_E4M3)
+FA3_FWD_KERNEL(flash_fwd_d256_e4m3, 256, 128, fa3::DT_E4M3)
 
 #ifdef FA3_TRACE
 extern "C" __global__ void fa3_trace_dump(int) { fa3::trace_dump(); }

@@ -135,34 +135,30 @@ impl Variant {
             0..=64 => Self {
                 head_dim: 64,
                 block_n: 128,
-                consumer_wgs: if short_masked || simple_kernels() || d64_two_wgs() {
-                    2
-                } else {
-                    3
-                },
+                consumer_wgs: if short_masked || d64_two_wgs() { 2 } else { 3 },
                 fp8: false,
             },
             // Native d96 (64-byte swizzled tiles), 128 x 128 like d128.
-            65..=96 if !simple_kernels() => Self {
+            65..=96 => Self {
                 head_dim: 96,
                 block_n: 128,
                 consumer_wgs: 2,
                 fp8: false,
             },
-            65..=128 => Self {
+            97..=128 => Self {
                 head_dim: 128,
                 block_n: 128,
                 consumer_wgs: 2,
                 fp8: false,
             },
             // FA3's d192 tile: 112-key blocks (one Q buffer, O stored from registers: 218 KiB).
-            129..=192 if !simple_kernels() => Self {
+            129..=192 => Self {
                 head_dim: 192,
                 block_n: 112,
                 consumer_wgs: 2,
                 fp8: false,
             },
-            129..=256 => Self {
+            193..=256 => Self {
                 head_dim: 256,
                 block_n: 80,
                 consumer_wgs: 2,
@@ -193,9 +189,7 @@ impl Variant {
         })
     }
 
-    /// The pingpong kernels by default; `FA3_FWD_SIMPLE=1` selects the stage-1 kernels (one key
-    /// block at a time per warpgroup; no d96 or d192 one: `pick` sends those head dims to d128 and
-    /// d256), kept as a reference path for debugging.
+    /// The instantiation's name in kernels/flash_fwd/kernel.cu.
     fn kernel_name(&self, dtype: DType) -> &'static str {
         if self.fp8 {
             return match self.head_dim {
@@ -205,7 +199,6 @@ impl Variant {
                 _ => "flash_fwd_d256_e4m3",
             };
         }
-        let simple = simple_kernels();
         let bf16 = dtype == DType::BF16;
         if self.consumer_wgs == 3 {
             return if bf16 {
@@ -214,25 +207,17 @@ impl Variant {
                 "flash_fwd_d64x3_f16"
             };
         }
-        match (simple, self.head_dim, bf16) {
-            (false, 64, true) => "flash_fwd_d64_bf16",
-            (false, 96, true) => "flash_fwd_d96_bf16",
-            (false, 96, false) => "flash_fwd_d96_f16",
-            (false, 128, true) => "flash_fwd_d128_bf16",
-            (false, 256, true) => "flash_fwd_d256_bf16",
-            (false, 64, false) => "flash_fwd_d64_f16",
-            (false, 128, false) => "flash_fwd_d128_f16",
-            (false, 192, true) => "flash_fwd_d192_bf16",
-            (false, 192, false) => "flash_fwd_d192_f16",
-            (false, _, false) => "flash_fwd_d256_f16",
-            (true, 64, true) => "flash_fwd_simple_d64_bf16",
-            (true, 128, true) => "flash_fwd_simple_d128_bf16",
-            (true, 256, true) => "flash_fwd_simple_d256_bf16",
-            (true, 64, false) => "flash_fwd_simple_d64_f16",
-            (true, 128, false) => "flash_fwd_simple_d128_f16",
-            (true, _, false) => "flash_fwd_simple_d256_f16",
-            (false, _, true) => "flash_fwd_d256_bf16",
-            (true, _, true) => "flash_fwd_simple_d256_bf16",
+        match (self.head_dim, bf16) {
+            (64, true) => "flash_fwd_d64_bf16",
+            (96, true) => "flash_fwd_d96_bf16",
+            (128, true) => "flash_fwd_d128_bf16",
+            (192, true) => "flash_fwd_d192_bf16",
+            (_, true) => "flash_fwd_d256_bf16",
+            (64, false) => "flash_fwd_d64_f16",
+            (96, false) => "flash_fwd_d96_f16",
+            (128, false) => "flash_fwd_d128_f16",
+            (192, false) => "flash_fwd_d192_f16",
+            (_, false) => "flash_fwd_d256_f16",
         }
     }
 
@@ -275,12 +260,6 @@ impl Variant {
     fn threads(&self) -> u32 {
         128 * (1 + self.consumer_wgs as u32)
     }
-}
-
-/// `FA3_FWD_SIMPLE=1`: the stage-1 consumers (no pingpong, no overlap).
-fn simple_kernels() -> bool {
-    static SIMPLE: OnceLock<bool> = OnceLock::new();
-    *SIMPLE.get_or_init(|| std::env::var("FA3_FWD_SIMPLE").is_ok_and(|v| v == "1"))
 }
 
 /// `FA3_FWD_D64_2WG=1`: head dims <= 64 always run on 128-row tiles (2 consumer warpgroups), the
