@@ -7,7 +7,7 @@
 use candle_core::{DType, Device, Result, Shape, Tensor};
 use flash_attn3::{
     flash_attn, flash_attn_varlen, flash_attn_varlen_offsets, flash_attn_varlen_windowed, flash_attn_windowed,
-    FlashAttn, SeqOffsets,
+    FlashAttn, SeqOffsets, Tuning,
 };
 
 const CPU: Device = Device::Cpu;
@@ -510,4 +510,46 @@ fn host_offsets_compute_what_the_tensor_form_computes() -> Result<()> {
     assert_eq!(max_diff(&a, &b)?, 0.0);
     assert_eq!(max_diff(&la, &lb)?, 0.0);
     Ok(())
+}
+
+#[test]
+fn invalid_tuning_is_rejected() {
+    let t = f32s((1, 8, 2, 16));
+    let default = Tuning::default();
+    let rows = Tuning {
+        d64_tile_rows: Some(64),
+        ..default
+    };
+    assert_err(
+        FlashAttn::new(0.25).tuning(rows).forward(&t, &t, &t),
+        &["d64_tile_rows", "128 or 192"],
+    );
+    let section = Tuning {
+        l2_section: Some(0),
+        ..default
+    };
+    assert_err(
+        FlashAttn::new(0.25).tuning(section).forward(&t, &t, &t),
+        &["l2_section"],
+    );
+    // A valid tuning changes nothing on the CPU.
+    let q = Tensor::randn(0f32, 1., (1, 8, 2, 16), &CPU).unwrap();
+    let tuned = Tuning {
+        pack_gqa: Some(true),
+        d64_tile_rows: Some(128),
+        direct_store: true,
+        per_tile: true,
+        l2_section: Some(3),
+    };
+    let a = FlashAttn::new(0.25).forward(&q, &q, &q).unwrap();
+    let b = FlashAttn::new(0.25).tuning(tuned).forward(&q, &q, &q).unwrap();
+    let diff = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert_eq!(diff, 0.0);
 }

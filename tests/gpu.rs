@@ -15,6 +15,7 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Result, Tensor};
+use flash_attn3::{FlashAttn, Tuning};
 use flash_attn3_tests::{
     assert_close, assert_identical, attention_grads_ref, attention_grads_ref_varlen, attention_ref,
     attention_ref_varlen, cumulative, max_len, seqlens_tensor, AttnShape, Grads, Opts, TestRng,
@@ -324,6 +325,97 @@ fn decode_shapes() -> Result<()> {
             let shape = AttnShape::new((2, sq, 1500, 16, 2, 128, 128));
             check_shape(shape, DType::BF16, o, &mut rng, "decode")?;
         }
+    }
+    Ok(())
+}
+
+/// Every `Tuning` choice gives the reference's result: the scheduling paths that the per-call
+/// defaults do not take for these shapes (pack-GQA forced on and off, d64 on 128- and 192-row
+/// tiles, O stored from registers, one CTA per tile, L2 sections of 1 and 3 pairs); invalid
+/// values are errors.
+#[test]
+fn tuning_choices_agree_with_the_reference() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-tuning");
+    let default = Tuning::default();
+    let tunings = [
+        Tuning {
+            pack_gqa: Some(true),
+            ..default
+        },
+        Tuning {
+            pack_gqa: Some(false),
+            ..default
+        },
+        Tuning {
+            d64_tile_rows: Some(128),
+            ..default
+        },
+        Tuning {
+            d64_tile_rows: Some(192),
+            ..default
+        },
+        Tuning {
+            direct_store: true,
+            ..default
+        },
+        Tuning {
+            per_tile: true,
+            ..default
+        },
+        Tuning {
+            l2_section: Some(1),
+            ..default
+        },
+        Tuning {
+            l2_section: Some(3),
+            ..default
+        },
+    ];
+    for tuning in tunings {
+        for (d, causal, sq) in [
+            (64, true, rng.odd_len(100, 400)),
+            (64, false, rng.odd_len(1, 60)),
+            (128, true, rng.odd_len(100, 400)),
+        ] {
+            let shape = AttnShape::new((2, sq, rng.odd_len(100, 600), 8, 2, d, d));
+            let (q, k, v) = shape.random_qkv(&mut rng, DType::BF16, &dev)?;
+            let o = if causal {
+                Opts::new(shape.scale()).causal()
+            } else {
+                Opts::new(shape.scale())
+            };
+            let (want, want_lse) = attention_ref(&q, &k, &v, &o.reference())?;
+            poison(&dev, 2 * want.elem_count())?;
+            let (out, lse) = o.builder().tuning(tuning).forward_with_lse(&q, &k, &v)?;
+            let what = format!("{tuning:?} {shape:?} causal {causal} seed {}", rng.seed());
+            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+        }
+    }
+    let q = rng.randn((1, 8, 2, 64), DType::BF16, &dev)?;
+    for (bad, needle) in [
+        (
+            Tuning {
+                d64_tile_rows: Some(64),
+                ..default
+            },
+            "d64_tile_rows",
+        ),
+        (
+            Tuning {
+                l2_section: Some(0),
+                ..default
+            },
+            "l2_section",
+        ),
+    ] {
+        let e = FlashAttn::new(0.1)
+            .tuning(bad)
+            .forward(&q, &q, &q)
+            .expect_err("must fail")
+            .to_string();
+        assert!(e.contains(needle), "{e}");
     }
     Ok(())
 }

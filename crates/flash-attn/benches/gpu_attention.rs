@@ -9,7 +9,8 @@
 //! work (validation, TMA descriptor encoding, output allocation) like a user's call would.
 //!
 //! Env: BENCH_SEQS="512,1024", BENCH_HDIMS="64,128", BENCH_CAUSAL="0" (or "1", default both),
-//! BENCH_DECODE=0 to skip the decode rows,
+//! BENCH_DECODE=0 to skip the decode rows, BENCH_TUNING (below, `tuning`) for a `Tuning` other than
+//! the per-call defaults,
 //! BENCH_PASSES="fwd,bwd" (default fwd): `bwd` adds the backward over the same grid, timed as
 //! `out.backward()` of a kept forward (dO = ones; the op's backward plus candle's gradient
 //! bookkeeping), FLOPs 2.5 × the forward's (the FA3 paper's convention), and the op alone through
@@ -25,7 +26,32 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::fp8::{self, Granularity, Quantizer};
-use flash_attn3::FlashAttn;
+use flash_attn3::{FlashAttn, Tuning};
+
+/// BENCH_TUNING="pack_gqa=0|1,d64_rows=128|192,direct_store,per_tile,l2_section=N": the
+/// `Tuning` of every call of the benchmark (unset: chosen per call), for comparisons.
+fn tuning() -> Tuning {
+    let mut t = Tuning::default();
+    for item in std::env::var("BENCH_TUNING").unwrap_or_default().split(',') {
+        let (key, value) = item.split_once('=').unwrap_or((item, ""));
+        let num = value.parse::<usize>().ok();
+        match key.trim() {
+            "" => {}
+            "pack_gqa" => t.pack_gqa = Some(value == "1"),
+            "d64_rows" => t.d64_tile_rows = num,
+            "direct_store" => t.direct_store = true,
+            "per_tile" => t.per_tile = true,
+            "l2_section" => t.l2_section = num,
+            other => panic!("BENCH_TUNING: unknown item {other:?}"),
+        }
+    }
+    t
+}
+
+/// A call of the benchmark: `FlashAttn::new(scale)` with BENCH_TUNING's tuning.
+fn attn(softmax_scale: f32) -> FlashAttn {
+    FlashAttn::new(softmax_scale).tuning(tuning())
+}
 
 fn list(var: &str, default: &[usize]) -> Vec<usize> {
     match std::env::var(var) {
@@ -73,7 +99,7 @@ fn backward_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
                     Var::from_tensor(&Tensor::randn(0f32, 1., (b, s, h, d), dev)?.to_dtype(DType::BF16)?)
                 };
                 let (q, k, v) = (var(dev)?, var(dev)?, var(dev)?);
-                let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
+                let attn = attn(1.0 / (d as f32).sqrt()).causal(causal);
                 let (out, lse) = attn.forward_with_lse(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
                 let secs = time(dev, || {
                     let grads = out.backward()?;
@@ -171,7 +197,7 @@ fn decode_shapes(dev: &Device) -> Result<()> {
         let causals: Vec<bool> = if sq == 1 { vec![false] } else { vec![false, true] };
         for causal in causals {
             let bytes = (2 * b * sk * hk * d * 2) as f64;
-            let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
+            let attn = attn(1.0 / (d as f32).sqrt()).causal(causal);
             let auto = time(dev, || attn.forward(&q, &k, &v))?;
             let one = time(dev, || attn.clone().num_splits(1).forward(&q, &k, &v))?;
             println!(
@@ -203,7 +229,7 @@ fn fp8_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
                         .to_device(dev)
                 };
                 let (q, k, v) = (rnd()?, rnd()?, rnd()?);
-                let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
+                let attn = attn(1.0 / (d as f32).sqrt()).causal(causal);
                 let secs = time(dev, || attn.forward(&q, &k, &v))?;
                 let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
                 let tflops = flops / secs / 1e12;
@@ -243,7 +269,7 @@ fn quantize_table(dev: &Device, hdims: &[usize]) -> Result<()> {
     for &d in hdims {
         let x = x.reshape((tokens / seqlen, seqlen, hidden / d, d))?;
         let q8 = fp8::quantize(&x, Granularity::Head)?.data;
-        let attn = FlashAttn::new(1.0 / (d as f32).sqrt());
+        let attn = attn(1.0 / (d as f32).sqrt());
         let fwd = time(dev, || attn.forward(&q8, &q8, &q8))?;
         let cases: [(&str, Quantizer); 5] = [
             ("tensor", Quantizer::new(Granularity::Tensor)),
@@ -304,7 +330,7 @@ fn fp8_accuracy(dev: &Device, dir: &str) -> Result<()> {
         let diff = (out.to_dtype(DType::F32)? - &want)?;
         Ok((diff.sqr()?.mean_all()?.to_scalar::<f32>()? as f64).sqrt())
     };
-    let bf16 = FlashAttn::new(scale).forward(
+    let bf16 = attn(scale).forward(
         &q.to_dtype(DType::BF16)?,
         &k.to_dtype(DType::BF16)?,
         &v.to_dtype(DType::BF16)?,
@@ -338,7 +364,7 @@ fn fp8_accuracy(dev: &Device, dir: &str) -> Result<()> {
             Granularity::Head
         };
         let v8 = Quantizer::new(gv).quantize(&v)?;
-        let out = FlashAttn::new(scale)
+        let out = attn(scale)
             .descale(Some(&q8.descale), Some(&k8.descale), Some(&v8.descale))
             .forward(&q8.data, &k8.data, &v8.data)?;
         println!("ACC ours_fp8 {name} rmse={:.3e}", rmse(&out)?);
@@ -375,7 +401,7 @@ fn main() -> Result<()> {
                 let q = Tensor::randn(0f32, 1., (b, s, h, d), &dev)?.to_dtype(DType::BF16)?;
                 let k = Tensor::randn(0f32, 1., (b, s, h, d), &dev)?.to_dtype(DType::BF16)?;
                 let v = Tensor::randn(0f32, 1., (b, s, h, d), &dev)?.to_dtype(DType::BF16)?;
-                let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
+                let attn = attn(1.0 / (d as f32).sqrt()).causal(causal);
                 let secs = time(&dev, || attn.forward(&q, &k, &v))?;
                 let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
                 let tflops = flops / secs / 1e12;

@@ -55,8 +55,8 @@ use candle_core::{DType, Device, Result, Tensor};
 use descale::{Descales, Fp8Call};
 pub use kvcache::{flash_attn_with_kvcache, KvCacheAttn};
 use op::FlashAttnFwd;
-pub use params::MAX_HEAD_DIM;
 use params::{AttnParams, Dims, Offsets, Varlen};
+pub use params::{Tuning, MAX_HEAD_DIM};
 
 /// Multi-head attention with `softmax(q·kᵀ · softmax_scale) · v`, causal or not.
 ///
@@ -249,6 +249,7 @@ pub struct FlashAttn {
     softcap: Option<f32>,
     deterministic: bool,
     num_splits: usize,
+    tuning: Tuning,
     descales: Descales,
     out_dtype: Option<DType>,
 }
@@ -264,6 +265,7 @@ impl FlashAttn {
             softcap: None,
             deterministic: false,
             num_splits: 0,
+            tuning: Tuning::default(),
             descales: Descales::default(),
             out_dtype: None,
         }
@@ -303,6 +305,13 @@ impl FlashAttn {
     /// the unsplit one up to rounding. The CPU path and the backward ignore it.
     pub fn num_splits(mut self, num_splits: usize) -> Self {
         self.num_splits = num_splits;
+        self
+    }
+
+    /// How the GPU forward schedules the call ([`Tuning`]): for benchmarks and comparisons; the
+    /// defaults choose per call. Invalid values are an error at the call.
+    pub fn tuning(mut self, tuning: Tuning) -> Self {
+        self.tuning = tuning;
         self
     }
 
@@ -351,6 +360,7 @@ impl FlashAttn {
             window_right: if self.causal { Some(0) } else { self.window_right },
             softcap: self.softcap,
             num_splits: self.num_splits,
+            tuning: self.tuning,
         }
     }
 

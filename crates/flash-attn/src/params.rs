@@ -7,6 +7,41 @@ use candle_core::{bail, DType, Layout, Result, Tensor};
 /// The largest head dimension any path supports (FA3's limit).
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// How the GPU forward schedules a call ([`crate::FlashAttn::tuning`]): for benchmarks and
+/// comparisons, never for the result, which is the same up to rounding (the CPU path ignores
+/// it). `Tuning::default()` chooses per call what measured fastest (docs/kernels/forward-sm90.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Tuning {
+    /// Whether the q heads of a GQA group share one tile: `None` packs decode-like calls (at most
+    /// 64 queries per sequence), `Some(true)` every GQA call, `Some(false)` none.
+    pub pack_gqa: Option<bool>,
+    /// Query rows per tile for head dims up to 64, 128 or 192: `None` takes 192 except for
+    /// masked or varlen calls under 4096 queries.
+    pub d64_tile_rows: Option<usize>,
+    /// Store O straight from registers instead of through shared memory and a TMA store.
+    pub direct_store: bool,
+    /// Masked or varlen calls: one CTA per tile instead of the persistent grid claiming tiles
+    /// through an atomic counter.
+    pub per_tile: bool,
+    /// (batch, head) pairs per section of the tile order: `None` sizes sections to the L2 for
+    /// masked or varlen calls (one pair for the others).
+    pub l2_section: Option<usize>,
+}
+
+impl Tuning {
+    pub(crate) fn validate(&self) -> Result<()> {
+        if let Some(rows) = self.d64_tile_rows {
+            if rows != 128 && rows != 192 {
+                bail!("flash-attn3: Tuning::d64_tile_rows must be 128 or 192, got {rows}")
+            }
+        }
+        if self.l2_section == Some(0) {
+            bail!("flash-attn3: Tuning::l2_section must be at least 1 (None: chosen per call)")
+        }
+        Ok(())
+    }
+}
+
 /// The options of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct AttnParams {
@@ -22,10 +57,13 @@ pub(crate) struct AttnParams {
     /// GPU forward: split-KV shares per query tile (0: chosen per call; 1: no split). The
     /// result is the same up to rounding; the CPU path ignores it.
     pub num_splits: usize,
+    /// GPU forward scheduling choices; the CPU path ignores them.
+    pub tuning: Tuning,
 }
 
 impl AttnParams {
     pub fn validate(&self) -> Result<()> {
+        self.tuning.validate()?;
         if !self.softmax_scale.is_finite() {
             bail!("flash-attn3: softmax_scale must be finite, got {}", self.softmax_scale)
         }
@@ -559,6 +597,7 @@ mod tests {
             window_right: right,
             softcap: None,
             num_splits: 0,
+            tuning: Tuning::default(),
         }
     }
 

@@ -128,14 +128,20 @@ impl Variant {
     /// tiles cost more in masked rows and balance than they gain (measured, causal: -8% at 512,
     /// -2..-20% at 1k-2k, +6% at 8k; unmasked +4..+13% everywhere; docs/kernels/forward-sm90.md,
     /// version 9).
-    fn pick(head_dim: usize, head_dim_v: usize, uneven: bool, seqlen_q: usize) -> Result<Self> {
-        let short_masked = uneven && seqlen_q < 4096;
+    /// `d64_rows`: [`crate::Tuning::d64_tile_rows`].
+    fn pick(
+        head_dim: usize,
+        head_dim_v: usize,
+        uneven: bool,
+        seqlen_q: usize,
+        d64_rows: Option<usize>,
+    ) -> Result<Self> {
         check_tma_head_dims("kernel", head_dim, head_dim_v)?;
         Ok(match head_dim.max(head_dim_v) {
             0..=64 => Self {
                 head_dim: 64,
                 block_n: 128,
-                consumer_wgs: if short_masked || d64_two_wgs() { 2 } else { 3 },
+                consumer_wgs: d64_consumer_wgs(uneven, seqlen_q, d64_rows),
                 fp8: false,
             },
             // Native d96 (64-byte swizzled tiles), 128 x 128 like d128.
@@ -171,7 +177,13 @@ impl Variant {
     /// The fp8 kernels: d64, d128 and d256 (96 and 192 run on the next one up, TMA zero-filling
     /// the columns), 128-key blocks, two consumer warpgroups (three for d64 where `pick` uses
     /// three).
-    fn pick_fp8(head_dim: usize, head_dim_v: usize, uneven: bool, seqlen_q: usize) -> Result<Self> {
+    fn pick_fp8(
+        head_dim: usize,
+        head_dim_v: usize,
+        uneven: bool,
+        seqlen_q: usize,
+        d64_rows: Option<usize>,
+    ) -> Result<Self> {
         let head_dim = match head_dim.max(head_dim_v) {
             0..=64 => 64,
             65..=128 => 128,
@@ -180,11 +192,13 @@ impl Variant {
         };
         // d64 on 192-row tiles (three consumer warpgroups) by the 16-bit rule: +6..+11% unmasked
         // from 2k, +2..+7% causal from 4k, -10% causal at 512 and 1k (session 14, same call).
-        let three = head_dim == 64 && !(uneven && seqlen_q < 4096);
         Ok(Self {
             head_dim,
             block_n: fp8::BLOCK_N,
-            consumer_wgs: if three { 3 } else { 2 },
+            consumer_wgs: match head_dim {
+                64 => d64_consumer_wgs(uneven, seqlen_q, d64_rows),
+                _ => 2,
+            },
             fp8: true,
         })
     }
@@ -262,51 +276,21 @@ impl Variant {
     }
 }
 
-/// `FA3_FWD_D64_2WG=1`: head dims <= 64 always run on 128-row tiles (2 consumer warpgroups), the
-/// pre-version-9 kernel, for comparison.
-fn d64_two_wgs() -> bool {
-    static TWO: OnceLock<bool> = OnceLock::new();
-    *TWO.get_or_init(|| std::env::var("FA3_FWD_D64_2WG").is_ok_and(|v| v == "1"))
+/// Consumer warpgroups of the d64 kernels: 3 (192-row tiles) except for uneven calls whose
+/// longest query sequence is under 4096, or as [`crate::Tuning::d64_tile_rows`] says.
+fn d64_consumer_wgs(uneven: bool, seqlen_q: usize, rows: Option<usize>) -> usize {
+    match rows {
+        Some(rows) => rows / WG_ROWS,
+        None if uneven && seqlen_q < 4096 => 2,
+        None => 3,
+    }
 }
 
 /// Whether the q heads of a kv head share one tile (pack-GQA): for decode-like calls (at most 64
 /// queries per sequence), where one tile per q head would hold a handful of rows and every q head
-/// would stream the same K/V again. `FA3_FWD_PACK_GQA=1` packs every GQA call (for testing),
-/// `=0` none.
-fn pack_gqa(group: usize, seqlen_q: usize) -> bool {
-    static MODE: OnceLock<Option<bool>> = OnceLock::new();
-    let forced = *MODE.get_or_init(|| match std::env::var("FA3_FWD_PACK_GQA").as_deref() {
-        Ok("1") => Some(true),
-        Ok("0") => Some(false),
-        _ => None,
-    });
+/// would stream the same K/V again; `forced`: [`crate::Tuning::pack_gqa`].
+fn pack_gqa(group: usize, seqlen_q: usize, forced: Option<bool>) -> bool {
     (2..=64).contains(&group) && forced.unwrap_or(seqlen_q <= 64)
-}
-
-/// `FA3_FWD_DIRECT_STORE=1`: the epilogue stores O from registers instead of through shared
-/// memory and TMA (for comparison).
-fn direct_store() -> bool {
-    static DIRECT: OnceLock<bool> = OnceLock::new();
-    *DIRECT.get_or_init(|| std::env::var("FA3_FWD_DIRECT_STORE").is_ok_and(|v| v == "1"))
-}
-
-/// `FA3_FWD_PER_TILE=1`: one CTA per tile for masked/varlen calls instead of the dynamic
-/// persistent scheduler.
-fn per_tile() -> bool {
-    static PER_TILE: OnceLock<bool> = OnceLock::new();
-    *PER_TILE.get_or_init(|| std::env::var("FA3_FWD_PER_TILE").is_ok_and(|v| v == "1"))
-}
-
-/// `FA3_FWD_L2_SECTION=N`: (batch, head) pairs per section of the tile order for every call
-/// (1: each pair's tiles in a row, the order before sections; for comparisons).
-fn l2_section_override() -> Option<usize> {
-    static SECTION: OnceLock<Option<usize>> = OnceLock::new();
-    *SECTION.get_or_init(|| {
-        std::env::var("FA3_FWD_L2_SECTION")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n| n > 0)
-    })
 }
 
 /// The device's multiprocessor count (the persistent grid size), cached per device.
@@ -655,10 +639,12 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let uneven = varlen.is_some() || params.window_left.is_some() || params.window_right.is_some();
     let group = dims.group();
     // FP8: a packed tile holds a whole GQA group, so its q heads must share one descale.
-    let pack_gqa = pack_gqa(group, dims.seqlen_q) && fp8.is_none_or(|f| f.q_shared_by_group);
+    let tuning = params.tuning;
+    let pack_gqa = pack_gqa(group, dims.seqlen_q, tuning.pack_gqa) && fp8.is_none_or(|f| f.q_shared_by_group);
+    let rows = tuning.d64_tile_rows;
     let variant = match fp8 {
-        Some(_) => Variant::pick_fp8(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q)?,
-        None => Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q)?,
+        Some(_) => Variant::pick_fp8(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q, rows)?,
+        None => Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q, rows)?,
     };
     let elem_bytes = if variant.fp8 { 1 } else { 2 };
     let stream = dev.cuda_stream();
@@ -742,7 +728,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // Tile order: uneven tiles run longest first across the pairs of an L2-sized section; even
     // tiles keep one pair per section (each pair's tiles in a row).
     let pairs = tile_heads * dims.batch;
-    let section = match l2_section_override() {
+    let section = match tuning.l2_section {
         Some(n) => n.clamp(1, pairs.max(1)),
         None if uneven => l2_section_pairs(
             dims.seqlen_k,
@@ -771,9 +757,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // CTA's next Q and K/V loads overlap its current tile's last P·V and epilogue. Tiles of equal
     // work (no mask, fixed lengths) are strided statically; uneven tiles (causal/windows, varlen)
     // are claimed through an atomic counter, longest first (kernels/flash_fwd/scheduler.cuh).
-    // `FA3_FWD_PER_TILE=1` launches one CTA per uneven tile instead (the hardware's block
+    // `Tuning::per_tile` launches one CTA per uneven tile instead (the hardware's block
     // scheduler balances them; the path before the counter, kept for comparison).
-    let grid = if uneven && per_tile() {
+    let grid = if uneven && tuning.per_tile {
         num_tiles
     } else {
         num_tiles.min(sms)
@@ -898,7 +884,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             negate,
             num_m_blocks: FastDiv::new(num_m_blocks)?,
             batch: dims.batch as i32,
-            direct_store: direct_store() as i32,
+            direct_store: tuning.direct_store as i32,
             pack_gqa: pack_gqa as i32,
             tile_heads: FastDiv::new(tile_heads)?,
             q_tile_queries: q_tile_queries as i32,
