@@ -26,8 +26,8 @@
 //! only; a page table already maps sequences to pages).
 //!
 //! Status: the CPU path computes every option exactly (in f32, the cache gathered per sequence
-//! and run through the CPU attention); the GPU kernels are in progress and a GPU call returns an
-//! error saying so.
+//! and run through the CPU attention); the GPU kernels are in progress (docs/kernels/kvcache.md)
+//! and a GPU call returns an error saying so.
 
 use candle_core::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Result, Tensor};
 
