@@ -10,10 +10,11 @@
 // 2 and 4 apart, through lane shuffles beyond), then 1/sqrt(block).
 //
 // Three modes, chosen by the host per granularity:
-//  - kOwnGroup (per block): the CTA's rows are exactly one scale group. It reads them twice, once
-//    for the amax and once to quantize; the second read hits L2 (a group is at most 128 rows x
-//    256 dims), so HBM sees one pass. (Keeping the rows in registers instead, 16 warps x 4 rows,
-//    measured slower: 85 registers a thread left one CTA per SM; docs/kernels/forward-fp8.md.)
+//  - kOwnGroup (per block): the CTA's rows are exactly one scale group. Rotated groups of up to
+//    32 KiB of f32 keep their rows in shared memory between the amax and the store ("staged", the
+//    rotation runs once); the others read them again, from L2 (a group is at most 128 rows x 256
+//    dims), and rotate them again if asked. HBM sees one pass either way. (Keeping the rows in registers instead, 16 warps x
+//    4 rows, measured slower: 85 registers a thread left one CTA per SM; forward-fp8.md.)
 //  - kAmaxOnly then kGiven (per head, per tensor): a group spans the whole sequence, so a first
 //    launch atomically maxes every CTA's amax into its group and a second one quantizes.
 //
@@ -51,6 +52,8 @@ struct Fp8QuantizeParams {
     int hadamard;       // transform block (the largest power of two dividing head_dim); 0: no rotation
     int whole_tensor;   // one amax (amax[0]) for every group
     int mode;
+    int staged;         // kOwnGroup: the rotated rows wait in dynamic shared memory (chunk_rows x
+                        // head_dim f32) between the amax and the store instead of being read again
 };
 
 __device__ __forceinline__ void widen8(const float* src, float (&v)[kPerLane]) {
@@ -171,6 +174,8 @@ __device__ __forceinline__ void quantize(const Fp8QuantizeParams& p) {
     const int entry = (batch * p.heads + head) * p.blocks + pos0 / p.group_rows;
     auto row_of = [&](int pos) { return row0 + (int64_t)pos * p.heads; };
     auto active = [&](int pos) { return rl.row < rl.rows && pos < pos_end; };
+    extern __shared__ float4 staged_rows[];  // (chunk_rows, head_dim) f32 when p.staged
+    auto stage_at = [&](int pos) { return staged_rows + ((pos - pos0) * p.head_dim + rl.part * kPerLane) / 4; };
     float v[kPerLane];
 
     uint32_t amax;
@@ -179,8 +184,13 @@ __device__ __forceinline__ void quantize(const Fp8QuantizeParams& p) {
     } else {
         uint32_t m = 0;
         for (int base = base0; base < pos_end; base += step) {
-            load_part<T>(p, rl, row_of(base + rl.row), active(base + rl.row), v);
+            const int pos = base + rl.row;
+            load_part<T>(p, rl, row_of(pos), active(pos), v);
             m = fold_amax(m, v);
+            if (p.staged && active(pos)) {
+                stage_at(pos)[0] = make_float4(v[0], v[1], v[2], v[3]);
+                stage_at(pos)[1] = make_float4(v[4], v[5], v[6], v[7]);
+            }
         }
         m = __reduce_max_sync(0xffffffffu, m);
         if (lane == 0) warp_amax[warp] = m;
@@ -196,11 +206,20 @@ __device__ __forceinline__ void quantize(const Fp8QuantizeParams& p) {
     const float descale = descale_of(amax);
     const float inv = __frcp_rn(descale);
     if (threadIdx.x == 0 && pos0 % p.group_rows == 0) p.descale[entry] = descale;
-    // kOwnGroup reads its rows a second time here, from L2.
+    // Unstaged, kOwnGroup reads its rows a second time here, from L2, and rotates them again.
+    // Staged rows were written by this same lane (the same position and part) before the
+    // __syncthreads above.
     for (int base = base0; base < pos_end; base += step) {
         const int pos = base + rl.row;
-        load_part<T>(p, rl, row_of(pos), active(pos), v);
-        if (active(pos)) store_part(p, rl, row_of(pos), v, inv);
+        if (p.staged) {
+            if (!active(pos)) continue;
+            const float4 a = stage_at(pos)[0], b = stage_at(pos)[1];
+            const float w[kPerLane] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            store_part(p, rl, row_of(pos), w, inv);
+        } else {
+            load_part<T>(p, rl, row_of(pos), active(pos), v);
+            if (active(pos)) store_part(p, rl, row_of(pos), v, inv);
+        }
     }
 }
 
