@@ -8,7 +8,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::kvcache::PAGE_SIZES;
 use flash_attn3::FlashAttn;
-use flash_attn3_tests::{assert_close, attention_ref_varlen, cumulative, to_f64_vec, Opts, TestRng};
+use flash_attn3_tests::{assert_close, assert_err, attention_ref_varlen, cumulative, to_f64_vec, Opts, TestRng};
 
 const F32_TOL: f64 = 1e-5;
 
@@ -436,112 +436,91 @@ fn kvcache_errors() -> Result<()> {
     let kn = rng.randn((2, 1, 2, 32), DType::F32, &dev)?;
     let lens = Tensor::new(&[3u32, 5], &dev)?;
     let attn = FlashAttn::new(0.1);
-    let err = |r: Result<Tensor>| r.expect_err("must fail").to_string();
-    let expect = |e: String, needle: &str| assert!(e.contains(needle), "{needle:?} not in: {e}");
 
     // cache_seqlens past the cache.
     let long = Tensor::new(&[3u32, 32], &dev)?;
-    expect(
-        err(attn.kv_cache(&kc, &vc, &long).append(&kn, &kn).forward(&q)),
-        "its cache holds 32",
+    assert_err(
+        attn.kv_cache(&kc, &vc, &long).append(&kn, &kn).forward(&q),
+        &["its cache holds 32"],
     );
     // cache_seqlens of the wrong dtype and length.
-    expect(
-        err(attn.kv_cache(&kc, &vc, &lens.to_dtype(DType::I64)?).forward(&q)),
-        "cache_seqlens must be a u32",
+    assert_err(
+        attn.kv_cache(&kc, &vc, &lens.to_dtype(DType::I64)?).forward(&q),
+        &["cache_seqlens must be a u32"],
     );
-    expect(
-        err(attn.kv_cache(&kc, &vc, &Tensor::new(&[1u32], &dev)?).forward(&q)),
-        "cache_seqlens must be a u32",
+    assert_err(
+        attn.kv_cache(&kc, &vc, &Tensor::new(&[1u32], &dev)?).forward(&q),
+        &["cache_seqlens must be a u32"],
     );
     // Mismatched dtypes, heads, head dims.
-    expect(
-        err(attn.kv_cache(&kc.to_dtype(DType::BF16)?, &vc, &lens).forward(&q)),
-        "k_cache must be F32",
+    assert_err(
+        attn.kv_cache(&kc.to_dtype(DType::BF16)?, &vc, &lens).forward(&q),
+        &["k_cache must be F32"],
     );
     let q5 = rng.randn((2, 1, 5, 32), DType::F32, &dev)?;
-    expect(err(attn.kv_cache(&kc, &vc, &lens).forward(&q5)), "not a multiple");
+    assert_err(attn.kv_cache(&kc, &vc, &lens).forward(&q5), &["not a multiple"]);
     let q16 = rng.randn((2, 1, 4, 16), DType::F32, &dev)?;
-    expect(
-        err(attn.kv_cache(&kc, &vc, &lens).forward(&q16)),
-        "head dim must be q's",
-    );
-    expect(
-        err(attn
-            .kv_cache(&kc, &vc, &lens)
+    assert_err(attn.kv_cache(&kc, &vc, &lens).forward(&q16), &["head dim must be q's"]);
+    assert_err(
+        attn.kv_cache(&kc, &vc, &lens)
             .append(&kn, &kn.narrow(1, 0, 0)?)
-            .forward(&q)),
-        "k_new / v_new must be",
+            .forward(&q),
+        &["k_new / v_new must be"],
     );
     // cache_batch_idx out of range.
     let idx = Tensor::new(&[1u32, 2], &dev)?;
-    expect(
-        err(attn.kv_cache(&kc, &vc, &lens).cache_batch_idx(&idx).forward(&q)),
-        "cache_batch_idx[1] = 2",
+    assert_err(
+        attn.kv_cache(&kc, &vc, &lens).cache_batch_idx(&idx).forward(&q),
+        &["cache_batch_idx[1] = 2"],
     );
     // Paged: an unsupported page size, a page index out of range, a table too short, with
     // cache_batch_idx.
     let table = Tensor::new(&[[0u32, 1], [2, 3]], &dev)?;
     let kp24 = rng.randn((4, 24, 2, 32), DType::F32, &dev)?;
-    expect(
-        err(attn.kv_cache(&kp24, &kp24, &lens).page_table(&table).forward(&q)),
-        "page size",
+    assert_err(
+        attn.kv_cache(&kp24, &kp24, &lens).page_table(&table).forward(&q),
+        &["page size"],
     );
     let kp = rng.randn((4, 16, 2, 32), DType::F32, &dev)?;
     let bad = Tensor::new(&[[0u32, 1], [4, 3]], &dev)?;
-    expect(
-        err(attn.kv_cache(&kp, &kp, &lens).page_table(&bad).forward(&q)),
-        "page_table[1][0] = 4",
+    assert_err(
+        attn.kv_cache(&kp, &kp, &lens).page_table(&bad).forward(&q),
+        &["page_table[1][0] = 4"],
     );
     let short = Tensor::new(&[3u32, 33], &dev)?;
-    expect(
-        err(attn.kv_cache(&kp, &kp, &short).page_table(&table).forward(&q)),
-        "its cache holds 32",
+    assert_err(
+        attn.kv_cache(&kp, &kp, &short).page_table(&table).forward(&q),
+        &["its cache holds 32"],
     );
-    expect(
-        err(attn
-            .kv_cache(&kp, &kp, &lens)
+    assert_err(
+        attn.kv_cache(&kp, &kp, &lens)
             .page_table(&table)
             .cache_batch_idx(&idx)
-            .forward(&q)),
-        "cache_batch_idx applies to contiguous caches",
+            .forward(&q),
+        &["cache_batch_idx applies to contiguous caches"],
     );
     // Rotary tables too short, or of a bad shape.
     let (cos, sin) = rotary_tables(4, 16)?;
-    expect(
-        err(attn
-            .kv_cache(&kc, &vc, &lens)
+    assert_err(
+        attn.kv_cache(&kc, &vc, &lens)
             .append(&kn, &kn)
             .rotary(&cos, &sin, false)
-            .forward(&q)),
-        "cover 4 positions",
+            .forward(&q),
+        &["cover 4 positions"],
     );
     let (cos, sin) = rotary_tables(64, 48)?;
-    expect(
-        err(attn
-            .kv_cache(&kc, &vc, &lens)
+    assert_err(
+        attn.kv_cache(&kc, &vc, &lens)
             .append(&kn, &kn)
             .rotary(&cos, &sin, false)
-            .forward(&q)),
-        "rotary_dim <= head_dim",
+            .forward(&q),
+        &["rotary_dim <= head_dim"],
     );
     // k without v in the function form; empty q.
-    expect(
-        err(flash_attn3::flash_attn_with_kvcache(
-            &q,
-            &kc,
-            &vc,
-            Some(&kn),
-            None,
-            &lens,
-            0.1,
-            false,
-        )),
-        "pass both or neither",
+    assert_err(
+        flash_attn3::flash_attn_with_kvcache(&q, &kc, &vc, Some(&kn), None, &lens, 0.1, false),
+        &["pass both or neither"],
     );
-    expect(
-        err(attn.kv_cache(&kc, &vc, &lens).forward(&q.narrow(1, 0, 0)?)),
-        "empty",
-    );
+    assert_err(attn.kv_cache(&kc, &vc, &lens).forward(&q.narrow(1, 0, 0)?), &["empty"]);
     Ok(())
 }

@@ -9,6 +9,7 @@ use flash_attn3::{
     flash_attn, flash_attn_varlen, flash_attn_varlen_offsets, flash_attn_varlen_windowed, flash_attn_windowed,
     FlashAttn, SeqOffsets, Tuning,
 };
+use flash_attn3_tests::assert_err;
 
 const CPU: Device = Device::Cpu;
 
@@ -18,20 +19,6 @@ fn zeros(shape: impl Into<Shape>, dtype: DType) -> Tensor {
 
 fn f32s(shape: impl Into<Shape>) -> Tensor {
     zeros(shape, DType::F32)
-}
-
-/// Asserts that `result` is an error whose message contains every one of `needles`.
-#[track_caller]
-fn assert_err<T: std::fmt::Debug>(result: Result<T>, needles: &[&str]) {
-    match result {
-        Ok(value) => panic!("expected an error mentioning {needles:?}, got Ok({value:?})"),
-        Err(err) => {
-            let msg = err.to_string();
-            for needle in needles {
-                assert!(msg.contains(needle), "the error should mention {needle:?}: {msg}");
-            }
-        }
-    }
 }
 
 fn seqlens(cu: &[u32]) -> Tensor {

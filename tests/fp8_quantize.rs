@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::fp8::{self, Granularity, Quantized, Quantizer, E4M3_MAX, K_BLOCK_ROWS, Q_BLOCK_ROWS};
-use flash_attn3_tests::{assert_identical, to_f64_vec, TestRng};
+use flash_attn3_tests::{assert_err, assert_identical, to_f64_vec, TestRng};
 
 const CPU: Device = Device::Cpu;
 
@@ -467,20 +467,6 @@ fn incoherent_quantization_is_quantization_of_the_rotation() -> Result<()> {
         assert!(err <= 0.05 * norm, "{granularity:?}: scores error {err} of norm {norm}");
     }
     Ok(())
-}
-
-/// Asserts that `result` is an error whose message contains every one of `needles`.
-#[track_caller]
-fn assert_err<T: std::fmt::Debug>(result: Result<T>, needles: &[&str]) {
-    match result {
-        Ok(value) => panic!("expected an error mentioning {needles:?}, got Ok({value:?})"),
-        Err(err) => {
-            let msg = err.to_string();
-            for needle in needles {
-                assert!(msg.contains(needle), "the error should mention {needle:?}: {msg}");
-            }
-        }
-    }
 }
 
 #[test]

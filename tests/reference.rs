@@ -632,6 +632,20 @@ pub fn check_grads(got: &Grads, want: &Grads, rel_tol: f64, what: &str) -> Resul
     Ok(worst)
 }
 
+/// Fails unless `result` is an error whose message contains every one of `needles`.
+#[track_caller]
+pub fn assert_err<T: std::fmt::Debug>(result: Result<T>, needles: &[&str]) {
+    match result {
+        Ok(value) => panic!("expected an error mentioning {needles:?}, got Ok({value:?})"),
+        Err(err) => {
+            let msg = err.to_string();
+            for needle in needles {
+                assert!(msg.contains(needle), "the error should mention {needle:?}: {msg}");
+            }
+        }
+    }
+}
+
 /// Fails unless the two tensors are bit-for-bit equal (same shape, dtype and values; NaN
 /// never equal).
 pub fn assert_identical(got: &Tensor, want: &Tensor, what: &str) -> Result<()> {

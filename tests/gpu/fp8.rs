@@ -19,8 +19,8 @@
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::fp8::{self, Granularity, Quantized, Quantizer};
 use flash_attn3_tests::{
-    assert_close, attention_ref, attention_ref_varlen, cumulative, max_len, seqlens_tensor, to_f64_vec, AttnShape,
-    Opts, TestRng,
+    assert_close, assert_err, attention_ref, attention_ref_varlen, cumulative, max_len, seqlens_tensor, to_f64_vec,
+    AttnShape, Opts, TestRng,
 };
 
 use super::{gpu, poison, variants, LSE_TOL};
@@ -401,29 +401,36 @@ fn fp8_errors() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-fp8-errors");
     let x = rng.randn((1, 64, 2, 128), DType::F32, &dev)?;
     let q = fp8::quantize(&x, Granularity::Head)?;
-    let err = |r: Result<Tensor>| r.expect_err("must fail").to_string();
     // Wrong descale shape, descale on bf16 inputs, out dtype f32.
     let bad = Tensor::ones((1, 3), DType::F32, &dev)?;
-    let e = err(flash_attn3::FlashAttn::new(0.1)
-        .descale(Some(&bad), None, None)
-        .forward(&q.data, &q.data, &q.data));
-    assert!(e.contains("q_descale"), "{e}");
+    assert_err(
+        flash_attn3::FlashAttn::new(0.1)
+            .descale(Some(&bad), None, None)
+            .forward(&q.data, &q.data, &q.data),
+        &["q_descale"],
+    );
     let xb = x.to_dtype(DType::BF16)?;
-    let e = err(flash_attn3::FlashAttn::new(0.1)
-        .descale(None, None, Some(&q.descale))
-        .forward(&xb, &xb, &xb));
-    assert!(e.contains("F8E4M3 inputs only"), "{e}");
-    let e = err(flash_attn3::FlashAttn::new(0.1)
-        .out_dtype(DType::F32)
-        .forward(&q.data, &q.data, &q.data));
-    assert!(e.contains("bf16 or f16"), "{e}");
+    assert_err(
+        flash_attn3::FlashAttn::new(0.1)
+            .descale(None, None, Some(&q.descale))
+            .forward(&xb, &xb, &xb),
+        &["F8E4M3 inputs only"],
+    );
+    assert_err(
+        flash_attn3::FlashAttn::new(0.1)
+            .out_dtype(DType::F32)
+            .forward(&q.data, &q.data, &q.data),
+        &["bf16 or f16"],
+    );
     // Head dim 72 is no multiple of 16.
     let x72 = rng
         .randn((1, 8, 1, 72), DType::F32, &Device::Cpu)?
         .to_dtype(DType::F8E4M3)?
         .to_device(&dev)?;
-    let e = err(flash_attn3::flash_attn(&x72, &x72, &x72, 0.1, false));
-    assert!(e.contains("multiples of 16"), "{e}");
+    assert_err(
+        flash_attn3::flash_attn(&x72, &x72, &x72, 0.1, false),
+        &["multiples of 16"],
+    );
     // No backward.
     let out = flash_attn3::flash_attn(&q.data, &q.data, &q.data, 0.1, false)?;
     let e = flash_attn3::FlashAttn::new(0.1)
