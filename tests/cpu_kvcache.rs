@@ -401,6 +401,33 @@ fn kvcache_bf16_matches_f32() -> Result<()> {
     Ok(())
 }
 
+/// More sequences than pages in the pool: sequences that share pages, or hold none yet, are no
+/// reason for an error (the batch index of a paged call is not a cache row).
+#[test]
+fn kvcache_paged_batch_above_page_count() -> Result<()> {
+    let dev = Device::Cpu;
+    let mut rng = TestRng::fresh("cpu-kvcache-few-pages");
+    let (b, hk, d, ps) = (4, 1, 32, 16);
+    let q = rng.randn((b, 1, 2, d), DType::F32, &dev)?;
+    let cache = rng.randn((2, ps, hk, d), DType::F32, &dev)?;
+    // Sequences 0 and 2 share page 1 (10 keys), 1 holds none, 3 has page 0 (16 keys).
+    let lens = Tensor::new(&[10u32, 0, 10, 16], &dev)?;
+    let table = Tensor::new(&[[1u32], [0], [1], [0]], &dev)?;
+    let out = FlashAttn::new(0.2)
+        .kv_cache(&cache, &cache, &lens)
+        .page_table(&table)
+        .forward(&q)?;
+    for (seq, (page, n)) in [(0, (1, 10)), (2, (1, 10)), (3, (0, 16))] {
+        let kv = cache.narrow(0, page, 1)?.narrow(1, 0, n)?;
+        let want = FlashAttn::new(0.2).forward(&q.narrow(0, seq, 1)?, &kv, &kv)?;
+        assert_close(&out.narrow(0, seq, 1)?, &want, F32_TOL, &format!("sequence {seq}"))?;
+    }
+    // No keys: a zero output row.
+    let empty = out.narrow(0, 1, 1)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert_eq!(empty, 0.0);
+    Ok(())
+}
+
 #[test]
 fn kvcache_function_form() -> Result<()> {
     let dev = Device::Cpu;

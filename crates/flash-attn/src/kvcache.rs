@@ -318,7 +318,7 @@ impl<'a> KvCacheAttn<'a> {
                     s.seqlen_new
                 )
             }
-            if idx[b] as usize >= s.slots {
+            if s.paged.is_none() && idx[b] as usize >= s.slots {
                 bail!(
                     "{E}: cache_batch_idx[{b}] = {} is past the cache's {} rows",
                     idx[b],
@@ -334,12 +334,12 @@ impl<'a> KvCacheAttn<'a> {
             }
             keys.push(n);
         }
+        let max_k = keys.iter().copied().max().unwrap_or(0);
         let rotary = match self.rotary {
             Some(r) => {
                 let positions = r.cos.dim(0)?;
-                let need = keys.iter().copied().max().unwrap_or(0);
-                if need > positions {
-                    bail!("{E}: the rotary tables cover {positions} positions, the call needs {need}")
+                if max_k > positions {
+                    bail!("{E}: the rotary tables cover {positions} positions, the call needs {max_k}")
                 }
                 Some(RotaryTables {
                     cos: r.cos.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
@@ -380,7 +380,6 @@ impl<'a> KvCacheAttn<'a> {
         let v = flat(self.v_cache, s.head_dim_v)?.index_select(&gather, 0)?;
         let cu_q = SeqOffsets::from_lengths(std::iter::repeat_n(s.seqlen_q, s.batch), &Device::Cpu)?;
         let cu_k = SeqOffsets::from_lengths(keys.iter().copied(), &Device::Cpu)?;
-        let max_k = keys.iter().copied().max().unwrap_or(0);
         let q = q.reshape((s.batch * s.seqlen_q, s.heads, s.head_dim))?;
         let (out, lse) = self
             .attn
