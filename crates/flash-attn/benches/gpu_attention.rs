@@ -213,28 +213,30 @@ fn decode_shapes(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-/// The fp8 forward over the grid: ours with e4m3 inputs (descales of 1: the op's cost does not
-/// depend on their values), TFLOP/s; `ours_fp8` rows in the anchors' line format.
-fn fp8_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
+/// The forward over the paper grid, q, k and v each made by `input` from its (b, s, h, d) shape:
+/// TFLOP/s per (head dim, mask) row, each cell also printed as a `label` line in the anchors'
+/// format, then the grid as a table under `title`.
+fn forward_grid(
+    dev: &Device,
+    seqs: &[usize],
+    hdims: &[usize],
+    label: &str,
+    title: &str,
+    input: impl Fn((usize, usize, usize, usize)) -> Result<Tensor>,
+) -> Result<()> {
     let mut table = Vec::new();
     for &d in hdims {
         for causal in list("BENCH_CAUSAL", &[0, 1]).into_iter().map(|c| c != 0) {
             let mut row = Vec::new();
             for &s in seqs {
                 let (b, h) = (16384 / s, 2048 / d);
-                // candle 0.11's CUDA backend has no f32 -> e4m3 cast: made on the host.
-                let rnd = || {
-                    Tensor::randn(0f32, 1., (b, s, h, d), &Device::Cpu)?
-                        .to_dtype(DType::F8E4M3)?
-                        .to_device(dev)
-                };
-                let (q, k, v) = (rnd()?, rnd()?, rnd()?);
+                let (q, k, v) = (input((b, s, h, d))?, input((b, s, h, d))?, input((b, s, h, d))?);
                 let attn = attn(1.0 / (d as f32).sqrt()).causal(causal);
                 let secs = time(dev, || attn.forward(&q, &k, &v))?;
                 let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
                 let tflops = flops / secs / 1e12;
                 println!(
-                    "ours_fp8     fwd d={d:>3} causal={} s={s:>5} b={b:>2} h={h:>2}: {:>8.3} ms {tflops:>7.1} TFLOP/s",
+                    "{label:<12} fwd d={d:>3} causal={} s={s:>5} b={b:>2} h={h:>2}: {:>8.3} ms {tflops:>7.1} TFLOP/s",
                     causal as u8,
                     secs * 1e3
                 );
@@ -243,11 +245,7 @@ fn fp8_grid(dev: &Device, seqs: &[usize], hdims: &[usize]) -> Result<()> {
             table.push((d, causal, row));
         }
     }
-    print_grid(
-        "GPU forward, fp8 (e4m3 in, bf16 out), TFLOP/s (16k tokens, hidden 2048)",
-        seqs,
-        &table,
-    );
+    print_grid(title, seqs, &table);
     Ok(())
 }
 
@@ -384,7 +382,15 @@ fn main() -> Result<()> {
         backward_grid(&dev, &seqs, &hdims)?;
     }
     if passes.split(',').any(|p| p.trim() == "fp8") {
-        fp8_grid(&dev, &seqs, &hdims)?;
+        // e4m3 inputs with descales of 1 (the op's cost does not depend on their values); candle
+        // 0.11's CUDA backend has no f32 -> e4m3 cast, so they are made on the host.
+        let e4m3 = |shape| {
+            Tensor::randn(0f32, 1., shape, &Device::Cpu)?
+                .to_dtype(DType::F8E4M3)?
+                .to_device(&dev)
+        };
+        let title = "GPU forward, fp8 (e4m3 in, bf16 out), TFLOP/s (16k tokens, hidden 2048)";
+        forward_grid(&dev, &seqs, &hdims, "ours_fp8", title, e4m3)?;
     }
     if passes.split(',').any(|p| p.trim() == "quantize") {
         quantize_table(&dev, &hdims)?;
@@ -392,31 +398,9 @@ fn main() -> Result<()> {
     if !passes.split(',').any(|p| p.trim() == "fwd") {
         return Ok(());
     }
-    let mut table = Vec::new();
-    for &d in &hdims {
-        for causal in list("BENCH_CAUSAL", &[0, 1]).into_iter().map(|c| c != 0) {
-            let mut row = Vec::new();
-            for &s in &seqs {
-                let (b, h) = (16384 / s, 2048 / d);
-                let q = Tensor::randn(0f32, 1., (b, s, h, d), &dev)?.to_dtype(DType::BF16)?;
-                let k = Tensor::randn(0f32, 1., (b, s, h, d), &dev)?.to_dtype(DType::BF16)?;
-                let v = Tensor::randn(0f32, 1., (b, s, h, d), &dev)?.to_dtype(DType::BF16)?;
-                let attn = attn(1.0 / (d as f32).sqrt()).causal(causal);
-                let secs = time(&dev, || attn.forward(&q, &k, &v))?;
-                let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
-                let tflops = flops / secs / 1e12;
-                println!(
-                    "ours         fwd d={d:>3} causal={} s={s:>5} b={b:>2} h={h:>2}: {:>8.3} ms {tflops:>7.1} TFLOP/s",
-                    causal as u8,
-                    secs * 1e3
-                );
-                row.push(tflops);
-            }
-            table.push((d, causal, row));
-        }
-    }
-
-    print_grid("GPU forward, bf16, TFLOP/s (16k tokens, hidden 2048)", &seqs, &table);
+    let bf16 = |shape| Tensor::randn(0f32, 1., shape, &dev)?.to_dtype(DType::BF16);
+    let title = "GPU forward, bf16, TFLOP/s (16k tokens, hidden 2048)";
+    forward_grid(&dev, &seqs, &hdims, "ours", title, bf16)?;
 
     if std::env::var("BENCH_DECODE").map(|v| v != "0").unwrap_or(true) {
         decode_shapes(&dev)?;
