@@ -61,12 +61,14 @@ __device__ __forceinline__ void widen8(const float* src, float (&v)[kPerLane]) {
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 template <class T> __device__ __forceinline__ void widen8(const T* src, float (&v)[kPerLane]) {
+    constexpr int kDtype = std::is_same_v<T, __half> ? DT_F16 : DT_BF16;
     const uint4 raw = *reinterpret_cast<const uint4*>(src);
-    const T* e = reinterpret_cast<const T*>(&raw);
+    const uint32_t pairs[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-        if constexpr (std::is_same_v<T, __half>) v[j] = __half2float(e[j]);
-        else v[j] = __bfloat162float(e[j]);
+    for (int j = 0; j < 4; ++j) {
+        const float2 f = unpack16x2<kDtype>(pairs[j]);
+        v[2 * j] = f.x;
+        v[2 * j + 1] = f.y;
     }
 }
 
