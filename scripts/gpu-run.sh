@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine, from the repo root, with .device/ carried (made by scripts/gpu-pack.sh):
 #
-#   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model] [--fp8]
+#   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model] [--fp8] [--kvcache]
 #
 # Steps: GPU name; the GPU test binaries (--test-threads=1); the GPU benchmark binary; the host
 #   cost of a decode step (decode-host);
@@ -17,6 +17,8 @@
 #               gpu-pack.sh --fp8: FA3's fp8 forward and cuDNN's fp8 SDPA, the accuracy protocol's
 #               inputs and f64 reference), then the benchmark's fp8 grid and our RMSE on those
 #               inputs (BENCH_PASSES=fp8 BENCH_FP8_ACC_DIR=/tmp/fp8_acc; FP8_BENCH_ENV adds env)
+#   --kvcache   FA3's flash_attn_with_kvcache on the decode grid (scripts/kvcache_anchor.py, the
+#               fa3-fwd wheel of .device/fp8), then the benchmark's kvcache pass on the same grid
 # Env: TEST_ARGS / BENCH_ARGS: extra arguments to the test / benchmark binary (e.g. a filter).
 #      SKIP: step names not to run, comma-separated (e.g. SKIP=model-tests,train-tests,decode-host).
 #      DEADLINE (default 570): seconds from the start after which no step runs any more, and each
@@ -28,15 +30,16 @@
 # exit code is non-zero if any step failed.
 set -uo pipefail
 
-ANCHORS=0 SANITIZE=0 MODEL=0 FP8=0
+ANCHORS=0 SANITIZE=0 MODEL=0 FP8=0 KVCACHE=0
 for arg in "$@"; do
     case $arg in
         --anchors) ANCHORS=1 ;;
         --fp8) FP8=1 ;;
+        --kvcache) KVCACHE=1 ;;
         --sanitize) SANITIZE=1 ;;
         --model) MODEL=1 ;;
-        -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
-        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model] [--fp8])" >&2; exit 2 ;;
+        -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
+        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model] [--fp8] [--kvcache])" >&2; exit 2 ;;
     esac
 done
 
@@ -210,6 +213,22 @@ if ((FP8)); then
     if [[ -n $BENCH_BIN ]]; then
         # shellcheck disable=SC2086 # FP8_BENCH_ENV is a list of NAME=VALUE words
         step fp8-bench env BENCH_PASSES=fp8 BENCH_DECODE=0 BENCH_FP8_ACC_DIR=/tmp/fp8_acc ${FP8_BENCH_ENV:-} "$BENCH_BIN"
+    fi
+fi
+
+if ((KVCACHE)); then
+    shopt -s nullglob
+    wheels=("$DEV"/fp8/fa3_fwd*.whl)
+    shopt -u nullglob
+    if ((${#wheels[@]} > 0)); then
+        step kvcache-anchor bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-kv "$@" &&
+            PYTHONPATH=/tmp/site-kv${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 exec python3 scripts/kvcache_anchor.py' \
+            bash "${wheels[@]}"
+    else
+        skip_step kvcache-anchor "no .device/fp8/fa3_fwd*.whl: run scripts/gpu-pack.sh --fp8"
+    fi
+    if [[ -n $BENCH_BIN ]]; then
+        step kvcache-bench env BENCH_PASSES=kvcache BENCH_DECODE=0 "$BENCH_BIN"
     fi
 fi
 

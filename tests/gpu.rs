@@ -917,3 +917,6 @@ fn backward_functional_matches_reference() -> Result<()> {
 // FP8 (e4m3) inputs: tests/gpu/fp8.rs.
 #[path = "gpu/fp8.rs"]
 mod fp8;
+
+#[path = "gpu/kvcache.rs"]
+mod kvcache;

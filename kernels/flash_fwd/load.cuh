@@ -5,6 +5,7 @@
 // refilled as soon as its S = Q·Kᵀ has retired, while P·V of the same block may still run.
 #pragma once
 #include "../primitives/mbarrier.cuh"
+#include "../primitives/prefetch.cuh"
 #include "../primitives/tma.cuh"
 #include "../primitives/trace.cuh"
 #include "params.cuh"
@@ -20,6 +21,61 @@ __device__ __forceinline__ void load_tile_rows(const TmaDesc* desc, typename Tr:
 #pragma unroll
     for (int c = 0; c < Tr::kColBlocks; ++c)
         tma_load_4d(desc, dst + c * rows * Tr::kColElems, bar, c * Tr::kColElems, row, head, batch);
+}
+
+// Key block n of a paged K or V cache: boxes of p.page_box_rows rows (a divisor of the page size
+// and of kBlockN, so a box never crosses a page), each from the page the sequence's page table
+// names for its first key. A box wholly past the sequence's keys is not looked up: its row
+// coordinate lies past the page (out of the map), which TMA fills with zeros and still counts
+// as the box's bytes. A page index past the pool is out of the map too: zeros, never a fault
+// (the append kernel reports it, kernels/kvcache/append.cu). Box offsets are multiples of 16 rows
+// of 64 or 128 bytes, so the swizzle pattern (1024-byte period) is the whole tile's.
+template <class Tr>
+__device__ __forceinline__ void load_paged_rows(const FwdParams& p, const TmaDesc* desc, typename Tr::Elem* dst,
+                                                uint64_t* bar, int n, const TileInfo& t) {
+    // The page indices of up to kBatch boxes first, as independent loads in flight together (a
+    // load between two TMA issues would wait out its whole latency: the issues are `asm volatile`
+    // with a memory clobber), then their issues. kBatch bounds the producer's registers (24 to
+    // 40 after setmaxnreg).
+    constexpr int kBatch = Tr::kProducerRegs >= 40 ? 8 : 4;
+    const uint32_t* pages = p.page_table + (int64_t)t.batch * p.max_pages;
+    const int box_rows = p.page_box_rows;
+    for (int r0 = 0; r0 < Tr::kBlockN; r0 += kBatch * box_rows) {
+        int page[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+            const int r = r0 + i * box_rows, key = n * Tr::kBlockN + r;
+            page[i] = r < Tr::kBlockN && key < t.seqlen_k ? (int)__ldg(pages + p.page_size.div(key)) : 0;
+        }
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+            const int r = r0 + i * box_rows, key = n * Tr::kBlockN + r;
+            if (r >= Tr::kBlockN) break;
+            int row = p.page_size.d;  // past the page: TMA's zero fill
+            if (key < t.seqlen_k) p.page_size.divmod(key, row);
+#pragma unroll
+            for (int c = 0; c < Tr::kColBlocks; ++c)
+                tma_load_4d(desc, dst + (c * Tr::kBlockN + r) * Tr::kColElems, bar, c * Tr::kColElems, row, t.kv_head,
+                            page[i]);
+        }
+    }
+    // The next key block's (n - 1) page indices into L1 while this block's data streams in, so
+    // that its loads above cost an L1 hit instead of a trip to L2 or HBM on the critical path.
+    if (n > 0 && (n - 1) * Tr::kBlockN < t.seqlen_k) {
+        prefetch_l1(pages + p.page_size.div((n - 1) * Tr::kBlockN));
+        prefetch_l1(pages + p.page_size.div(n * Tr::kBlockN - 1));
+    }
+}
+
+// K or V key block n: the caller's rows, a contiguous cache's row, or a paged cache's pages.
+template <class Tr>
+__device__ __forceinline__ void load_kv_block(const FwdParams& p, const TmaDesc* desc, typename Tr::Elem* dst,
+                                              uint64_t* bar, int n, const TileInfo& t) {
+    if (p.page_table != nullptr) {
+        load_paged_rows<Tr>(p, desc, dst, bar, n, t);
+    } else {
+        load_tile_rows<Tr>(desc, dst, bar, Tr::kBlockN, t.k_row0 + n * Tr::kBlockN, t.kv_head, t.kv_batch);
+    }
 }
 
 // FP8: key block n of V^T (head_dim rows x kBlockN keys), one box per 128-key column block; the
@@ -66,8 +122,7 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
         mbar_wait(&s.empty_k[stage], ((at / Tr::kStages) & 1) ^ 1);
         trace_stamp(0, at, 1);
         mbar_arrive_expect_tx(&s.full_k[stage], Tr::kKVBytes);
-        load_tile_rows<Tr>(&p.tma_k, s.k[stage], &s.full_k[stage], Tr::kBlockN, t.k_row0 + n * Tr::kBlockN,
-                           t.kv_head, t.tma_batch);
+        load_kv_block<Tr>(p, &p.tma_k, s.k[stage], &s.full_k[stage], n, t);
     };
     load_k(t.n_max - 1, it);
     trace_edge(0, tc, 2);
@@ -81,8 +136,7 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
         if constexpr (Tr::kFp8) {
             load_vt_block<Tr>(p, s.v[stage], &s.full_v[stage], n, t);
         } else {
-            load_tile_rows<Tr>(&p.tma_v, s.v[stage], &s.full_v[stage], Tr::kBlockN, t.k_row0 + n * Tr::kBlockN,
-                               t.kv_head, t.tma_batch);
+            load_kv_block<Tr>(p, &p.tma_v, s.v[stage], &s.full_v[stage], n, t);
         }
     }
     trace_edge(0, tc, 3);

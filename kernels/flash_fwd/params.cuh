@@ -90,6 +90,18 @@ struct alignas(64) FwdParams {
     int q_descale_blocks;
     int k_descale_blocks;
     int out_f16;            // 1: out is f16, 0: bf16
+    // KV cache calls (flash_attn_with_kvcache, crates/flash-attn/src/kvcache.rs; fixed-length
+    // layout, p.seqlen_k = the keys one sequence's cache can hold). K and V are then the caches:
+    // contiguous, maps (head_dim, seqlen_cache, kv heads, cache rows) read at the sequence's cache
+    // row, or paged, maps (head_dim, page_size, kv heads, pages) read in boxes of page_box_rows
+    // rows (load.cuh, load_paged_rows). Keys past a sequence's count are masked; their rows in
+    // the cache are read (0 · NaN: unused cache memory must hold finite values, as zeros do).
+    const uint32_t* seqused_k;    // (batch) keys each sequence attends to, or null: seqlen_k
+    const uint32_t* kv_batch_idx; // (batch) cache row of each sequence (contiguous), or null: b
+    const uint32_t* page_table;   // (batch, max_pages) page of every page_size keys, or null
+    int max_pages;
+    FastDiv page_size;
+    int page_box_rows;            // gcd(page_size, kBlockN): a box never crosses a page
 };
 
 // Query rows per Q descale block of the fp8 kernels (one consumer warpgroup's rows): mirrored

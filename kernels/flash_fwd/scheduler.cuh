@@ -29,7 +29,9 @@ struct TileInfo {
     int split;                // split-KV: which share of the key blocks (0 without splits)
     int seqlen_q, seqlen_k;   // this sequence's lengths
     int q_row0, k_row0;       // TMA row coordinate of the sequence's first token
-    int tma_batch;            // TMA batch coordinate (0 for varlen)
+    int tma_batch;            // TMA batch coordinate of Q and O (0 for varlen)
+    int kv_batch;             // TMA batch coordinate of K and V: tma_batch, or the sequence's
+                              // cache row (kv_batch_idx)
     int64_t out_tok0;         // token index of the sequence's first query in out
     int64_t lse_row0;         // lse index of (head, query 0) of the tile's (first) head
     int n_min, n_max;         // key blocks [n_min, n_max) that some row of the tile sees
@@ -100,9 +102,19 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
         t.q_row0 = 0;
         t.k_row0 = 0;
         t.tma_batch = t.batch;
+        if (p.seqused_k != nullptr) {
+            // A KV cache's key count, clamped to what the cache holds. The load's value differs
+            // per lane as far as ptxas knows; redux.sync over the lanes running this code (all
+            // of a consumer warp, the one TMA thread) puts it in a uniform register, as
+            // receive_tile does for the tile index.
+            const uint32_t used = __reduce_max_sync(__activemask(), p.seqused_k[t.batch]);
+            t.seqlen_k = (int)min(used, (uint32_t)p.seqlen_k);
+        }
         t.out_tok0 = (int64_t)t.batch * p.seqlen_q;
         t.lse_row0 = (int64_t)t.batch * p.lse_batch_stride + (int64_t)t.head * p.lse_head_stride;
     }
+    t.kv_batch = t.tma_batch;
+    if (p.kv_batch_idx != nullptr) t.kv_batch = (int)__reduce_max_sync(__activemask(), p.kv_batch_idx[t.batch]);
     int m0 = t.m_block * p.q_tile_queries;
     if (m0 >= t.seqlen_q) return false;
     int m1 = min(m0 + p.q_tile_queries, t.seqlen_q) - 1;

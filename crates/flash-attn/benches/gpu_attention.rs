@@ -19,6 +19,9 @@
 //! the op's gradient is added into). `fp8` runs the grid with e4m3 inputs; `quantize` times the
 //! GPU fp8 quantizer against candle's copy and the fp8 forward. BENCH_FP8_ACC_DIR=dir first runs
 //! the FA3-paper accuracy protocol on the inputs scripts/fp8_anchors.py stored there.
+//! `kvcache` times `flash_attn_with_kvcache` on the decode grid of kvcache_shapes() (contiguous
+//! and paged caches, pages of 16 / 64 / 256 in shuffled order) next to the device's copy
+//! bandwidth; scripts/kvcache_anchor.py times FA3 on the same shapes.
 
 use candle_core::Var;
 
@@ -213,6 +216,75 @@ fn decode_shapes(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// The decode grid of the kvcache benchmark (batch, seqlen_q, seqlen_k): batch 1 / 8 / 32 / 128,
+/// seqlen_q 1 and 4, seqlen_k 1k..128k with at most 1M cached tokens per call (2 GiB of K+V at
+/// 4 kv heads of d128). scripts/kvcache_anchor.py has the same list.
+fn kvcache_shapes() -> Vec<(usize, usize, usize)> {
+    let mut shapes = Vec::new();
+    for b in [1, 8, 32, 128] {
+        for sq in [1, 4] {
+            for sk in [1024, 8192, 32768, 131072] {
+                if b * sk <= 1 << 20 {
+                    shapes.push((b, sq, sk));
+                }
+            }
+        }
+    }
+    shapes
+}
+
+/// `flash_attn_with_kvcache` without append (the attention over the cache; FA3's decode kernel
+/// is timed the same way): 32 q heads on 4 kv heads (GQA 8), d128, bf16, every sequence at
+/// seqlen_k keys; causal for seqlen_q > 1. Contiguous, then paged with pages of 16, 64 and 256
+/// tokens in a shuffled pool; K+V bytes read per second, and paged / contiguous time.
+fn kvcache_table(dev: &Device) -> Result<()> {
+    let (h, hk, d) = (32, 4, 128);
+    // The copy bandwidth: a 1 GiB device copy (read + write).
+    let src = Tensor::zeros(1 << 29, DType::BF16, dev)?;
+    let copy = time(dev, || src.copy())?;
+    let copy_tbs = 2.0 * (1u64 << 30) as f64 / copy / 1e12;
+    drop(src);
+    println!("\nflash_attn_with_kvcache, d128, bf16, heads 32/4, no append: us per call, K+V TB/s");
+    println!("(device copy: {copy_tbs:.2} TB/s read + write)");
+    println!("| batch | seqlen_q | seqlen_k | contiguous us | TB/s | % copy | page 16 us | ×contig | page 64 us | ×contig | page 256 us | ×contig |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    for (b, sq, sk) in kvcache_shapes() {
+        let bytes = (2 * b * sk * hk * d * 2) as f64;
+        let q = Tensor::randn(0f32, 1., (b, sq, h, d), dev)?.to_dtype(DType::BF16)?;
+        let k = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?.to_dtype(DType::BF16)?;
+        let v = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?.to_dtype(DType::BF16)?;
+        let lens = Tensor::new(vec![sk as u32; b].as_slice(), dev)?;
+        let attn = attn(1.0 / (d as f32).sqrt()).causal(sq > 1);
+        let contiguous = time(dev, || attn.kv_cache(&k, &v, &lens).forward(&q))?;
+        let mut row = format!(
+            "| {b} | {sq} | {sk} | {:.1} | {:.2} | {:.0}% |",
+            contiguous * 1e6,
+            bytes / contiguous / 1e12,
+            100.0 * bytes / contiguous / 1e12 / copy_tbs
+        );
+        for page in [16, 64, 256] {
+            // The same keys in a shuffled pool of pages: page i of sequence s at pool[perm].
+            let per_seq = sk / page;
+            let pages = b * per_seq;
+            let mut perm: Vec<u32> = (0..pages as u32).collect();
+            for i in (1..pages).rev() {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                perm.swap(i, (seed % (i as u64 + 1)) as usize);
+            }
+            let table = Tensor::from_vec(perm, (b, per_seq), dev)?;
+            let kp = Tensor::randn(0f32, 1., (pages, page, hk, d), dev)?.to_dtype(DType::BF16)?;
+            let vp = Tensor::randn(0f32, 1., (pages, page, hk, d), dev)?.to_dtype(DType::BF16)?;
+            let paged = time(dev, || attn.kv_cache(&kp, &vp, &lens).page_table(&table).forward(&q))?;
+            row += &format!(" {:.1} | {:.2} |", paged * 1e6, paged / contiguous);
+        }
+        println!("{row}");
+    }
+    Ok(())
+}
+
 /// The forward over the paper grid, q, k and v each made by `input` from its (b, s, h, d) shape:
 /// TFLOP/s per (head dim, mask) row, each cell also printed as a `label` line in the anchors'
 /// format, then the grid as a table under `title`.
@@ -394,6 +466,9 @@ fn main() -> Result<()> {
     }
     if passes.split(',').any(|p| p.trim() == "quantize") {
         quantize_table(&dev, &hdims)?;
+    }
+    if passes.split(',').any(|p| p.trim() == "kvcache") {
+        kvcache_table(&dev)?;
     }
     if !passes.split(',').any(|p| p.trim() == "fwd") {
         return Ok(());

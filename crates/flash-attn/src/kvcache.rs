@@ -25,9 +25,18 @@
 //! `cache_batch_idx` (batch,) u32 picks the cache row of each batch entry (contiguous caches
 //! only; a page table already maps sequences to pages).
 //!
-//! Status: the CPU path computes every option exactly (in f32, the cache gathered per sequence
-//! and run through the CPU attention); the GPU kernels are in progress (docs/kernels/kvcache.md)
-//! and a GPU call returns an error saying so.
+//! The CPU path computes every option exactly (in f32, the cache gathered per sequence and run
+//! through the CPU attention) and reports bad indices (a page past the pool, keys past the
+//! cache) as errors. The GPU path (bf16 / f16) never reads the index tensors on the host: a
+//! small kernel appends, turns and checks each sequence before the attention
+//! (kernels/kvcache/append.cu), and a sequence with a bad index reads as empty (output 0, LSE
+//! -inf) with an error bit in the caller's [`KvCacheAttn::status`] word (the `STATUS_*`
+//! constants). A GPU call that neither appends, turns nor asks for the status skips that kernel:
+//! it clamps each sequence to the cache and reads pages past the pool as zeros.
+//!
+//! The attention reads whole key blocks of the cache and masks the keys past each sequence's
+//! count, so unused cache memory must hold finite values (0 · NaN is NaN in a tensor core):
+//! make caches with zeros, as `Tensor::zeros` does.
 
 use candle_core::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Result, Tensor};
 
@@ -36,6 +45,16 @@ use crate::{FlashAttn, SeqOffsets};
 /// Page sizes the paged cache takes (tokens per page): the powers of two from vLLM's default 16
 /// to 256.
 pub const PAGE_SIZES: [usize; 5] = [16, 32, 64, 128, 256];
+
+/// Status bit (GPU calls, [`KvCacheAttn::status`]): a sequence's keys, cache_seqlens[b] +
+/// seqlen_new, do not fit its cache.
+pub const STATUS_KEYS_PAST_CACHE: u32 = 1;
+/// Status bit: a page that a sequence uses is past the page pool.
+pub const STATUS_PAGE_PAST_POOL: u32 = 2;
+/// Status bit: a cache_batch_idx entry is past the cache's rows.
+pub const STATUS_BATCH_IDX_PAST_CACHE: u32 = 4;
+/// Status bit: a position past the rotary tables (the value is left unturned).
+pub const STATUS_PAST_ROTARY: u32 = 8;
 
 /// A [`FlashAttn`] call against a KV cache; made by [`FlashAttn::kv_cache`].
 #[derive(Debug, Clone)]
@@ -48,6 +67,7 @@ pub struct KvCacheAttn<'a> {
     page_table: Option<&'a Tensor>,
     cache_batch_idx: Option<&'a Tensor>,
     rotary: Option<Rotary<'a>>,
+    status: Option<&'a Tensor>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -72,6 +92,7 @@ impl FlashAttn {
             page_table: None,
             cache_batch_idx: None,
             rotary: None,
+            status: None,
         }
     }
 }
@@ -126,6 +147,15 @@ impl<'a> KvCacheAttn<'a> {
         self
     }
 
+    /// GPU calls: a u32 tensor of shape (1,) on q's device into which the call ORs the
+    /// `STATUS_*` bits of every sequence with a bad index (such a sequence reads as empty).
+    /// Read it when convenient (it costs a device sync); zero it to start afresh. CPU calls
+    /// return those cases as errors and leave it alone.
+    pub fn status(mut self, status: &'a Tensor) -> Self {
+        self.status = Some(status);
+        self
+    }
+
     /// The attention output, (batch, seqlen_q, heads, head_dim_v).
     pub fn forward(&self, q: &Tensor) -> Result<Tensor> {
         Ok(self.forward_with_lse(q)?.0)
@@ -136,9 +166,23 @@ impl<'a> KvCacheAttn<'a> {
         let shape = self.check(q)?;
         match q.device() {
             Device::Cpu => self.forward_cpu(q, &shape),
-            _ => bail!(
-                "flash-attn3: kvcache: the GPU kernels of flash_attn_with_kvcache are not written yet; \
-                 run the call on the CPU, or use FlashAttn::forward_varlen_offsets over a contiguous cache"
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => crate::cuda::kvcache::forward(&crate::cuda::kvcache::GpuCall {
+                params: self.attn.params()?,
+                shape: &shape,
+                q,
+                k_cache: self.k_cache,
+                v_cache: self.v_cache,
+                cache_seqlens: self.cache_seqlens,
+                new: self.new,
+                page_table: self.page_table,
+                cache_batch_idx: self.cache_batch_idx,
+                rotary: self.rotary.map(|r| (r.cos, r.sin, r.interleaved)),
+                status: self.status,
+            }),
+            d => bail!(
+                "flash-attn3: kvcache: no kernels for {:?}: run on the CPU or an NVIDIA Hopper GPU (the `cuda` feature)",
+                d.location()
             ),
         }
     }
@@ -243,6 +287,9 @@ impl<'a> KvCacheAttn<'a> {
         };
         if let Some(idx) = self.cache_batch_idx {
             check_u32(idx, "cache_batch_idx", &[batch], q)?;
+        }
+        if let Some(status) = self.status {
+            check_u32(status, "status", &[1], q)?;
         }
         let rotary_dim = match self.rotary {
             None => 0,
@@ -395,21 +442,22 @@ impl<'a> KvCacheAttn<'a> {
 }
 
 /// The sizes of one kvcache call.
-struct CacheShape {
-    batch: usize,
-    seqlen_q: usize,
-    seqlen_new: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    head_dim_v: usize,
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct CacheShape {
+    pub batch: usize,
+    pub seqlen_q: usize,
+    pub seqlen_new: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub head_dim_v: usize,
     /// The caches' first dim: sequences (contiguous) or pages (paged).
-    slots: usize,
+    pub slots: usize,
     /// The caches' second dim: keys per sequence (contiguous) or per page (paged).
-    rows: usize,
+    pub rows: usize,
     /// Paged: the page table's columns.
-    paged: Option<usize>,
-    rotary_dim: usize,
+    pub paged: Option<usize>,
+    pub rotary_dim: usize,
 }
 
 fn check_u32(t: &Tensor, name: &str, dims: &[usize], q: &Tensor) -> Result<()> {

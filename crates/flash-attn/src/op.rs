@@ -126,6 +126,7 @@ impl CustomOp3 for FlashAttnFwd {
             (k, k_l),
             (v, v_l),
             self.fp8.as_ref(),
+            None,
         )?;
         self.keep_lse(Storage::Cuda(lse));
         Ok((out, output_shape(&self.dims, self.varlen.is_some())))

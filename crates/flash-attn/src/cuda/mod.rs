@@ -23,6 +23,7 @@ use crate::params::{l2_section_pairs, split_count, AttnParams, Dims, FastDiv, Va
 
 mod backward;
 mod fp8;
+pub(crate) mod kvcache;
 pub(crate) mod quantize;
 pub(crate) use backward::{backward, SavedForBackward};
 
@@ -83,6 +84,12 @@ struct FwdParams {
     q_descale_blocks: i32,
     k_descale_blocks: i32,
     out_f16: i32,
+    seqused_k: u64,
+    kv_batch_idx: u64,
+    page_table: u64,
+    max_pages: i32,
+    page_size: FastDiv,
+    page_box_rows: i32,
 }
 
 /// Mirror of `fa3::CombineParams` (kernels/flash_fwd/params.cuh).
@@ -567,6 +574,14 @@ fn tensor_map_nd(
     Ok(desc)
 }
 
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 /// (rows, heads, batch) sizes and element strides of an input, fixed (b, s, h, d) or varlen (t, h, d).
 fn geometry(layout: &Layout) -> ([usize; 3], [usize; 3]) {
     let (d, s) = (layout.dims(), layout.stride());
@@ -578,7 +593,8 @@ fn geometry(layout: &Layout) -> ([usize; 3], [usize; 3]) {
 }
 
 /// Runs the forward on the GPU; returns the output and the LSE. `fp8`: the descales and output
-/// dtype of e4m3 inputs.
+/// dtype of e4m3 inputs; `cache`: k and v are a KV cache (kvcache.rs).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(
     dims: &Dims,
     params: AttnParams,
@@ -587,10 +603,15 @@ pub(crate) fn forward(
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
     fp8: Option<&Fp8Call>,
+    cache: Option<&kvcache::CacheLaunch>,
 ) -> Result<(CudaStorage, CudaStorage)> {
     match (q.0.dtype(), fp8.map(|f| f.out_dtype)) {
-        (DType::BF16, None) | (DType::F8E4M3, Some(DType::BF16)) => forward_t::<bf16>(dims, params, varlen, q, k, v, fp8),
-        (DType::F16, None) | (DType::F8E4M3, Some(DType::F16)) => forward_t::<f16>(dims, params, varlen, q, k, v, fp8),
+        (DType::BF16, None) | (DType::F8E4M3, Some(DType::BF16)) => {
+            forward_t::<bf16>(dims, params, varlen, q, k, v, fp8, cache)
+        }
+        (DType::F16, None) | (DType::F8E4M3, Some(DType::F16)) => {
+            forward_t::<f16>(dims, params, varlen, q, k, v, fp8, cache)
+        }
         (dt, _) => bail!("flash-attn3: the GPU kernel supports bf16, f16 and f8e4m3, got {dt:?}; convert with .to_dtype(DType::BF16) or run on the CPU"),
     }
 }
@@ -606,11 +627,12 @@ fn input_ptr<'a>(s: &'a CudaStorage, layout: &Layout, stream: &'a CudaStream) ->
         DType::BF16 => at(s.as_cuda_slice::<bf16>()?, layout, stream),
         DType::F16 => at(s.as_cuda_slice::<f16>()?, layout, stream),
         DType::F32 => at(s.as_cuda_slice::<f32>()?, layout, stream),
+        DType::U32 => at(s.as_cuda_slice::<u32>()?, layout, stream),
         DType::F8E4M3 => match &s.slice {
             candle_core::cuda_backend::CudaStorageSlice::F8E4M3(x) => at(x, layout, stream),
             _ => bail!("flash-attn3: an F8E4M3 storage without its e4m3 slice"),
         },
-        dt => bail!("flash-attn3: the GPU kernels take f32, bf16, f16 and f8e4m3 inputs, got {dt:?}"),
+        dt => bail!("flash-attn3: the GPU kernels take f32, bf16, f16, f8e4m3 and u32 (index) inputs, got {dt:?}"),
     })
 }
 
@@ -620,7 +642,9 @@ fn device_addr<T>(s: &CudaSlice<T>, stream: &CudaStream, layout: &Layout) -> u64
 }
 
 /// The forward launch; `T` is the output's element type (the inputs' for 16-bit calls, bf16 or
-/// f16 for fp8 calls).
+/// f16 for fp8 calls). With `cache`, k and v are the KV caches and `dims.seqlen_k` the keys one
+/// sequence's cache holds.
+#[allow(clippy::too_many_arguments)]
 fn forward_t<T: CudaDType + DeviceRepr>(
     dims: &Dims,
     params: AttnParams,
@@ -629,6 +653,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
     fp8: Option<&Fp8Call>,
+    cache: Option<&kvcache::CacheLaunch>,
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dtype = q.0.dtype();
     let out_dtype = fp8.map_or(dtype, |f| f.out_dtype);
@@ -636,7 +661,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     if !(k.0.device.id() == dev.id() && v.0.device.id() == dev.id()) {
         bail!("flash-attn3: q, k and v must be on the same GPU")
     }
-    let uneven = varlen.is_some() || params.window_left.is_some() || params.window_right.is_some();
+    // KV cache calls have a key count per sequence: uneven tiles.
+    let uneven = varlen.is_some() || cache.is_some() || params.window_left.is_some() || params.window_right.is_some();
     let group = dims.group();
     // FP8: a packed tile holds a whole GQA group, so its q heads must share one descale.
     let tuning = params.tuning;
@@ -682,7 +708,13 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         map("q", q_addr, dims.head_dim, q_sizes, q_strides, block_m)?
     };
     let q_tile_bytes = (variant.head_dim * elem_bytes * if pack_gqa { q_tile_queries * group } else { block_m }) as u32;
-    let tma_k = map("k", k_addr, dims.head_dim, k_sizes, k_strides, variant.block_n)?;
+    // K and V boxes: a key block, or for a paged cache a part of one that never crosses a page
+    // (kernels/flash_fwd/load.cuh, load_paged_rows).
+    let kv_box_rows = match cache {
+        Some(c) if c.page_table != 0 => gcd(c.page_size, variant.block_n),
+        _ => variant.block_n,
+    };
+    let tma_k = map("k", k_addr, dims.head_dim, k_sizes, k_strides, kv_box_rows)?;
     // The output is ours, contiguous (total_q, heads, head_dim_v); the epilogue stores 64-row
     // boxes, one per consumer warpgroup.
     let out_len = dims.total_q * dims.heads * dims.head_dim_v;
@@ -829,7 +861,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
                 fp8::BLOCK_N as u32,
             )?
         }
-        None => map("v", v_addr, dims.head_dim_v, v_sizes, v_strides, variant.block_n)?,
+        None => map("v", v_addr, dims.head_dim_v, v_sizes, v_strides, kv_box_rows)?,
     };
     let descales = match fp8 {
         Some(call) => Some(fp8::DescalePtrs::new(&dev, call)?),
@@ -903,6 +935,12 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             q_descale_blocks: fp8.map_or(0, |f| f.q_blocks as i32),
             k_descale_blocks: fp8.map_or(0, |f| f.k_blocks as i32),
             out_f16: (out_dtype == DType::F16) as i32,
+            seqused_k: cache.map_or(0, |c| c.seqused_k),
+            kv_batch_idx: cache.map_or(0, |c| c.kv_batch_idx),
+            page_table: cache.map_or(0, |c| c.page_table),
+            max_pages: cache.map_or(0, |c| c.max_pages as i32),
+            page_size: FastDiv::new(cache.map_or(1, |c| c.page_size.max(1)))?,
+            page_box_rows: kv_box_rows as i32,
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),

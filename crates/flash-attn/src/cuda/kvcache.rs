@@ -1,0 +1,272 @@
+//! The GPU side of [`crate::kvcache`]: the append kernel (kernels/kvcache/append.cu), which
+//! writes the new keys and values into the cache, turns them and q by the rotary embedding and
+//! checks each sequence's cache rows or pages, then the forward kernel over the cache
+//! (kernels/flash_fwd/, `FwdParams::seqused_k / kv_batch_idx / page_table`).
+
+use candle_core::backend::BackendDevice;
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::op::BackpropOp;
+use candle_core::{bail, DType, Result, Shape, Storage, Tensor};
+
+use super::{input_ptr, launch_with_params, load_kernel};
+use crate::kvcache::CacheShape;
+use crate::params::{AttnParams, Dims};
+
+static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kvcache_append.cubin"));
+
+/// `fa3::kAppendThreads`.
+const APPEND_THREADS: u32 = 128;
+
+/// What the forward kernel needs to read K and V from a cache (device addresses, 0 for absent).
+pub(crate) struct CacheLaunch {
+    /// (batch) u32: the keys each sequence attends to.
+    pub seqused_k: u64,
+    /// (batch) u32: each sequence's row of a contiguous cache.
+    pub kv_batch_idx: u64,
+    /// (batch, max_pages) u32: a paged cache's page table.
+    pub page_table: u64,
+    pub max_pages: usize,
+    /// Keys per page (paged caches).
+    pub page_size: usize,
+}
+
+/// Mirror of `fa3::KvAppendParams` (kernels/kvcache/append.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AppendParams {
+    k_new: u64,
+    v_new: u64,
+    k_cache: u64,
+    v_cache: u64,
+    q: u64,
+    q_rot: u64,
+    cos: u64,
+    sin: u64,
+    cache_seqlens: u64,
+    kv_batch_idx: u64,
+    page_table: u64,
+    seqused: u64,
+    status: u64,
+    batch: i32,
+    seqlen_new: i32,
+    seqlen_q: i32,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    head_dim_v: i32,
+    slots: i32,
+    rows: i32,
+    max_pages: i32,
+    rotary_half: i32,
+    interleaved: i32,
+    positions: i32,
+    q_per_token: i32,
+}
+
+// SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
+unsafe impl DeviceRepr for AppendParams {}
+
+/// One GPU call: the tensors of a [`crate::kvcache::KvCacheAttn`] and their sizes, checked.
+pub(crate) struct GpuCall<'a> {
+    pub params: AttnParams,
+    pub shape: &'a CacheShape,
+    pub q: &'a Tensor,
+    pub k_cache: &'a Tensor,
+    pub v_cache: &'a Tensor,
+    pub cache_seqlens: &'a Tensor,
+    pub new: Option<(&'a Tensor, &'a Tensor)>,
+    pub page_table: Option<&'a Tensor>,
+    pub cache_batch_idx: Option<&'a Tensor>,
+    /// cos, sin, interleaved.
+    pub rotary: Option<(&'a Tensor, &'a Tensor, bool)>,
+    pub status: Option<&'a Tensor>,
+}
+
+/// A tensor's CUDA storage, or an error naming it.
+fn cuda_of<'s>(storage: &'s Storage, name: &str) -> Result<&'s candle_core::CudaStorage> {
+    match storage {
+        Storage::Cuda(cs) => Ok(cs),
+        _ => bail!("flash-attn3: kvcache: {name} must be on the GPU"),
+    }
+}
+
+/// The device address of a (small, contiguous) tensor's data.
+fn addr_of(t: &Tensor, name: &str) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let cs = cuda_of(&storage, name)?;
+    let stream = cs.device.cuda_stream();
+    let (addr, _sync) = input_ptr(cs, layout, &stream)?;
+    Ok(addr)
+}
+
+/// Appends, turns and checks (when the call asks for any of it), then attends.
+pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
+    let s = c.shape;
+    let dtype = c.q.dtype();
+    let kernel_name = match dtype {
+        DType::BF16 => "kvcache_append_bf16",
+        DType::F16 => "kvcache_append_f16",
+        dt => bail!("flash-attn3: kvcache: the GPU kernels take bf16 and f16, got {dt:?}; run f32 calls on the CPU"),
+    };
+    let dev: CudaDevice = match c.q.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("flash-attn3: kvcache: expected a GPU call"),
+    };
+    let stream = dev.cuda_stream();
+    // The kernels index these densely.
+    let q = c.q.contiguous()?;
+    let contiguous_u32 = |t: Option<&Tensor>| t.map(|t| t.contiguous()).transpose();
+    let cache_seqlens = c.cache_seqlens.contiguous()?;
+    let page_table = contiguous_u32(c.page_table)?;
+    let cache_batch_idx = contiguous_u32(c.cache_batch_idx)?;
+    let rotary = match c.rotary {
+        Some((cos, sin, interleaved)) => Some((
+            cos.to_dtype(DType::F32)?.contiguous()?,
+            sin.to_dtype(DType::F32)?.contiguous()?,
+            interleaved,
+        )),
+        None => None,
+    };
+    let new = match c.new {
+        Some((k, v)) => Some((k.contiguous()?, v.contiguous()?)),
+        None => None,
+    };
+
+    // The append kernel runs when the call appends, turns or asks for the status; it writes the
+    // key count each sequence attends to (0 for a sequence with an error). Otherwise the forward
+    // reads cache_seqlens itself (clamped to the cache; pages past the pool read as zeros).
+    let run_append = new.is_some() || rotary.is_some() || c.status.is_some();
+    let mut seqused = match run_append {
+        // SAFETY: the append kernel's block 0 of every sequence writes its entry.
+        true => Some(unsafe { dev.alloc::<u32>(s.batch)? }),
+        false => None,
+    };
+    let scratch_status = match (run_append, c.status) {
+        (true, None) => Some(dev.alloc_zeros::<u32>(1)?),
+        _ => None,
+    };
+    let q_rot = match &rotary {
+        Some(_) => {
+            // SAFETY: the append kernel writes every element (one block per q token).
+            let storage = unsafe { dev.alloc_uninit(q.shape(), dtype)? };
+            Some(Tensor::from_storage(
+                Storage::Cuda(storage),
+                q.shape().clone(),
+                BackpropOp::none(),
+                false,
+            ))
+        }
+        None => None,
+    };
+    let addr = |t: Option<&Tensor>, name: &str| t.map_or(Ok(0), |t| addr_of(t, name));
+    if run_append {
+        let (k_new, v_new) = match &new {
+            Some((k, v)) => (Some(k), Some(v)),
+            None => (None, None),
+        };
+        let status = match (c.status, &scratch_status) {
+            (Some(t), _) => addr_of(t, "status")?,
+            (None, Some(buf)) => buf.device_ptr(&stream).0,
+            (None, None) => unreachable!("a status word exists whenever the append kernel runs"),
+        };
+        let seqused_addr = seqused.as_mut().map_or(0, |b| b.device_ptr_mut(&stream).0);
+        let p = AppendParams {
+            k_new: addr(k_new, "k_new")?,
+            v_new: addr(v_new, "v_new")?,
+            k_cache: addr_of(c.k_cache, "k_cache")?,
+            v_cache: addr_of(c.v_cache, "v_cache")?,
+            q: addr_of(&q, "q")?,
+            q_rot: addr(q_rot.as_ref(), "q")?,
+            cos: addr(rotary.as_ref().map(|r| &r.0), "rotary cos")?,
+            sin: addr(rotary.as_ref().map(|r| &r.1), "rotary sin")?,
+            cache_seqlens: addr_of(&cache_seqlens, "cache_seqlens")?,
+            kv_batch_idx: addr(cache_batch_idx.as_ref(), "cache_batch_idx")?,
+            page_table: addr(page_table.as_ref(), "page_table")?,
+            seqused: seqused_addr,
+            status,
+            batch: s.batch as i32,
+            seqlen_new: s.seqlen_new as i32,
+            seqlen_q: s.seqlen_q as i32,
+            heads: s.heads as i32,
+            kv_heads: s.kv_heads as i32,
+            head_dim: s.head_dim as i32,
+            head_dim_v: s.head_dim_v as i32,
+            slots: s.slots as i32,
+            rows: s.rows as i32,
+            max_pages: s.paged.unwrap_or(0) as i32,
+            rotary_half: (s.rotary_dim / 2) as i32,
+            interleaved: rotary.as_ref().is_some_and(|r| r.2) as i32,
+            positions: rotary.as_ref().map_or(0, |r| r.0.dims()[0]) as i32,
+            q_per_token: (c.params.window_left.is_some() || c.params.window_right.is_some()) as i32,
+        };
+        let blocks = 1 + s.seqlen_new + if rotary.is_some() { s.seqlen_q } else { 0 };
+        if blocks > i32::MAX as usize || s.batch > 65535 {
+            bail!("flash-attn3: kvcache: too many tokens or sequences for one append launch")
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, s.batch as u32, 1),
+            block_dim: (APPEND_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let func = load_kernel(&dev, CUBIN, " kvcache append", kernel_name, 0)?;
+        // SAFETY: every address is a live buffer of the sizes in `p` (checked by KvCacheAttn::check
+        // on the host; page indices, positions and cache rows are checked by the kernel before use).
+        unsafe { launch_with_params(&stream, &func, kernel_name, cfg, &p) }?;
+    }
+
+    // The attention over the cache.
+    let capacity = s.paged.map_or(s.rows, |max_pages| max_pages * s.rows);
+    let dims = Dims {
+        batch: s.batch,
+        seqlen_q: s.seqlen_q,
+        seqlen_k: capacity,
+        total_q: s.batch * s.seqlen_q,
+        total_k: s.batch * capacity,
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        head_dim_v: s.head_dim_v,
+    };
+    let launch = CacheLaunch {
+        seqused_k: match &seqused {
+            Some(b) => b.device_ptr(&stream).0,
+            None => addr_of(&cache_seqlens, "cache_seqlens")?,
+        },
+        kv_batch_idx: addr(cache_batch_idx.as_ref(), "cache_batch_idx")?,
+        page_table: addr(page_table.as_ref(), "page_table")?,
+        max_pages: s.paged.unwrap_or(0),
+        page_size: s.rows,
+    };
+    let q_attn = q_rot.as_ref().unwrap_or(&q);
+    let (out, lse) = {
+        let (q_st, q_l) = q_attn.storage_and_layout();
+        let (k_st, k_l) = c.k_cache.storage_and_layout();
+        let (v_st, v_l) = c.v_cache.storage_and_layout();
+        super::forward(
+            &dims,
+            c.params,
+            None,
+            (cuda_of(&q_st, "q")?, q_l),
+            (cuda_of(&k_st, "k_cache")?, k_l),
+            (cuda_of(&v_st, "v_cache")?, v_l),
+            None,
+            Some(&launch),
+        )?
+    };
+    // Freed in stream order after the kernels.
+    drop((seqused, scratch_status));
+    let out = Tensor::from_storage(
+        Storage::Cuda(out),
+        Shape::from((s.batch, s.seqlen_q, s.heads, s.head_dim_v)),
+        BackpropOp::none(),
+        false,
+    );
+    let lse = Tensor::from_storage(
+        Storage::Cuda(lse),
+        Shape::from((s.batch, s.heads, s.seqlen_q)),
+        BackpropOp::none(),
+        false,
+    );
+    Ok((out, lse))
+}

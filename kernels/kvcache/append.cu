@@ -1,0 +1,185 @@
+// The KV cache's append (flash_attn_with_kvcache, crates/flash-attn/src/kvcache.rs): before the
+// attention reads the cache, this kernel writes each sequence's new keys and values at positions
+// cache_seqlens[b].., turns the new keys (and a copy of q) by the rotary embedding on the way, and
+// checks every cache row and page the attention will read.
+//
+// Grid (1 + seqlen_new + (q turned ? seqlen_q : 0), batch), 128 threads. For sequence b:
+//  - block 0 checks the sequence: its keys fit the cache (and the rotary tables), its cache row or
+//    pages exist. It writes the key count the attention sees, 0 for a sequence with an error (it
+//    reads as empty: output 0, LSE -inf), and ORs the error bits into *status;
+//  - block 1 + i writes new token i (skipped where its slot does not exist);
+//  - block 1 + seqlen_new + i writes q's token i, turned, into q_rot.
+// The rotation is the host's arithmetic (kvcache.rs, RotaryTables::apply): f32, x0·cos − x1·sin
+// and x0·sin + x1·cos with each product rounded (no FMA contraction), one rounding to the element
+// type, so a cache holds the same bits whichever device wrote it.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace fa3 {
+
+// Error bits of *status, mirrored by flash_attn3::kvcache::CacheErrors.
+enum KvCacheError : uint32_t {
+    kKeysPastCache = 1,     // cache_seqlens[b] + seqlen_new keys do not fit the cache
+    kPagePastPool = 2,      // a page the sequence uses is past the page pool
+    kBatchIdxPastCache = 4, // cache_batch_idx[b] is past the cache's rows
+    kPastRotary = 8,        // a position past the rotary tables (left unturned)
+};
+
+// Mirrored field for field by `AppendParams` in crates/flash-attn/src/cuda/kvcache.rs.
+struct KvAppendParams {
+    const uint16_t* k_new;      // (batch, seqlen_new, kv_heads, head_dim), contiguous
+    const uint16_t* v_new;      // (batch, seqlen_new, kv_heads, head_dim_v)
+    uint16_t* k_cache;          // (slots, rows, kv_heads, head_dim), contiguous
+    uint16_t* v_cache;          // (slots, rows, kv_heads, head_dim_v)
+    const uint16_t* q;          // (batch, seqlen_q, heads, head_dim), contiguous
+    uint16_t* q_rot;            // q turned, same layout; null: q is not turned
+    const float* cos;           // (positions, rotary_half); null: no rotary
+    const float* sin;
+    const uint32_t* cache_seqlens;  // (batch)
+    const uint32_t* kv_batch_idx;   // (batch) or null: sequence b uses cache row b
+    const uint32_t* page_table;     // (batch, max_pages) or null: a contiguous cache
+    uint32_t* seqused;          // (batch), written: the keys the attention sees
+    uint32_t* status;           // error bits, ORed in
+    int batch, seqlen_new, seqlen_q, heads, kv_heads, head_dim, head_dim_v;
+    int slots;                  // the caches' first dim: rows of a contiguous cache, or pages
+    int rows;                   // the caches' second dim: keys per cache row, or per page
+    int max_pages;              // the page table's columns (paged)
+    int rotary_half, interleaved, positions;
+    int q_per_token;            // 1: q token i turns to position cache_seqlens[b] + i, 0: all
+                                // to cache_seqlens[b] (FA3's rule for calls without a mask)
+};
+
+constexpr int kAppendThreads = 128;
+
+template <int kBf16> __device__ __forceinline__ float to_f32(uint16_t x) {
+    if constexpr (kBf16) {
+        return __bfloat162float(__ushort_as_bfloat16(x));
+    } else {
+        return __half2float(__ushort_as_half(x));
+    }
+}
+
+template <int kBf16> __device__ __forceinline__ uint16_t from_f32(float x) {
+    if constexpr (kBf16) {
+        return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    } else {
+        return __half_as_ushort(__float2half_rn(x));
+    }
+}
+
+// Copies `heads` rows of `d` values from src to dst, turning the first 2 · rotary_half dims of
+// each by the angle whose cos / sin rows are given (null: a plain copy). Unturned values are
+// copied as bits.
+template <int kBf16>
+__device__ void copy_rows_turned(const KvAppendParams& p, const uint16_t* src, uint16_t* dst, int heads, int d,
+                                 const float* cos, const float* sin) {
+    const int half = p.rotary_half;
+    for (int e = threadIdx.x; e < heads * d; e += kAppendThreads) {
+        const int c = e % d;
+        if (cos == nullptr || c >= 2 * half) {
+            dst[e] = src[e];
+            continue;
+        }
+        const uint16_t* row = src + (e - c);
+        // The pair (x0, x1) that c belongs to, and whether c is its first member.
+        int r, a, b;
+        if (p.interleaved) {
+            r = c / 2;
+            a = 2 * r;
+            b = a + 1;
+        } else {
+            r = c < half ? c : c - half;
+            a = r;
+            b = r + half;
+        }
+        const float x0 = to_f32<kBf16>(row[a]), x1 = to_f32<kBf16>(row[b]);
+        const float y = c == a ? __fsub_rn(__fmul_rn(x0, cos[r]), __fmul_rn(x1, sin[r]))
+                               : __fadd_rn(__fmul_rn(x0, sin[r]), __fmul_rn(x1, cos[r]));
+        dst[e] = from_f32<kBf16>(y);
+    }
+}
+
+// The cache slot (row of kv_heads x d values) of sequence b's key j, or -1 where it does not
+// exist (past the cache, a page past the pool, a cache row past the cache).
+__device__ __forceinline__ int64_t cache_slot(const KvAppendParams& p, int b, uint32_t j) {
+    if (p.page_table != nullptr) {
+        if (j >= (uint32_t)p.max_pages * (uint32_t)p.rows) return -1;
+        const uint32_t page = p.page_table[(int64_t)b * p.max_pages + j / p.rows];
+        return page < (uint32_t)p.slots ? (int64_t)page * p.rows + j % p.rows : -1;
+    }
+    const uint32_t row = p.kv_batch_idx != nullptr ? p.kv_batch_idx[b] : (uint32_t)b;
+    return j < (uint32_t)p.rows && row < (uint32_t)p.slots ? (int64_t)row * p.rows + j : -1;
+}
+
+__device__ void check_sequence(const KvAppendParams& p, int b) {
+    const uint64_t keys = (uint64_t)p.cache_seqlens[b] + p.seqlen_new;
+    const bool paged = p.page_table != nullptr;
+    const uint64_t capacity = paged ? (uint64_t)p.max_pages * p.rows : (uint64_t)p.rows;
+    uint32_t err = 0;
+    if (keys > capacity) err |= kKeysPastCache;
+    if (p.cos != nullptr && keys > (uint64_t)p.positions) err |= kPastRotary;
+    if (paged && keys <= capacity) {
+        const int pages = (int)((keys + p.rows - 1) / p.rows);
+        for (int i = threadIdx.x; i < pages; i += kAppendThreads)
+            if (p.page_table[(int64_t)b * p.max_pages + i] >= (uint32_t)p.slots) err |= kPagePastPool;
+    }
+    if (!paged && p.kv_batch_idx != nullptr && p.kv_batch_idx[b] >= (uint32_t)p.slots) err |= kBatchIdxPastCache;
+    // Every thread's bits, gathered: one OR per bit over the block.
+    uint32_t all = 0;
+#pragma unroll
+    for (int bit = 0; bit < 4; ++bit)
+        if (__syncthreads_or(err & (1u << bit))) all |= 1u << bit;
+    if (threadIdx.x == 0) {
+        p.seqused[b] = all ? 0u : (uint32_t)keys;
+        if (all) atomicOr(p.status, all);
+    }
+}
+
+template <int kBf16> __device__ void kv_append(const KvAppendParams& p) {
+    const int b = blockIdx.y;
+    const int x = blockIdx.x;
+    if (x == 0) {
+        check_sequence(p, b);
+        return;
+    }
+    const uint32_t len = p.cache_seqlens[b];
+    const auto angle = [&](uint32_t pos, const float*& cos, const float*& sin) {
+        cos = sin = nullptr;
+        if (p.cos == nullptr) return;
+        if (pos < (uint32_t)p.positions) {
+            cos = p.cos + (int64_t)pos * p.rotary_half;
+            sin = p.sin + (int64_t)pos * p.rotary_half;
+        } else if (threadIdx.x == 0) {
+            atomicOr(p.status, kPastRotary);  // a q position past the tables: left unturned
+        }
+    };
+    const float *cos, *sin;
+    if (x <= p.seqlen_new) {
+        const int i = x - 1;
+        const int64_t slot = cache_slot(p, b, len + i);
+        if (slot < 0) return;  // check_sequence reports it
+        const int64_t token = (int64_t)b * p.seqlen_new + i;
+        angle(len + i, cos, sin);
+        copy_rows_turned<kBf16>(p, p.k_new + token * p.kv_heads * p.head_dim, p.k_cache + slot * p.kv_heads * p.head_dim,
+                                p.kv_heads, p.head_dim, cos, sin);
+        copy_rows_turned<kBf16>(p, p.v_new + token * p.kv_heads * p.head_dim_v,
+                                p.v_cache + slot * p.kv_heads * p.head_dim_v, p.kv_heads, p.head_dim_v, nullptr, nullptr);
+        return;
+    }
+    const int i = x - 1 - p.seqlen_new;
+    const int64_t token = (int64_t)b * p.seqlen_q + i;
+    angle(len + (p.q_per_token ? i : 0), cos, sin);
+    copy_rows_turned<kBf16>(p, p.q + token * p.heads * p.head_dim, p.q_rot + token * p.heads * p.head_dim, p.heads,
+                            p.head_dim, cos, sin);
+}
+
+}  // namespace fa3
+
+extern "C" __global__ void __launch_bounds__(fa3::kAppendThreads) kvcache_append_bf16(const __grid_constant__ fa3::KvAppendParams p) {
+    fa3::kv_append<1>(p);
+}
+extern "C" __global__ void __launch_bounds__(fa3::kAppendThreads) kvcache_append_f16(const __grid_constant__ fa3::KvAppendParams p) {
+    fa3::kv_append<0>(p);
+}

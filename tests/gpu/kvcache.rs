@@ -1,0 +1,403 @@
+//! `flash_attn_with_kvcache` on the GPU (flash_attn3::kvcache): every call runs twice on the same
+//! bf16 values, on the GPU and on the CPU path, which tests/cpu_kvcache.rs checks against an
+//! f64 model of the cache. The caches after the call must hold the same bits (the append copies
+//! values and turns k_new with the same f32 arithmetic on both devices), the outputs agree to
+//! bf16 tolerance (both are f32 computations rounded once) and the LSE to 1e-3.
+//!
+//! Covered: contiguous caches with cache_batch_idx permutations, paged caches of every page
+//! size with shuffled pages and a prefix page shared by two sequences, append with and without
+//! rotary (interleaved or not), zero-length sequences, GQA with and without pack-GQA, causal,
+//! windows and softcap, split-KV forced to 1, 3 and 16, head dims 64 / 128 / 256, keys over many
+//! blocks; then the device's defined outcome for bad indices (the sequence reads as empty, a
+//! status bit is set) and the host errors.
+
+use candle_core::{DType, Device, Result, Tensor};
+use flash_attn3::kvcache::{PAGE_SIZES, STATUS_BATCH_IDX_PAST_CACHE, STATUS_KEYS_PAST_CACHE, STATUS_PAGE_PAST_POOL};
+use flash_attn3::FlashAttn;
+use flash_attn3_tests::{assert_close, assert_err, to_f64_vec, Opts, TestRng};
+
+use super::{gpu, poison, LSE_TOL, OUT_TOL};
+
+/// The sizes and cache layout of one call.
+#[derive(Debug, Clone)]
+struct Spec {
+    seqlen_q: usize,
+    seqlen_new: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    dv: usize,
+    /// Keys each sequence holds before the call.
+    lens: Vec<usize>,
+    /// Paged: (page size, page table (batch, max_pages), max_pages).
+    paged: Option<(usize, Vec<u32>, usize)>,
+    /// Contiguous: each sequence's cache row.
+    batch_idx: Option<Vec<u32>>,
+    /// The caches' first two dims.
+    cache_dims: (usize, usize),
+}
+
+impl Spec {
+    /// A layout for `lens` (+ seqlen_new keys each): a contiguous cache with spare rows and a
+    /// shuffled cache_batch_idx, or shuffled pages with sequences 0 and 1 sharing their first
+    /// page when both already hold one.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        rng: &mut TestRng,
+        page_size: Option<usize>,
+        lens: Vec<usize>,
+        seqlen_q: usize,
+        seqlen_new: usize,
+        heads: usize,
+        kv_heads: usize,
+        d: usize,
+        dv: usize,
+    ) -> Self {
+        let batch = lens.len();
+        let keys: Vec<usize> = lens.iter().map(|l| l + seqlen_new).collect();
+        let shuffled = |rng: &mut TestRng, n: usize| {
+            let mut v: Vec<u32> = (0..n as u32).collect();
+            for i in (1..n).rev() {
+                v.swap(i, rng.range(0, i));
+            }
+            v
+        };
+        let (paged, batch_idx, cache_dims) = match page_size {
+            None => {
+                let capacity = keys.iter().copied().max().unwrap() + rng.range(0, 40);
+                let rows = batch + rng.range(0, 2);
+                let idx = shuffled(rng, rows)[..batch].to_vec();
+                (None, Some(idx), (rows, capacity.max(1)))
+            }
+            Some(ps) => {
+                let pages_of = |n: usize| n.div_ceil(ps);
+                let max_pages = keys.iter().map(|&n| pages_of(n)).max().unwrap().max(1) + rng.range(0, 2);
+                let share = batch > 1 && lens[0] >= ps && lens[1] >= ps;
+                let needed: usize = keys.iter().map(|&n| pages_of(n)).sum::<usize>() - share as usize;
+                let num_pages = needed + rng.range(1, 3);
+                let mut free = shuffled(rng, num_pages);
+                let mut table = vec![0u32; batch * max_pages];
+                for b in 0..batch {
+                    for p in 0..max_pages {
+                        table[b * max_pages + p] = if p < pages_of(keys[b]) {
+                            if share && b == 1 && p == 0 {
+                                table[0]
+                            } else {
+                                free.pop().unwrap()
+                            }
+                        } else {
+                            rng.range(0, num_pages - 1) as u32
+                        };
+                    }
+                }
+                (Some((ps, table, max_pages)), None, (num_pages, ps))
+            }
+        };
+        Self {
+            seqlen_q,
+            seqlen_new,
+            heads,
+            kv_heads,
+            d,
+            dv,
+            lens,
+            paged,
+            batch_idx,
+            cache_dims,
+        }
+    }
+
+    fn batch(&self) -> usize {
+        self.lens.len()
+    }
+}
+
+/// The tensors of one call on one device.
+struct Inputs {
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    lens: Tensor,
+    page_table: Option<Tensor>,
+    batch_idx: Option<Tensor>,
+    /// cos, sin (positions, rotary_dim / 2) f32, interleaved.
+    rotary: Option<(Tensor, Tensor, bool)>,
+}
+
+impl Inputs {
+    fn random(rng: &mut TestRng, s: &Spec, rotary: Option<(usize, bool)>) -> Result<Self> {
+        let cpu = Device::Cpu;
+        let (b, hk) = (s.batch(), s.kv_heads);
+        let (slots, rows) = s.cache_dims;
+        let bf16 = DType::BF16;
+        let u32s = |v: &[u32], shape: (usize, usize)| Tensor::from_vec(v.to_vec(), shape, &cpu);
+        let lens: Vec<u32> = s.lens.iter().map(|&l| l as u32).collect();
+        let max_keys = s.lens.iter().map(|l| l + s.seqlen_new).max().unwrap();
+        let rotary = match rotary {
+            Some((rd, interleaved)) => {
+                let positions = max_keys + s.seqlen_q + rng.range(0, 5);
+                let half = rd / 2;
+                let (mut cos, mut sin) = (Vec::new(), Vec::new());
+                for p in 0..positions {
+                    for i in 0..half {
+                        let angle = p as f64 / 10000f64.powf(i as f64 / half as f64);
+                        cos.push(angle.cos() as f32);
+                        sin.push(angle.sin() as f32);
+                    }
+                }
+                Some((
+                    Tensor::from_vec(cos, (positions, half), &cpu)?,
+                    Tensor::from_vec(sin, (positions, half), &cpu)?,
+                    interleaved,
+                ))
+            }
+            None => None,
+        };
+        Ok(Self {
+            q: rng.randn((b, s.seqlen_q, s.heads, s.d), bf16, &cpu)?,
+            k_cache: rng.randn((slots, rows, hk, s.d), bf16, &cpu)?,
+            v_cache: rng.randn((slots, rows, hk, s.dv), bf16, &cpu)?,
+            k_new: rng.randn((b, s.seqlen_new, hk, s.d), bf16, &cpu)?,
+            v_new: rng.randn((b, s.seqlen_new, hk, s.dv), bf16, &cpu)?,
+            lens: Tensor::new(lens.as_slice(), &cpu)?,
+            page_table: match &s.paged {
+                Some((_, table, max_pages)) => Some(u32s(table, (b, *max_pages))?),
+                None => None,
+            },
+            batch_idx: match &s.batch_idx {
+                Some(idx) => Some(u32s(idx, (1, b))?.flatten_all()?),
+                None => None,
+            },
+            rotary,
+        })
+    }
+
+    fn to_device(&self, dev: &Device) -> Result<Self> {
+        let t = |x: &Tensor| x.to_device(dev);
+        let opt = |x: &Option<Tensor>| x.as_ref().map(t).transpose();
+        Ok(Self {
+            q: t(&self.q)?,
+            k_cache: t(&self.k_cache)?,
+            v_cache: t(&self.v_cache)?,
+            k_new: t(&self.k_new)?,
+            v_new: t(&self.v_new)?,
+            lens: t(&self.lens)?,
+            page_table: opt(&self.page_table)?,
+            batch_idx: opt(&self.batch_idx)?,
+            rotary: match &self.rotary {
+                Some((c, s, i)) => Some((t(c)?, t(s)?, *i)),
+                None => None,
+            },
+        })
+    }
+
+    /// The call (appending when seqlen_new > 0), output and LSE; `status` for GPU calls.
+    fn call(&self, attn: &FlashAttn, append: bool, status: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        let mut call = attn.kv_cache(&self.k_cache, &self.v_cache, &self.lens);
+        if append {
+            call = call.append(&self.k_new, &self.v_new);
+        }
+        if let Some(pt) = &self.page_table {
+            call = call.page_table(pt);
+        }
+        if let Some(idx) = &self.batch_idx {
+            call = call.cache_batch_idx(idx);
+        }
+        if let Some((cos, sin, interleaved)) = &self.rotary {
+            call = call.rotary(cos, sin, *interleaved);
+        }
+        if let Some(st) = status {
+            call = call.status(st);
+        }
+        call.forward_with_lse(&self.q)
+    }
+}
+
+/// Runs `s` on the GPU and on the CPU with the same values and compares (module docs).
+fn check(rng: &mut TestRng, s: &Spec, opts: Opts, rotary: Option<(usize, bool)>, splits: usize) -> Result<()> {
+    let what = format!(
+        "{s:?} opts {opts:?} rotary {rotary:?} splits {splits} seed {}",
+        rng.seed()
+    );
+    let dev = gpu()?;
+    let host = Inputs::random(rng, s, rotary)?;
+    let device = host.to_device(&dev)?;
+    let append = s.seqlen_new > 0;
+    let attn = opts.builder().num_splits(splits);
+    let status = Tensor::zeros(1, DType::U32, &dev)?;
+    poison(&dev, 1 << 22)?;
+    let (out, lse) = device.call(&attn, append, Some(&status))?;
+    let (want, want_lse) = host.call(&opts.builder(), append, None)?;
+    assert_eq!(status.to_vec1::<u32>()?, [0], "{what}: status");
+    assert_eq!(
+        to_f64_vec(&device.k_cache)?,
+        to_f64_vec(&host.k_cache)?,
+        "{what}: k_cache after the call"
+    );
+    assert_eq!(
+        to_f64_vec(&device.v_cache)?,
+        to_f64_vec(&host.v_cache)?,
+        "{what}: v_cache after the call"
+    );
+    assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+    assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+    Ok(())
+}
+
+#[test]
+fn kvcache_contiguous_every_option() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-contiguous");
+    for (d, kv_heads, group) in [(128, 2, 4), (64, 1, 8), (256, 2, 1), (128, 3, 2)] {
+        let heads = kv_heads * group;
+        for (append, opts, rotary) in [
+            (false, Opts::new(0.125), None),
+            (true, Opts::new(0.1).causal(), None),
+            (true, Opts::new(0.09).causal(), Some((d, false))),
+            (
+                true,
+                Opts::new(0.11).window(Some(300), Some(0)).softcap(8.0),
+                Some((d / 2, true)),
+            ),
+            (true, Opts::new(0.08), Some((32, false))),
+        ] {
+            let batch = rng.range(1, 4);
+            let lens: Vec<usize> = (0..batch)
+                .map(|b| if b == 1 { 0 } else { rng.range(1, 1500) })
+                .collect();
+            let new = if append { rng.range(1, 5) } else { 0 };
+            let sq = if append { new } else { rng.range(1, 4) };
+            let s = Spec::new(&mut rng, None, lens, sq, new, heads, kv_heads, d, d);
+            check(&mut rng, &s, opts, rotary, 0)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn kvcache_paged_every_page_size() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-paged");
+    for page_size in PAGE_SIZES {
+        for (d, append, opts, rotary) in [
+            (128, false, Opts::new(0.125), None),
+            (128, true, Opts::new(0.1).causal(), Some((128, false))),
+            (64, true, Opts::new(0.12).window(Some(200), Some(0)), None),
+            (256, true, Opts::new(0.06), Some((64, true))),
+        ] {
+            let kv_heads = rng.pick(&[1, 2]);
+            let heads = kv_heads * rng.pick(&[1, 4, 8]);
+            let batch = rng.range(1, 4);
+            let lens: Vec<usize> = (0..batch).map(|_| rng.range(0, 1200)).collect();
+            let new = if append { rng.range(1, 4) } else { 0 };
+            let sq = if append { new } else { rng.range(1, 3) };
+            let s = Spec::new(&mut rng, Some(page_size), lens, sq, new, heads, kv_heads, d, d);
+            check(&mut rng, &s, opts, rotary, 0)?;
+        }
+    }
+    Ok(())
+}
+
+/// Split-KV forced to 1, 3 and 16 shares on long caches, paged and contiguous; a query block
+/// longer than the appended keys (seqlen_q > seqlen_new, causal from the cache's end).
+#[test]
+fn kvcache_split_counts_and_long_caches() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-splits");
+    for splits in [1, 3, 16] {
+        for page_size in [None, Some(16), Some(64), Some(256)] {
+            let lens = vec![rng.range(3000, 9000), rng.range(100, 3000)];
+            let s = Spec::new(&mut rng, page_size, lens, 1, 1, 16, 2, 128, 128);
+            check(&mut rng, &s, Opts::new(0.1).causal(), Some((128, false)), splits)?;
+        }
+    }
+    let lens = vec![rng.range(500, 2000); 3];
+    let s = Spec::new(&mut rng, Some(32), lens, 9, 2, 8, 8, 128, 128);
+    check(&mut rng, &s, Opts::new(0.1).causal(), None, 0)?;
+    Ok(())
+}
+
+/// Small, for compute-sanitizer (memcheck, racecheck): one paged call with append and rotary.
+#[test]
+fn kvcache_small_for_sanitizer() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-sanitizer");
+    let s = Spec::new(&mut rng, Some(16), vec![70, 0, 200], 2, 2, 8, 2, 128, 128);
+    check(&mut rng, &s, Opts::new(0.1).causal(), Some((64, false)), 0)
+}
+
+/// Bad indices on the device: the sequence reads as empty (output 0, LSE -inf), the status
+/// word gets its bit, the other sequences are unaffected and nothing faults.
+#[test]
+fn kvcache_bad_indices_read_as_empty() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-bad-indices");
+    let dev = gpu()?;
+    for (case, want_bit) in [
+        ("page past the pool", STATUS_PAGE_PAST_POOL),
+        ("keys past the cache", STATUS_KEYS_PAST_CACHE),
+        ("cache_batch_idx past the cache", STATUS_BATCH_IDX_PAST_CACHE),
+    ] {
+        let page_size = (want_bit != STATUS_BATCH_IDX_PAST_CACHE).then_some(16);
+        let s = Spec::new(&mut rng, page_size, vec![40, 50, 30], 1, 1, 8, 2, 128, 128);
+        let host = Inputs::random(&mut rng, &s, None)?;
+        let mut device = host.to_device(&dev)?;
+        // Sequence 1 goes bad.
+        match want_bit {
+            STATUS_PAGE_PAST_POOL => {
+                let (_, table, max_pages) = s.paged.as_ref().unwrap();
+                let mut table = table.clone();
+                table[max_pages + 2] = 1_000_000;
+                device.page_table = Some(Tensor::from_vec(table, (3, *max_pages), &dev)?);
+            }
+            STATUS_KEYS_PAST_CACHE => {
+                let (_, _, max_pages) = s.paged.as_ref().unwrap();
+                device.lens = Tensor::new(&[40u32, (max_pages * 16) as u32, 30], &dev)?;
+            }
+            _ => {
+                let mut idx = s.batch_idx.clone().unwrap();
+                idx[1] = 77;
+                device.batch_idx = Some(Tensor::new(idx.as_slice(), &dev)?);
+            }
+        }
+        let status = Tensor::zeros(1, DType::U32, &dev)?;
+        let attn = FlashAttn::new(0.1).causal(true);
+        let (out, lse) = device.call(&attn, true, Some(&status))?;
+        assert_eq!(status.to_vec1::<u32>()?, [want_bit], "{case}: status");
+        let (want, want_lse) = host.call(&attn, true, None)?;
+        for b in [0, 2] {
+            let what = format!("{case}: sequence {b}, seed {}", rng.seed());
+            assert_close(&out.get(b)?, &want.get(b)?, OUT_TOL, &what)?;
+            assert_close(&lse.get(b)?, &want_lse.get(b)?, LSE_TOL, &what)?;
+        }
+        let empty = to_f64_vec(&out.get(1)?)?;
+        assert!(
+            empty.iter().all(|&x| x == 0.0),
+            "{case}: the bad sequence's output is not 0"
+        );
+        let empty_lse = to_f64_vec(&lse.get(1)?)?;
+        assert!(
+            empty_lse.iter().all(|&x| x == f64::NEG_INFINITY),
+            "{case}: the bad sequence's LSE is not -inf"
+        );
+    }
+    Ok(())
+}
+
+/// Host-side errors of GPU calls: f32 (the GPU kernels take 16 bits), a status of the wrong
+/// shape, an fp8 cache (to come).
+#[test]
+fn kvcache_gpu_errors() -> Result<()> {
+    let dev = gpu()?;
+    let q = Tensor::zeros((1, 1, 4, 64), DType::F32, &dev)?;
+    let k = Tensor::zeros((1, 32, 2, 64), DType::F32, &dev)?;
+    let lens = Tensor::new(&[3u32], &dev)?;
+    assert_err(
+        FlashAttn::new(0.1).kv_cache(&k, &k, &lens).forward(&q),
+        &["bf16 and f16", "F32"],
+    );
+    let (q, k) = (q.to_dtype(DType::BF16)?, k.to_dtype(DType::BF16)?);
+    let status = Tensor::zeros(2, DType::U32, &dev)?;
+    assert_err(
+        FlashAttn::new(0.1).kv_cache(&k, &k, &lens).status(&status).forward(&q),
+        &["status", "[1]"],
+    );
+    Ok(())
+}
