@@ -920,3 +920,6 @@ mod fp8;
 
 #[path = "gpu/kvcache.rs"]
 mod kvcache;
+
+#[path = "gpu/sinks.rs"]
+mod sinks;

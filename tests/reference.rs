@@ -89,6 +89,10 @@ pub struct RefOptions {
     pub window_right: Option<usize>,
     /// `s -> c·tanh(s / c)` before the softmax.
     pub softcap: Option<f64>,
+    /// Attention sinks: one logit per q head that joins every row's softmax denominator (and
+    /// never the output). `'static` keeps the options `Copy`: tests leak their small tables
+    /// ([`RefOptions::sinks`]).
+    pub sinks: Option<&'static [f64]>,
 }
 
 impl RefOptions {
@@ -99,6 +103,7 @@ impl RefOptions {
             window_left: None,
             window_right: None,
             softcap: None,
+            sinks: None,
         }
     }
 
@@ -124,6 +129,12 @@ impl RefOptions {
 
     pub fn softcap(mut self, cap: f64) -> Self {
         self.softcap = Some(cap);
+        self
+    }
+
+    /// Attention sinks, one logit per q head (leaked: the table lives for the test process).
+    pub fn sinks(mut self, sinks: &[f64]) -> Self {
+        self.sinks = Some(Box::leak(sinks.to_vec().into_boxed_slice()));
         self
     }
 
@@ -255,7 +266,9 @@ struct RowSoftmax {
     /// Raw products q·k of those keys.
     raw: Vec<f64>,
     probs: Vec<f64>,
-    /// `-inf` when no key is visible.
+    /// The sink's share of the row (0 without sinks).
+    sink_prob: f64,
+    /// `-inf` when no key is visible (and no sink).
     lse: f64,
 }
 
@@ -273,23 +286,28 @@ fn row_softmax(
     let keys: Vec<usize> = (0..len_k).filter(|&j| opts.sees(i, j, len_q, len_k)).collect();
     let qrow = q.row(tq, head);
     let raw: Vec<f64> = keys.iter().map(|&j| dot(qrow, k.row(tk0 + j, kv_head))).collect();
+    let sink = opts.sinks.map(|s| s[head]);
     if keys.is_empty() {
         return RowSoftmax {
             keys,
             raw,
             probs: Vec::new(),
-            lse: f64::NEG_INFINITY,
+            sink_prob: if sink.is_some() { 1.0 } else { 0.0 },
+            lse: sink.unwrap_or(f64::NEG_INFINITY),
         };
     }
     let scores: Vec<f64> = raw.iter().map(|&x| opts.score(x)).collect();
-    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    // The sink is one more logit in the denominator, with no value row.
+    let max = scores.iter().cloned().chain(sink).fold(f64::NEG_INFINITY, f64::max);
     let exps: Vec<f64> = scores.iter().map(|&s| (s - max).exp()).collect();
-    let sum: f64 = exps.iter().sum();
+    let sink_exp = sink.map_or(0.0, |s| (s - max).exp());
+    let sum: f64 = exps.iter().sum::<f64>() + sink_exp;
     let probs = exps.iter().map(|e| e / sum).collect();
     RowSoftmax {
         keys,
         raw,
         probs,
+        sink_prob: sink_exp / sum,
         lse: max + sum.ln(),
     }
 }
@@ -333,8 +351,9 @@ fn forward_packed(
     Ok((out, lse, sz))
 }
 
-/// dq, dk, dv as flat vectors in the packed layouts.
-type FlatGrads = (Vec<f64>, Vec<f64>, Vec<f64>);
+/// dq, dk, dv as flat vectors in the packed layouts, and d(sinks) per q head (zeros without
+/// sinks).
+type FlatGrads = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
 
 /// Gradients over packed inputs.
 #[allow(clippy::too_many_arguments)]
@@ -367,6 +386,7 @@ fn grads_packed(
     let mut dq = vec![0f64; sz.total_q * sz.heads * d];
     let mut dk = vec![0f64; sz.total_k * sz.kv_heads * d];
     let mut dvv = vec![0f64; sz.total_k * sz.kv_heads * dv];
+    let mut dsinks = vec![0f64; sz.heads];
     for b in 0..cu_q.len() - 1 {
         let (len_q, len_k) = (cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]);
         for h in 0..sz.heads {
@@ -377,6 +397,8 @@ fn grads_packed(
                 let g = gp.row(tq, h);
                 let dp: Vec<f64> = row.keys.iter().map(|&j| dot(g, vp.row(cu_k[b] + j, kv_head))).collect();
                 let delta: f64 = row.probs.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
+                // The sink's logit moves only the denominator: d/d sink = p_sink · (0 - delta).
+                dsinks[h] -= row.sink_prob * delta;
                 let qrow = qp.row(tq, h);
                 for (n, &j) in row.keys.iter().enumerate() {
                     let tk = cu_k[b] + j;
@@ -399,7 +421,7 @@ fn grads_packed(
             }
         }
     }
-    Ok(((dq, dk, dvv), sz))
+    Ok(((dq, dk, dvv, dsinks), sz))
 }
 
 /// Cumulative offsets of `batch` sequences of `len` tokens each.
@@ -467,10 +489,22 @@ pub fn attention_grads_ref(
     dout: &Tensor,
     opts: &RefOptions,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let (grads, _) = attention_grads_ref_with_sinks(q, k, v, dout, opts)?;
+    Ok(grads)
+}
+
+/// [`attention_grads_ref`] and the gradient of the sinks of `opts` (heads,), zeros without.
+pub fn attention_grads_ref_with_sinks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dout: &Tensor,
+    opts: &RefOptions,
+) -> Result<((Tensor, Tensor, Tensor), Tensor)> {
     let (b, sq, h, d) = q.dims4()?;
     let (_, sk, hk, _) = k.dims4()?;
     let dv = v.dim(3)?;
-    let ((dq, dk, dvv), _) = grads_packed(
+    let ((dq, dk, dvv, dsinks), _) = grads_packed(
         &pack4(q)?,
         &pack4(k)?,
         &pack4(v)?,
@@ -481,9 +515,12 @@ pub fn attention_grads_ref(
     )?;
     let cpu = Device::Cpu;
     Ok((
-        Tensor::from_vec(dq, (b, sq, h, d), &cpu)?,
-        Tensor::from_vec(dk, (b, sk, hk, d), &cpu)?,
-        Tensor::from_vec(dvv, (b, sk, hk, dv), &cpu)?,
+        (
+            Tensor::from_vec(dq, (b, sq, h, d), &cpu)?,
+            Tensor::from_vec(dk, (b, sk, hk, d), &cpu)?,
+            Tensor::from_vec(dvv, (b, sk, hk, dv), &cpu)?,
+        ),
+        Tensor::from_vec(dsinks, h, &cpu)?,
     ))
 }
 
@@ -497,7 +534,7 @@ pub fn attention_grads_ref_varlen(
     cu_k: &[usize],
     opts: &RefOptions,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let ((dq, dk, dvv), sz) = grads_packed(q, k, v, dout, cu_q, cu_k, opts)?;
+    let ((dq, dk, dvv, _), sz) = grads_packed(q, k, v, dout, cu_q, cu_k, opts)?;
     let cpu = Device::Cpu;
     Ok((
         Tensor::from_vec(dq, (sz.total_q, sz.heads, sz.head_dim), &cpu)?,
@@ -934,4 +971,76 @@ pub fn naive_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: b
     }
     let p = candle_nn::ops::softmax(&s, candle_core::D::Minus1)?;
     p.matmul(&v)?.transpose(1, 2)?.contiguous()
+}
+
+// ------------------------------------------------------------------------------------------
+// Attention sinks
+// ------------------------------------------------------------------------------------------
+
+/// Tolerances of [`check_sinks`]: output, LSE, gradients (None: forward only).
+#[derive(Debug, Clone, Copy)]
+pub struct SinkTols {
+    pub out: f64,
+    pub lse: f64,
+    pub grad: Option<f64>,
+}
+
+/// Random sink logits for `heads` heads: N(0, 2), and one head (when there are several) whose
+/// sink dominates its rows (logit 12: the keys keep a few percent of the weight or less).
+pub fn random_sinks(rng: &mut TestRng, heads: usize) -> Vec<f32> {
+    let mut s: Vec<f32> = (0..heads).map(|_| (2.0 * rng.normal()) as f32).collect();
+    if heads > 1 {
+        s[rng.range(0, heads - 1)] = 12.0;
+    }
+    s
+}
+
+/// One fixed-length call with attention sinks on `dev` against the f64 reference: out and LSE,
+/// then (with `tols.grad`) dq, dk, dv and d(sinks) through `loss.backward()` of
+/// sum(out ∘ w). `splits`: the builder's num_splits (0: per call).
+#[allow(clippy::too_many_arguments)]
+pub fn check_sinks(
+    rng: &mut TestRng,
+    dev: &Device,
+    dtype: DType,
+    shape: AttnShape,
+    opts: Opts,
+    splits: usize,
+    tols: SinkTols,
+    what: &str,
+) -> Result<()> {
+    let what = format!("{what} {shape:?} {opts:?} splits {splits} seed {}", rng.seed());
+    let q = rng.randn(shape.q_shape(), dtype, dev)?;
+    let k = rng.randn(shape.k_shape(), dtype, dev)?;
+    let v = rng.randn(shape.v_shape(), dtype, dev)?;
+    let vals = random_sinks(rng, shape.heads);
+    let vals64: Vec<f64> = vals.iter().map(|&x| x as f64).collect();
+    let reference = opts.reference().sinks(&vals64);
+    let sinks = Var::from_tensor(&Tensor::new(vals.as_slice(), dev)?)?;
+    let attn = opts.builder().num_splits(splits).sinks(sinks.as_tensor());
+
+    let (out, lse) = attn.forward_with_lse(&q, &k, &v)?;
+    let (want, want_lse) = attention_ref(&q, &k, &v, &reference)?;
+    assert_close(&out, &want, tols.out, &format!("{what}: out"))?;
+    assert_close(&lse, &want_lse, tols.lse, &format!("{what}: lse"))?;
+
+    let Some(grad_tol) = tols.grad else { return Ok(()) };
+    let w = rng.randn(shape.out_shape(), dtype, dev)?;
+    let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
+    let out = attn.forward(qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
+    let grads = (out * &w)?.sum_all()?.backward()?;
+    let get = |x: &Tensor, name: &str| match grads.get(x) {
+        Some(g) => Ok(g.clone()),
+        None => bail!("{what}: no gradient for {name}"),
+    };
+    let got = (
+        get(qv.as_tensor(), "q")?,
+        get(kv.as_tensor(), "k")?,
+        get(vv.as_tensor(), "v")?,
+    );
+    let dsinks = get(sinks.as_tensor(), "sinks")?;
+    let (want_grads, want_dsinks) = attention_grads_ref_with_sinks(&q, &k, &v, &w, &reference)?;
+    check_grads(&got, &want_grads, grad_tol, &what)?;
+    assert_close(&dsinks, &want_dsinks, grad_tol, &format!("{what}: dsinks"))?;
+    Ok(())
 }

@@ -25,13 +25,18 @@ template <int kDtype> __device__ void combine_splits(const CombineParams& p) {
     for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, p.lse_accum[s * rows + row]);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+    // An attention sink is one more term of the denominator, added once here (the splits leave
+    // it out): it weighs the partials down and adds nothing to the output.
+    const float sink = p.sinks != nullptr ? p.sinks[row % p.heads] : -INFINITY;
+    mx = fmaxf(mx, sink);
     float sum = 0.f;
     if (mx != -INFINITY) {
         for (int s = lane; s < p.num_splits; s += 32) sum += expf(p.lse_accum[s * rows + row] - mx);
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
-    // No split saw a key: a zero row and LSE -inf, as the unsplit kernel writes.
+    if (sink != -INFINITY) sum += expf(sink - mx);
+    // No split saw a key (and no sink): a zero row and LSE -inf, as the unsplit kernel writes.
     const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
 
     float2 acc[4] = {};

@@ -56,13 +56,19 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
             TileInfo t;
             if (!get_tile<Tr>(p, tile, t)) continue;  // past this sequence's end (varlen)
             if (t.n_max <= t.n_min) {
-                // No row of the tile sees a key: zero output, LSE -inf; nothing was loaded.
+                // No row of the tile sees a key: zero output, LSE -inf (or the row's sink logit);
+                // nothing was loaded.
                 float o[Tr::kORegs];
 #pragma unroll
                 for (int i = 0; i < Tr::kORegs; ++i) o[i] = 0.f;
-                const float inv[2] = {0.f, 0.f}, lse[2] = {-INFINITY, -INFINITY};
                 const int warp = tid / 32, lane = tid % 32;
-                epilogue<Tr>(p, s, t, o, inv, lse, wg - 1, tid, (wg - 1) * 64 + warp * 16 + lane / 4, lane % 4);
+                const int row = (wg - 1) * 64 + warp * 16 + lane / 4;
+                const float inv[2] = {0.f, 0.f};
+                float lse[2];
+                row_sinks_log2(p, t, row, lse);
+                lse[0] *= 0.69314718055994531f;
+                lse[1] *= 0.69314718055994531f;
+                epilogue<Tr>(p, s, t, o, inv, lse, wg - 1, tid, row, lane % 4);
                 continue;
             }
             consumer_pingpong<Tr>(p, s, t, wg - 1, tid, it, tc);

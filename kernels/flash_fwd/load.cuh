@@ -5,7 +5,6 @@
 // refilled as soon as its S = Q·Kᵀ has retired, while P·V of the same block may still run.
 #pragma once
 #include "../primitives/mbarrier.cuh"
-#include "../primitives/prefetch.cuh"
 #include "../primitives/tma.cuh"
 #include "../primitives/trace.cuh"
 #include "params.cuh"
@@ -37,7 +36,7 @@ __device__ __forceinline__ void load_paged_rows(const FwdParams& p, const TmaDes
     // load between two TMA issues would wait out its whole latency: the issues are `asm volatile`
     // with a memory clobber), then their issues. kBatch bounds the producer's registers (24 to
     // 40 after setmaxnreg).
-    constexpr int kBatch = Tr::kProducerRegs >= 40 ? 8 : 4;
+    constexpr int kBatch = 4;
     const uint32_t* pages = p.page_table + (int64_t)t.batch * p.max_pages;
     const int box_rows = p.page_box_rows;
     for (int r0 = 0; r0 < Tr::kBlockN; r0 += kBatch * box_rows) {
@@ -58,12 +57,6 @@ __device__ __forceinline__ void load_paged_rows(const FwdParams& p, const TmaDes
                 tma_load_4d(desc, dst + (c * Tr::kBlockN + r) * Tr::kColElems, bar, c * Tr::kColElems, row, t.kv_head,
                             page[i]);
         }
-    }
-    // The next key block's (n - 1) page indices into L1 while this block's data streams in, so
-    // that its loads above cost an L1 hit instead of a trip to L2 or HBM on the critical path.
-    if (n > 0 && (n - 1) * Tr::kBlockN < t.seqlen_k) {
-        prefetch_l1(pages + p.page_size.div((n - 1) * Tr::kBlockN));
-        prefetch_l1(pages + p.page_size.div(n * Tr::kBlockN - 1));
     }
 }
 

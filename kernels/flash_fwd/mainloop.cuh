@@ -367,12 +367,14 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         wgmma_commit();
         named_barrier_arrive(next_bar, kBoth);
         // The row sums' reduction and the LSE need only the softmax state: under the tail P·V.
+        float sink_log2[2];
+        row_sinks_log2(p, t, row_in_tile, sink_log2);
         if constexpr (Tr::kFp8) {
-            softmax.finalize(ts.scale_log2, inv_sum, lse);
+            softmax.finalize(ts.scale_log2, inv_sum, lse, sink_log2);
             inv_sum[0] *= ts.v_descale;
             inv_sum[1] *= ts.v_descale;
         } else {
-            softmax.finalize(p.scale_log2, inv_sum, lse);
+            softmax.finalize(p.scale_log2, inv_sum, lse, sink_log2);
         }
         wgmma_wait<0>();
         fence_operand(o);

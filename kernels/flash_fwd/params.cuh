@@ -102,6 +102,10 @@ struct alignas(64) FwdParams {
     int max_pages;
     FastDiv page_size;
     int page_box_rows;            // gcd(page_size, kBlockN): a box never crosses a page
+    // Attention sinks (gpt-oss): one logit per q head (natural-log units, like a scaled score)
+    // that joins every row's softmax denominator and never the output; null: none. The LSE
+    // includes it (so the backward needs nothing else). Split-KV partials leave it to the combine.
+    const float* sinks;
 };
 
 // Query rows per Q descale block of the fp8 kernels (one consumer warpgroup's rows): mirrored
@@ -138,6 +142,7 @@ struct CombineParams {
     int varlen;             // 1: lse is (heads, total_q)
     int64_t lse_head_stride;
     int64_t lse_batch_stride;
+    const float* sinks;     // (heads) or null, as FwdParams::sinks
 };
 
 }  // namespace fa3

@@ -66,6 +66,19 @@ __device__ __forceinline__ void row_position(const FwdParams& p, const TileInfo&
     }
 }
 
+// The attention-sink logits (log2 units) of this thread's two rows, tile rows r and r + 8: -inf
+// without sinks, and for split-KV partials (the combine adds the sink once).
+__device__ __forceinline__ void row_sinks_log2(const FwdParams& p, const TileInfo& t, int r, float (&z)[2]) {
+    z[0] = z[1] = -INFINITY;
+    if (p.sinks == nullptr || p.num_splits.d > 1) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int query, head;
+        row_position(p, t, r + 8 * h, query, head);
+        z[h] = p.sinks[head] * 1.4426950408889634f;
+    }
+}
+
 // Decodes tile index `tile`; false when the tile lies past its sequence's end (varlen).
 template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p, int tile, TileInfo& t) {
     // Splits innermost (consecutive CTAs take the key shares of one tile), then the pairs of a

@@ -122,16 +122,30 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0> struct OnlineSoftmax {
     }
 
     // The final row sums (over the quad) and natural-log LSE; a row with no visible key gets
-    // inv_sum 0 (a zero output row) and LSE -inf.
-    __device__ __forceinline__ void finalize(float scale_log2, float (&inv_sum)[2], float (&lse)[2]) {
+    // inv_sum 0 (a zero output row) and LSE -inf. `sink_log2`: each row's attention-sink logit in
+    // log2 units, one more term of its denominator (-inf: none); the LSE then includes it, and a
+    // row with no visible key gets the sink's logit as its LSE.
+    __device__ __forceinline__ void finalize(float scale_log2, float (&inv_sum)[2], float (&lse)[2],
+                                             const float (&sink_log2)[2]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float sum = row_sum[h];
             sum += __shfl_xor_sync(0xffffffff, sum, 1);
             sum += __shfl_xor_sync(0xffffffff, sum, 2);
             const bool empty = !(sum > 0.f) || row_max[h] == -INFINITY;
-            inv_sum[h] = empty ? 0.f : 1.f / sum;
-            lse[h] = empty ? -INFINITY : (row_max[h] * scale_log2 + log2f(sum) - kPScaleLog2) * 0.69314718055994531f;
+            // The sum's unit: p = 2^(s·scale_log2 - ref) (kPScaleLog2 included).
+            const float ref = row_max[h] * scale_log2 - kPScaleLog2;
+            const float keys_lse2 = empty ? -INFINITY : ref + log2f(sum);
+            const float z = sink_log2[h];
+            if (z == -INFINITY) {
+                inv_sum[h] = empty ? 0.f : 1.f / sum;
+                lse[h] = keys_lse2 * 0.69314718055994531f;
+            } else {
+                // log2 of keys + sink without overflow for a sink far above the keys.
+                const float lse2 = empty ? z : fmaxf(keys_lse2, z) + log2f(1.f + exp2f(-fabsf(keys_lse2 - z)));
+                inv_sum[h] = empty ? 0.f : exp2f(ref - lse2);
+                lse[h] = lse2 * 0.69314718055994531f;
+            }
         }
     }
 };

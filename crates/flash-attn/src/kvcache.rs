@@ -168,6 +168,7 @@ impl<'a> KvCacheAttn<'a> {
             Device::Cpu => self.forward_cpu(q, &shape),
             #[cfg(feature = "cuda")]
             Device::Cuda(_) => crate::cuda::kvcache::forward(&crate::cuda::kvcache::GpuCall {
+                // (kvcache calls are inference: the sinks take no gradient here)
                 params: self.attn.params()?,
                 shape: &shape,
                 q,
@@ -179,6 +180,7 @@ impl<'a> KvCacheAttn<'a> {
                 cache_batch_idx: self.cache_batch_idx,
                 rotary: self.rotary.map(|r| (r.cos, r.sin, r.interleaved)),
                 status: self.status,
+                sinks: self.attn.sinks_f32(q, shape.heads)?.as_ref(),
             }),
             d => bail!(
                 "flash-attn3: kvcache: no kernels for {:?}: run on the CPU or an NVIDIA Hopper GPU (the `cuda` feature)",

@@ -252,6 +252,7 @@ pub struct FlashAttn {
     tuning: Tuning,
     descales: Descales,
     out_dtype: Option<DType>,
+    sinks: Option<Tensor>,
 }
 
 impl FlashAttn {
@@ -268,6 +269,7 @@ impl FlashAttn {
             tuning: Tuning::default(),
             descales: Descales::default(),
             out_dtype: None,
+            sinks: None,
         }
     }
 
@@ -305,6 +307,18 @@ impl FlashAttn {
     /// the unsplit one up to rounding. The CPU path and the backward ignore it.
     pub fn num_splits(mut self, num_splits: usize) -> Self {
         self.num_splits = num_splits;
+        self
+    }
+
+    /// Learnable attention sinks (gpt-oss): `sinks` (heads,), one logit per q head (in the units
+    /// of a scaled score, any float dtype) that joins every query row's softmax denominator and
+    /// never the output: row i of head h is `Σ_j exp(s_ij) v_j / (Σ_j exp(s_ij) + exp(sinks[h]))`.
+    /// A row that sees no key gives 0. The LSE includes the sink. On every path (fixed, varlen,
+    /// kvcache, split-KV; CPU and GPU) and differentiable: `loss.backward()` gives the sinks their
+    /// gradient (and dq, dk, dv as usual) when `sinks` is a variable or depends on one. The
+    /// builder's equality does not compare sinks.
+    pub fn sinks(mut self, sinks: &Tensor) -> Self {
+        self.sinks = Some(sinks.clone());
         self
     }
 
@@ -579,14 +593,44 @@ impl FlashAttn {
         varlen: Option<Varlen>,
         fp8: Option<Fp8Call>,
     ) -> Result<(Tensor, Tensor)> {
+        let is_varlen = varlen.is_some();
+        let sinks = self.sinks_f32(q, dims.heads)?;
         let mut op = FlashAttnFwd::new(params, dims, varlen);
         op.deterministic = self.deterministic;
         op.fp8 = fp8;
+        op.sinks = sinks.clone();
         let lse = op.lse.clone();
         let out = q.apply_op3(k, v, op)?;
-        match lse.get() {
-            Some(lse) => Ok((out, lse.clone())),
+        let lse = match lse.get() {
+            Some(lse) => lse.clone(),
             None => candle_core::bail!("flash-attn3: the forward pass returned without its LSE"),
+        };
+        match sinks {
+            // The sinks' gradient path: an identity op on the output (op::SinkGrad).
+            Some(s) if s.track_op() => {
+                let grad_path = op::SinkGrad {
+                    lse: lse.clone(),
+                    varlen: is_varlen,
+                };
+                Ok((out.apply_op2(&s, grad_path)?, lse))
+            }
+            _ => Ok((out, lse)),
         }
+    }
+
+    /// The sinks as the kernels read them: f32, contiguous, (heads,) on q's device (the
+    /// conversion keeps the autograd graph, so gradients reach the caller's tensor).
+    pub(crate) fn sinks_f32(&self, q: &Tensor, heads: usize) -> Result<Option<Tensor>> {
+        let Some(s) = &self.sinks else { return Ok(None) };
+        if s.dims() != [heads] || !s.device().same_device(q.device()) || !s.dtype().is_float() {
+            candle_core::bail!(
+                "flash-attn3: sinks must be a float tensor of shape [{}] (one logit per q head) on q's device, got {:?} {:?} on {:?}",
+                heads,
+                s.dtype(),
+                s.dims(),
+                s.device().location()
+            )
+        }
+        Ok(Some(s.to_dtype(DType::F32)?.contiguous()?))
     }
 }

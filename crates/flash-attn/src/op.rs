@@ -54,6 +54,8 @@ pub(crate) struct FlashAttnFwd {
     pub deterministic: bool,
     /// FP8 inputs (GPU): their descales and the output dtype.
     pub fp8: Option<Fp8Call>,
+    /// Attention sinks, (heads,) f32 contiguous on q's device.
+    pub sinks: Option<Tensor>,
 }
 
 impl FlashAttnFwd {
@@ -65,6 +67,7 @@ impl FlashAttnFwd {
             lse: Arc::new(OnceLock::new()),
             deterministic: false,
             fp8: None,
+            sinks: None,
         }
     }
 
@@ -102,7 +105,9 @@ impl CustomOp3 for FlashAttnFwd {
         v_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (cu_q, cu_k) = cumulative_lengths(&self.dims, self.varlen.as_ref());
-        let problem = cpu::Problem::new(&self.dims, self.params, &cu_q, &cu_k, self.varlen.is_some());
+        let sinks = self.sinks.as_ref().map(|s| s.to_vec1::<f32>()).transpose()?;
+        let problem = cpu::Problem::new(&self.dims, self.params, &cu_q, &cu_k, self.varlen.is_some())
+            .with_sinks(sinks.as_deref());
         let (out, lse) = cpu::forward(&problem, (q, q_l), (k, k_l), (v, v_l))?;
         self.keep_lse(Storage::Cpu(lse));
         Ok((out, output_shape(&self.dims, self.varlen.is_some())))
@@ -125,8 +130,14 @@ impl CustomOp3 for FlashAttnFwd {
             (q, q_l),
             (k, k_l),
             (v, v_l),
-            self.fp8.as_ref(),
-            None,
+            &crate::cuda::FwdExtras {
+                fp8: self.fp8.as_ref(),
+                cache: None,
+                sinks: match &self.sinks {
+                    Some(s) => crate::cuda::device_address(s)?,
+                    None => 0,
+                },
+            },
         )?;
         self.keep_lse(Storage::Cuda(lse));
         Ok((out, output_shape(&self.dims, self.varlen.is_some())))
@@ -272,5 +283,71 @@ impl CustomOp3 for FlashAttnBwd {
         let d = &self.dims;
         let len = d.total_q * d.heads * d.head_dim + d.total_k * d.kv_heads * (d.head_dim + d.head_dim_v);
         Ok((grads, Shape::from(len)))
+    }
+}
+
+/// The gradient path of attention sinks (`FlashAttn::sinks`): the identity on the attention
+/// output (a copy), whose backward passes the output's gradient through unchanged and gives the
+/// sinks theirs. A sink's logit only enlarges the denominators of its head's rows, so
+/// d loss / d sink[h] = -Σ_rows exp(sink[h] - lse_row) · (dO_row · O_row), with the forward's LSE
+/// (which includes the sink). dq, dk and dv need nothing new: the backward forms P from that LSE.
+pub(crate) struct SinkGrad {
+    /// The forward's LSE: (batch, heads, seqlen_q), or (heads, total_q) for varlen calls.
+    pub lse: Tensor,
+    pub varlen: bool,
+}
+
+impl candle_core::CustomOp2 for SinkGrad {
+    fn name(&self) -> &'static str {
+        "flash-attn3-sinks"
+    }
+
+    fn cpu_fwd(&self, out: &CpuStorage, out_l: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        if !out_l.is_contiguous() || out_l.start_offset() != 0 {
+            bail!("flash-attn3: sinks: the attention output is expected contiguous")
+        }
+        Ok((out.try_clone(out_l)?, out_l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        out: &candle_core::CudaStorage,
+        out_l: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        if !out_l.is_contiguous() || out_l.start_offset() != 0 {
+            bail!("flash-attn3: sinks: the attention output is expected contiguous")
+        }
+        Ok((out.try_clone(out_l)?, out_l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        out: &Tensor,
+        sinks: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        use candle_core::{DType, D};
+        let heads = sinks.dim(0)?;
+        // D per row: dO · O in f32, laid out like the LSE.
+        let rows = (grad.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum(D::Minus1)?;
+        let (rows, sink) = match self.varlen {
+            // (total_q, heads) -> (heads, total_q)
+            true => (rows.t()?, sinks.reshape((heads, 1))?),
+            // (batch, seqlen_q, heads) -> (batch, heads, seqlen_q)
+            false => (rows.transpose(1, 2)?, sinks.reshape((1, heads, 1))?),
+        };
+        let p_sink = sink.broadcast_sub(&self.lse)?.exp()?;
+        let per_row = (p_sink * rows)?.neg()?;
+        let dsinks = match self.varlen {
+            true => per_row.sum(1)?,
+            false => per_row.sum(2)?.sum(0)?,
+        };
+        Ok((Some(grad.clone()), Some(dsinks)))
     }
 }

@@ -6,7 +6,7 @@ use candle_core::{bail, CpuStorage, Layout, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::math::{online_softmax, SoftmaxBlock};
+use super::math::{exp2, online_softmax, SoftmaxBlock};
 use super::rows::{Element, Rows, SharedMut};
 use super::{matmul, Operand, Problem, BLOCK_K, BLOCK_Q};
 
@@ -130,17 +130,36 @@ fn attend_rows<T: Element>(
         }
     }
 
+    // The head's sink logit in log2 units: one more term of every row's denominator.
+    let sink_log2 = p.sinks.map(|s| s[h] * std::f32::consts::LOG2_E);
     for r in 0..rows {
         let (row_max, row_sum) = (s.row_max[r], s.row_sum[r]);
         let o = &mut acc[r * dv..(r + 1) * dv];
-        let row_lse = if row_sum > 0.0 {
-            let inv = 1.0 / row_sum;
-            o.iter_mut().for_each(|x| *x *= inv);
-            (row_max + row_sum.log2()) * std::f32::consts::LN_2
+        let keys_lse2 = if row_sum > 0.0 {
+            row_max + row_sum.log2()
         } else {
-            // The row sees no key: output 0, LSE -inf.
-            o.fill(0.0);
             f32::NEG_INFINITY
+        };
+        // log2 of the whole denominator (keys and sink), without overflow for a sink far above
+        // the keys: max + log2(1 + 2^(min - max)).
+        let lse2 = match sink_log2 {
+            Some(z) if keys_lse2 == f32::NEG_INFINITY => z,
+            Some(z) => keys_lse2.max(z) + (1.0 + exp2(-(keys_lse2 - z).abs())).log2(),
+            None => keys_lse2,
+        };
+        let row_lse = if row_sum > 0.0 {
+            // acc holds the numerators in units of 2^row_max: divide by 2^(lse2 - row_max),
+            // which is row_sum itself without a sink.
+            let inv = match sink_log2 {
+                Some(_) => exp2(row_max - lse2),
+                None => 1.0 / row_sum,
+            };
+            o.iter_mut().for_each(|x| *x *= inv);
+            lse2 * std::f32::consts::LN_2
+        } else {
+            // The row sees no key: output 0, LSE -inf (or the sink's logit).
+            o.fill(0.0);
+            lse2 * std::f32::consts::LN_2
         };
         // SAFETY: row (tq + r, h) and its LSE belong to this task alone.
         unsafe {

@@ -28,6 +28,8 @@ pub(crate) struct Problem<'a> {
     pub cu_q: &'a [usize],
     pub cu_k: &'a [usize],
     pub varlen: bool,
+    /// Attention sinks (one logit per q head, joining each row's softmax denominator), or None.
+    pub sinks: Option<&'a [f32]>,
 }
 
 impl<'a> Problem<'a> {
@@ -38,7 +40,13 @@ impl<'a> Problem<'a> {
             cu_q,
             cu_k,
             varlen,
+            sinks: None,
         }
+    }
+
+    pub fn with_sinks(mut self, sinks: Option<&'a [f32]>) -> Self {
+        self.sinks = sinks;
+        self
     }
 
     fn len_q(&self, b: usize) -> usize {

@@ -9,7 +9,7 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::op::BackpropOp;
 use candle_core::{bail, DType, Result, Shape, Storage, Tensor};
 
-use super::{input_ptr, launch_with_params, load_kernel};
+use super::{device_address, launch_with_params, load_kernel};
 use crate::kvcache::CacheShape;
 use crate::params::{AttnParams, Dims};
 
@@ -81,6 +81,8 @@ pub(crate) struct GpuCall<'a> {
     /// cos, sin, interleaved.
     pub rotary: Option<(&'a Tensor, &'a Tensor, bool)>,
     pub status: Option<&'a Tensor>,
+    /// (heads,) f32, contiguous.
+    pub sinks: Option<&'a Tensor>,
 }
 
 /// A tensor's CUDA storage, or an error naming it.
@@ -91,13 +93,9 @@ fn cuda_of<'s>(storage: &'s Storage, name: &str) -> Result<&'s candle_core::Cuda
     }
 }
 
-/// The device address of a (small, contiguous) tensor's data.
+/// The device address of a (small, contiguous) tensor's data; `name` for the error.
 fn addr_of(t: &Tensor, name: &str) -> Result<u64> {
-    let (storage, layout) = t.storage_and_layout();
-    let cs = cuda_of(&storage, name)?;
-    let stream = cs.device.cuda_stream();
-    let (addr, _sync) = input_ptr(cs, layout, &stream)?;
-    Ok(addr)
+    device_address(t).map_err(|e| candle_core::Error::Msg(format!("flash-attn3: kvcache: {name}: {e}")))
 }
 
 /// Appends, turns and checks (when the call asks for any of it), then attends.
@@ -250,8 +248,11 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
             (cuda_of(&q_st, "q")?, q_l),
             (cuda_of(&k_st, "k_cache")?, k_l),
             (cuda_of(&v_st, "v_cache")?, v_l),
-            None,
-            Some(&launch),
+            &super::FwdExtras {
+                fp8: None,
+                cache: Some(&launch),
+                sinks: addr(c.sinks, "sinks")?,
+            },
         )?
     };
     // Freed in stream order after the kernels.

@@ -90,6 +90,7 @@ struct FwdParams {
     max_pages: i32,
     page_size: FastDiv,
     page_box_rows: i32,
+    sinks: u64,
 }
 
 /// Mirror of `fa3::CombineParams` (kernels/flash_fwd/params.cuh).
@@ -108,6 +109,7 @@ struct CombineParams {
     varlen: i32,
     lse_head_stride: i64,
     lse_batch_stride: i64,
+    sinks: u64,
 }
 
 // SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
@@ -592,9 +594,18 @@ fn geometry(layout: &Layout) -> ([usize; 3], [usize; 3]) {
     }
 }
 
-/// Runs the forward on the GPU; returns the output and the LSE. `fp8`: the descales and output
-/// dtype of e4m3 inputs; `cache`: k and v are a KV cache (kvcache.rs).
-#[allow(clippy::too_many_arguments)]
+/// What a forward launch takes beyond q, k, v and the options: the descales and output dtype of
+/// e4m3 inputs, a KV cache's indices (kvcache.rs: k and v are then the caches), the attention
+/// sinks.
+#[derive(Default)]
+pub(crate) struct FwdExtras<'a> {
+    pub fp8: Option<&'a Fp8Call>,
+    pub cache: Option<&'a kvcache::CacheLaunch>,
+    /// Device address of the (heads,) f32 sink logits, 0 for none.
+    pub sinks: u64,
+}
+
+/// Runs the forward on the GPU; returns the output and the LSE.
 pub(crate) fn forward(
     dims: &Dims,
     params: AttnParams,
@@ -602,15 +613,14 @@ pub(crate) fn forward(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
-    fp8: Option<&Fp8Call>,
-    cache: Option<&kvcache::CacheLaunch>,
+    extras: &FwdExtras,
 ) -> Result<(CudaStorage, CudaStorage)> {
-    match (q.0.dtype(), fp8.map(|f| f.out_dtype)) {
+    match (q.0.dtype(), extras.fp8.map(|f| f.out_dtype)) {
         (DType::BF16, None) | (DType::F8E4M3, Some(DType::BF16)) => {
-            forward_t::<bf16>(dims, params, varlen, q, k, v, fp8, cache)
+            forward_t::<bf16>(dims, params, varlen, q, k, v, extras)
         }
         (DType::F16, None) | (DType::F8E4M3, Some(DType::F16)) => {
-            forward_t::<f16>(dims, params, varlen, q, k, v, fp8, cache)
+            forward_t::<f16>(dims, params, varlen, q, k, v, extras)
         }
         (dt, _) => bail!("flash-attn3: the GPU kernel supports bf16, f16 and f8e4m3, got {dt:?}; convert with .to_dtype(DType::BF16) or run on the CPU"),
     }
@@ -636,15 +646,29 @@ fn input_ptr<'a>(s: &'a CudaStorage, layout: &Layout, stream: &'a CudaStream) ->
     })
 }
 
+/// The device address of a GPU tensor's data at its layout's start (small index and parameter
+/// tensors the kernels read; the tensor keeps the memory alive).
+pub(crate) fn device_address(t: &candle_core::Tensor) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(cs) = &*storage else {
+        bail!(
+            "flash-attn3: expected a GPU tensor, got one on {:?}",
+            t.device().location()
+        )
+    };
+    let stream = cs.device.cuda_stream();
+    let (addr, _sync) = input_ptr(cs, layout, &stream)?;
+    Ok(addr)
+}
+
 fn device_addr<T>(s: &CudaSlice<T>, stream: &CudaStream, layout: &Layout) -> u64 {
     let (ptr, _sync) = s.device_ptr(stream);
     ptr + (layout.start_offset() * std::mem::size_of::<T>()) as u64
 }
 
 /// The forward launch; `T` is the output's element type (the inputs' for 16-bit calls, bf16 or
-/// f16 for fp8 calls). With `cache`, k and v are the KV caches and `dims.seqlen_k` the keys one
+/// f16 for fp8 calls). With a cache, k and v are the KV caches and `dims.seqlen_k` the keys one
 /// sequence's cache holds.
-#[allow(clippy::too_many_arguments)]
 fn forward_t<T: CudaDType + DeviceRepr>(
     dims: &Dims,
     params: AttnParams,
@@ -652,9 +676,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
-    fp8: Option<&Fp8Call>,
-    cache: Option<&kvcache::CacheLaunch>,
+    extras: &FwdExtras,
 ) -> Result<(CudaStorage, CudaStorage)> {
+    let (fp8, cache) = (extras.fp8, extras.cache);
     let dtype = q.0.dtype();
     let out_dtype = fp8.map_or(dtype, |f| f.out_dtype);
     let dev = q.0.device.clone();
@@ -941,6 +965,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             max_pages: cache.map_or(0, |c| c.max_pages as i32),
             page_size: FastDiv::new(cache.map_or(1, |c| c.page_size.max(1)))?,
             page_box_rows: kv_box_rows as i32,
+            sinks: extras.sinks,
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
@@ -975,6 +1000,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
                 varlen: varlen.is_some() as i32,
                 lse_head_stride,
                 lse_batch_stride,
+                sinks: extras.sinks,
             },
             dims.total_q * dims.heads,
         )?;
