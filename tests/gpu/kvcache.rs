@@ -4,12 +4,12 @@
 //! values and turns k_new with the same f32 arithmetic on both devices), the outputs agree to
 //! bf16 tolerance (both are f32 computations rounded once) and the LSE to 1e-3.
 //!
-//! Covered: contiguous caches with cache_batch_idx permutations, paged caches of every page
-//! size with shuffled pages and a prefix page shared by two sequences, append with and without
-//! rotary (interleaved or not), zero-length sequences, GQA with and without pack-GQA, causal,
-//! windows and softcap, split-KV forced to 1, 3 and 16, head dims 64 / 128 / 256, keys over many
-//! blocks; then the device's defined outcome for bad indices (the sequence reads as empty, a
-//! status bit is set) and the host errors.
+//! Covered (bf16, f16 in two cases): contiguous caches with cache_batch_idx permutations, paged
+//! caches of every page size with shuffled pages and a prefix page shared by two sequences, append
+//! with and without rotary (interleaved or not), zero-length sequences, GQA with and without
+//! pack-GQA, causal, windows and softcap, split-KV forced to 1, 3 and 16, head dims 64 / 128 /
+//! 256, keys over many blocks; then the device's defined outcome for bad indices (the sequence
+//! reads as empty, a status bit is set) and the host errors.
 
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::kvcache::{PAGE_SIZES, STATUS_BATCH_IDX_PAST_CACHE, STATUS_KEYS_PAST_CACHE, STATUS_PAGE_PAST_POOL};
@@ -35,6 +35,8 @@ struct Spec {
     batch_idx: Option<Vec<u32>>,
     /// The caches' first two dims.
     cache_dims: (usize, usize),
+    /// q, the caches and the new rows: bf16 (`Spec::new`) or f16.
+    dtype: DType,
 }
 
 impl Spec {
@@ -104,6 +106,7 @@ impl Spec {
             paged,
             batch_idx,
             cache_dims,
+            dtype: DType::BF16,
         }
     }
 
@@ -131,7 +134,7 @@ impl Inputs {
         let cpu = Device::Cpu;
         let (b, hk) = (s.batch(), s.kv_heads);
         let (slots, rows) = s.cache_dims;
-        let bf16 = DType::BF16;
+        let bf16 = s.dtype;
         let u32s = |v: &[u32], shape: (usize, usize)| Tensor::from_vec(v.to_vec(), shape, &cpu);
         let lens: Vec<u32> = s.lens.iter().map(|&l| l as u32).collect();
         let max_keys = s.lens.iter().map(|l| l + s.seqlen_new).max().unwrap();
@@ -313,6 +316,18 @@ fn kvcache_split_counts_and_long_caches() -> Result<()> {
     let lens = vec![rng.range(500, 2000); 3];
     let s = Spec::new(&mut rng, Some(32), lens, 9, 2, 8, 8, 128, 128);
     check(&mut rng, &s, Opts::new(0.1).causal(), None, 0)?;
+    Ok(())
+}
+
+/// f16 caches: the same kernels' other element type (append, rotary and attention).
+#[test]
+fn kvcache_f16() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-f16");
+    for page_size in [None, Some(32)] {
+        let mut s = Spec::new(&mut rng, page_size, vec![700, 33], 2, 2, 8, 2, 128, 128);
+        s.dtype = DType::F16;
+        check(&mut rng, &s, Opts::new(0.1).causal(), Some((128, false)), 0)?;
+    }
     Ok(())
 }
 
