@@ -82,6 +82,32 @@ impl FlashAttn {
     /// contiguous (batch_cache, seqlen_cache, kv_heads, d) or, with
     /// [`KvCacheAttn::page_table`], paged (num_pages, page_size, kv_heads, d); `cache_seqlens`
     /// (batch,) u32, the keys each sequence holds.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use flash_attn3::FlashAttn;
+    /// # fn main() -> candle_core::Result<()> {
+    /// let dev = Device::Cpu;
+    /// let q = Tensor::randn(0f32, 1., (2, 1, 8, 64), &dev)?; // one new token per sequence
+    /// let k_new = Tensor::randn(0f32, 1., (2, 1, 2, 64), &dev)?; // its key and value
+    /// let v_new = Tensor::randn(0f32, 1., (2, 1, 2, 64), &dev)?;
+    /// // A pool of 64 pages of 16 tokens, 2 kv heads; zeros: unused rows must hold finite values.
+    /// let k_cache = Tensor::zeros((64, 16, 2, 64), DType::F32, &dev)?;
+    /// let v_cache = Tensor::zeros((64, 16, 2, 64), DType::F32, &dev)?;
+    /// let page_table = Tensor::new(&[[0u32, 1, 2, 3], [4, 5, 6, 7]], &dev)?; // (batch, max_pages)
+    /// let cache_seqlens = Tensor::new(&[17u32, 3], &dev)?; // keys already held
+    /// let out = FlashAttn::new(0.125)
+    ///     .causal(true)
+    ///     .kv_cache(&k_cache, &v_cache, &cache_seqlens)
+    ///     .page_table(&page_table)
+    ///     .append(&k_new, &v_new) // written at cache_seqlens
+    ///     .forward(&q)?;
+    /// assert_eq!(out.dims(), &[2, 1, 8, 64]);
+    /// // Sequence 0's new key landed in page 1 (position 17 = page 1, row 1).
+    /// let row = k_cache.get(1)?.get(1)?;
+    /// assert_eq!(row.to_vec2::<f32>()?, k_new.get(0)?.get(0)?.to_vec2::<f32>()?);
+    /// # Ok(()) }
+    /// ```
     pub fn kv_cache<'a>(&self, k_cache: &'a Tensor, v_cache: &'a Tensor, cache_seqlens: &'a Tensor) -> KvCacheAttn<'a> {
         KvCacheAttn {
             attn: self.clone(),
