@@ -39,8 +39,10 @@ struct alignas(64) FwdParams {
     float* lse;             // (batch, heads, seqlen_q) or (heads, total_q)
     const uint32_t* cu_q;   // varlen: batch + 1 cumulative offsets; null for fixed-length calls
     const uint32_t* cu_k;
-    int* tile_counter;      // dynamic scheduling (zeroed per launch): tiles claimed so far past the
-                            // first gridDim.x; null: static striding (scheduler.cuh)
+    int* tile_counter;      // dynamic scheduling: [0] tiles claimed so far past the first gridDim.x,
+                            // [1] CTAs done claiming; zero at launch, and the last CTA to finish
+                            // claiming zeroes both again (scheduler.cuh), so one buffer per device
+                            // serves every launch without a memset. Null: static striding.
     int64_t out_row_stride; // elements between tokens of out (heads * head_dim_v)
     int64_t lse_head_stride;
     int64_t lse_batch_stride; // fixed-length only; varlen rows are offset by cu_q[b]

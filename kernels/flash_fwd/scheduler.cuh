@@ -4,8 +4,11 @@
 // is blockIdx.x; the next one is either
 //   - static striding (p.tile_counter null; unmasked fixed-length calls, where all tiles cost the
 //     same): every gridDim.x-th tile after the current one, or
-//   - dynamic (causal/windows, varlen): gridDim.x + atomicAdd(p.tile_counter, 1), a global counter
-//     zeroed per launch, so a CTA that finished early takes the next unclaimed tile.
+//   - dynamic (causal/windows, varlen, KV caches): gridDim.x + atomicAdd(p.tile_counter, 1), a
+//     global counter, so a CTA that finished early takes the next unclaimed tile. The counter is
+//     zero at launch: the last CTA to stop claiming resets it (and its own count of finished
+//     CTAs) for the next launch on the stream, so the host keeps one buffer per device and no
+//     memset precedes a launch (nor sits in a captured CUDA graph).
 // Query tiles are numbered last first: under a causal mask the last tiles see the most keys. The
 // (batch, head) pairs are cut into sections whose K/V fit in L2 together (FA3's order; the host
 // sizes them, `l2_section_pairs` in params.rs); a section runs its longest tiles of every pair
@@ -172,7 +175,15 @@ template <class Tr> __device__ void scheduler(const FwdParams& p, SharedStorage<
         if (k > 0) tile = next_tile(p, tile);
         s.tile_idx = tile;
         mbar_arrive(&s.tile_full);  // release: the store is visible to the waiters
-        if (tile >= num_tiles(p)) break;  // everyone stops on this index
+        if (tile >= num_tiles(p)) {  // everyone stops on this index
+            // Done claiming; the last CTA to get here (no other will touch the counter again in
+            // this launch) zeroes both words for the next one.
+            if (p.tile_counter != nullptr && atomicAdd(p.tile_counter + 1, 1) == (int)gridDim.x - 1) {
+                p.tile_counter[0] = 0;
+                p.tile_counter[1] = 0;
+            }
+            break;
+        }
     }
 }
 

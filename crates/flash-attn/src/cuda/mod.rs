@@ -302,6 +302,21 @@ fn pack_gqa(group: usize, seqlen_q: usize, forced: Option<bool>) -> bool {
     (2..=64).contains(&group) && forced.unwrap_or(seqlen_q <= 64)
 }
 
+/// The device address of this device's dynamic-scheduler counters (two i32, zeroed once; every
+/// launch leaves them zero). Launches on one device run in stream order, so they share it.
+fn tile_counter(dev: &CudaDevice) -> Result<u64> {
+    static COUNTERS: OnceLock<Mutex<HashMap<DeviceId, CudaSlice<i32>>>> = OnceLock::new();
+    let mut counters = COUNTERS.get_or_init(Default::default).lock().unwrap();
+    let stream = dev.cuda_stream();
+    if let Some(c) = counters.get(&dev.id()) {
+        return Ok(c.device_ptr(&stream).0);
+    }
+    let c = dev.alloc_zeros::<i32>(2)?;
+    let addr = c.device_ptr(&stream).0;
+    counters.insert(dev.id(), c);
+    Ok(addr)
+}
+
 /// The device's multiprocessor count (the persistent grid size), cached per device.
 fn sm_count(dev: &CudaDevice) -> Result<usize> {
     static COUNTS: OnceLock<Mutex<HashMap<DeviceId, usize>>> = OnceLock::new();
@@ -824,10 +839,11 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     if num_tiles + grid > i32::MAX as usize {
         bail!("flash-attn3: too many query tiles for one launch ({num_tiles})")
     }
-    // Zeroed on candle's stream, in order before the launch; freed in stream order after it.
-    let mut counter = match uneven && grid < num_tiles {
-        true => Some(dev.alloc_zeros::<i32>(1)?),
-        false => None,
+    // The dynamic scheduler's counters: one zeroed buffer per device, which every launch leaves
+    // zeroed (kernels/flash_fwd/scheduler.cuh), so no memset per call.
+    let counter_addr = match uneven && grid < num_tiles {
+        true => tile_counter(&dev)?,
+        false => 0,
     };
 
     // Varlen offsets: the caller's u32 device tensors when contiguous, else a fresh upload of
@@ -914,7 +930,6 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         let _vt_sync = vt.as_ref().map(|vt| vt.vt.device_ptr(&stream));
         let (o_accum_ptr, _o_accum_sync) = optional_ptr_mut(&mut o_accum, &stream);
         let (lse_accum_ptr, _lse_accum_sync) = optional_ptr_mut(&mut lse_accum, &stream);
-        let (tile_counter, _counter_sync) = optional_ptr_mut(&mut counter, &stream);
         let p = FwdParams {
             tma_q,
             tma_k,
@@ -924,7 +939,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             lse: lse_ptr,
             cu_q,
             cu_k,
-            tile_counter,
+            tile_counter: counter_addr,
             out_row_stride: (dims.heads * dims.head_dim_v) as i64,
             lse_head_stride,
             lse_batch_stride,
@@ -1008,7 +1023,6 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // The uploaded offsets, the counter and the split partials (if any) are freed in stream
     // order after the kernels.
     drop(uploads);
-    drop(counter);
     drop((vt, descales));
     drop((o_accum, lse_accum));
     Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
