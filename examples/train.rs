@@ -125,7 +125,7 @@ struct Args {
     #[arg(long)]
     peak_tflops: Option<f64>,
 
-    /// A .ttf/.otf font for the loss curve's text (default: a common system font, if any).
+    /// A .ttf/.otf font for the loss curve's text (default: DejaVu Sans, built in).
     #[arg(long)]
     font: Option<PathBuf>,
 
@@ -308,15 +308,7 @@ fn run(args: Args) -> Result<()> {
 
     let plot_path = args.out.join("loss.png");
     match plot_losses(&plot_path, trainer.history(), args.font.as_deref()) {
-        Ok(with_text) => eprintln!(
-            "loss curve: {}{}",
-            plot_path.display(),
-            if with_text {
-                ""
-            } else {
-                " (no font found: no labels; see --font)"
-            }
-        ),
+        Ok(()) => eprintln!("loss curve: {}", plot_path.display()),
         Err(e) => eprintln!("warning: no loss curve: {e:#}"),
     }
     let h = trainer.history();
@@ -441,43 +433,32 @@ fn reject_overrides(a: &Args) -> Result<()> {
     Ok(())
 }
 
-/// A font for the plot's text: `explicit`, else the first of a few common system fonts.
-fn find_font(explicit: Option<&Path>) -> Result<Option<Vec<u8>>> {
-    if let Some(p) = explicit {
-        return Ok(Some(
-            std::fs::read(p).with_context(|| format!("reading the font {}", p.display()))?,
-        ));
+/// The font the plot's text is drawn with when no --font is given: DejaVu Sans cut to ASCII
+/// (examples/assets/README.md), built into the binary, so the labels never depend on the
+/// machine's fonts.
+static BUNDLED_FONT: &[u8] = include_bytes!("assets/DejaVuSans-ascii.ttf");
+
+/// The font for the plot's text: `explicit`, else the bundled one.
+fn font_bytes(explicit: Option<&Path>) -> Result<&'static [u8]> {
+    match explicit {
+        // plotters keeps registered fonts for the whole process, hence 'static.
+        Some(p) => Ok(Box::leak(
+            std::fs::read(p)
+                .with_context(|| format!("reading the font {}", p.display()))?
+                .into_boxed_slice(),
+        )),
+        None => Ok(BUNDLED_FONT),
     }
-    const CANDIDATES: &[&str] = &[
-        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-        "/usr/share/fonts/TTF/DejaVuSans.ttf",
-        "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-        "/usr/share/fonts/dejavu-sans-fonts/DejaVuSans.ttf",
-        "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
-        "/usr/share/fonts/liberation/LiberationSans-Regular.ttf",
-        "/usr/share/fonts/truetype/freefont/FreeSans.ttf",
-        "/System/Library/Fonts/Supplemental/Arial.ttf",
-        "/Library/Fonts/Arial.ttf",
-        "C:\\Windows\\Fonts\\arial.ttf",
-    ];
-    Ok(CANDIDATES.iter().find_map(|p| std::fs::read(p).ok()))
 }
 
-/// Draws the train and eval losses against the step into a PNG. Text needs a font file
-/// (plotters' pure-Rust ab_glyph renderer, so no fontconfig/freetype at build time); without
-/// one the curves are drawn unlabelled. Returns whether text was drawn.
-fn plot_losses(path: &Path, history: &train::History, font: Option<&Path>) -> Result<bool> {
+/// Draws the train and eval losses against the step into a PNG, with its title, axis labels and
+/// legend in `font` (or the bundled font; plotters' pure-Rust ab_glyph renderer, so no
+/// fontconfig/freetype at build or run time).
+fn plot_losses(path: &Path, history: &train::History, font: Option<&Path>) -> Result<()> {
     use plotters::prelude::*;
 
-    let with_text = match find_font(font)? {
-        // plotters keeps registered fonts for the whole process, hence 'static.
-        Some(bytes) => {
-            plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(bytes.into_boxed_slice()))
-                .map_err(|_| anyhow!("the font file is not a usable TrueType/OpenType font"))?;
-            true
-        }
-        None => false,
-    };
+    plotters::style::register_font("sans-serif", FontStyle::Normal, font_bytes(font)?)
+        .map_err(|_| anyhow!("the font file is not a usable TrueType/OpenType font"))?;
     let all = history.train.iter().chain(&history.eval);
     let max_step = all.clone().map(|p| p.0).max().unwrap_or(1).max(1);
     let (lo, hi) = all.fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), p| {
@@ -492,55 +473,45 @@ fn plot_losses(path: &Path, history: &train::History, font: Option<&Path>) -> Re
     let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut builder = ChartBuilder::on(&root);
-    builder.margin(20);
-    if with_text {
-        builder
-            .caption("flash-llama training loss", ("sans-serif", 26))
-            .x_label_area_size(45)
-            .y_label_area_size(60);
-    }
+    builder
+        .margin(20)
+        .caption("flash-llama training loss", ("sans-serif", 26))
+        .x_label_area_size(45)
+        .y_label_area_size(60);
     let mut chart = builder.build_cartesian_2d(0f32..max_step as f32, lo..hi)?;
     let mut mesh = chart.configure_mesh();
-    if with_text {
-        mesh.x_desc("step").y_desc("cross-entropy (nats/token)");
-    } else {
-        mesh.x_labels(0).y_labels(0);
-    }
+    mesh.x_desc("step").y_desc("cross-entropy (nats/token)");
+    // Whole steps only: at most one tick per step.
+    mesh.x_labels((max_step as usize + 1).min(10));
     mesh.x_label_formatter(&|x| format!("{x:.0}"));
     mesh.draw()?;
 
     let train_color = RGBColor(70, 130, 220);
-    let series = chart.draw_series(LineSeries::new(
-        history.train.iter().map(|&(s, l)| (s as f32, l)),
-        train_color.stroke_width(1),
-    ))?;
-    if with_text {
-        series
-            .label("train")
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], train_color.stroke_width(2)));
-    }
-    let series = chart.draw_series(LineSeries::new(
-        history.eval.iter().map(|&(s, l)| (s as f32, l)),
-        RED.stroke_width(2),
-    ))?;
-    if with_text {
-        series
-            .label("eval (held-out)")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
-    }
+    chart
+        .draw_series(LineSeries::new(
+            history.train.iter().map(|&(s, l)| (s as f32, l)),
+            train_color.stroke_width(1),
+        ))?
+        .label("train")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], train_color.stroke_width(2)));
+    chart
+        .draw_series(LineSeries::new(
+            history.eval.iter().map(|&(s, l)| (s as f32, l)),
+            RED.stroke_width(2),
+        ))?
+        .label("eval (held-out)")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
     chart.draw_series(
         history
             .eval
             .iter()
             .map(|&(s, l)| Circle::new((s as f32, l), 3, RED.filled())),
     )?;
-    if with_text {
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
-    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
-    Ok(with_text)
+    Ok(())
 }
