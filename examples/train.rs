@@ -482,7 +482,7 @@ fn plot_losses(path: &Path, history: &train::History, font: Option<&Path>) -> Re
     let mut mesh = chart.configure_mesh();
     mesh.x_desc("step").y_desc("cross-entropy (nats/token)");
     // Whole steps only: at most one tick per step.
-    mesh.x_labels((max_step as usize + 1).min(10));
+    mesh.x_labels((max_step + 1).min(10));
     mesh.x_label_formatter(&|x| format!("{x:.0}"));
     mesh.draw()?;
 
