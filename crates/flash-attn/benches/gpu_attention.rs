@@ -287,8 +287,9 @@ fn kvcache_table(dev: &Device) -> Result<()> {
     println!("\nflash_attn_with_kvcache, d128, bf16, heads 32/4, no append: us per call, K+V TB/s");
     println!("(device copy: {copy_tbs:.2} TB/s read + write)");
     println!("graph: the contiguous call captured in a CUDA graph and replayed (GPU time, as FA3's graph column)");
-    println!("| batch | seqlen_q | seqlen_k | contiguous us | TB/s | % copy | page 16 us | ×contig | page 64 us | ×contig | page 256 us | ×contig | graph us | TB/s |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("graph, max splits: the same with num_splits(128) (a share per key block, up to 128)");
+    println!("| batch | seqlen_q | seqlen_k | contiguous us | TB/s | % copy | page 16 us | ×contig | page 64 us | ×contig | page 256 us | ×contig | graph us | TB/s | graph, max splits us |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     for (b, sq, sk) in kvcache_shapes() {
         let bytes = (2 * b * sk * hk * d * 2) as f64;
@@ -324,6 +325,13 @@ fn kvcache_table(dev: &Device) -> Result<()> {
         match graph_time(dev, || attn.kv_cache(&k, &v, &lens).forward(&q))? {
             Some(g) => row += &format!(" {:.1} | {:.2} |", g * 1e6, bytes / g / 1e12),
             None => row += " – | – |",
+        }
+        // The same with a share per key block (num_splits capped at the block count): what the
+        // split threshold leaves on the table at short caches.
+        let split_all = attn.clone().num_splits(128);
+        match graph_time(dev, || split_all.kv_cache(&k, &v, &lens).forward(&q))? {
+            Some(g) => row += &format!(" {:.1} |", g * 1e6),
+            None => row += " – |",
         }
         println!("{row}");
     }
