@@ -427,7 +427,7 @@ impl<'a> KvCacheAttn<'a> {
         };
         // q at cache_seqlens + i when causal or windowed, else all at cache_seqlens (FA3).
         let params = self.attn.params()?;
-        let per_token = params.window_left.is_some() || params.window_right.is_some();
+        let per_token = params.is_masked();
         let q = match &rotary {
             Some(rot) => rot.apply(q, |b, i| lens[b] as usize + if per_token { i } else { 0 })?,
             None => q.clone(),

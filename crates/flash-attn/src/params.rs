@@ -62,6 +62,12 @@ pub(crate) struct AttnParams {
 }
 
 impl AttnParams {
+    /// Causal or windowed: a query sees only part of the keys (the tiles' work differs, and a
+    /// kvcache call's rotary turns each query to its own position).
+    pub fn is_masked(&self) -> bool {
+        self.window_left.is_some() || self.window_right.is_some()
+    }
+
     pub fn validate(&self) -> Result<()> {
         self.tuning.validate()?;
         if !self.softmax_scale.is_finite() {

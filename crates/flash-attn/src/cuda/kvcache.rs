@@ -196,7 +196,7 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
             rotary_half: (s.rotary_dim / 2) as i32,
             interleaved: rotary.as_ref().is_some_and(|r| r.2) as i32,
             positions: rotary.as_ref().map_or(0, |r| r.0.dims()[0]) as i32,
-            q_per_token: (c.params.window_left.is_some() || c.params.window_right.is_some()) as i32,
+            q_per_token: c.params.is_masked() as i32,
         };
         let blocks = 1 + s.seqlen_new + if rotary.is_some() { s.seqlen_q } else { 0 };
         if blocks > i32::MAX as usize || s.batch > 65535 {

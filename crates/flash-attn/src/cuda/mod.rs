@@ -701,7 +701,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         bail!("flash-attn3: q, k and v must be on the same GPU")
     }
     // KV cache calls have a key count per sequence: uneven tiles.
-    let uneven = varlen.is_some() || cache.is_some() || params.window_left.is_some() || params.window_right.is_some();
+    let uneven = varlen.is_some() || cache.is_some() || params.is_masked();
     let group = dims.group();
     // FP8: a packed tile holds a whole GQA group, so its q heads must share one descale.
     let tuning = params.tuning;
