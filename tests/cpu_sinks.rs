@@ -4,10 +4,10 @@
 //! `loss.backward()`; and the errors.
 
 use candle_core::{DType, Device, Result, Tensor};
-use flash_attn3::{FlashAttn, SeqOffsets};
+use flash_attn3::FlashAttn;
 use flash_attn3_tests::{
-    assert_close, assert_err, attention_ref, attention_ref_varlen, check_sinks, cumulative, random_sinks, AttnShape,
-    Opts, SinkTols, TestRng,
+    assert_close, assert_err, attention_ref, check_sinks, check_sinks_varlen, random_sinks, AttnShape, Opts, SinkTols,
+    TestRng,
 };
 
 const F32: SinkTols = SinkTols {
@@ -71,32 +71,16 @@ fn sinks_row_without_keys() -> Result<()> {
 #[test]
 fn sinks_varlen() -> Result<()> {
     let mut rng = TestRng::fresh("cpu-sinks-varlen");
-    let dev = Device::Cpu;
-    let (h, hk, d) = (4, 2, 32);
-    let (lq, lk) = ([5usize, 0, 17], [9usize, 4, 30]);
-    let (cu_q, cu_k) = (cumulative(&lq), cumulative(&lk));
-    let q = rng.randn((cu_q[3], h, d), DType::F32, &dev)?;
-    let k = rng.randn((cu_k[3], hk, d), DType::F32, &dev)?;
-    let v = rng.randn((cu_k[3], hk, d), DType::F32, &dev)?;
-    let vals = random_sinks(&mut rng, h);
-    let vals64: Vec<f64> = vals.iter().map(|&x| x as f64).collect();
-    let sinks = Tensor::new(vals.as_slice(), &dev)?;
-    for opts in [Opts::new(0.17), Opts::new(0.17).causal()] {
-        let (out, lse) = opts.builder().sinks(&sinks).forward_varlen_offsets_with_lse(
-            &q,
-            &k,
-            &v,
-            &SeqOffsets::from_lengths(lq, &dev)?,
-            &SeqOffsets::from_lengths(lk, &dev)?,
-            17,
-            30,
-        )?;
-        let (want, want_lse) = attention_ref_varlen(&q, &k, &v, &cu_q, &cu_k, &opts.reference().sinks(&vals64))?;
-        let what = format!("varlen {opts:?} seed {}", rng.seed());
-        assert_close(&out, &want, 1e-5, &what)?;
-        assert_close(&lse, &want_lse, 1e-5, &what)?;
-    }
-    Ok(())
+    check_sinks_varlen(
+        &mut rng,
+        &Device::Cpu,
+        DType::F32,
+        &[5, 0, 17],
+        &[9, 4, 30],
+        (4, 2, 32),
+        0.17,
+        F32,
+    )
 }
 
 /// A kvcache call with sinks: the attention over the cache's first cache_seqlens keys, as the
@@ -112,7 +96,6 @@ fn sinks_kvcache() -> Result<()> {
     let lens = [31usize, 7];
     let lens_t = Tensor::new(&[31u32, 7], &dev)?;
     let vals = random_sinks(&mut rng, h);
-    let vals64: Vec<f64> = vals.iter().map(|&x| x as f64).collect();
     let sinks = Tensor::new(vals.as_slice(), &dev)?;
     let opts = Opts::new(0.2).causal();
     let (out, _) = opts
@@ -126,7 +109,7 @@ fn sinks_kvcache() -> Result<()> {
             &q.narrow(0, bi, 1)?,
             &narrow(&k_cache)?,
             &narrow(&v_cache)?,
-            &opts.reference().sinks(&vals64),
+            &opts.reference().sinks(&vals),
         )?;
         assert_close(
             &out.narrow(0, bi, 1)?,

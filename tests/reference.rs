@@ -132,9 +132,11 @@ impl RefOptions {
         self
     }
 
-    /// Attention sinks, one logit per q head (leaked: the table lives for the test process).
-    pub fn sinks(mut self, sinks: &[f64]) -> Self {
-        self.sinks = Some(Box::leak(sinks.to_vec().into_boxed_slice()));
+    /// Attention sinks, one logit per q head, as the op takes them (f32; leaked: the table
+    /// lives for the test process).
+    pub fn sinks(mut self, sinks: &[f32]) -> Self {
+        let wide: Vec<f64> = sinks.iter().map(|&x| x as f64).collect();
+        self.sinks = Some(Box::leak(wide.into_boxed_slice()));
         self
     }
 
@@ -1014,8 +1016,7 @@ pub fn check_sinks(
     let k = rng.randn(shape.k_shape(), dtype, dev)?;
     let v = rng.randn(shape.v_shape(), dtype, dev)?;
     let vals = random_sinks(rng, shape.heads);
-    let vals64: Vec<f64> = vals.iter().map(|&x| x as f64).collect();
-    let reference = opts.reference().sinks(&vals64);
+    let reference = opts.reference().sinks(&vals);
     let sinks = Var::from_tensor(&Tensor::new(vals.as_slice(), dev)?)?;
     let attn = opts.builder().num_splits(splits).sinks(sinks.as_tensor());
 
@@ -1042,5 +1043,45 @@ pub fn check_sinks(
     let (want_grads, want_dsinks) = attention_grads_ref_with_sinks(&q, &k, &v, &w, &reference)?;
     check_grads(&got, &want_grads, grad_tol, &what)?;
     assert_close(&dsinks, &want_dsinks, grad_tol, &format!("{what}: dsinks"))?;
+    Ok(())
+}
+
+/// A varlen call with attention sinks on `dev` against the f64 reference, masked and not:
+/// sequences of `lens_q` queries over `lens_k` keys, (heads, kv_heads, head_dim) = `hhd`.
+#[allow(clippy::too_many_arguments)]
+pub fn check_sinks_varlen(
+    rng: &mut TestRng,
+    dev: &Device,
+    dtype: DType,
+    lens_q: &[usize],
+    lens_k: &[usize],
+    (h, hk, d): (usize, usize, usize),
+    scale: f64,
+    tols: SinkTols,
+) -> Result<()> {
+    let (cu_q, cu_k) = (cumulative(lens_q), cumulative(lens_k));
+    let (total_q, total_k) = (cu_q[lens_q.len()], cu_k[lens_k.len()]);
+    let q = rng.randn((total_q, h, d), dtype, dev)?;
+    let k = rng.randn((total_k, hk, d), dtype, dev)?;
+    let v = rng.randn((total_k, hk, d), dtype, dev)?;
+    let vals = random_sinks(rng, h);
+    let sinks = Tensor::new(vals.as_slice(), dev)?;
+    let seq_offsets = |lens: &[usize]| flash_attn3::SeqOffsets::from_lengths(lens.iter().copied(), dev);
+    let (max_q, max_k) = (max_len(&cu_q), max_len(&cu_k));
+    for opts in [Opts::new(scale), Opts::new(scale).causal()] {
+        let (out, lse) = opts.builder().sinks(&sinks).forward_varlen_offsets_with_lse(
+            &q,
+            &k,
+            &v,
+            &seq_offsets(lens_q)?,
+            &seq_offsets(lens_k)?,
+            max_q,
+            max_k,
+        )?;
+        let (want, want_lse) = attention_ref_varlen(&q, &k, &v, &cu_q, &cu_k, &opts.reference().sinks(&vals))?;
+        let what = format!("varlen with sinks {opts:?} seed {}", rng.seed());
+        assert_close(&out, &want, tols.out, &format!("{what}: out"))?;
+        assert_close(&lse, &want_lse, tols.lse, &format!("{what}: lse"))?;
+    }
     Ok(())
 }

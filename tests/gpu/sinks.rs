@@ -5,9 +5,8 @@
 //! `loss.backward()` (the backward kernels read the sink-inclusive LSE).
 
 use candle_core::{DType, Result, Tensor};
-use flash_attn3::SeqOffsets;
 use flash_attn3_tests::{
-    assert_close, attention_ref_varlen, check_sinks, cumulative, random_sinks, AttnShape, Opts, SinkTols, TestRng,
+    assert_close, check_sinks, check_sinks_varlen, random_sinks, AttnShape, Opts, SinkTols, TestRng,
 };
 
 use super::{gpu, poison, LSE_TOL, OUT_TOL};
@@ -81,29 +80,16 @@ fn sinks_varlen_and_kvcache() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-sinks-varlen");
     let dev = gpu()?;
     let (h, hk, d) = (4, 2, 128);
-    let (lq, lk) = ([50usize, 0, 170], [90usize, 40, 300]);
-    let (cu_q, cu_k) = (cumulative(&lq), cumulative(&lk));
-    let q = rng.randn((cu_q[3], h, d), DType::BF16, &dev)?;
-    let k = rng.randn((cu_k[3], hk, d), DType::BF16, &dev)?;
-    let v = rng.randn((cu_k[3], hk, d), DType::BF16, &dev)?;
-    let vals = random_sinks(&mut rng, h);
-    let vals64: Vec<f64> = vals.iter().map(|&x| x as f64).collect();
-    let sinks = Tensor::new(vals.as_slice(), &dev)?;
-    for opts in [Opts::new(0.088), Opts::new(0.088).causal()] {
-        let (out, lse) = opts.builder().sinks(&sinks).forward_varlen_offsets_with_lse(
-            &q,
-            &k,
-            &v,
-            &SeqOffsets::from_lengths(lq, &dev)?,
-            &SeqOffsets::from_lengths(lk, &dev)?,
-            170,
-            300,
-        )?;
-        let (want, want_lse) = attention_ref_varlen(&q, &k, &v, &cu_q, &cu_k, &opts.reference().sinks(&vals64))?;
-        let what = format!("varlen {opts:?} seed {}", rng.seed());
-        assert_close(&out, &want, OUT_TOL, &what)?;
-        assert_close(&lse, &want_lse, LSE_TOL, &what)?;
-    }
+    check_sinks_varlen(
+        &mut rng,
+        &dev,
+        DType::BF16,
+        &[50, 0, 170],
+        &[90, 40, 300],
+        (h, hk, d),
+        0.088,
+        FORWARD_ONLY,
+    )?;
     // A paged kvcache decode call with sinks, against the same call on the CPU.
     let (b, ps, pages) = (2, 16, 40);
     let q = rng.randn((b, 1, 8, d), DType::BF16, &dev)?;
