@@ -8,7 +8,10 @@
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::kvcache::PAGE_SIZES;
 use flash_attn3::FlashAttn;
-use flash_attn3_tests::{assert_close, assert_err, attention_ref_varlen, cumulative, to_f64_vec, Opts, TestRng};
+use flash_attn3_tests::{
+    assert_close, assert_err, attention_ref_varlen, cumulative, random_paged_layout, to_f64_vec, Opts, PagedLayout,
+    TestRng,
+};
 
 const F32_TOL: f64 = 1e-5;
 
@@ -53,11 +56,7 @@ impl Case {
                 let capacity = keys.iter().copied().max().unwrap() + rng.range(0, 40);
                 let rows_in_cache = batch + rng.range(0, 3);
                 // A permutation: batch entry b uses cache row batch_idx[b].
-                let mut rows: Vec<u32> = (0..rows_in_cache as u32).collect();
-                for i in (1..rows.len()).rev() {
-                    rows.swap(i, rng.range(0, i));
-                }
-                let batch_idx: Vec<u32> = rows[..batch].to_vec();
+                let batch_idx: Vec<u32> = rng.permutation(rows_in_cache)[..batch].to_vec();
                 let slots = (0..batch)
                     .map(|b| (0..keys[b]).map(|j| (batch_idx[b] as usize, j)).collect())
                     .collect();
@@ -79,32 +78,11 @@ impl Case {
                 }
             }
             Some(ps) => {
-                let pages_of = |n: usize| n.div_ceil(ps);
-                let max_pages = keys.iter().map(|&n| pages_of(n)).max().unwrap().max(1) + rng.range(0, 2);
-                // Sequences 0 and 1 share their first page when both hold at least a page of
-                // keys before the call (the append never writes into it).
-                let share = batch > 1 && lens[0] >= ps && lens[1] >= ps;
-                let needed: usize = keys.iter().map(|&n| pages_of(n)).sum::<usize>() - share as usize;
-                let num_pages = needed + rng.range(1, 4);
-                let mut free: Vec<u32> = (0..num_pages as u32).collect();
-                for i in (1..free.len()).rev() {
-                    free.swap(i, rng.range(0, i));
-                }
-                let mut table = vec![0u32; batch * max_pages];
-                for b in 0..batch {
-                    for p in 0..max_pages {
-                        table[b * max_pages + p] = if p < pages_of(keys[b]) {
-                            if share && b == 1 && p == 0 {
-                                table[0]
-                            } else {
-                                free.pop().unwrap()
-                            }
-                        } else {
-                            // Unused entries may hold anything in range.
-                            rng.range(0, num_pages - 1) as u32
-                        };
-                    }
-                }
+                let PagedLayout {
+                    table,
+                    max_pages,
+                    num_pages,
+                } = random_paged_layout(rng, &lens, &keys, ps);
                 let slots = (0..batch)
                     .map(|b| {
                         (0..keys[b])

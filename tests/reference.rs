@@ -782,6 +782,15 @@ impl TestRng {
         self.next_u64() & 1 == 1
     }
 
+    /// 0..n in a random order (Fisher–Yates).
+    pub fn permutation(&mut self, n: usize) -> Vec<u32> {
+        let mut v: Vec<u32> = (0..n as u32).collect();
+        for i in (1..n).rev() {
+            v.swap(i, self.range(0, i));
+        }
+        v
+    }
+
     /// A standard normal sample (Box–Muller).
     pub fn normal(&mut self) -> f64 {
         if let Some(x) = self.spare_normal.take() {
@@ -1084,4 +1093,51 @@ pub fn check_sinks_varlen(
         assert_close(&lse, &want_lse, tols.lse, &format!("{what}: lse"))?;
     }
     Ok(())
+}
+
+// ------------------------------------------------------------------------------------------
+// KV cache layouts
+// ------------------------------------------------------------------------------------------
+
+/// A paged KV cache layout (`FlashAttn::kv_cache(..).page_table(..)`): `table` (batch,
+/// max_pages) row-major into a pool of `num_pages` pages.
+#[derive(Debug, Clone)]
+pub struct PagedLayout {
+    pub table: Vec<u32>,
+    pub max_pages: usize,
+    pub num_pages: usize,
+}
+
+/// A random paged layout for sequences that hold `lens[b]` keys before a call and `keys[b]`
+/// after it, in pages of `page_size`: pages taken in a shuffled order from a pool with 1 to 3
+/// spare pages, sequences 0 and 1 sharing their first page when both already hold one (an
+/// append never writes into it: a shared prompt prefix), table entries past a sequence's pages
+/// anything in range, and 0 to 2 spare columns.
+pub fn random_paged_layout(rng: &mut TestRng, lens: &[usize], keys: &[usize], page_size: usize) -> PagedLayout {
+    let batch = keys.len();
+    let pages_of = |n: usize| n.div_ceil(page_size);
+    let max_pages = keys.iter().map(|&n| pages_of(n)).max().unwrap_or(0).max(1) + rng.range(0, 2);
+    let share = batch > 1 && lens[0] >= page_size && lens[1] >= page_size;
+    let needed: usize = keys.iter().map(|&n| pages_of(n)).sum::<usize>() - share as usize;
+    let num_pages = needed + rng.range(1, 3);
+    let mut free = rng.permutation(num_pages);
+    let mut table = vec![0u32; batch * max_pages];
+    for b in 0..batch {
+        for p in 0..max_pages {
+            table[b * max_pages + p] = if p < pages_of(keys[b]) {
+                if share && b == 1 && p == 0 {
+                    table[0]
+                } else {
+                    free.pop().unwrap()
+                }
+            } else {
+                rng.range(0, num_pages - 1) as u32
+            };
+        }
+    }
+    PagedLayout {
+        table,
+        max_pages,
+        num_pages,
+    }
 }

@@ -14,7 +14,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::kvcache::{PAGE_SIZES, STATUS_BATCH_IDX_PAST_CACHE, STATUS_KEYS_PAST_CACHE, STATUS_PAGE_PAST_POOL};
 use flash_attn3::FlashAttn;
-use flash_attn3_tests::{assert_close, assert_err, to_f64_vec, Opts, TestRng};
+use flash_attn3_tests::{assert_close, assert_err, random_paged_layout, to_f64_vec, Opts, TestRng};
 
 use super::{gpu, poison, LSE_TOL, OUT_TOL};
 
@@ -57,42 +57,16 @@ impl Spec {
     ) -> Self {
         let batch = lens.len();
         let keys: Vec<usize> = lens.iter().map(|l| l + seqlen_new).collect();
-        let shuffled = |rng: &mut TestRng, n: usize| {
-            let mut v: Vec<u32> = (0..n as u32).collect();
-            for i in (1..n).rev() {
-                v.swap(i, rng.range(0, i));
-            }
-            v
-        };
         let (paged, batch_idx, cache_dims) = match page_size {
             None => {
                 let capacity = keys.iter().copied().max().unwrap() + rng.range(0, 40);
                 let rows = batch + rng.range(0, 2);
-                let idx = shuffled(rng, rows)[..batch].to_vec();
+                let idx = rng.permutation(rows)[..batch].to_vec();
                 (None, Some(idx), (rows, capacity.max(1)))
             }
             Some(ps) => {
-                let pages_of = |n: usize| n.div_ceil(ps);
-                let max_pages = keys.iter().map(|&n| pages_of(n)).max().unwrap().max(1) + rng.range(0, 2);
-                let share = batch > 1 && lens[0] >= ps && lens[1] >= ps;
-                let needed: usize = keys.iter().map(|&n| pages_of(n)).sum::<usize>() - share as usize;
-                let num_pages = needed + rng.range(1, 3);
-                let mut free = shuffled(rng, num_pages);
-                let mut table = vec![0u32; batch * max_pages];
-                for b in 0..batch {
-                    for p in 0..max_pages {
-                        table[b * max_pages + p] = if p < pages_of(keys[b]) {
-                            if share && b == 1 && p == 0 {
-                                table[0]
-                            } else {
-                                free.pop().unwrap()
-                            }
-                        } else {
-                            rng.range(0, num_pages - 1) as u32
-                        };
-                    }
-                }
-                (Some((ps, table, max_pages)), None, (num_pages, ps))
+                let l = random_paged_layout(rng, &lens, &keys, ps);
+                (Some((ps, l.table, l.max_pages)), None, (l.num_pages, ps))
             }
         };
         Self {
