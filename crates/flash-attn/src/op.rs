@@ -297,17 +297,21 @@ pub(crate) struct SinkGrad {
     pub varlen: bool,
 }
 
+/// SinkGrad's forward on any device: a copy of the attention output (fresh and contiguous).
+fn copy_output<S: candle_core::backend::BackendStorage>(out: &S, out_l: &Layout) -> Result<(S, Shape)> {
+    if !out_l.is_contiguous() || out_l.start_offset() != 0 {
+        bail!("flash-attn3: sinks: the attention output is expected contiguous")
+    }
+    Ok((out.try_clone(out_l)?, out_l.shape().clone()))
+}
+
 impl candle_core::CustomOp2 for SinkGrad {
     fn name(&self) -> &'static str {
         "flash-attn3-sinks"
     }
 
     fn cpu_fwd(&self, out: &CpuStorage, out_l: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        if !out_l.is_contiguous() || out_l.start_offset() != 0 {
-            bail!("flash-attn3: sinks: the attention output is expected contiguous")
-        }
-        Ok((out.try_clone(out_l)?, out_l.shape().clone()))
+        copy_output(out, out_l)
     }
 
     #[cfg(feature = "cuda")]
@@ -318,11 +322,7 @@ impl candle_core::CustomOp2 for SinkGrad {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        if !out_l.is_contiguous() || out_l.start_offset() != 0 {
-            bail!("flash-attn3: sinks: the attention output is expected contiguous")
-        }
-        Ok((out.try_clone(out_l)?, out_l.shape().clone()))
+        copy_output(out, out_l)
     }
 
     fn bwd(
