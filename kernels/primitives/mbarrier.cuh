@@ -1,6 +1,7 @@
 // Shared-memory mbarriers: the producer/consumer handshake of the TMA pipeline.
 #pragma once
 #include <cstdint>
+#include <cstdio>
 
 namespace fa3 {
 
@@ -30,7 +31,30 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 // phase completes instead of returning after a few cycles: without it a warp waiting a whole tile
 // (the scheduler thread) re-polled every ~16 cycles, taking issue slots from the consumer warps
 // on its SM sub-partition.
+// Built with -DFA3_HANG_CHECK (FA3_NVCC_FLAGS): a wait that lasts over 2 s prints the barrier's
+// shared-memory address, the parity, the block and the thread, then traps, so a pipeline
+// deadlock shows where it is instead of hanging the process.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#ifdef FA3_HANG_CHECK
+    uint64_t t0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    for (;;) {
+        uint32_t done;
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 1000000;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(smem_u32(bar)), "r"(parity)
+            : "memory");
+        if (done) return;
+        uint64_t t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > 2000000000ull) {
+            printf("fa3 hang: mbarrier at smem 0x%x parity %u, block %d thread %d\n", smem_u32(bar), parity, blockIdx.x,
+                   threadIdx.x);
+            __trap();
+        }
+    }
+#endif
     constexpr uint32_t kSuspendNs = 10000000;
     asm volatile(
         "{\n"
