@@ -529,3 +529,95 @@ fn kvcache_errors() -> Result<()> {
     assert_err(attn.kv_cache(&kc, &vc, &lens).forward(&q.narrow(1, 0, 0)?), &["empty"]);
     Ok(())
 }
+
+/// FP8 (e4m3) q, caches and new rows with per-head descales, contiguous and paged (shuffled
+/// pages): the call equals the f32 call on the dequantised values (the CPU path dequantises
+/// exactly and runs the f32 attention), the output rounded once to bf16, the LSE and the caches
+/// after the append identical. Then the fp8 errors: rotary, and a cache of another dtype.
+#[test]
+fn kvcache_fp8_matches_dequantised_f32() -> Result<()> {
+    let cpu = Device::Cpu;
+    let mut rng = TestRng::fresh("cpu-kvcache-fp8");
+    let (b, sq, sn, h, hk, d) = (3, 3, 2, 4, 2, 32);
+    let lens = Tensor::new(&[5u32, 0, 17], &cpu)?;
+    let e4m3 = |rng: &mut TestRng, shape: (usize, usize, usize, usize)| rng.randn(shape, DType::F8E4M3, &cpu);
+    // Descales (1, heads): one per head, shared by every sequence, so that a dequantised cache
+    // is one f32 tensor even where sequences share pages.
+    let descale = |rng: &mut TestRng, heads: usize| -> Result<Tensor> {
+        let v: Vec<f32> = (0..heads).map(|_| 0.5 + rng.uniform() as f32).collect();
+        Tensor::from_vec(v, (1, heads), &cpu)
+    };
+    let dequantise = |x: &Tensor, descale: &Tensor| -> Result<Tensor> {
+        let heads = descale.dim(1)?;
+        x.to_dtype(DType::F32)?
+            .broadcast_mul(&descale.reshape((1, 1, heads, 1))?)
+    };
+    for paged in [false, true] {
+        let (cache_dims, table) = match paged {
+            // Two pages of 16 per sequence, shuffled over a pool of 7.
+            true => {
+                let pool = rng.permutation(7);
+                ((7, 16), Some(Tensor::from_vec(pool[..2 * b].to_vec(), (b, 2), &cpu)?))
+            }
+            false => ((b, 24), None),
+        };
+        let (slots, rows) = cache_dims;
+        let (q8, k8, v8) = (
+            e4m3(&mut rng, (b, sq, h, d))?,
+            e4m3(&mut rng, (slots, rows, hk, d))?,
+            e4m3(&mut rng, (slots, rows, hk, d))?,
+        );
+        let (kn8, vn8) = (e4m3(&mut rng, (b, sn, hk, d))?, e4m3(&mut rng, (b, sn, hk, d))?);
+        let (dq, dk, dv) = (descale(&mut rng, h)?, descale(&mut rng, hk)?, descale(&mut rng, hk)?);
+        let (k32, v32) = (dequantise(&k8, &dk)?, dequantise(&v8, &dv)?);
+        let opts = Opts::new(1.0 / (d as f64).sqrt()).causal();
+
+        let fp8 = opts.builder().descale(Some(&dq), Some(&dk), Some(&dv));
+        let mut call = fp8.kv_cache(&k8, &v8, &lens).append(&kn8, &vn8);
+        let f32_attn = opts.builder();
+        let (kn32, vn32) = (dequantise(&kn8, &dk)?, dequantise(&vn8, &dv)?);
+        let mut reference = f32_attn.kv_cache(&k32, &v32, &lens).append(&kn32, &vn32);
+        if let Some(t) = &table {
+            call = call.page_table(t);
+            reference = reference.page_table(t);
+        }
+        let (out, lse) = call.forward_with_lse(&q8)?;
+        let (want, want_lse) = reference.forward_with_lse(&dequantise(&q8, &dq)?)?;
+        let what = format!("fp8 kvcache paged {paged} seed {}", rng.seed());
+        assert_eq!(out.dtype(), DType::BF16, "{what}: out dtype");
+        assert_eq!(
+            to_f64_vec(&out)?,
+            to_f64_vec(&want.to_dtype(DType::BF16)?)?,
+            "{what}: out"
+        );
+        assert_eq!(to_f64_vec(&lse)?, to_f64_vec(&want_lse)?, "{what}: lse");
+        assert_eq!(
+            to_f64_vec(&dequantise(&k8, &dk)?)?,
+            to_f64_vec(&k32)?,
+            "{what}: k_cache after the append"
+        );
+        assert_eq!(
+            to_f64_vec(&dequantise(&v8, &dv)?)?,
+            to_f64_vec(&v32)?,
+            "{what}: v_cache after the append"
+        );
+    }
+
+    // Errors: rotary on an fp8 cache, an fp8 q over a cache of another dtype.
+    let q8 = e4m3(&mut rng, (b, 1, h, d))?;
+    let k8 = e4m3(&mut rng, (b, 24, hk, d))?;
+    let (cos, sin) = rotary_tables(32, d)?;
+    assert_err(
+        FlashAttn::new(0.1)
+            .kv_cache(&k8, &k8, &lens)
+            .rotary(&cos, &sin, false)
+            .forward(&q8),
+        &["rotary", "fp8"],
+    );
+    let k16 = k8.to_dtype(DType::BF16)?;
+    assert_err(
+        FlashAttn::new(0.1).kv_cache(&k16, &k16, &lens).forward(&q8),
+        &["k_cache must be F8E4M3"],
+    );
+    Ok(())
+}

@@ -24,7 +24,8 @@ fn main() {
     watch(&kernels);
 
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
-    // Extra nvcc flags for experiments: -lineinfo for ncu's source view, -DFA3_TRACE for the
+    // Extra nvcc flags for experiments: -lineinfo for ncu's source view, -DFA3_HANG_CHECK (a stuck
+    // mbarrier wait prints where and traps, kernels/primitives/mbarrier.cuh), -DFA3_TRACE for the
     // forward's timeline (kernels/primitives/trace.cuh).
     let extra: Vec<String> = env::var("FA3_NVCC_FLAGS")
         .map(|f| f.split_whitespace().map(String::from).collect())

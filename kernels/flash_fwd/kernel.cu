@@ -14,6 +14,8 @@
 namespace fa3 {
 
 template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p) {
+    // 227 KiB of shared memory per CTA, with 1024 bytes of slack to align the start.
+    static_assert(sizeof(SharedStorage<Tr>) + 1024 <= 227 * 1024, "shared memory");
     extern __shared__ uint8_t smem_raw[];
     // TMA's 128B swizzle and the wgmma descriptors assume 1024-byte aligned tiles.
     uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
@@ -31,10 +33,17 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
 #pragma unroll
         for (int i = 0; i < Tr::kStages; ++i) {
             mbar_init(&s.full_k[i], 1);
-            mbar_init(&s.full_v[i], 1);
             mbar_init(&s.empty_k[i], 128 * Tr::kConsumerWGs);
+            // V lands by TMA (one arrival and its bytes) or from the transposer warps.
+            mbar_init(&s.full_v[i], Tr::kTransposeV ? Tr::kTransposeThreads : 1);
             mbar_init(&s.empty_v[i], 128 * Tr::kConsumerWGs);
         }
+#pragma unroll
+        for (int i = 0; i < Tr::kVRawStages; ++i) {
+            mbar_init(&s.full_v_raw[i], 1);
+            mbar_init(&s.empty_v_raw[i], Tr::kTransposeThreads);
+        }
+        s.transpose_stop = -1;  // set by the TMA thread at the end (transpose_v.cuh)
         mbar_init(&s.tile_full, 1);
         mbar_init(&s.tile_empty, 128 * Tr::kConsumerWGs + 1);
         mbar_init_fence();
@@ -45,6 +54,9 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         warpgroup_reg_dealloc<Tr::kProducerRegs>();
         if (tid == 0) producer<Tr>(p, s);        // the TMA thread
         if (tid == 32) scheduler<Tr>(p, s);      // claims tiles (scheduler.cuh)
+        if constexpr (Tr::kTransposeV) {
+            if (tid >= 64) v_transposer<Tr>(s, tid - 64);  // V -> V^T (transpose_v.cuh)
+        }
     } else {
         warpgroup_reg_alloc<Tr::kConsumerRegs>();
         // it: K/V blocks consumed so far (ring position); tc: tiles with keys so far (Q parity).
@@ -87,6 +99,10 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         fa3::flash_fwd<fa3::FwdTraits<D, BN, DT, WGS>>(p);                                              \
     }
 #define FA3_FWD_KERNEL(NAME, D, BN, DT) FA3_FWD_KERNEL_WG(NAME, D, BN, DT, 2)
+#define FA3_FWD_KERNEL_FP8_TV(NAME, D)                                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ fa3::FwdParams p) { \
+        fa3::flash_fwd<fa3::FwdTraits<D, 128, fa3::DT_E4M3, 2, true>>(p);                              \
+    }
 
 // Instantiations: (padded head dim, key block) per dtype. Any other head dim (a multiple of 8)
 // runs on the next one up with TMA zero-filling the missing columns.
@@ -113,6 +129,14 @@ FA3_FWD_KERNEL(flash_fwd_d64_e4m3, 64, 128, fa3::DT_E4M3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_e4m3, 64, 128, fa3::DT_E4M3, 3)
 FA3_FWD_KERNEL(flash_fwd_d128_e4m3, 128, 128, fa3::DT_E4M3)
 FA3_FWD_KERNEL(flash_fwd_d256_e4m3, 256, 128, fa3::DT_E4M3)
+
+// FP8 over KV caches (flash_attn_with_kvcache): V as the cache holds it, contiguous or paged,
+// transposed in shared memory (transpose_v.cuh) instead of by a pre-pass over the whole cache.
+// Slower than the pre-pass design on long prefill-shaped calls (docs/kernels/forward-fp8.md,
+// version 3), so the other fp8 calls keep the pre-pass.
+FA3_FWD_KERNEL_FP8_TV(flash_fwd_d64_e4m3_tv, 64)
+FA3_FWD_KERNEL_FP8_TV(flash_fwd_d128_e4m3_tv, 128)
+FA3_FWD_KERNEL_FP8_TV(flash_fwd_d256_e4m3_tv, 256)
 
 #ifdef FA3_TRACE
 extern "C" __global__ void fa3_trace_dump(int) { fa3::trace_dump(); }

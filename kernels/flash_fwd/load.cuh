@@ -10,6 +10,7 @@
 #include "params.cuh"
 #include "scheduler.cuh"
 #include "traits.cuh"
+#include "transpose_v.cuh"
 
 namespace fa3 {
 
@@ -71,9 +72,9 @@ __device__ __forceinline__ void load_kv_block(const FwdParams& p, const TmaDesc*
     }
 }
 
-// FP8: key block n of V^T (head_dim rows x kBlockN keys), one box per 128-key column block; the
-// pre-pass padded every sequence to its own rows of V^T, so the coordinates are (key, 0, kv head,
-// sequence) for fixed-length and varlen calls alike.
+// FP8 with the pre-pass: key block n of V^T (head_dim rows x kBlockN keys), one box per 128-key
+// column block; the pre-pass padded every sequence to its own rows of V^T, so the coordinates are
+// (key, 0, kv head, sequence) for fixed-length and varlen calls alike.
 template <class Tr>
 __device__ __forceinline__ void load_vt_block(const FwdParams& p, uint8_t* dst, uint64_t* bar, int n, const TileInfo& t) {
 #pragma unroll
@@ -121,15 +122,20 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     trace_edge(0, tc, 2);
     for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
         if (n > t.n_min) load_k(n - 1, it + 1);
-        const int stage = it % Tr::kStages;
+        // kTransposeV: V goes to the transposer warps' ring (transpose_v.cuh), which fills the V ring.
+        constexpr bool kRaw = Tr::kTransposeV;
+        constexpr int kRing = kRaw ? Tr::kVRawStages : Tr::kStages;
+        const int stage = it % kRing;
+        uint64_t* full = kRaw ? &s.full_v_raw[stage] : &s.full_v[stage];
+        uint64_t* empty = kRaw ? &s.empty_v_raw[stage] : &s.empty_v[stage];
         trace_stamp(0, it, 2);
-        mbar_wait(&s.empty_v[stage], ((it / Tr::kStages) & 1) ^ 1);
+        mbar_wait(empty, ((it / kRing) & 1) ^ 1);
         trace_stamp(0, it, 3);
-        mbar_arrive_expect_tx(&s.full_v[stage], Tr::kKVBytes);
-        if constexpr (Tr::kFp8) {
-            load_vt_block<Tr>(p, s.v[stage], &s.full_v[stage], n, t);
+        mbar_arrive_expect_tx(full, Tr::kKVBytes);
+        if constexpr (Tr::kFp8 && !kRaw) {
+            load_vt_block<Tr>(p, s.v[stage], full, n, t);
         } else {
-            load_kv_block<Tr>(p, &p.tma_v, s.v[stage], &s.full_v[stage], n, t);
+            load_kv_block<Tr>(p, &p.tma_v, kRaw ? s.v_raw[stage] : s.v[stage], full, n, t);
         }
     }
     trace_edge(0, tc, 3);
@@ -150,6 +156,7 @@ template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<T
         }
         mbar_arrive(&s.tile_empty);  // loads issued: the scheduler may claim the next tile
     }
+    if constexpr (Tr::kTransposeV) stop_transposer<Tr>(s, it);
 }
 
 }  // namespace fa3

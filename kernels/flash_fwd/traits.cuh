@@ -9,15 +9,18 @@ namespace fa3 {
 
 // kHeadDim: the (padded) head dim of q, k and v; kBlockN: keys per pipeline stage;
 // kDtype: DT_BF16, DT_F16 or DT_E4M3 (fp8 inputs, bf16/f16 output); kConsumerWGs: consumer
-// warpgroups of 64 query rows each.
-template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2> struct FwdTraits {
+// warpgroups of 64 query rows each; kTransposeV (fp8): V as the caller laid it out, transposed in
+// shared memory by the kernel (transpose_v.cuh), instead of V^T from the pre-pass.
+template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2, bool kTransposeV_ = false> struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kDtype = kDtype_;
     static constexpr int kConsumerWGs = kConsumerWGs_;
     // FP8 kernels read q, k, v as e4m3 and V transposed (keys contiguous, written by the pre-pass
-    // in fp8_prepass.cuh), apply descales, and write a 16-bit output. docs/kernels/forward-fp8.md.
+    // in fp8_prepass.cuh or, with kTransposeV, by two producer warps in shared memory), apply
+    // descales, and write a 16-bit output. docs/kernels/forward-fp8.md.
     static constexpr bool kFp8 = kDtype_ == DT_E4M3;
+    static constexpr bool kTransposeV = kFp8 && kTransposeV_;
     static constexpr int kElemBytes = kFp8 ? 1 : 2;
     using Elem = typename std::conditional<kFp8, uint8_t, uint16_t>::type;
     static constexpr int kBlockM = 64 * kConsumerWGs;  // query rows per tile
@@ -48,15 +51,21 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2> struc
     // FP8: V^T tiles are kHeadDim rows of kBlockN keys, in 128-byte (128-key) column blocks.
     static constexpr int kVtColBlocks = kFp8 ? kBlockN / 128 : 0;
     static_assert(!kFp8 || kBlockN % 128 == 0, "fp8 key blocks are whole 128-byte rows of V^T");
+    // kTransposeV: V lands (TMA) in K's layout in the `v_raw` ring (two stages, one at d256 for
+    // room), and warps 2 and 3 of the producer warpgroup write it transposed into the V ring.
+    static constexpr int kTransposeThreads = kTransposeV ? 64 : 0;
+    static constexpr int kVRawStages = kTransposeV && kHeadDim_ <= 128 ? 2 : 1;
+    static constexpr int kVRawElems = kTransposeV ? kBlockN * kHeadDim : 16;
     // The output: 16-bit, staged (TMA-store epilogue) in column blocks of kOutColElems elements
     // (the input's layout for 16-bit kernels; 64 columns, 128-byte rows for fp8).
     static constexpr int kOutSwizzle = kFp8 ? 128 : kSwizzle;
     static constexpr int kOutColElems = kOutSwizzle / 2;
     static constexpr int kOutColBlocks = kHeadDim / kOutColElems;
     // The epilogue stages O in shared memory and TMA-stores it (d <= 128 with 128-key blocks, and
-    // every fp8 kernel; d256 and the 176-key blocks in 16 bits have no room next to Q and the
-    // K/V ring, and store straight from registers).
-    static constexpr bool kTmaStoreO = kFp8 || (kHeadDim_ <= 128 && kBlockN_ <= 128);
+    // every fp8 kernel but d256 with kTransposeV; d256 and the 176-key blocks in 16 bits, and that
+    // one, have no room next to Q and the K/V rings, and store straight from registers).
+    static constexpr bool kTmaStoreO =
+        kFp8 ? !(kTransposeV && kHeadDim_ > 128) : (kHeadDim_ <= 128 && kBlockN_ <= 128);
     // The softmax's lazy running max and the O rescale it lets the consumers skip (softmax.cuh,
     // mainloop.cuh rescale_o; version 29): two consumer warpgroups only, the three-warpgroup d64
     // kernel's 160 registers measured 4-7% slower with it.
@@ -73,15 +82,19 @@ template <class Tr> struct SharedStorage {
     alignas(1024) typename Tr::Elem k[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
     alignas(1024) typename Tr::Elem v[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];  // fp8: V^T
     alignas(1024) uint16_t o[Tr::kTmaStoreO ? Tr::kBlockM * Tr::kHeadDim : 8];  // O staging (kOutColElems blocks)
+    alignas(Tr::kTransposeV ? 1024 : 16) typename Tr::Elem v_raw[Tr::kVRawStages][Tr::kVRawElems];  // V as loaded
     alignas(8) uint64_t bar_q[Tr::kQStages];      // Q of a tile landed
     alignas(8) uint64_t q_empty[Tr::kQStages];    // every consumer warpgroup is done with that Q
     alignas(8) uint64_t full_k[Tr::kStages];      // K of a stage landed
     alignas(8) uint64_t full_v[Tr::kStages];      // V of a stage landed
     alignas(8) uint64_t empty_k[Tr::kStages];     // both consumer warpgroups are done with K of a stage
     alignas(8) uint64_t empty_v[Tr::kStages];     // ... and with V of a stage
+    alignas(8) uint64_t full_v_raw[Tr::kVRawStages];  // kTransposeV: V of a stage landed in v_raw
+    alignas(8) uint64_t empty_v_raw[Tr::kVRawStages]; // kTransposeV: the transposer warps are done with it
     alignas(8) uint64_t tile_full;                // the scheduler thread published the next tile index
     alignas(8) uint64_t tile_empty;               // the consumers read it and the TMA thread issued its loads
     int tile_idx;                                 // the tile index, scheduler -> TMA thread, consumers
+    int transpose_stop;                           // kTransposeV: the V ring position past the last block, or -1
 };
 
 }  // namespace fa3

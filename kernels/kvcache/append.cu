@@ -11,11 +11,13 @@
 //  - block 1 + seqlen_new + i writes q's token i, turned, into q_rot.
 // The rotation is the host's arithmetic (kvcache.rs, RotaryTables::apply): f32, x0·cos − x1·sin
 // and x0·sin + x1·cos with each product rounded (no FMA contraction), one rounding to the element
-// type, so a cache holds the same bits whichever device wrote it.
+// type, so a cache holds the same bits whichever device wrote it. FP8 (e4m3) caches are copied as
+// bytes: the host refuses rotary for them (turn k before quantizing it).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace fa3 {
 
@@ -29,12 +31,12 @@ enum KvCacheError : uint32_t {
 
 // Mirrored field for field by `AppendParams` in crates/flash-attn/src/cuda/kvcache.rs.
 struct KvAppendParams {
-    const uint16_t* k_new;      // (batch, seqlen_new, kv_heads, head_dim), contiguous
-    const uint16_t* v_new;      // (batch, seqlen_new, kv_heads, head_dim_v)
-    uint16_t* k_cache;          // (slots, rows, kv_heads, head_dim), contiguous
-    uint16_t* v_cache;          // (slots, rows, kv_heads, head_dim_v)
-    const uint16_t* q;          // (batch, seqlen_q, heads, head_dim), contiguous
-    uint16_t* q_rot;            // q turned, same layout; null: q is not turned
+    const void* k_new;          // (batch, seqlen_new, kv_heads, head_dim), contiguous
+    const void* v_new;          // (batch, seqlen_new, kv_heads, head_dim_v)
+    void* k_cache;              // (slots, rows, kv_heads, head_dim), contiguous
+    void* v_cache;              // (slots, rows, kv_heads, head_dim_v)
+    const void* q;              // (batch, seqlen_q, heads, head_dim), contiguous
+    void* q_rot;                // q turned, same layout; null: q is not turned
     const float* cos;           // (positions, rotary_half); null: no rotary
     const float* sin;
     const uint32_t* cache_seqlens;  // (batch)
@@ -69,20 +71,28 @@ template <int kBf16> __device__ __forceinline__ uint16_t from_f32(float x) {
     }
 }
 
-// Copies `heads` rows of `d` values from src to dst, turning the first 2 · rotary_half dims of
-// each by the angle whose cos / sin rows are given (null: a plain copy). Unturned values are
-// copied as bits.
-template <int kBf16>
-__device__ void copy_rows_turned(const KvAppendParams& p, const uint16_t* src, uint16_t* dst, int heads, int d,
-                                 const float* cos, const float* sin) {
+// The element types: bf16 and f16 as their bits, e4m3 as a byte (copied, never turned).
+enum AppendDtype { kAppendBf16, kAppendF16, kAppendE4m3 };
+template <int kDtype> using AppendElem = typename std::conditional<kDtype == kAppendE4m3, uint8_t, uint16_t>::type;
+
+// Copies `heads` rows of `d` values from element src_off of src to element dst_off of dst, turning the first
+// 2 · rotary_half dims of each by the angle whose cos / sin rows are given (null: a plain copy).
+// Unturned values are copied as bits.
+template <int kDtype>
+__device__ void copy_rows_turned(const KvAppendParams& p, const void* src_base, int64_t src_off, void* dst_base,
+                                 int64_t dst_off, int heads, int d, const float* cos, const float* sin) {
+    using Elem = AppendElem<kDtype>;
+    const Elem* src = static_cast<const Elem*>(src_base) + src_off;
+    Elem* dst = static_cast<Elem*>(dst_base) + dst_off;
     const int half = p.rotary_half;
     for (int e = threadIdx.x; e < heads * d; e += kAppendThreads) {
         const int c = e % d;
-        if (cos == nullptr || c >= 2 * half) {
+        if (kDtype == kAppendE4m3 || cos == nullptr || c >= 2 * half) {
             dst[e] = src[e];
             continue;
         }
-        const uint16_t* row = src + (e - c);
+        constexpr int kBf16 = kDtype == kAppendBf16;
+        const Elem* row = src + (e - c);
         // The pair (x0, x1) that c belongs to, and whether c is its first member.
         int r, a, b;
         if (p.interleaved) {
@@ -137,7 +147,7 @@ __device__ void check_sequence(const KvAppendParams& p, int b) {
     }
 }
 
-template <int kBf16> __device__ void kv_append(const KvAppendParams& p) {
+template <int kDtype> __device__ void kv_append(const KvAppendParams& p) {
     const int b = blockIdx.y;
     const int x = blockIdx.x;
     if (x == 0) {
@@ -162,24 +172,27 @@ template <int kBf16> __device__ void kv_append(const KvAppendParams& p) {
         if (slot < 0) return;  // check_sequence reports it
         const int64_t token = (int64_t)b * p.seqlen_new + i;
         angle(len + i, cos, sin);
-        copy_rows_turned<kBf16>(p, p.k_new + token * p.kv_heads * p.head_dim, p.k_cache + slot * p.kv_heads * p.head_dim,
-                                p.kv_heads, p.head_dim, cos, sin);
-        copy_rows_turned<kBf16>(p, p.v_new + token * p.kv_heads * p.head_dim_v,
-                                p.v_cache + slot * p.kv_heads * p.head_dim_v, p.kv_heads, p.head_dim_v, nullptr, nullptr);
+        copy_rows_turned<kDtype>(p, p.k_new, token * p.kv_heads * p.head_dim, p.k_cache, slot * p.kv_heads * p.head_dim,
+                                 p.kv_heads, p.head_dim, cos, sin);
+        copy_rows_turned<kDtype>(p, p.v_new, token * p.kv_heads * p.head_dim_v, p.v_cache,
+                                 slot * p.kv_heads * p.head_dim_v, p.kv_heads, p.head_dim_v, nullptr, nullptr);
         return;
     }
     const int i = x - 1 - p.seqlen_new;
     const int64_t token = (int64_t)b * p.seqlen_q + i;
     angle(len + (p.q_per_token ? i : 0), cos, sin);
-    copy_rows_turned<kBf16>(p, p.q + token * p.heads * p.head_dim, p.q_rot + token * p.heads * p.head_dim, p.heads,
-                            p.head_dim, cos, sin);
+    const int64_t q_off = token * p.heads * p.head_dim;
+    copy_rows_turned<kDtype>(p, p.q, q_off, p.q_rot, q_off, p.heads, p.head_dim, cos, sin);
 }
 
 }  // namespace fa3
 
 extern "C" __global__ void __launch_bounds__(fa3::kAppendThreads) kvcache_append_bf16(const __grid_constant__ fa3::KvAppendParams p) {
-    fa3::kv_append<1>(p);
+    fa3::kv_append<fa3::kAppendBf16>(p);
 }
 extern "C" __global__ void __launch_bounds__(fa3::kAppendThreads) kvcache_append_f16(const __grid_constant__ fa3::KvAppendParams p) {
-    fa3::kv_append<0>(p);
+    fa3::kv_append<fa3::kAppendF16>(p);
+}
+extern "C" __global__ void __launch_bounds__(fa3::kAppendThreads) kvcache_append_e4m3(const __grid_constant__ fa3::KvAppendParams p) {
+    fa3::kv_append<fa3::kAppendE4m3>(p);
 }

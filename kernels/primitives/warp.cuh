@@ -35,6 +35,25 @@ __device__ __forceinline__ void st_shared_u32(uint32_t smem_addr, uint32_t value
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem_addr), "r"(value) : "memory");
 }
 
+// Four 8x8 matrices of 16-bit elements, each row 16 contiguous bytes whose shared-memory address
+// lane 8m + r gives (matrix m, row r), loaded transposed: the thread's register m holds the
+// elements (row 2·(lane % 4), column lane / 4) in its low half and (row 2·(lane % 4) + 1, same
+// column) in its high half.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t smem_addr, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr)
+                 : "memory");
+}
+
+// Four 8x8 matrices of 16-bit elements stored: the thread's register m is (matrix m, row lane / 4,
+// bytes 4·(lane % 4)..+3); lane 8m + r gives the address of (matrix m, row r).
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
 // exp2 on the SFU; ex2.approx(-inf) = +0, which the masked softmax relies on.
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;

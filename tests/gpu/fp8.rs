@@ -45,7 +45,7 @@ fn errors(got: &Tensor, want: &Tensor, v_max: f64, what: &str) -> Result<(f64, f
 
 /// `got` against `want` for the dequantised inputs `qkv` and the call's softmax `scale`, to the
 /// module's bound.
-fn assert_fp8_close(
+pub(super) fn assert_fp8_close(
     got: &Tensor,
     want: &Tensor,
     (q, k, v): (&Tensor, &Tensor, &Tensor),

@@ -21,7 +21,8 @@
 //! the FA3-paper accuracy protocol on the inputs scripts/fp8_anchors.py stored there.
 //! `kvcache` times `flash_attn_with_kvcache` on the decode grid of kvcache_shapes() (contiguous
 //! and paged caches, pages of 16 / 64 / 256 in shuffled order) next to the device's copy
-//! bandwidth; scripts/kvcache_anchor.py times FA3 on the same shapes.
+//! bandwidth; scripts/kvcache_anchor.py times FA3 on the same shapes. `kvcache_fp8` times fp8
+//! (e4m3) caches against bf16 ones on a few decode shapes.
 
 use candle_core::Var;
 
@@ -338,6 +339,52 @@ fn kvcache_table(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// FP8 KV caches against bf16 ones: the same decode shapes (d128, heads 32/4, seqlen_q 1, no
+/// append), contiguous and paged by 64, µs per call and the ratio. The fp8 call's kernel
+/// transposes V tiles in shared memory (kernels/flash_fwd/transpose_v.cuh).
+fn kvcache_fp8_table(dev: &Device) -> Result<()> {
+    let (h, hk, d) = (32, 4, 128);
+    let e4m3 = |t: &Tensor| -> Result<Tensor> { t.to_device(&Device::Cpu)?.to_dtype(DType::F8E4M3)?.to_device(dev) };
+    println!("\nflash_attn_with_kvcache, d128, heads 32/4, seqlen_q 1, no append: fp8 (e4m3) caches against bf16, us per call");
+    println!("| batch | seqlen_k | bf16 us | fp8 us | fp8 / bf16 | bf16 page 64 us | fp8 page 64 us | fp8 / bf16 |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for (b, sk) in [(1, 8192), (8, 8192), (8, 32768), (32, 8192), (32, 32768), (128, 8192)] {
+        let lens = Tensor::new(vec![sk as u32; b].as_slice(), dev)?;
+        let q = Tensor::randn(0f32, 1., (b, 1, h, d), dev)?;
+        let k = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?;
+        let v = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?;
+        let table = Tensor::from_vec((0..(b * sk / 64) as u32).collect::<Vec<_>>(), (b, sk / 64), dev)?;
+        let attn = attn(1.0 / (d as f32).sqrt());
+        let mut row = format!("| {b} | {sk} |");
+        for paged in [false, true] {
+            let pages = |t: &Tensor| -> Result<Tensor> {
+                match paged {
+                    true => t.reshape((b * sk / 64, 64, hk, d)),
+                    false => Ok(t.clone()),
+                }
+            };
+            let (q16, k16, v16) = (
+                q.to_dtype(DType::BF16)?,
+                pages(&k.to_dtype(DType::BF16)?)?,
+                pages(&v.to_dtype(DType::BF16)?)?,
+            );
+            let (q8, k8, v8) = (e4m3(&q)?, pages(&e4m3(&k)?)?, pages(&e4m3(&v)?)?);
+            let call = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
+                let c = attn.kv_cache(k, v, &lens);
+                match paged {
+                    true => c.page_table(&table).forward(q),
+                    false => c.forward(q),
+                }
+            };
+            let bf16 = time(dev, || call(&q16, &k16, &v16))?;
+            let fp8 = time(dev, || call(&q8, &k8, &v8))?;
+            row += &format!(" {:.1} | {:.1} | {:.2} |", bf16 * 1e6, fp8 * 1e6, fp8 / bf16);
+        }
+        println!("{row}");
+    }
+    Ok(())
+}
+
 /// The forward over the paper grid, q, k and v each made by `input` from its (b, s, h, d) shape:
 /// TFLOP/s per (head dim, mask) row, each cell also printed as a `label` line in the anchors'
 /// format, then the grid as a table under `title`.
@@ -522,6 +569,9 @@ fn main() -> Result<()> {
     }
     if passes.split(',').any(|p| p.trim() == "kvcache") {
         kvcache_table(&dev)?;
+    }
+    if passes.split(',').any(|p| p.trim() == "kvcache_fp8") {
+        kvcache_fp8_table(&dev)?;
     }
     if !passes.split(',').any(|p| p.trim() == "fwd") {
         return Ok(());

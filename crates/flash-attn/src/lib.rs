@@ -537,7 +537,7 @@ impl PartialEq for FlashAttn {
 impl FlashAttn {
     /// The fp8 description of a call with these inputs: `None` for 16- and 32-bit inputs, which
     /// take neither descales nor another output dtype.
-    fn fp8_call(&self, q: &Tensor, dims: &Dims, varlen: bool) -> Result<Option<Fp8Call>> {
+    pub(crate) fn fp8_call(&self, q: &Tensor, dims: &Dims, varlen: bool) -> Result<Option<Fp8Call>> {
         if q.dtype() == DType::F8E4M3 {
             return Ok(Some(Fp8Call::new(
                 &self.descales,

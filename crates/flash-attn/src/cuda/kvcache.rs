@@ -10,6 +10,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{bail, DType, Result, Shape, Storage, Tensor};
 
 use super::{device_address, launch_with_params, load_kernel};
+use crate::descale::Fp8Call;
 use crate::kvcache::CacheShape;
 use crate::params::{AttnParams, Dims};
 
@@ -83,6 +84,8 @@ pub(crate) struct GpuCall<'a> {
     pub status: Option<&'a Tensor>,
     /// (heads,) f32, contiguous.
     pub sinks: Option<&'a Tensor>,
+    /// FP8 (e4m3) q and caches: their descales and the output dtype.
+    pub fp8: Option<&'a Fp8Call>,
 }
 
 /// A tensor's CUDA storage, or an error naming it.
@@ -105,7 +108,10 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
     let kernel_name = match dtype {
         DType::BF16 => "kvcache_append_bf16",
         DType::F16 => "kvcache_append_f16",
-        dt => bail!("flash-attn3: kvcache: the GPU kernels take bf16 and f16, got {dt:?}; run f32 calls on the CPU"),
+        DType::F8E4M3 => "kvcache_append_e4m3",
+        dt => bail!(
+            "flash-attn3: kvcache: the GPU kernels take bf16, f16 and f8e4m3, got {dt:?}; run f32 calls on the CPU"
+        ),
     };
     let dev: CudaDevice = match c.q.device() {
         candle_core::Device::Cuda(d) => d.clone(),
@@ -249,7 +255,7 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
             (cuda_of(&k_st, "k_cache")?, k_l),
             (cuda_of(&v_st, "v_cache")?, v_l),
             &super::FwdExtras {
-                fp8: None,
+                fp8: c.fp8,
                 cache: Some(&launch),
                 sinks: addr(c.sinks, "sinks")?,
             },

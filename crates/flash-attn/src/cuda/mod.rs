@@ -128,6 +128,9 @@ struct Variant {
     block_n: usize,
     consumer_wgs: usize,
     fp8: bool,
+    /// fp8 over a KV cache: V transposed in shared memory by the kernel, not by the pre-pass
+    /// (kernels/flash_fwd/transpose_v.cuh).
+    transpose_v: bool,
 }
 
 impl Variant {
@@ -152,6 +155,7 @@ impl Variant {
                 block_n: 128,
                 consumer_wgs: d64_consumer_wgs(uneven, seqlen_q, d64_rows),
                 fp8: false,
+                transpose_v: false,
             },
             // Native d96 (64-byte swizzled tiles), 128 x 128 like d128.
             65..=96 => Self {
@@ -159,12 +163,14 @@ impl Variant {
                 block_n: 128,
                 consumer_wgs: 2,
                 fp8: false,
+                transpose_v: false,
             },
             97..=128 => Self {
                 head_dim: 128,
                 block_n: 128,
                 consumer_wgs: 2,
                 fp8: false,
+                transpose_v: false,
             },
             // FA3's d192 tile: 112-key blocks (one Q buffer, O stored from registers: 218 KiB).
             129..=192 => Self {
@@ -172,12 +178,14 @@ impl Variant {
                 block_n: 112,
                 consumer_wgs: 2,
                 fp8: false,
+                transpose_v: false,
             },
             193..=256 => Self {
                 head_dim: 256,
                 block_n: 80,
                 consumer_wgs: 2,
                 fp8: false,
+                transpose_v: false,
             },
             d => bail!("flash-attn3: the GPU kernel supports head dims up to 256, got {d}"),
         })
@@ -192,6 +200,7 @@ impl Variant {
         uneven: bool,
         seqlen_q: usize,
         d64_rows: Option<usize>,
+        transpose_v: bool,
     ) -> Result<Self> {
         let head_dim = match head_dim.max(head_dim_v) {
             0..=64 => 64,
@@ -205,15 +214,23 @@ impl Variant {
             head_dim,
             block_n: fp8::BLOCK_N,
             consumer_wgs: match head_dim {
-                64 => d64_consumer_wgs(uneven, seqlen_q, d64_rows),
+                64 if !transpose_v => d64_consumer_wgs(uneven, seqlen_q, d64_rows),
                 _ => 2,
             },
             fp8: true,
+            transpose_v,
         })
     }
 
     /// The instantiation's name in kernels/flash_fwd/kernel.cu.
     fn kernel_name(&self, dtype: DType) -> &'static str {
+        if self.transpose_v {
+            return match self.head_dim {
+                64 => "flash_fwd_d64_e4m3_tv",
+                128 => "flash_fwd_d128_e4m3_tv",
+                _ => "flash_fwd_d256_e4m3_tv",
+            };
+        }
         if self.fp8 {
             return match self.head_dim {
                 64 if self.consumer_wgs == 3 => "flash_fwd_d64x3_e4m3",
@@ -248,6 +265,16 @@ impl Variant {
     /// d <= 128, `kQStages`), the 2-stage K/V ring, the O staging tile of the TMA-store epilogue
     /// (d <= 128, `kTmaStoreO`) and the barriers.
     fn smem_bytes(&self) -> usize {
+        if self.transpose_v {
+            // One-byte Q (two buffers up to d128), the K and V^T rings, V as loaded (two stages,
+            // one at d256) and up to d128 the 16-bit O staging tile (kTmaStoreO).
+            let (q_tiles, raw_stages, o_bytes) = match self.head_dim <= 128 {
+                true => (2, 2, 2 * self.block_m() * self.head_dim),
+                false => (1, 1, 1024),
+            };
+            let bytes = self.head_dim * (q_tiles * self.block_m() + (2 + 2 + raw_stages) * self.block_n) + o_bytes;
+            return bytes + 1024 + 1024;
+        }
         if self.fp8 {
             // One-byte Q and K/V ring (two Q buffers up to d128), the 16-bit O staging tile.
             let q_tiles = if self.head_dim <= 128 { 2 } else { 1 };
@@ -708,7 +735,14 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let pack_gqa = pack_gqa(group, dims.seqlen_q, tuning.pack_gqa) && fp8.is_none_or(|f| f.q_shared_by_group);
     let rows = tuning.d64_tile_rows;
     let variant = match fp8 {
-        Some(_) => Variant::pick_fp8(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q, rows)?,
+        Some(_) => Variant::pick_fp8(
+            dims.head_dim,
+            dims.head_dim_v,
+            uneven || pack_gqa,
+            dims.seqlen_q,
+            rows,
+            cache.is_some(),
+        )?,
         None => Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q, rows)?,
     };
     let elem_bytes = if variant.fp8 { 1 } else { 2 };
@@ -880,11 +914,13 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         varlen.map_or(&[][..], |v| &v.cu_k),
     )?;
 
-    // V as the kernel reads it: the caller's (keys, head_dim_v) rows, or for fp8 V^T written by
-    // the pre-pass (sequences, kv heads, head_dim_v, keys), 128-key boxes of the whole head dim.
+    // V as the kernel reads it: the caller's (keys, head_dim_v) rows, or for fp8 outside KV caches
+    // V^T written by the pre-pass (sequences, kv heads, head_dim_v, keys), 128-key boxes of the whole head dim.
+    // (KV-cache calls: the kernel transposes V tiles itself, transpose_v.cuh; a pass over the
+    // whole cache per call would cost more than the attention.)
     let vt = match fp8 {
-        Some(_) => Some(fp8::transpose_v(&dev, dims, v, cu_k)?),
-        None => None,
+        Some(_) if !variant.transpose_v => Some(fp8::transpose_v(&dev, dims, v, cu_k)?),
+        _ => None,
     };
     let tma_v = match &vt {
         Some(vt) => {
