@@ -621,3 +621,35 @@ fn kvcache_fp8_matches_dequantised_f32() -> Result<()> {
     );
     Ok(())
 }
+
+/// No sequence holds a key and nothing is appended: every row reads as empty (output 0, LSE
+/// -inf; with sinks the head's sink logit), as on the GPU, instead of an "empty input" error from
+/// the attention over zero gathered keys (found by a random case of
+/// kvcache_contiguous_every_option, seed 16467300756767690483).
+#[test]
+fn kvcache_every_sequence_empty() -> Result<()> {
+    let dev = Device::Cpu;
+    let mut rng = TestRng::fresh("cpu-kvcache-all-empty");
+    let q = rng.randn((2, 3, 4, 32), DType::F32, &dev)?;
+    let kc = rng.randn((2, 8, 2, 32), DType::F32, &dev)?;
+    let vc = rng.randn((2, 8, 2, 24), DType::F32, &dev)?;
+    let lens = Tensor::new(&[0u32, 0], &dev)?;
+    let (out, lse) = FlashAttn::new(0.2).kv_cache(&kc, &vc, &lens).forward_with_lse(&q)?;
+    assert_eq!(out.dims(), &[2, 3, 4, 24]);
+    assert!(to_f64_vec(&out)?.iter().all(|&x| x == 0.0), "out must be 0");
+    assert_eq!(lse.dims(), &[2, 4, 3]);
+    assert!(
+        to_f64_vec(&lse)?.iter().all(|&x| x == f64::NEG_INFINITY),
+        "lse must be -inf"
+    );
+    let sinks = Tensor::new(&[0.5f32, -1.0, 2.0, 0.0], &dev)?;
+    let (_, lse) = FlashAttn::new(0.2)
+        .sinks(&sinks)
+        .kv_cache(&kc, &vc, &lens)
+        .forward_with_lse(&q)?;
+    let want: Vec<f64> = (0..2)
+        .flat_map(|_| [0.5, -1.0, 2.0, 0.0].into_iter().flat_map(|s| [s; 3]))
+        .collect();
+    assert_eq!(to_f64_vec(&lse)?, want, "lse with sinks");
+    Ok(())
+}

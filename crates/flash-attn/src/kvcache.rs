@@ -441,6 +441,11 @@ impl<'a> KvCacheAttn<'a> {
             keys.push(n);
         }
         let max_k = keys.iter().copied().max().unwrap_or(0);
+        if max_k == 0 {
+            // No sequence holds a key (nothing to append either): every row reads as empty, as on
+            // the GPU: output 0, LSE -inf, or with sinks the head's sink logit alone.
+            return self.empty_rows(q, s);
+        }
         let rotary = match self.rotary {
             Some(r) => {
                 let positions = r.cos.dim(0)?;
@@ -496,6 +501,23 @@ impl<'a> KvCacheAttn<'a> {
             .reshape((s.heads, s.batch, s.seqlen_q))?
             .transpose(0, 1)?
             .contiguous()?;
+        Ok((out, lse))
+    }
+}
+
+impl KvCacheAttn<'_> {
+    /// The result of a call in which no sequence sees a key.
+    fn empty_rows(&self, q: &Tensor, s: &CacheShape) -> Result<(Tensor, Tensor)> {
+        let out_dtype = match q.dtype() {
+            DType::F8E4M3 => self.attn.out_dtype.unwrap_or(DType::BF16),
+            dt => dt,
+        };
+        let out = Tensor::zeros((s.batch, s.seqlen_q, s.heads, s.head_dim_v), out_dtype, q.device())?;
+        let lse_shape = (s.batch, s.heads, s.seqlen_q);
+        let lse = match self.attn.sinks_f32(q, s.heads)? {
+            Some(sinks) => sinks.reshape((1, s.heads, 1))?.broadcast_as(lse_shape)?.contiguous()?,
+            None => Tensor::full(f32::NEG_INFINITY, lse_shape, q.device())?,
+        };
         Ok((out, lse))
     }
 }
