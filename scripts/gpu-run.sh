@@ -19,6 +19,7 @@
 #               inputs (BENCH_PASSES=fp8 BENCH_FP8_ACC_DIR=/tmp/fp8_acc; FP8_BENCH_ENV adds env)
 #   --kvcache   FA3's flash_attn_with_kvcache on the decode grid (scripts/kvcache_anchor.py, the
 #               fa3-fwd wheel of .device/fp8), then the benchmark's kvcache pass on the same grid
+#               and its kvcache_fp8 pass (e4m3 caches against bf16 on a few decode shapes)
 # Env: TEST_ARGS / BENCH_ARGS: extra arguments to the test / benchmark binary (e.g. a filter).
 #      SKIP: step names not to run, comma-separated (e.g. SKIP=model-tests,train-tests,decode-host).
 #      DEADLINE (default 570): seconds from the start after which no step runs any more, and each
@@ -228,7 +229,7 @@ if ((KVCACHE)); then
         skip_step kvcache-anchor "no .device/fp8/fa3_fwd*.whl: run scripts/gpu-pack.sh --fp8"
     fi
     if [[ -n $BENCH_BIN ]]; then
-        step kvcache-bench env BENCH_PASSES=kvcache BENCH_DECODE=0 "$BENCH_BIN"
+        step kvcache-bench env BENCH_PASSES=kvcache,kvcache_fp8 BENCH_DECODE=0 "$BENCH_BIN"
     fi
 fi
 

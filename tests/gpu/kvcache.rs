@@ -399,64 +399,142 @@ fn kvcache_gpu_errors() -> Result<()> {
 /// splits chosen per call and forced to 3.
 #[test]
 fn kvcache_fp8_contiguous_and_paged() -> Result<()> {
-    let dev = gpu()?;
     let mut rng = TestRng::fresh("gpu-kvcache-fp8");
-    #[allow(clippy::type_complexity)]
-    let cases: [(Option<usize>, Vec<usize>, usize, usize, usize, usize, usize, bool); 5] = [
-        (None, vec![37, 0, 300], 1, 1, 8, 2, 128, true),
-        (Some(16), vec![100, 513, 5], 4, 2, 8, 1, 64, true),
-        (Some(64), vec![260, 31], 3, 0, 4, 4, 256, false),
-        (Some(256), vec![1000, 7, 129], 1, 3, 16, 2, 128, true),
-        (None, vec![2000], 1, 1, 8, 8, 64, false),
+    let cases = [
+        Fp8Case {
+            page: None,
+            lens: vec![37, 0, 300],
+            sq: 1,
+            sn: 1,
+            h: 8,
+            hk: 2,
+            d: 128,
+            causal: true,
+        },
+        Fp8Case {
+            page: Some(16),
+            lens: vec![100, 513, 5],
+            sq: 4,
+            sn: 2,
+            h: 8,
+            hk: 1,
+            d: 64,
+            causal: true,
+        },
+        Fp8Case {
+            page: Some(64),
+            lens: vec![260, 31],
+            sq: 3,
+            sn: 0,
+            h: 4,
+            hk: 4,
+            d: 256,
+            causal: false,
+        },
+        Fp8Case {
+            page: Some(256),
+            lens: vec![1000, 7, 129],
+            sq: 1,
+            sn: 3,
+            h: 16,
+            hk: 2,
+            d: 128,
+            causal: true,
+        },
+        Fp8Case {
+            page: None,
+            lens: vec![2000],
+            sq: 1,
+            sn: 1,
+            h: 8,
+            hk: 8,
+            d: 64,
+            causal: false,
+        },
     ];
-    for (page, lens, sq, sn, h, hk, d, causal) in cases {
-        let mut s = Spec::new(&mut rng, page, lens, sq, sn, h, hk, d, d);
-        s.dtype = DType::F8E4M3;
-        let b = s.batch();
-        // Descales in [0.75, 1.25): per (batch, head) for q, per (batch, kv head) for k and v.
-        let mut descale = |heads: usize| -> Result<Tensor> {
-            let v: Vec<f32> = (0..b * heads).map(|_| 0.75 + 0.5 * rng.uniform() as f32).collect();
-            Tensor::from_vec(v, (b, heads), &Device::Cpu)
-        };
-        let (dq, dk, dv) = (descale(h)?, descale(hk)?, descale(hk)?);
-        let mut opts = Opts::new(1.0 / (d as f64).sqrt());
-        if causal {
-            opts = opts.causal();
-        }
+    for case in &cases {
         for splits in [0, 3] {
-            let what = format!("fp8 {s:?} causal {causal} splits {splits} seed {}", rng.seed());
-            let host = Inputs::random(&mut rng, &s, None)?;
-            let device = host.to_device(&dev)?;
-            let on = |dev: &Device| -> Result<FlashAttn> {
-                Ok(opts.builder().num_splits(splits).descale(
-                    Some(&dq.to_device(dev)?),
-                    Some(&dk.to_device(dev)?),
-                    Some(&dv.to_device(dev)?),
-                ))
-            };
-            let status = Tensor::zeros(1, DType::U32, &dev)?;
-            poison(&dev, 1 << 22)?;
-            let (out, lse) = device.call(&on(&dev)?, sn > 0, Some(&status))?;
-            let (want, want_lse) = host.call(&on(&Device::Cpu)?, sn > 0, None)?;
-            assert_eq!(status.to_vec1::<u32>()?, [0], "{what}: status");
-            assert_eq!(out.dtype(), DType::BF16, "{what}: out dtype");
-            for (name, got, want) in [
-                ("k_cache", &device.k_cache, &host.k_cache),
-                ("v_cache", &device.v_cache, &host.v_cache),
-            ] {
-                assert_eq!(to_f64_vec(got)?, to_f64_vec(want)?, "{what}: {name} after the call");
-            }
-            // The bound's magnitudes: the values times the largest descale (1.25).
-            let scaled = |x: &Tensor| x.to_dtype(DType::F32)? * 1.25;
-            super::fp8::assert_fp8_close(
-                &out.to_device(&Device::Cpu)?,
-                &want,
-                (&scaled(&host.q)?, &scaled(&host.k_cache)?, &scaled(&host.v_cache)?),
-                opts.scale,
-                &format!("{what}: out"),
-            )?;
-            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+            check_fp8(&mut rng, case, splits)?;
         }
     }
     Ok(())
+}
+
+/// One small fp8 case for compute-sanitizer: pages of 16, an append, d128 (the `_tv` kernel and
+/// the e4m3 append).
+#[test]
+fn kvcache_fp8_small_for_sanitizer() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-fp8-small");
+    let case = Fp8Case {
+        page: Some(16),
+        lens: vec![40, 3],
+        sq: 2,
+        sn: 2,
+        h: 4,
+        hk: 2,
+        d: 128,
+        causal: true,
+    };
+    check_fp8(&mut rng, &case, 0)
+}
+
+/// The sizes of one fp8 kvcache check.
+struct Fp8Case {
+    page: Option<usize>,
+    lens: Vec<usize>,
+    sq: usize,
+    sn: usize,
+    h: usize,
+    hk: usize,
+    d: usize,
+    causal: bool,
+}
+
+fn check_fp8(rng: &mut TestRng, c: &Fp8Case, splits: usize) -> Result<()> {
+    let dev = gpu()?;
+    let mut s = Spec::new(rng, c.page, c.lens.clone(), c.sq, c.sn, c.h, c.hk, c.d, c.d);
+    s.dtype = DType::F8E4M3;
+    let b = s.batch();
+    // Descales in [0.75, 1.25): per (batch, head) for q, per (batch, kv head) for k and v.
+    let mut descale = |heads: usize| -> Result<Tensor> {
+        let v: Vec<f32> = (0..b * heads).map(|_| 0.75 + 0.5 * rng.uniform() as f32).collect();
+        Tensor::from_vec(v, (b, heads), &Device::Cpu)
+    };
+    let (dq, dk, dv) = (descale(c.h)?, descale(c.hk)?, descale(c.hk)?);
+    let mut opts = Opts::new(1.0 / (c.d as f64).sqrt());
+    if c.causal {
+        opts = opts.causal();
+    }
+    let what = format!("fp8 {s:?} causal {} splits {splits} seed {}", c.causal, rng.seed());
+    let host = Inputs::random(rng, &s, None)?;
+    let device = host.to_device(&dev)?;
+    let on = |dev: &Device| -> Result<FlashAttn> {
+        Ok(opts.builder().num_splits(splits).descale(
+            Some(&dq.to_device(dev)?),
+            Some(&dk.to_device(dev)?),
+            Some(&dv.to_device(dev)?),
+        ))
+    };
+    let status = Tensor::zeros(1, DType::U32, &dev)?;
+    poison(&dev, 1 << 22)?;
+    let (out, lse) = device.call(&on(&dev)?, c.sn > 0, Some(&status))?;
+    let (want, want_lse) = host.call(&on(&Device::Cpu)?, c.sn > 0, None)?;
+    assert_eq!(status.to_vec1::<u32>()?, [0], "{what}: status");
+    assert_eq!(out.dtype(), DType::BF16, "{what}: out dtype");
+    for (name, got, want) in [
+        ("k_cache", &device.k_cache, &host.k_cache),
+        ("v_cache", &device.v_cache, &host.v_cache),
+    ] {
+        assert_eq!(to_f64_vec(got)?, to_f64_vec(want)?, "{what}: {name} after the call");
+    }
+    // The bound's magnitudes: the values times the largest descale (1.25).
+    let scaled = |x: &Tensor| x.to_dtype(DType::F32)? * 1.25;
+    super::fp8::assert_fp8_close(
+        &out.to_device(&Device::Cpu)?,
+        &want,
+        (&scaled(&host.q)?, &scaled(&host.k_cache)?, &scaled(&host.v_cache)?),
+        opts.scale,
+        &format!("{what}: out"),
+    )?;
+    assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))
 }
