@@ -16,7 +16,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
-use flash_llama::{generate, ChatMessage, GenerateOptions, Kernels, Llama, SamplingParams, TextTokenizer, TokenStream};
+use flash_llama::{
+    generate, ChatMessage, Flow, GenerateOptions, Kernels, Llama, SamplingParams, TextTokenizer, TokenStream,
+};
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a Llama-family model (attention through flash-attn3)")]
@@ -239,7 +241,7 @@ fn run(args: Args) -> Result<()> {
     };
     if args.warmup {
         let t = std::time::Instant::now();
-        generate(model, &prompts, &opts, |_, _| Ok(()))?;
+        generate(model, &prompts, &opts, |_, _| Ok(Flow::Continue))?;
         eprintln!("warm-up generation: {:.2}s", t.elapsed().as_secs_f64());
     }
 
@@ -266,7 +268,7 @@ fn run(args: Args) -> Result<()> {
                 std::io::stdout().flush()?;
             }
         }
-        Ok(())
+        Ok(Flow::Continue)
     })?;
     match (stream, tokenizer) {
         (Some(mut stream), _) => {

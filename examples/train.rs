@@ -20,7 +20,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
 use flash_llama::train::{self, data, Corpus, Tokenization, TrainConfig, Trainer};
-use flash_llama::{generate, GenerateOptions, SamplingParams, TextTokenizer};
+use flash_llama::{generate, Flow, GenerateOptions, SamplingParams, TextTokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser, Debug)]
@@ -361,7 +361,7 @@ fn sample(trainer: &Trainer, tokenization: &Tokenization, args: &Args) -> Result
         },
         stop_tokens: tokenization.end_of_text().into_iter().collect(),
     };
-    let out = generate(&trainer.inference_model()?, &[prompt], &opts, |_, _| Ok(()))?;
+    let out = generate(&trainer.inference_model()?, &[prompt], &opts, |_, _| Ok(Flow::Continue))?;
     tokenization.decode(&out.tokens[0])
 }
 

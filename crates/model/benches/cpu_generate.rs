@@ -11,7 +11,7 @@
 use candle_core::Tensor;
 use candle_core::{DType, Device, Result};
 use candle_nn::{VarBuilder, VarMap};
-use flash_llama::{generate, Config, GenerateOptions, Kernels, Llama, SamplingParams};
+use flash_llama::{generate, Config, Flow, GenerateOptions, Kernels, Llama, SamplingParams};
 
 const LLAMA32_1B: &str = include_str!("llama32_1b.json");
 
@@ -46,7 +46,7 @@ fn main() -> Result<()> {
                 sampling: SamplingParams::default(),
                 stop_tokens: Vec::new(),
             };
-            let g = generate(&model, &prompts, &opts, |_, _| Ok(()))?;
+            let g = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue))?;
             println!(
                 "| {dtype:?} | {batch} | {:.1} | {:.2} |",
                 g.prefill_tokens_per_sec(),

@@ -45,8 +45,17 @@ impl Generation {
         self.decode_tokens as f64 / self.decode_secs.max(1e-9)
     }
 }
+/// What the token callback of [`generate`] wants for the sequence that produced the token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    /// Go on until a stop token or `max_tokens`.
+    Continue,
+    /// End the sequence here (a stop string was seen, the client went away); the others go on.
+    Stop,
+}
+
 /// Generates continuations of `prompts` together. `on_token(i, token)` is called as soon as
-/// sequence `i` produces `token` (for streaming).
+/// sequence `i` produces `token` (for streaming); it may end that sequence ([`Flow::Stop`]).
 ///
 /// Each sequence has its own sampler seeded with `seed + i`, so a prompt's output does not
 /// depend on the other prompts of the batch.
@@ -59,7 +68,7 @@ pub fn generate(
     model: &Llama,
     prompts: &[Vec<u32>],
     opts: &GenerateOptions,
-    on_token: impl FnMut(usize, u32) -> Result<()>,
+    on_token: impl FnMut(usize, u32) -> Result<Flow>,
 ) -> Result<Generation> {
     if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
         bail!("generate: every prompt needs at least one token")
@@ -102,7 +111,7 @@ struct Progress<'a, F> {
     decode_wait_secs: f64,
 }
 
-impl<'a, F: FnMut(usize, u32) -> Result<()>> Progress<'a, F> {
+impl<'a, F: FnMut(usize, u32) -> Result<Flow>> Progress<'a, F> {
     fn new(prompts: &[Vec<u32>], opts: &'a GenerateOptions, on_token: F) -> Self {
         Self {
             opts,
@@ -120,11 +129,12 @@ impl<'a, F: FnMut(usize, u32) -> Result<()>> Progress<'a, F> {
     /// `max_tokens`.
     fn accept(&mut self, i: usize, token: u32) -> Result<()> {
         self.out[i].push(token);
-        (self.on_token)(i, token)?;
+        let flow = (self.on_token)(i, token)?;
         if self.prefill_secs.is_some() {
             self.decode_tokens += 1;
         }
-        self.done[i] = self.opts.stop_tokens.contains(&token) || self.out[i].len() >= self.opts.max_tokens;
+        self.done[i] =
+            flow == Flow::Stop || self.opts.stop_tokens.contains(&token) || self.out[i].len() >= self.opts.max_tokens;
         Ok(())
     }
 
@@ -156,7 +166,7 @@ impl<'a, F: FnMut(usize, u32) -> Result<()>> Progress<'a, F> {
 }
 
 /// One step at a time: the logits come to the host, each sequence's sampler picks its token.
-fn sample_on_host<F: FnMut(usize, u32) -> Result<()>>(
+fn sample_on_host<F: FnMut(usize, u32) -> Result<Flow>>(
     model: &Llama,
     prompts: &[Vec<u32>],
     cache: &mut KvCache,
@@ -203,7 +213,7 @@ fn sample_on_host<F: FnMut(usize, u32) -> Result<()>>(
 /// gets one key it never reads). Nothing is queued behind the prefill, so that its time is the
 /// prompt's alone.
 #[cfg(feature = "cuda")]
-fn greedy_on_device<F: FnMut(usize, u32) -> Result<()>>(
+fn greedy_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
     model: &Llama,
     mut readback: crate::fused::cuda::TokenReadback,
     prompts: &[Vec<u32>],

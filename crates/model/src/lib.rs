@@ -22,7 +22,7 @@ pub mod train;
 pub mod train_ops;
 
 pub use config::{Architecture, Config, Llama3RopeScaling};
-pub use generate::{generate, GenerateOptions, Generation};
+pub use generate::{generate, Flow, GenerateOptions, Generation};
 pub use loader::{load, LoadedModel};
 pub use model::{KvCache, Llama};
 pub use nn::Kernels;

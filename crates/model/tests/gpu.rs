@@ -14,7 +14,7 @@ use flash_llama::fused::{
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::nn::{rope_per_head, RmsNorm};
 use flash_llama::sampling::argmax;
-use flash_llama::{generate, GenerateOptions, Kernels, Llama, SamplingParams};
+use flash_llama::{generate, Flow, GenerateOptions, Kernels, Llama, SamplingParams};
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device")
@@ -304,7 +304,7 @@ fn greedy_generation_on_the_gpu_equals_host_sampling() {
             let mut streamed = vec![Vec::new(); prompts.len()];
             let g = generate(&model, prompts, &opts, |i, t| {
                 streamed[i].push(t);
-                Ok(())
+                Ok(Flow::Continue)
             })
             .unwrap();
             assert_eq!(g.tokens, streamed, "streamed tokens differ from the returned ones");

@@ -6,7 +6,7 @@ mod common;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::{abs_sum, hf_model, max_diff, Family, VOCAB};
 use flash_llama::loader::{load_gguf, load_hf_dir};
-use flash_llama::{generate, GenerateOptions, Kernels, Llama, SamplingParams};
+use flash_llama::{generate, Flow, GenerateOptions, Kernels, Llama, SamplingParams};
 
 fn load(family: Family, dtype: DType) -> Llama {
     load_with(family, dtype, Kernels::Composed)
@@ -65,6 +65,33 @@ fn cached_decoding_equals_full_recomputation() {
     }
 }
 
+/// A callback that returns `Flow::Stop` ends that sequence at that token; the others of the
+/// batch go on and produce the tokens they produce alone.
+#[test]
+fn flow_stop_ends_one_sequence() {
+    let model = load_with(Family::Llama, DType::F32, Kernels::Fused);
+    let prompts = vec![tokens(4, 1), tokens(5, 2)];
+    let opts = GenerateOptions {
+        max_tokens: 8,
+        sampling: SamplingParams::default(),
+        stop_tokens: vec![],
+    };
+    let full = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue)).unwrap();
+    let mut seen = 0;
+    let cut = generate(&model, &prompts, &opts, |i, _| {
+        seen += (i == 0) as usize;
+        Ok(if i == 0 && seen == 3 {
+            Flow::Stop
+        } else {
+            Flow::Continue
+        })
+    })
+    .unwrap();
+    assert_eq!(cut.tokens[0], full.tokens[0][..3]);
+    assert_eq!(cut.tokens[1], full.tokens[1]);
+    assert_eq!(full.tokens[1].len(), 8);
+}
+
 /// Prompts of different lengths in one batch (varlen prefill, then decode over the gapped cache)
 /// give the logits and greedy tokens of each prompt alone.
 #[test]
@@ -80,9 +107,9 @@ fn batched_generation_equals_single_prompt_generation() {
             sampling: SamplingParams::default(),
             stop_tokens: vec![],
         };
-        let batched = generate(&model, &prompts, &opts, |_, _| Ok(())).unwrap();
+        let batched = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue)).unwrap();
         for (i, prompt) in prompts.iter().enumerate() {
-            let single = generate(&model, std::slice::from_ref(prompt), &opts, |_, _| Ok(())).unwrap();
+            let single = generate(&model, std::slice::from_ref(prompt), &opts, |_, _| Ok(Flow::Continue)).unwrap();
             assert_eq!(batched.tokens[i], single.tokens[0], "{family:?} {kernels:?} prompt {i}");
         }
 

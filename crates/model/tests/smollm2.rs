@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 use flash_llama::loader::gguf_to_hf_name;
-use flash_llama::{generate, ChatMessage, GenerateOptions, Kernels, SamplingParams, TextTokenizer};
+use flash_llama::{generate, ChatMessage, Flow, GenerateOptions, Kernels, SamplingParams, TextTokenizer};
 
 fn model_path() -> Option<PathBuf> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -49,7 +49,7 @@ fn answer(model: &flash_llama::LoadedModel, question: &str) -> (Vec<u32>, String
         sampling: SamplingParams::default(),
         stop_tokens: tok.eos_token_ids.clone(),
     };
-    let out = generate(&model.model, &[prompt], &opts, |_, _| Ok(())).unwrap();
+    let out = generate(&model.model, &[prompt], &opts, |_, _| Ok(Flow::Continue)).unwrap();
     let tokens = out.tokens[0].clone();
     let text = tok.decode(&tokens).unwrap();
     (tokens, text)
