@@ -1,0 +1,91 @@
+//! An OpenAI-compatible HTTP server over a Llama-family model (attention through flash-attn3).
+//!
+//! ```text
+//! scripts/fetch-default-model.sh     # SmolLM2-135M-Instruct (GGUF) into models/
+//! cargo run --release --example serve -- --port 8080
+//! curl localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \
+//!     -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "stream": true}'
+//! ```
+//!
+//! Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
+//! (temperature, top_p, top_k, max_tokens, stop, seed, stream). Requests from many clients queue
+//! for the model and run one at a time (crates/serve).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use clap::Parser;
+use flash_llama::Kernels;
+use flash_serve::{Engine, Server};
+
+#[derive(Parser, Debug)]
+#[command(about = "Serve a Llama-family model over OpenAI's HTTP API (attention through flash-attn3)")]
+struct Args {
+    /// A .gguf file or an HF model directory.
+    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: PathBuf,
+
+    /// The name clients give as `model` (default: the model file's name without extension).
+    #[arg(long)]
+    name: Option<String>,
+
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+
+    /// Compute dtype: f32, bf16 or f16. Default: bf16 on the GPU, f32 on the CPU.
+    #[arg(long)]
+    dtype: Option<String>,
+
+    /// Run on the CPU even when a GPU is available.
+    #[arg(long)]
+    cpu: bool,
+}
+
+fn main() {
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<()> {
+    let device = if args.cpu {
+        Device::Cpu
+    } else {
+        Device::cuda_if_available(0)?
+    };
+    let dtype = match args.dtype.as_deref() {
+        None if device.is_cuda() => DType::BF16,
+        None | Some("f32") => DType::F32,
+        Some("bf16") => DType::BF16,
+        Some("f16") => DType::F16,
+        Some(other) => bail!("unsupported --dtype {other}: use f32, bf16 or f16"),
+    };
+    let t0 = std::time::Instant::now();
+    let loaded = flash_llama::load(&args.model, dtype, &device, Kernels::Fused)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    let name = match args.name {
+        Some(n) => n,
+        None => args
+            .model
+            .file_stem()
+            .map_or("model".into(), |s| s.to_string_lossy().into_owned()),
+    };
+    eprintln!(
+        "loaded {} in {:.1}s on {:?} as {dtype:?}",
+        args.model.display(),
+        t0.elapsed().as_secs_f64(),
+        device.location()
+    );
+    let engine = Engine::start(name.clone(), loaded.model, loaded.tokenizer);
+    let addr = format!("{}:{}", args.host, args.port);
+    let server = Server::bind(&addr)?;
+    eprintln!("serving `{name}` on http://{}", server.local_addr()?);
+    server.run(Arc::new(engine));
+    Ok(())
+}
