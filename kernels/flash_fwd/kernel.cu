@@ -38,12 +38,14 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
             mbar_init(&s.full_v[i], Tr::kTransposeV ? Tr::kTransposeThreads : 1);
             mbar_init(&s.empty_v[i], 128 * Tr::kConsumerWGs);
         }
+        if constexpr (Tr::kTransposeV) {
 #pragma unroll
-        for (int i = 0; i < Tr::kVRawStages; ++i) {
-            mbar_init(&s.full_v_raw[i], 1);
-            mbar_init(&s.empty_v_raw[i], Tr::kTransposeThreads);
+            for (int i = 0; i < Tr::kVRawStages; ++i) {
+                mbar_init(&s.full_v_raw[i], 1);
+                mbar_init(&s.empty_v_raw[i], Tr::kTransposeThreads);
+            }
+            s.transpose_stop = -1;  // set by the TMA thread at the end (transpose_v.cuh)
         }
-        s.transpose_stop = -1;  // set by the TMA thread at the end (transpose_v.cuh)
         mbar_init(&s.tile_full, 1);
         mbar_init(&s.tile_empty, 128 * Tr::kConsumerWGs + 1);
         mbar_init_fence();
