@@ -14,11 +14,13 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::Device;
 use clap::Parser;
 use flash_llama::{
     generate, ChatMessage, Flow, GenerateOptions, Kernels, Llama, SamplingParams, TextTokenizer, TokenStream,
 };
+
+mod common;
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a Llama-family model (attention through flash-attn3)")]
@@ -111,27 +113,6 @@ struct Args {
     composed: bool,
 }
 
-fn device(cpu: bool) -> Result<Device> {
-    if cpu {
-        return Ok(Device::Cpu);
-    }
-    // Device::cuda_if_available is the CPU unless built with the cuda feature and a GPU exists.
-    let dev = Device::cuda_if_available(0)?;
-    // cudarc gives every allocation a read and a write event (created with it, destroyed with
-    // it) to order its uses across streams: four driver calls per candle op that this program
-    // never needs, since all of its work (candle's kernels and copies, cuBLAS, flash-attn3 and
-    // flash-llama's kernels) is queued on the device's one stream. FLASH_LLAMA_EVENT_TRACKING=1
-    // keeps them (for comparison).
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = &dev {
-        if std::env::var("FLASH_LLAMA_EVENT_TRACKING").as_deref() != Ok("1") {
-            // SAFETY: one stream only (above), so no use needs ordering against another stream.
-            unsafe { d.disable_event_tracking() };
-        }
-    }
-    Ok(dev)
-}
-
 fn main() {
     // Errors print as one chain of causes ("loading X: ... : ..."), without a backtrace.
     if let Err(e) = run(Args::parse()) {
@@ -141,14 +122,8 @@ fn main() {
 }
 
 fn run(args: Args) -> Result<()> {
-    let device = device(args.cpu)?;
-    let dtype = match args.dtype.as_deref() {
-        None if device.is_cuda() => DType::BF16,
-        None | Some("f32") => DType::F32,
-        Some("bf16") => DType::BF16,
-        Some("f16") => DType::F16,
-        Some(other) => bail!("unsupported --dtype {other}: use f32, bf16 or f16"),
-    };
+    let device = common::device(args.cpu)?;
+    let dtype = common::inference_dtype(args.dtype.as_deref(), &device)?;
     let kernels = if args.composed {
         Kernels::Composed
     } else {

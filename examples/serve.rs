@@ -14,11 +14,12 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use anyhow::{Context, Result};
 use clap::Parser;
 use flash_llama::Kernels;
 use flash_serve::{Engine, Server};
+
+mod common;
 
 #[derive(Parser, Debug)]
 #[command(about = "Serve a Llama-family model over OpenAI's HTTP API (attention through flash-attn3)")]
@@ -54,18 +55,9 @@ fn main() {
 }
 
 fn run(args: Args) -> Result<()> {
-    let device = if args.cpu {
-        Device::Cpu
-    } else {
-        Device::cuda_if_available(0)?
-    };
-    let dtype = match args.dtype.as_deref() {
-        None if device.is_cuda() => DType::BF16,
-        None | Some("f32") => DType::F32,
-        Some("bf16") => DType::BF16,
-        Some("f16") => DType::F16,
-        Some(other) => bail!("unsupported --dtype {other}: use f32, bf16 or f16"),
-    };
+    // (All device work runs on the engine's one thread and the device's one stream.)
+    let device = common::device(args.cpu)?;
+    let dtype = common::inference_dtype(args.dtype.as_deref(), &device)?;
     let t0 = std::time::Instant::now();
     let loaded = flash_llama::load(&args.model, dtype, &device, Kernels::Fused)
         .with_context(|| format!("loading {}", args.model.display()))?;

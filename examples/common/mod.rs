@@ -1,0 +1,38 @@
+//! What the inference examples (generate, serve) share: the device and the compute dtype.
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+
+/// The GPU unless `cpu` (or no GPU / no `cuda` feature), with cudarc's per-allocation events off.
+pub fn device(cpu: bool) -> Result<Device> {
+    if cpu {
+        return Ok(Device::Cpu);
+    }
+    // Device::cuda_if_available is the CPU unless built with the cuda feature and a GPU exists.
+    let dev = Device::cuda_if_available(0)?;
+    // cudarc gives every allocation a read and a write event (created with it, destroyed with
+    // it) to order its uses across streams: four driver calls per candle op that this program
+    // never needs, since all of its work (candle's kernels and copies, cuBLAS, flash-attn3 and
+    // flash-llama's kernels) is queued on the device's one stream. FLASH_LLAMA_EVENT_TRACKING=1
+    // keeps them (for comparison).
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = &dev {
+        if std::env::var("FLASH_LLAMA_EVENT_TRACKING").as_deref() != Ok("1") {
+            // SAFETY: one stream only (above), so no use needs ordering against another stream.
+            unsafe { d.disable_event_tracking() };
+        }
+    }
+    Ok(dev)
+}
+
+/// `--dtype`: f32, bf16 or f16; by default bf16 on the GPU (flash-attn3's kernels take bf16/f16
+/// only), f32 on the CPU.
+pub fn inference_dtype(arg: Option<&str>, device: &Device) -> Result<DType> {
+    Ok(match arg {
+        None if device.is_cuda() => DType::BF16,
+        None | Some("f32") => DType::F32,
+        Some("bf16") => DType::BF16,
+        Some("f16") => DType::F16,
+        Some(other) => bail!("unsupported --dtype {other}: use f32, bf16 or f16"),
+    })
+}
