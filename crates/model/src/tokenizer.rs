@@ -6,7 +6,7 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -17,8 +17,8 @@ use tokenizers::Tokenizer;
 /// Llama 3's pre-tokenizer regex (its tokenizer.json; the same as candle's for `llama3`).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// One turn of a conversation, as chat templates expect it.
-#[derive(Debug, Clone, Serialize)]
+/// One turn of a conversation, as chat templates expect it (and as OpenAI's API sends it).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,

@@ -41,24 +41,9 @@ pub struct CompletionRequest {
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     pub model: Option<String>,
-    pub messages: Vec<ChatMessageIn>,
+    pub messages: Vec<ChatMessage>,
     #[serde(flatten)]
     pub sampling: Sampling,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-pub struct ChatMessageIn {
-    pub role: String,
-    pub content: String,
-}
-
-impl From<&ChatMessageIn> for ChatMessage {
-    fn from(m: &ChatMessageIn) -> Self {
-        ChatMessage {
-            role: m.role.clone(),
-            content: m.content.clone(),
-        }
-    }
 }
 
 /// A request the server refuses: the HTTP status, OpenAI's error `type` and `code`, a message.

@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tiny_http::{HTTPVersion, Header, Method, Request, Response, StatusCode};
 
-use crate::api::{self, ApiError, ChatMessageIn, ChatRequest, CompletionRequest};
+use crate::api::{self, ApiError, ChatRequest, CompletionRequest};
 use crate::engine::{Backend, Event, FinishReason};
 
 /// Request bodies larger than this are refused (413).
@@ -122,6 +122,15 @@ fn read_json<T: DeserializeOwned>(request: &mut Request) -> Result<T, ApiError> 
     serde_json::from_slice(&body).map_err(|e| ApiError::invalid(format!("malformed request body: {e}")))
 }
 
+/// OpenAI's `usage` object.
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens
+    })
+}
+
 fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
@@ -194,9 +203,8 @@ fn chat(request: Request, backend: &dyn Backend, ids: &AtomicU64, req: ChatReque
     if req.messages.is_empty() {
         return respond_error(request, &ApiError::invalid("messages is empty"));
     }
-    let messages: Vec<_> = req.messages.iter().map(<&ChatMessageIn>::into).collect();
     let job = backend
-        .chat_prompt(&messages)
+        .chat_prompt(&req.messages)
         .map_err(|e| ApiError::invalid(format!("applying the chat template: {e}")))
         .and_then(|prompt| {
             api::job(
@@ -246,11 +254,7 @@ fn run(
             } => {
                 let mut body = head.json(false);
                 body["choices"] = json!([kind.choice(&text, finish_reason)]);
-                body["usage"] = json!({
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens
-                });
+                body["usage"] = usage(prompt_tokens, completion_tokens);
                 return respond_json(request, 200, body.to_string());
             }
             Event::Error(e) => return respond_error(request, &ApiError::server(e)),
@@ -321,11 +325,7 @@ impl SseBody {
             }) => {
                 let mut last = self.head.json(true);
                 last["choices"] = json!([self.head.kind.delta(None, Some(finish_reason))]);
-                last["usage"] = json!({
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens
-                });
+                last["usage"] = usage(prompt_tokens, completion_tokens);
                 out += &format!("data: {last}\n\ndata: [DONE]\n\n");
                 self.events = None;
             }
