@@ -49,6 +49,13 @@ python3 -c 'import json,sys; c=json.loads(sys.argv[1])["choices"][0]; assert c["
     fail "completion stop string: $out"
 check "completion, stop \"six\": $(python3 -c 'import json,sys; print(repr(json.loads(sys.argv[1])["choices"][0]["text"]))' "$out")"
 
+# Text held back as a possible start of a stop string still goes out when the answer ends.
+out=$(curl -sf "$URL/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 30, "temperature": 0, "stop": ["Paris.X"]}')
+python3 -c 'import json,sys; c=json.loads(sys.argv[1])["choices"][0]; assert c["message"]["content"].rstrip().endswith("Paris."), c' "$out" ||
+    fail "held-back text lost at the end: $out"
+check "held-back text kept at the end of an answer"
+
 code=$(curl -s -o /dev/null -w '%{http_code}' "$URL/v1/completions" -d '{"prompt": ')
 [[ $code == 400 ]] || fail "malformed JSON gave $code"
 code=$(curl -s -o /dev/null -w '%{http_code}' "$URL/v1/completions" -d '{"model": "other", "prompt": "x"}')

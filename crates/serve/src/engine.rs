@@ -136,6 +136,8 @@ fn run_job(model: &Llama, tokenizer: &TextTokenizer, job: Job, events: &Sender<E
     let mut finish = FinishReason::Length;
     let mut completion_tokens = 0;
     let mut client_gone = false;
+    // A stop string ended the text: what the filter held back is not part of the answer.
+    let mut cut = false;
     let result = generate(model, std::slice::from_ref(&job.prompt), &opts, |_, token| {
         completion_tokens += 1;
         if tokenizer.eos_token_ids.contains(&token) {
@@ -152,6 +154,7 @@ fn run_job(model: &Llama, tokenizer: &TextTokenizer, job: Job, events: &Sender<E
             return Ok(Flow::Stop);
         }
         if stopped {
+            cut = true;
             finish = FinishReason::Stop;
             return Ok(Flow::Stop);
         }
@@ -162,8 +165,9 @@ fn run_job(model: &Llama, tokenizer: &TextTokenizer, job: Job, events: &Sender<E
     }
     let event = match result {
         Ok(_) => {
-            // The text held back (a possible start of a stop string, an incomplete character).
-            if finish == FinishReason::Length {
+            // The text held back (a possible start of a stop string, an incomplete character)
+            // goes out after max_tokens and after an end-of-sequence token alike.
+            if !cut {
                 let rest = match stream.finish() {
                     Ok(rest) => rest.unwrap_or_default(),
                     Err(e) => {
@@ -171,8 +175,11 @@ fn run_job(model: &Llama, tokenizer: &TextTokenizer, job: Job, events: &Sender<E
                         return;
                     }
                 };
-                let (mut text, _) = filter.push(&rest);
-                text.push_str(&filter.flush());
+                let (mut text, stopped) = filter.push(&rest);
+                match stopped {
+                    true => finish = FinishReason::Stop,
+                    false => text.push_str(&filter.flush()),
+                }
                 if !text.is_empty() && events.send(Event::Text(text)).is_err() {
                     return;
                 }
