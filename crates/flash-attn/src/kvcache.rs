@@ -49,6 +49,7 @@
 
 use candle_core::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Result, Tensor};
 
+use crate::params::Dims;
 use crate::{FlashAttn, SeqOffsets};
 
 /// Page sizes the paged cache takes (tokens per page): the powers of two from vLLM's default 16
@@ -201,24 +202,10 @@ impl<'a> KvCacheAttn<'a> {
         let shape = self.check(q)?;
         // FP8 caches: the builder's descales, one per (batch, kv head) (or per (batch, head) for
         // q), checked against this call's shapes.
-        let dims = crate::params::Dims {
-            batch: shape.batch,
-            seqlen_q: shape.seqlen_q,
-            seqlen_k: shape.paged.map_or(shape.rows, |pages| pages * shape.rows),
-            total_q: shape.batch * shape.seqlen_q,
-            total_k: 0,
-            heads: shape.heads,
-            kv_heads: shape.kv_heads,
-            head_dim: shape.head_dim,
-            head_dim_v: shape.head_dim_v,
-        };
-        let fp8 = self.attn.fp8_call(q, &dims, true)?;
+        let fp8 = self.attn.fp8_call(q, &shape.dims(), true)?;
         match q.device() {
-            // (Checked above; the CPU path's varlen call dequantises with the same descales.)
-            Device::Cpu => {
-                drop(fp8);
-                self.forward_cpu(q, &shape)
-            }
+            // (The CPU path's varlen call dequantises with the descales checked above.)
+            Device::Cpu => self.forward_cpu(q, &shape, fp8.map_or(q.dtype(), |f| f.out_dtype)),
             #[cfg(feature = "cuda")]
             Device::Cuda(_) => crate::cuda::kvcache::forward(&crate::cuda::kvcache::GpuCall {
                 // (kvcache calls are inference: the sinks take no gradient here)
@@ -395,7 +382,7 @@ impl<'a> KvCacheAttn<'a> {
 
     /// The CPU path: read the small index tensors, check them, rotate, append in place, gather
     /// each sequence's keys and run one varlen call of the CPU attention.
-    fn forward_cpu(&self, q: &Tensor, s: &CacheShape) -> Result<(Tensor, Tensor)> {
+    fn forward_cpu(&self, q: &Tensor, s: &CacheShape, out_dtype: DType) -> Result<(Tensor, Tensor)> {
         const E: &str = "flash-attn3: kvcache";
         let lens = self.cache_seqlens.to_vec1::<u32>()?;
         let idx = match self.cache_batch_idx {
@@ -407,7 +394,7 @@ impl<'a> KvCacheAttn<'a> {
             None => Vec::new(),
         };
         // Cache row (token slot, in units of kv_heads × d) of key j of sequence b.
-        let capacity = s.paged.map_or(s.rows, |max_pages| max_pages * s.rows);
+        let capacity = s.capacity();
         let slot_of = |b: usize, j: usize| -> usize {
             match s.paged {
                 Some(max_pages) => pages[b * max_pages + j / s.rows] as usize * s.rows + j % s.rows,
@@ -444,7 +431,7 @@ impl<'a> KvCacheAttn<'a> {
         if max_k == 0 {
             // No sequence holds a key (nothing to append either): every row reads as empty, as on
             // the GPU: output 0, LSE -inf, or with sinks the head's sink logit alone.
-            return self.empty_rows(q, s);
+            return self.empty_rows(q, s, out_dtype);
         }
         let rotary = match self.rotary {
             Some(r) => {
@@ -507,11 +494,7 @@ impl<'a> KvCacheAttn<'a> {
 
 impl KvCacheAttn<'_> {
     /// The result of a call in which no sequence sees a key.
-    fn empty_rows(&self, q: &Tensor, s: &CacheShape) -> Result<(Tensor, Tensor)> {
-        let out_dtype = match q.dtype() {
-            DType::F8E4M3 => self.attn.out_dtype.unwrap_or(DType::BF16),
-            dt => dt,
-        };
+    fn empty_rows(&self, q: &Tensor, s: &CacheShape, out_dtype: DType) -> Result<(Tensor, Tensor)> {
         let out = Tensor::zeros((s.batch, s.seqlen_q, s.heads, s.head_dim_v), out_dtype, q.device())?;
         let lse_shape = (s.batch, s.heads, s.seqlen_q);
         let lse = match self.attn.sinks_f32(q, s.heads)? {
@@ -539,6 +522,28 @@ pub(crate) struct CacheShape {
     /// Paged: the page table's columns.
     pub paged: Option<usize>,
     pub rotary_dim: usize,
+}
+
+impl CacheShape {
+    /// Keys one sequence can hold: a contiguous cache's rows, or the page table's pages.
+    pub fn capacity(&self) -> usize {
+        self.paged.map_or(self.rows, |max_pages| max_pages * self.rows)
+    }
+
+    /// The attention's sizes over the cache: each sequence's keys read as `capacity` rows.
+    pub fn dims(&self) -> Dims {
+        Dims {
+            batch: self.batch,
+            seqlen_q: self.seqlen_q,
+            seqlen_k: self.capacity(),
+            total_q: self.batch * self.seqlen_q,
+            total_k: self.batch * self.capacity(),
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            head_dim_v: self.head_dim_v,
+        }
+    }
 }
 
 fn check_u32(t: &Tensor, name: &str, dims: &[usize], q: &Tensor) -> Result<()> {

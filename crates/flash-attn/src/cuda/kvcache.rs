@@ -12,7 +12,7 @@ use candle_core::{bail, DType, Result, Shape, Storage, Tensor};
 use super::{device_address, launch_with_params, load_kernel};
 use crate::descale::Fp8Call;
 use crate::kvcache::CacheShape;
-use crate::params::{AttnParams, Dims};
+use crate::params::AttnParams;
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kvcache_append.cubin"));
 
@@ -220,18 +220,7 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
     }
 
     // The attention over the cache.
-    let capacity = s.paged.map_or(s.rows, |max_pages| max_pages * s.rows);
-    let dims = Dims {
-        batch: s.batch,
-        seqlen_q: s.seqlen_q,
-        seqlen_k: capacity,
-        total_q: s.batch * s.seqlen_q,
-        total_k: s.batch * capacity,
-        heads: s.heads,
-        kv_heads: s.kv_heads,
-        head_dim: s.head_dim,
-        head_dim_v: s.head_dim_v,
-    };
+    let dims = s.dims();
     let launch = CacheLaunch {
         seqused_k: match &seqused {
             Some(b) => b.device_ptr(&stream).0,
