@@ -265,20 +265,22 @@ impl Variant {
     /// d <= 128, `kQStages`), the 2-stage K/V ring, the O staging tile of the TMA-store epilogue
     /// (d <= 128, `kTmaStoreO`) and the barriers.
     fn smem_bytes(&self) -> usize {
-        if self.transpose_v {
-            // One-byte Q (two buffers up to d128), the K and V^T rings, V as loaded (two stages,
-            // one at d256) and up to d128 the 16-bit O staging tile (kTmaStoreO).
-            let (q_tiles, raw_stages, o_bytes) = match self.head_dim <= 128 {
-                true => (2, 2, 2 * self.block_m() * self.head_dim),
-                false => (1, 1, 1024),
+        if self.fp8 {
+            // One-byte Q (two buffers up to d128), the K and V^T rings, the 16-bit O staging tile
+            // (kTmaStoreO); with transpose_v also V as loaded (two stages, one at d256, whose O
+            // then stores from registers: 1024 bytes of alignment for its placeholder).
+            let small = self.head_dim <= 128;
+            let q_tiles = if small { 2 } else { 1 };
+            let raw_stages = match (self.transpose_v, small) {
+                (false, _) => 0,
+                (true, true) => 2,
+                (true, false) => 1,
+            };
+            let o_bytes = match self.transpose_v && !small {
+                true => 1024,
+                false => 2 * self.block_m() * self.head_dim,
             };
             let bytes = self.head_dim * (q_tiles * self.block_m() + (2 + 2 + raw_stages) * self.block_n) + o_bytes;
-            return bytes + 1024 + 1024;
-        }
-        if self.fp8 {
-            // One-byte Q and K/V ring (two Q buffers up to d128), the 16-bit O staging tile.
-            let q_tiles = if self.head_dim <= 128 { 2 } else { 1 };
-            let bytes = self.head_dim * (q_tiles * self.block_m() + 2 * 2 * self.block_n + 2 * self.block_m());
             return bytes + 1024 + 1024;
         }
         let roomy = self.head_dim <= 128 && self.block_n <= 128;
