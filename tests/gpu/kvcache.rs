@@ -192,32 +192,42 @@ impl Inputs {
     }
 }
 
+/// Runs `host`'s call on the GPU (on a copy of its tensors, allocator memory poisoned) with
+/// `gpu_attn` and on the CPU with `cpu_attn`; checks the GPU status word and that both caches
+/// hold the same bits afterwards. Returns the GPU's (out, lse) and the CPU's.
+#[allow(clippy::type_complexity)]
+fn run_on_both(
+    host: &Inputs,
+    gpu_attn: &FlashAttn,
+    cpu_attn: &FlashAttn,
+    append: bool,
+    what: &str,
+) -> Result<((Tensor, Tensor), (Tensor, Tensor))> {
+    let dev = gpu()?;
+    let device = host.to_device(&dev)?;
+    let status = Tensor::zeros(1, DType::U32, &dev)?;
+    poison(&dev, 1 << 22)?;
+    let got = device.call(gpu_attn, append, Some(&status))?;
+    let want = host.call(cpu_attn, append, None)?;
+    assert_eq!(status.to_vec1::<u32>()?, [0], "{what}: status");
+    for (name, got, want) in [
+        ("k_cache", &device.k_cache, &host.k_cache),
+        ("v_cache", &device.v_cache, &host.v_cache),
+    ] {
+        assert_eq!(to_f64_vec(got)?, to_f64_vec(want)?, "{what}: {name} after the call");
+    }
+    Ok((got, want))
+}
+
 /// Runs `s` on the GPU and on the CPU with the same values and compares (module docs).
 fn check(rng: &mut TestRng, s: &Spec, opts: Opts, rotary: Option<(usize, bool)>, splits: usize) -> Result<()> {
     let what = format!(
         "{s:?} opts {opts:?} rotary {rotary:?} splits {splits} seed {}",
         rng.seed()
     );
-    let dev = gpu()?;
     let host = Inputs::random(rng, s, rotary)?;
-    let device = host.to_device(&dev)?;
-    let append = s.seqlen_new > 0;
     let attn = opts.builder().num_splits(splits);
-    let status = Tensor::zeros(1, DType::U32, &dev)?;
-    poison(&dev, 1 << 22)?;
-    let (out, lse) = device.call(&attn, append, Some(&status))?;
-    let (want, want_lse) = host.call(&opts.builder(), append, None)?;
-    assert_eq!(status.to_vec1::<u32>()?, [0], "{what}: status");
-    assert_eq!(
-        to_f64_vec(&device.k_cache)?,
-        to_f64_vec(&host.k_cache)?,
-        "{what}: k_cache after the call"
-    );
-    assert_eq!(
-        to_f64_vec(&device.v_cache)?,
-        to_f64_vec(&host.v_cache)?,
-        "{what}: v_cache after the call"
-    );
+    let ((out, lse), (want, want_lse)) = run_on_both(&host, &attn, &opts.builder(), s.seqlen_new > 0, &what)?;
     assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
     assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
     Ok(())
@@ -507,7 +517,6 @@ fn check_fp8(rng: &mut TestRng, c: &Fp8Case, splits: usize) -> Result<()> {
     }
     let what = format!("fp8 {s:?} causal {} splits {splits} seed {}", c.causal, rng.seed());
     let host = Inputs::random(rng, &s, None)?;
-    let device = host.to_device(&dev)?;
     let on = |dev: &Device| -> Result<FlashAttn> {
         Ok(opts.builder().num_splits(splits).descale(
             Some(&dq.to_device(dev)?),
@@ -515,18 +524,8 @@ fn check_fp8(rng: &mut TestRng, c: &Fp8Case, splits: usize) -> Result<()> {
             Some(&dv.to_device(dev)?),
         ))
     };
-    let status = Tensor::zeros(1, DType::U32, &dev)?;
-    poison(&dev, 1 << 22)?;
-    let (out, lse) = device.call(&on(&dev)?, c.sn > 0, Some(&status))?;
-    let (want, want_lse) = host.call(&on(&Device::Cpu)?, c.sn > 0, None)?;
-    assert_eq!(status.to_vec1::<u32>()?, [0], "{what}: status");
+    let ((out, lse), (want, want_lse)) = run_on_both(&host, &on(&dev)?, &on(&Device::Cpu)?, c.sn > 0, &what)?;
     assert_eq!(out.dtype(), DType::BF16, "{what}: out dtype");
-    for (name, got, want) in [
-        ("k_cache", &device.k_cache, &host.k_cache),
-        ("v_cache", &device.v_cache, &host.v_cache),
-    ] {
-        assert_eq!(to_f64_vec(got)?, to_f64_vec(want)?, "{what}: {name} after the call");
-    }
     // The bound's magnitudes: the values times the largest descale (1.25).
     let scaled = |x: &Tensor| x.to_dtype(DType::F32)? * 1.25;
     super::fp8::assert_fp8_close(
