@@ -8,13 +8,14 @@
 //! `--model` takes a `.gguf` file or an HF directory (config.json, safetensors, tokenizer.json).
 //! Several `--prompt`s are generated together as one batch. `--token-ids 1,2,3` takes a prompt
 //! as token ids (no tokenizer) and `--dump-logits FILE` writes every step's logits as .npy:
-//! what `scripts/gpu_model_check.py` compares with HF transformers.
+//! what `scripts/gpu_model_check.py` compares with HF transformers. `--kv-cache-dtype fp8` keeps
+//! the KV cache in e4m3; `--perplexity FILE` prints a text's perplexity through the cache.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
+use candle_core::{DType, Device};
 use clap::Parser;
 use flash_llama::{
     generate, ChatMessage, Flow, GenerateOptions, Kernels, Llama, SamplingParams, TextTokenizer, TokenStream,
@@ -35,8 +36,20 @@ struct Args {
     tokenizer: Option<PathBuf>,
 
     /// The prompt; repeat the flag to generate for several prompts in one batch.
-    #[arg(long, required_unless_present = "token_ids", conflicts_with = "token_ids")]
+    #[arg(long, required_unless_present_any = ["token_ids", "perplexity"], conflicts_with = "token_ids")]
     prompt: Vec<String>,
+
+    /// The KV cache's dtype: `model` (the compute dtype) or `fp8` (e4m3 with a scale per layer
+    /// and kv head, half the bytes of bf16, read directly by the decode attention).
+    #[arg(long, default_value = "model", value_parser = ["model", "fp8"])]
+    kv_cache_dtype: String,
+
+    /// Instead of generating, print the perplexity of the text in this file, computed token by
+    /// token through the KV cache (every prediction after the first reads the cache, so
+    /// --kv-cache-dtype shows in it). --max-tokens does not apply; the text is cut to the
+    /// model's context.
+    #[arg(long, conflicts_with_all = ["prompt", "token_ids", "dump_logits", "chat"])]
+    perplexity: Option<PathBuf>,
 
     /// A prompt given as comma-separated token ids instead of text (repeat for a batch). No
     /// tokenizer is loaded: the generated ids are printed, one line per prompt. For checks and
@@ -163,6 +176,30 @@ fn run(args: Args) -> Result<()> {
         device.location(),
     );
 
+    let kv_cache_dtype = match args.kv_cache_dtype.as_str() {
+        "fp8" => DType::F8E4M3,
+        _ => model.dtype(),
+    };
+
+    if let Some(path) = &args.perplexity {
+        let Some(tokenizer) = tokenizer else {
+            bail!("--perplexity needs the model's tokenizer")
+        };
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let mut tokens = tokenizer.encode(&text, true)?;
+        tokens.truncate(cfg.max_position_embeddings);
+        let ppl = flash_llama::perplexity(model, &tokens, kv_cache_dtype)?;
+        println!(
+            "perplexity {:.4} (mean NLL {:.5} nats) over {} predicted tokens of {}, KV cache {kv_cache_dtype:?}, {:.1} tokens/s",
+            ppl.value(),
+            ppl.mean_nll,
+            ppl.predicted,
+            path.display(),
+            ppl.tokens_per_sec()
+        );
+        return Ok(());
+    }
+
     let prompts: Vec<Vec<u32>> = match tokenizer {
         None => args
             .token_ids
@@ -189,7 +226,13 @@ fn run(args: Args) -> Result<()> {
     };
 
     if let Some(path) = &args.dump_logits {
-        let (tokens, steps) = greedy_with_logits(model, &prompts, args.max_tokens, args.reference_attention)?;
+        let (tokens, steps) = greedy_with_logits(
+            model,
+            &prompts,
+            args.max_tokens,
+            args.reference_attention,
+            kv_cache_dtype,
+        )?;
         for t in &tokens {
             println!("{}", join_ids(t));
         }
@@ -213,6 +256,7 @@ fn run(args: Args) -> Result<()> {
             (false, Some(t)) => t.eos_token_ids.clone(),
             (false, None) => cfg.eos_token_ids.clone(),
         },
+        kv_cache_dtype: Some(kv_cache_dtype),
     };
     if args.warmup {
         let t = std::time::Instant::now();
@@ -297,9 +341,10 @@ fn greedy_with_logits(
     prompts: &[Vec<u32>],
     n: usize,
     reference: bool,
+    kv_cache_dtype: DType,
 ) -> Result<(Vec<Vec<u32>>, Vec<StepLogits>)> {
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let mut cache = model.new_cache(prompts.len(), longest + n.max(1))?;
+    let mut cache = model.new_cache_of(prompts.len(), longest + n.max(1), kv_cache_dtype)?;
     let mut inputs = prompts.to_vec();
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut steps = Vec::new();

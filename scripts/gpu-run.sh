@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine, from the repo root, with .device/ carried (made by scripts/gpu-pack.sh):
 #
-#   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model] [--fp8] [--kvcache]
+#   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache]
 #
 # Steps: GPU name; the GPU test binaries (--test-threads=1); the GPU benchmark binary; the host
 #   cost of a decode step (decode-host);
@@ -20,6 +20,10 @@
 #   --kvcache   FA3's flash_attn_with_kvcache on the decode grid (scripts/kvcache_anchor.py, the
 #               fa3-fwd wheel of .device/fp8), then the benchmark's kvcache pass on the same grid
 #               and its kvcache_fp8 pass (e4m3 caches against bf16 on a few decode shapes)
+#   --fp8-cache scripts/gpu_fp8_cache.py with the packed generate example: flash-llama's decode
+#               tokens/s with an fp8 KV cache against the bf16 cache (random-weight Llama-3.2-1B
+#               shape, 8k and 32k context), and the perplexity of both with the default GGUF if
+#               models/ holds it (FP8_CACHE_ARGS: extra arguments)
 # Env: TEST_ARGS / BENCH_ARGS: extra arguments to the test / benchmark binary (e.g. a filter).
 #      SKIP: step names not to run, comma-separated (e.g. SKIP=model-tests,train-tests,decode-host).
 #      DEADLINE (default 570): seconds from the start after which no step runs any more, and each
@@ -31,16 +35,17 @@
 # exit code is non-zero if any step failed.
 set -uo pipefail
 
-ANCHORS=0 SANITIZE=0 MODEL=0 FP8=0 KVCACHE=0
+ANCHORS=0 SANITIZE=0 MODEL=0 FP8=0 KVCACHE=0 FP8_CACHE=0
 for arg in "$@"; do
     case $arg in
         --anchors) ANCHORS=1 ;;
         --fp8) FP8=1 ;;
         --kvcache) KVCACHE=1 ;;
+        --fp8-cache) FP8_CACHE=1 ;;
         --sanitize) SANITIZE=1 ;;
         --model) MODEL=1 ;;
         -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
-        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model] [--fp8] [--kvcache])" >&2; exit 2 ;;
+        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache])" >&2; exit 2 ;;
     esac
 done
 
@@ -98,7 +103,7 @@ skip_step() {
         NAMES+=("$1") STATUS+=("skipped (SKIP)") SECS+=(0)
         return
     fi
-    if [[ $1 =~ ^(model-tests|train-tests|decode-host|model-check)$ ]] && grep -q '^only:' "$DEV/manifest.txt" 2>/dev/null; then
+    if [[ $1 =~ ^(model-tests|train-tests|decode-host|model-check|fp8-cache)$ ]] && grep -q '^only:' "$DEV/manifest.txt" 2>/dev/null; then
         NAMES+=("$1") STATUS+=("skipped (packed with --attn)") SECS+=(0)
         return
     fi
@@ -179,6 +184,16 @@ if ((MODEL)); then
             --work /tmp/flash-llama-check --out "$LOGS" ${MODEL_CHECK_ARGS:-}
     else
         skip_step model-check "no .device/generate.xz: run scripts/gpu-pack.sh and carry .device"
+    fi
+fi
+
+if ((FP8_CACHE)); then
+    if [[ -n $GENERATE_BIN ]]; then
+        # shellcheck disable=SC2086 # FP8_CACHE_ARGS is a word list
+        step fp8-cache python3 scripts/gpu_fp8_cache.py --bin "$GENERATE_BIN" \
+            --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --deadline $((DEADLINE - (SECONDS - START) - 90)) ${FP8_CACHE_ARGS:-}
+    else
+        skip_step fp8-cache "no .device/generate.xz: run scripts/gpu-pack.sh and carry .device"
     fi
 fi
 

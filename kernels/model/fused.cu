@@ -5,6 +5,8 @@
 // Compiled by crates/model/build.rs into one sm_90a cubin; launched by crates/model/src/fused/.
 #include <stdint.h>
 
+#include <cuda_fp8.h>
+
 #include "dtype.cuh"
 
 namespace {
@@ -103,14 +105,46 @@ __device__ void silu_mul(const T* __restrict__ y, T* __restrict__ out, size_t ro
     }
 }
 
+// Where rope_store puts a token's rotated k heads and its v heads (y's heads [first, heads)):
+// rows of the model's own dtype, k heads then v heads side by side (`row_stride` elements a row).
+template <typename T>
+struct StoreRows {
+    T* cache;
+    long long row_stride;
+    __device__ void operator()(uint32_t row, int cached_head, int d, int c1, int c2, T r1, T r2) const {
+        T* dst = cache + row * row_stride + (size_t)cached_head * d;
+        dst[c1] = r1;
+        dst[c2] = r2;
+    }
+};
+
+// The e4m3 cache: two planes of (rows, kv_heads, d), k then v `plane` bytes later. Each stored
+// head is multiplied by its quant factor (quant[cached_head], k heads first) and saturated to
+// +-448 (__nv_fp8_e4m3's conversion: round to nearest, SATFINITE), as the CPU path's clamp and cast.
+struct StoreE4m3 {
+    __nv_fp8_e4m3* cache;
+    long long plane;
+    int kv_heads;
+    const float* quant;
+    template <typename T>
+    __device__ void operator()(uint32_t row, int cached_head, int d, int c1, int c2, T r1, T r2) const {
+        const int is_v = cached_head >= kv_heads;
+        const int head = cached_head - is_v * kv_heads;
+        __nv_fp8_e4m3* dst = cache + is_v * plane + ((size_t)row * kv_heads + head) * d;
+        const float f = quant[cached_head];
+        dst[c1] = __nv_fp8_e4m3(to_f(r1) * f);
+        dst[c2] = __nv_fp8_e4m3(to_f(r2) * f);
+    }
+};
+
 // Rotary embedding of y (tokens, heads, d), in place, each (token, head) by its own angles:
 // cos/sin (tokens, heads, d / 2). Pairs (x[i], x[i + d/2]), or (x[2i], x[2i+1]) if interleaved.
 // With `rows` non-null, heads [first, heads) of token t are also stored, rotated, at cache row
-// rows[t] (cache rows of `row_stride` elements, heads of d elements from the row's start).
-template <typename T>
+// rows[t] by `store` (StoreRows or StoreE4m3).
+template <typename T, typename Store>
 __device__ void rope_store(T* __restrict__ y, const T* __restrict__ cos, const T* __restrict__ sin, int tokens,
-                           int heads, int d, int interleaved, const uint32_t* __restrict__ rows, T* __restrict__ cache,
-                           long long row_stride, int first) {
+                           int heads, int d, int interleaved, const uint32_t* __restrict__ rows, int first,
+                           Store store) {
     const int half = d / 2;
     const size_t n = (size_t)tokens * heads * half;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -126,11 +160,22 @@ __device__ void rope_store(T* __restrict__ y, const T* __restrict__ cos, const T
         const T r1 = from_f<T>(a * c - b * s), r2 = from_f<T>(a * s + b * c);
         src[c1] = r1;
         src[c2] = r2;
-        if (rows != nullptr && head >= first) {
-            T* dst = cache + rows[t] * row_stride + (size_t)(head - first) * d;
-            dst[c1] = r1;
-            dst[c2] = r2;
-        }
+        if (rows != nullptr && head >= first) store(rows[t], head - first, d, c1, c2, r1, r2);
+    }
+}
+
+// x (tokens, 2 * kv_heads, d), k heads first, stored into an e4m3 cache as StoreE4m3 does,
+// without a rotation: an fp8 cache's first write (its scales come from these values) and the
+// stores of the composed (separate q/k/v) path.
+template <typename T>
+__device__ void store_e4m3(const T* __restrict__ x, int tokens, int d, const uint32_t* __restrict__ rows,
+                           StoreE4m3 store) {
+    const int heads = 2 * store.kv_heads, half = d / 2;
+    const size_t n = (size_t)tokens * heads * half;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t th = i / half;  // token * heads + head
+        const int p = i % half;
+        store(rows[th / heads], th % heads, d, p, p + half, x[th * d + p], x[th * d + p + half]);
     }
 }
 
@@ -236,7 +281,19 @@ __device__ void argmax_rows(const T* __restrict__ x, uint32_t* __restrict__ out,
     extern "C" __global__ void rope_store_##SUFFIX(T* y, const T* cos, const T* sin, int tokens, int heads, int d,   \
                                                    int interleaved, const uint32_t* rows, T* cache,                  \
                                                    long long row_stride, int first) {                                \
-        rope_store<T>(y, cos, sin, tokens, heads, d, interleaved, rows, cache, row_stride, first);                   \
+        rope_store<T>(y, cos, sin, tokens, heads, d, interleaved, rows, first, StoreRows<T>{cache, row_stride});      \
+    }                                                                                                                 \
+    extern "C" __global__ void rope_store_e4m3_##SUFFIX(T* y, const T* cos, const T* sin, int tokens, int heads,      \
+                                                        int d, int interleaved, const uint32_t* rows,                 \
+                                                        __nv_fp8_e4m3* cache, long long plane, int kv_heads,          \
+                                                        const float* quant) {                                         \
+        rope_store<T>(y, cos, sin, tokens, heads, d, interleaved, rows, heads - 2 * kv_heads,                        \
+                      StoreE4m3{cache, plane, kv_heads, quant});                                                      \
+    }                                                                                                                 \
+    extern "C" __global__ void store_e4m3_##SUFFIX(const T* x, int tokens, int d, const uint32_t* rows,             \
+                                                   __nv_fp8_e4m3* cache, long long plane, int kv_heads,               \
+                                                   const float* quant) {                                              \
+        store_e4m3<T>(x, tokens, d, rows, StoreE4m3{cache, plane, kv_heads, quant});                                 \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_##SUFFIX(const T* x, uint32_t* out,     \
                                                                                     int cols) {                       \

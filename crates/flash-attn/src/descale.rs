@@ -176,9 +176,10 @@ fn check_descale(name: &str, t: &Tensor, batch: usize, device: &Device) -> Resul
     }
     if !t.device().same_device(device) {
         bail!(
-            "flash-attn3: {name}_descale must be on the device of q ({:?}), got {:?}",
+            "flash-attn3: {name}_descale must be on the device of q ({:?}), got {:?}{}",
             device.location(),
-            t.device().location()
+            t.device().location(),
+            crate::params::same_gpu_note(device, t.device())
         )
     }
     if !matches!(t.rank(), 2 | 3) {

@@ -146,11 +146,13 @@ fn check_dtypes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
         )
     }
     if !q.device().same_device(k.device()) || !q.device().same_device(v.device()) {
+        let other = if q.device().same_device(k.device()) { v } else { k };
         bail!(
-            "flash-attn3: q, k and v must be on one device, got q {:?}, k {:?}, v {:?}",
+            "flash-attn3: q, k and v must be on one device, got q {:?}, k {:?}, v {:?}{}",
             q.device().location(),
             k.device().location(),
-            v.device().location()
+            v.device().location(),
+            same_gpu_note(q.device(), other.device())
         )
     }
     Ok(())
@@ -352,9 +354,10 @@ pub(crate) fn check_varlen(
     for (name, t) in [("seqlens_q", seqlens_q.tensor()), ("seqlens_k", seqlens_k.tensor())] {
         if !t.device().same_device(q.device()) {
             bail!(
-                "flash-attn3: {name} must be on the device of q ({:?}), got {:?}",
+                "flash-attn3: {name} must be on the device of q ({:?}), got {:?}{}",
                 q.device().location(),
-                t.device().location()
+                t.device().location(),
+                same_gpu_note(q.device(), t.device())
             )
         }
     }
@@ -499,6 +502,17 @@ impl FastDiv {
         } else {
             ((n as u64 * self.mul as u64) >> 32) as u32 >> self.shift
         }
+    }
+}
+
+/// What to add to a "not on q's device" error when both tensors sit on the same GPU through two
+/// candle `Device`s (each `Device::new_cuda(0)` is a device of its own, with its own context and
+/// stream, and candle keeps tensors of different ones apart).
+pub(crate) fn same_gpu_note(a: &candle_core::Device, b: &candle_core::Device) -> &'static str {
+    if a.location() == b.location() {
+        " (the same GPU through two candle Devices: create the Device once and share it)"
+    } else {
+        ""
     }
 }
 

@@ -45,6 +45,7 @@ fn main() -> Result<()> {
                 max_tokens: new,
                 sampling: SamplingParams::default(),
                 stop_tokens: Vec::new(),
+                kv_cache_dtype: None,
             };
             let g = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue))?;
             println!(

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use candle_core::{bail, Device, Result};
+use candle_core::{bail, DType, Device, Result};
 
 use crate::model::{KvCache, Llama};
 use crate::sampling::{Sampler, SamplingParams};
@@ -16,6 +16,9 @@ pub struct GenerateOptions {
     pub sampling: SamplingParams,
     /// Tokens that end a sequence (EOS, end of turn).
     pub stop_tokens: Vec<u32>,
+    /// The KV cache's dtype: `None` for the model's own, or `Some(F8E4M3)` for an fp8 cache
+    /// (half the bytes of bf16; see [`KvCache`]).
+    pub kv_cache_dtype: Option<DType>,
 }
 
 /// Tokens produced for each prompt, and the time spent.
@@ -84,7 +87,7 @@ pub fn generate(
             opts.max_tokens
         )
     }
-    let mut cache = model.new_cache(prompts.len(), max_seq)?;
+    let mut cache = model.new_cache_of(prompts.len(), max_seq, opts.kv_cache_dtype.unwrap_or(model.dtype()))?;
     #[cfg(feature = "cuda")]
     if let (true, Device::Cuda(dev)) = (opts.sampling.is_greedy(), model.device()) {
         // Allocated, like the cache, before the clock starts: page-locked memory takes a system

@@ -2,14 +2,17 @@
 //!
 //! - [`Config`] / [`Architecture`]: Llama 2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
 //! - [`Llama`]: the decoder; [`Llama::forward`] for full (differentiable) passes,
-//!   [`Llama::step`] with a [`KvCache`] for prefill and decoding of one or many sequences.
+//!   [`Llama::step`] with a [`KvCache`] (the model's dtype or fp8) for prefill and decoding of
+//!   one or many sequences.
 //! - [`load`]: a model and its tokenizer from an HF directory or a GGUF file.
 //! - [`TextTokenizer`], [`TokenStream`]: encoding, chat templates, incremental decoding;
 //!   [`spm`] rebuilds SentencePiece vocabularies of GGUF files.
+//! - [`perplexity()`]: a text's perplexity through the KV cache (fp8 or the model's dtype).
 //! - [`generate()`]: batched sampling loop ([`Sampler`]: temperature, top-k, top-p, repeat penalty).
 //! - [`train`]: training from scratch (presets, AdamW, checkpoints that resume the same run).
 
 pub mod config;
+pub mod eval;
 pub mod fused;
 pub mod generate;
 pub mod loader;
@@ -22,6 +25,7 @@ pub mod train;
 pub mod train_ops;
 
 pub use config::{Architecture, Config, Llama3RopeScaling};
+pub use eval::{perplexity, Perplexity};
 pub use generate::{generate, Flow, GenerateOptions, Generation};
 pub use loader::{load, LoadedModel};
 pub use model::{KvCache, Llama};

@@ -6,9 +6,12 @@
 //! and the MLP are then single matmuls whatever the mix of lengths, and attention is a varlen
 //! call. See [`KvCache`] for how cached keys are addressed.
 
+use std::sync::OnceLock;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Module, Result, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
+use flash_attn3::fp8::{quantize, Granularity};
 use flash_attn3::{FlashAttn, SeqOffsets};
 
 use crate::config::Config;
@@ -39,28 +42,131 @@ use crate::nn::{apply_rope, rope_angles, rope_angles_per_head, rope_per_head, Ke
 /// A gap has zero queries, so the op does no work for it; each real sequence attends to exactly
 /// its own keys, with the causal mask aligned bottom-right (its new tokens are its last keys).
 ///
+/// **fp8 caches** ([`Llama::new_cache_of`] with `F8E4M3`): each layer holds its keys and values
+/// as e4m3 in two planes, k then v, each (batch, max_seq, kv_heads, head_dim), half the bytes
+/// of bf16. The first write into an empty cache (the prefill) fixes one scale per (layer, kv
+/// head) for k and for v: [`E4M3_HEADROOM`] times that write's largest magnitude (after RoPE),
+/// mapped to e4m3's largest value 448; later tokens are multiplied by the same factor and
+/// saturated to ±448 (so up to 64 times the prompt's largest value is stored without clipping).
+/// The fused GPU RoPE + KV store quantizes as it stores. A step that reads the cache runs
+/// `flash_attn_with_kvcache` on the e4m3 planes directly (q quantized per (sequence, head) for
+/// the call; the varlen call would transpose all of V each step), one call per group of
+/// sequences with the same number of new tokens. A prefill into an empty cache attends to the
+/// fresh keys in the model's dtype, as for any cache.
+///
 /// Not `Clone`: a tensor clone shares storage, and the in-place writes would show in both.
 #[derive(Debug)]
 pub struct KvCache {
-    /// Per layer: (batch × max_seq, 2 × kv_heads, head_dim), k heads first.
-    kv: Vec<Tensor>,
+    layers: Vec<LayerKv>,
     lens: Vec<usize>,
     max_seq: usize,
+    dtype: DType,
+}
+
+/// Headroom of an fp8 cache's scales over the largest value of its first write (see
+/// [`KvCache`]). Large, because the first write may be a short prompt (a lone BOS token has
+/// far smaller keys than the text after it) and headroom costs little: e4m3 keeps its 4
+/// significant bits over 2^15 of range, so only values under 1/437 of the first write's largest
+/// fall into its subnormals, where they weigh little in a dot product. Measured on
+/// SmolLM2-135M (`generate --perplexity`, prefill of one token): headroom 2 raised the
+/// perplexity by 27% (later keys clipped), 8 by 0.4%, 64 and 1000 left it within 0.5% of the
+/// f32 cache (docs/benchmarks.md).
+pub const E4M3_HEADROOM: f64 = 64.0;
+/// e4m3's largest finite value.
+const E4M3_MAX: f64 = 448.0;
+
+/// One layer's cached keys and values.
+#[derive(Debug)]
+enum LayerKv {
+    /// In the model's dtype: (batch × max_seq, 2 × kv_heads, head_dim), k heads first.
+    Rows(Tensor),
+    /// e4m3: (2, batch × max_seq, kv_heads, head_dim), the k plane then the v plane, with the
+    /// layer's scales, fixed by its first write.
+    E4m3 { kv: Tensor, scales: OnceLock<E4m3Scales> },
+}
+
+/// An fp8 cache layer's scales.
+#[derive(Debug)]
+struct E4m3Scales {
+    /// (2 × kv_heads,) f32, k heads first: value → e4m3 factor of each cached head.
+    quant: Tensor,
+    /// (1, kv_heads) f32 each: e4m3 → value factors, in flash-attn3's descale shape.
+    k_descale: Tensor,
+    v_descale: Tensor,
+}
+
+impl E4m3Scales {
+    /// The scales for `kv_new` (tokens, 2 × kv_heads, head_dim), k heads first: each head's
+    /// largest magnitude times [`E4M3_HEADROOM`] maps to 448 (a head of zeros gets a tiny scale
+    /// rather than a division by zero).
+    fn of(kv_new: &Tensor) -> Result<Self> {
+        let hk = kv_new.dim(1)? / 2;
+        let amax = kv_new.to_dtype(DType::F32)?.abs()?.max(2)?.max(0)?.maximum(1e-6f32)?;
+        let descale = (amax * (E4M3_HEADROOM / E4M3_MAX))?;
+        Ok(Self {
+            quant: descale.recip()?,
+            k_descale: descale.narrow(0, 0, hk)?.reshape((1, hk))?,
+            v_descale: descale.narrow(0, hk, hk)?.reshape((1, hk))?,
+        })
+    }
+}
+
+impl LayerKv {
+    /// Stores the new tokens' k and v heads, `kv_new` (tokens, 2 × kv_heads, head_dim), k heads
+    /// first, at the cache rows `writes` names (an fp8 layer's first write fixes its scales).
+    /// `rows` (tokens,) u32, the cache row of each token, is needed on the GPU.
+    fn store(&self, kv_new: &Tensor, writes: &[(usize, usize, usize)], rows: Option<&Tensor>) -> Result<()> {
+        match self {
+            LayerKv::Rows(kv) => write_rows(kv, kv_new, 0, writes),
+            LayerKv::E4m3 { kv, scales } => {
+                let scales = match scales.get() {
+                    Some(s) => s,
+                    None => {
+                        let _ = scales.set(E4m3Scales::of(kv_new)?);
+                        scales.get().expect("just set")
+                    }
+                };
+                if kv_new.device().is_cuda() {
+                    let Some(rows) = rows else {
+                        bail!("internal error: a GPU cache write without its rows")
+                    };
+                    return crate::fused::store_e4m3(kv_new, kv, rows, &scales.quant);
+                }
+                let hk = kv_new.dim(1)? / 2;
+                let e4m3 = kv_new
+                    .to_dtype(DType::F32)?
+                    .broadcast_mul(&scales.quant.reshape((1, 2 * hk, 1))?)?
+                    .clamp(-E4M3_MAX as f32, E4M3_MAX as f32)?
+                    .to_dtype(DType::F8E4M3)?;
+                write_rows(&kv.get(0)?, &e4m3.narrow(1, 0, hk)?, 0, writes)?;
+                write_rows(&kv.get(1)?, &e4m3.narrow(1, hk, hk)?, 0, writes)
+            }
+        }
+    }
 }
 
 impl KvCache {
-    /// An empty cache for `batch` sequences of at most `max_seq` tokens each.
+    /// An empty cache for `batch` sequences of at most `max_seq` tokens each, holding keys and
+    /// values in `dtype`: the model's, or `F8E4M3` (see above).
     pub fn new(cfg: &Config, batch: usize, max_seq: usize, dtype: DType, device: &Device) -> Result<Self> {
         if batch == 0 || max_seq == 0 {
             bail!("a KV cache needs batch >= 1 and max_seq >= 1, got batch {batch}, max_seq {max_seq}")
         }
-        let shape = (batch * max_seq, 2 * cfg.num_key_value_heads, cfg.head_dim);
-        let zeros = || Tensor::zeros(shape, dtype, device);
-        let layers = cfg.num_hidden_layers;
+        let (hk, d) = (cfg.num_key_value_heads, cfg.head_dim);
+        let layer = || -> Result<LayerKv> {
+            Ok(match dtype {
+                DType::F8E4M3 => LayerKv::E4m3 {
+                    kv: Tensor::zeros((2, batch * max_seq, hk, d), dtype, device)?,
+                    scales: OnceLock::new(),
+                },
+                _ => LayerKv::Rows(Tensor::zeros((batch * max_seq, 2 * hk, d), dtype, device)?),
+            })
+        };
         Ok(Self {
-            kv: (0..layers).map(|_| zeros()).collect::<Result<_>>()?,
+            layers: (0..cfg.num_hidden_layers).map(|_| layer()).collect::<Result<_>>()?,
             lens: vec![0; batch],
             max_seq,
+            dtype,
         })
     }
 
@@ -77,9 +183,20 @@ impl KvCache {
         self.max_seq
     }
 
-    /// Forgets every sequence (the memory is kept and overwritten by the next prefill).
+    /// The dtype the keys and values are held in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Forgets every sequence (the memory is kept and overwritten by the next prefill, which
+    /// also sets an fp8 cache's scales afresh).
     pub fn reset(&mut self) {
         self.lens.iter_mut().for_each(|l| *l = 0);
+        for layer in &mut self.layers {
+            if let LayerKv::E4m3 { scales, .. } = layer {
+                scales.take();
+            }
+        }
     }
 }
 
@@ -96,9 +213,87 @@ enum KeySource {
         max_q: usize,
         max_k: usize,
     },
+    /// Attend to an fp8 cache (see [`KvCache`]), after the new tokens were written into it: one
+    /// `flash_attn_with_kvcache` call per group of sequences with the same number of new
+    /// tokens.
+    CachedE4m3 {
+        groups: Vec<CacheGroup>,
+        /// With several groups: the packed row of each output row once the groups' outputs
+        /// are concatenated, (tokens,) u32.
+        unpermute: Option<Tensor>,
+        /// The cache's sequences and keys per sequence.
+        batch: usize,
+        max_seq: usize,
+    },
     /// `batch` sequences of `seq` fresh tokens each, through the textbook attention composite
     /// instead of flash-attn3 ([`Llama::forward_reference`]).
     Reference { batch: usize, seq: usize },
+}
+
+/// Sequences of one step with the same number of new tokens, for one kvcache call.
+struct CacheGroup {
+    /// Their queries' packed rows, (batch × new,) u32; `None`: every packed row, in order.
+    rows: Option<Tensor>,
+    batch: usize,
+    new: usize,
+    /// Keys each holds after this step's write, (batch,) u32.
+    seqlens: Tensor,
+    /// Their cache rows, (batch,) u32; `None`: 0..batch, the whole cache.
+    cache_idx: Option<Tensor>,
+}
+
+impl CacheGroup {
+    /// The groups of a step that appends `new[i]` tokens to sequence `i`, holding `lens[i]`
+    /// before it (sequences given no token are in none), and, with several groups, the
+    /// permutation that puts their concatenated outputs back in packed order.
+    fn plan(lens: &[usize], new: &[usize], dev: &Device) -> Result<(Vec<CacheGroup>, Option<Tensor>)> {
+        let mut first_row = Vec::with_capacity(new.len());
+        let mut packed = 0;
+        for &n in new {
+            first_row.push(packed);
+            packed += n;
+        }
+        let mut counts: Vec<usize> = Vec::new();
+        for &n in new {
+            if n > 0 && !counts.contains(&n) {
+                counts.push(n);
+            }
+        }
+        let single = counts.len() == 1;
+        let mut order: Vec<u32> = Vec::with_capacity(packed);
+        let mut groups = Vec::with_capacity(counts.len());
+        for n in counts {
+            let seqs: Vec<usize> = (0..new.len()).filter(|&i| new[i] == n).collect();
+            let rows: Vec<u32> = seqs
+                .iter()
+                .flat_map(|&i| (first_row[i]..first_row[i] + n).map(|r| r as u32))
+                .collect();
+            order.extend(&rows);
+            let seqlens: Vec<u32> = seqs.iter().map(|&i| (lens[i] + n) as u32).collect();
+            let whole_cache = seqs.len() == new.len();
+            groups.push(CacheGroup {
+                rows: if single { None } else { Some(Tensor::new(rows, dev)?) },
+                batch: seqs.len(),
+                new: n,
+                seqlens: Tensor::new(seqlens, dev)?,
+                cache_idx: if whole_cache {
+                    None
+                } else {
+                    Some(Tensor::new(seqs.iter().map(|&i| i as u32).collect::<Vec<_>>(), dev)?)
+                },
+            });
+        }
+        let unpermute = if single {
+            None
+        } else {
+            let mut inverse = vec![0u32; order.len()];
+            for (pos, &row) in order.iter().enumerate() {
+                inverse[row as usize] = pos as u32;
+            }
+            Some(Tensor::new(inverse, dev)?)
+        };
+        Ok((groups, unpermute))
+    }
 }
 
 /// The rotary angles of one call, in the run dtype.
@@ -218,9 +413,9 @@ impl Attention {
         })
     }
 
-    /// x: (tokens, hidden) → (tokens, hidden). `cache` is this layer's (k, v), if any: the
-    /// new keys and values are stored there before attending.
-    fn forward(&self, x: &Tensor, plan: &Plan, cache: Option<&Tensor>) -> Result<Tensor> {
+    /// x: (tokens, hidden) → (tokens, hidden). `cache` is this layer's keys and values, if any:
+    /// the new keys and values are stored there before attending.
+    fn forward(&self, x: &Tensor, plan: &Plan, cache: Option<&LayerKv>) -> Result<Tensor> {
         let tokens = x.dim(0)?;
         let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
         // q (tokens, h, d), k and v (tokens, hk, d); possibly strided views of one fused output.
@@ -235,19 +430,47 @@ impl Attention {
                 if let RopeTables::PerHead { cos, sin } = &plan.rope {
                     let y = if y.device().is_cuda() {
                         // One kernel: q and k rotated in place, v unchanged, k and v stored.
-                        let store = match (cache, &plan.cache_rows) {
-                            (Some(kv), Some(rows)) => Some(CacheStore { kv, rows }),
-                            (None, _) => None,
-                            (Some(_), None) => bail!("internal error: a GPU cache write without its rows"),
+                        let rows = || {
+                            plan.cache_rows.as_ref().ok_or_else(|| {
+                                candle_core::Error::Msg("internal error: a GPU cache write without its rows".into())
+                            })
                         };
-                        rope_store(&y, cos, sin, self.rope_interleaved, store)?;
+                        let il = self.rope_interleaved;
+                        match cache {
+                            None => rope_store(&y, cos, sin, il, None)?,
+                            Some(LayerKv::Rows(kv)) => {
+                                rope_store(&y, cos, sin, il, Some(CacheStore::Rows { kv, rows: rows()? }))?
+                            }
+                            Some(LayerKv::E4m3 { kv, scales }) => match scales.get() {
+                                Some(s) => rope_store(
+                                    &y,
+                                    cos,
+                                    sin,
+                                    il,
+                                    Some(CacheStore::E4m3 {
+                                        kv,
+                                        rows: rows()?,
+                                        quant: &s.quant,
+                                    }),
+                                )?,
+                                // The first write sets the scales from the rotated values.
+                                None => {
+                                    rope_store(&y, cos, sin, il, None)?;
+                                    cache.expect("matched").store(
+                                        &y.narrow(1, h, 2 * hk)?,
+                                        &plan.writes,
+                                        Some(rows()?),
+                                    )?
+                                }
+                            },
+                        }
                         y
                     } else {
                         // q and k rotated, v passed through, in one launch.
                         let y = rope_per_head(&y, cos, sin, self.rope_interleaved)?;
-                        // k and v are adjacent in each row: one copy stores both.
-                        if let Some(kv) = cache {
-                            write_rows(kv, &y.narrow(1, h, 2 * hk)?, 0, &plan.writes)?;
+                        // k and v are adjacent in each row: one store for both.
+                        if let Some(layer) = cache {
+                            layer.store(&y.narrow(1, h, 2 * hk)?, &plan.writes, None)?;
                         }
                         y
                     };
@@ -267,9 +490,14 @@ impl Attention {
         };
         let q = apply_rope(&q, cos, sin, self.rope_interleaved, self.kernels)?;
         let k = apply_rope(&k, cos, sin, self.rope_interleaved, self.kernels)?;
-        if let Some(kv) = cache {
-            write_rows(kv, &k, 0, &plan.writes)?;
-            write_rows(kv, &v, hk, &plan.writes)?;
+        match cache {
+            // Two strided copies, without joining k and v first.
+            Some(LayerKv::Rows(kv)) => {
+                write_rows(kv, &k, 0, &plan.writes)?;
+                write_rows(kv, &v, hk, &plan.writes)?;
+            }
+            Some(layer) => layer.store(&Tensor::cat(&[&k, &v], 1)?, &plan.writes, plan.cache_rows.as_ref())?,
+            None => {}
         }
         self.attend(q, k, v, tokens, plan, cache)
     }
@@ -283,7 +511,7 @@ impl Attention {
         v: Tensor,
         tokens: usize,
         plan: &Plan,
-        cache: Option<&Tensor>,
+        cache: Option<&LayerKv>,
     ) -> Result<Tensor> {
         // GQA is the op's business: k/v keep their kv_heads, no repeat. q, k and v may be
         // strided views (rows of a fused projection): the op reads any row stride.
@@ -298,14 +526,30 @@ impl Attention {
                     max_q,
                     max_k,
                 },
-                Some(kv),
+                Some(LayerKv::Rows(kv)),
             ) => {
                 let hk = self.kv_heads;
                 let (ck, cv) = (kv.narrow(1, 0, hk)?, kv.narrow(1, hk, hk)?);
                 self.attn
                     .forward_varlen_offsets(&q, &ck, &cv, cu_q, cu_k, *max_q, *max_k)?
             }
-            (KeySource::Cached { .. }, None) => bail!("internal error: a cached plan without a cache"),
+            (
+                KeySource::CachedE4m3 {
+                    groups,
+                    unpermute,
+                    batch,
+                    max_seq,
+                },
+                Some(LayerKv::E4m3 { kv, scales }),
+            ) => {
+                let Some(scales) = scales.get() else {
+                    bail!("internal error: reading an fp8 cache layer that was never written")
+                };
+                self.attend_e4m3(&q, kv, scales, groups, unpermute.as_ref(), (*batch, *max_seq))?
+            }
+            (KeySource::Cached { .. } | KeySource::CachedE4m3 { .. }, _) => {
+                bail!("internal error: a cached plan without its kind of cache")
+            }
             (KeySource::Reference { batch, seq }, _) => self.reference_attention(&q, &k, &v, *batch, *seq)?,
         };
         project(
@@ -313,6 +557,53 @@ impl Attention {
             &out.reshape((tokens, self.heads * self.head_dim))?,
             self.kernels,
         )
+    }
+
+    /// Attention of `q` (tokens, heads, d) over an fp8 cache layer `kv` (2, batch × max_seq,
+    /// kv_heads, d) holding the keys of this step already: per group, q quantized per
+    /// (sequence, head) and one `flash_attn_with_kvcache` call on the e4m3 planes. Output in
+    /// q's dtype, (tokens, heads, d), rows in packed order.
+    fn attend_e4m3(
+        &self,
+        q: &Tensor,
+        kv: &Tensor,
+        scales: &E4m3Scales,
+        groups: &[CacheGroup],
+        unpermute: Option<&Tensor>,
+        (batch, max_seq): (usize, usize),
+    ) -> Result<Tensor> {
+        let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
+        let k_cache = kv.get(0)?.reshape((batch, max_seq, hk, d))?;
+        let v_cache = kv.get(1)?.reshape((batch, max_seq, hk, d))?;
+        // The fp8 call's output is bf16 or f16: f16 models keep f16, the rest go through bf16.
+        let out_dtype = match q.dtype() {
+            DType::F16 => DType::F16,
+            _ => DType::BF16,
+        };
+        let mut outs = Vec::with_capacity(groups.len());
+        for g in groups {
+            let qg = match &g.rows {
+                None => q.clone(),
+                Some(rows) => q.contiguous()?.index_select(rows, 0)?,
+            };
+            let qg = quantize(&qg.reshape((g.batch, g.new, h, d))?, Granularity::Head)?;
+            let attn = self
+                .attn
+                .clone()
+                .descale(Some(&qg.descale), Some(&scales.k_descale), Some(&scales.v_descale))
+                .out_dtype(out_dtype);
+            let mut call = attn.kv_cache(&k_cache, &v_cache, &g.seqlens);
+            if let Some(idx) = &g.cache_idx {
+                call = call.cache_batch_idx(idx);
+            }
+            outs.push(call.forward(&qg.data)?.reshape((g.batch * g.new, h, d))?);
+        }
+        let out = match unpermute {
+            None if outs.len() == 1 => outs.pop().expect("one group"),
+            Some(order) => Tensor::cat(&outs, 0)?.index_select(order, 0)?,
+            None => bail!("internal error: {} cache groups without their order", outs.len()),
+        };
+        out.to_dtype(q.dtype())
     }
 
     /// softmax(q·kᵀ·scale + mask)·v over `batch` sequences of `seq` tokens, written with plain
@@ -647,6 +938,24 @@ impl Llama {
         KvCache::new(&self.cfg, batch, max_seq, self.dtype, &self.device)
     }
 
+    /// An empty cache on this model's device holding keys and values in `dtype`: the model's
+    /// own, or `F8E4M3` (half the bytes of bf16; see [`KvCache`]).
+    pub fn new_cache_of(&self, batch: usize, max_seq: usize, dtype: DType) -> Result<KvCache> {
+        if dtype != self.dtype && dtype != DType::F8E4M3 {
+            bail!(
+                "a KV cache holds the model's dtype ({:?}) or f8e4m3, not {dtype:?}",
+                self.dtype
+            )
+        }
+        if dtype == DType::F8E4M3 && self.cfg.head_dim % 16 != 0 {
+            bail!(
+                "an fp8 KV cache needs a head dim that is a multiple of 16 (fp8 attention's tile), this model's is {}",
+                self.cfg.head_dim
+            )
+        }
+        KvCache::new(&self.cfg, batch, max_seq, dtype, &self.device)
+    }
+
     /// Full causal forward without a cache: input_ids (batch, seq) u32 → logits (batch, seq, vocab)
     /// in f32. This is the training path; with [`Kernels::Trainable`] or [`Kernels::Composed`] it
     /// is differentiable end to end, attention's backward being flash-attn3's.
@@ -765,6 +1074,14 @@ impl Llama {
                 cu: cumulative(new.iter().copied(), dev)?,
                 max_len: max_new,
             }
+        } else if cache.dtype == DType::F8E4M3 {
+            let (groups, unpermute) = CacheGroup::plan(lens, new, dev)?;
+            KeySource::CachedE4m3 {
+                groups,
+                unpermute,
+                batch: lens.len(),
+                max_seq,
+            }
         } else {
             // Each sequence is followed by a gap sequence without queries (see KvCache).
             let k_lens = lens.iter().zip(new).flat_map(|(&l, &n)| [l + n, max_seq - l - n]);
@@ -784,12 +1101,13 @@ impl Llama {
             packed += n;
         }
         // The fused GPU RoPE + KV store takes the cache row of every new token.
-        let cache_rows = match (&self.inv_freq_heads, dev.is_cuda()) {
-            (Some(_), true) => {
+        // (and so does an e4m3 cache's store on the GPU).
+        let cache_rows = match dev.is_cuda() && (self.inv_freq_heads.is_some() || cache.dtype == DType::F8E4M3) {
+            true => {
                 let rows = writes.iter().flat_map(|&(_, n, dst)| (dst..dst + n).map(|r| r as u32));
                 Some(Tensor::new(rows.collect::<Vec<u32>>(), dev)?)
             }
-            _ => None,
+            false => None,
         };
         let plan = Plan {
             rope,
@@ -863,7 +1181,7 @@ impl Llama {
         };
         let mut normed = first.input_layernorm.forward(&x)?;
         for (i, block) in self.layers.iter().enumerate() {
-            let layer_cache = cache.map(|c| &c.kv[i]);
+            let layer_cache = cache.map(|c| &c.layers[i]);
             let h = block.self_attn.forward(&normed, plan, layer_cache)?;
             let (x1, n1) = block.post_attention_layernorm.add_forward(&x, &h)?;
             let h = block.mlp.forward(&n1)?;

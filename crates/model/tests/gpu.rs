@@ -9,7 +9,7 @@ mod common;
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use common::{abs_sum, hf_model, rel_diff, Family, VOCAB};
 use flash_llama::fused::{
-    add_rms_norm, argmax_rows, linear_vector, linear_vector_fits, rope_store, silu_mul, CacheStore,
+    add_rms_norm, argmax_rows, linear_vector, linear_vector_fits, rope_store, silu_mul, store_e4m3, CacheStore,
 };
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::nn::{rope_per_head, RmsNorm};
@@ -111,7 +111,7 @@ fn rope_store_matches_rope_and_copy() -> Result<()> {
                     &cos,
                     &sin,
                     interleaved,
-                    Some(CacheStore { kv: &kv, rows: &rows_t }),
+                    Some(CacheStore::Rows { kv: &kv, rows: &rows_t }),
                 )?;
                 let d_y = rel_diff(&got, &want);
                 let stored = kv.index_select(&rows_t, 0)?;
@@ -300,6 +300,7 @@ fn greedy_generation_on_the_gpu_equals_host_sampling() {
                 max_tokens: 12,
                 sampling: SamplingParams::default(),
                 stop_tokens: stop,
+                kv_cache_dtype: None,
             };
             let mut streamed = vec![Vec::new(); prompts.len()];
             let g = generate(&model, prompts, &opts, |i, t| {
@@ -371,7 +372,7 @@ fn fused_ops_reject_what_they_do_not_cover() -> Result<()> {
     let cs = Tensor::zeros((2, 3, 4), DType::BF16, &dev)?;
     let kv = Tensor::zeros((4, 4, 8), DType::BF16, &dev)?;
     let rows = Tensor::new(&[0u32, 1], &dev)?;
-    let err = rope_store(&y, &cs, &cs, false, Some(CacheStore { kv: &kv, rows: &rows }))
+    let err = rope_store(&y, &cs, &cs, false, Some(CacheStore::Rows { kv: &kv, rows: &rows }))
         .unwrap_err()
         .to_string();
     assert!(err.contains("do not fit"), "{err}");
@@ -440,4 +441,146 @@ fn fused_model_matches_composed_on_the_gpu() {
             assert_eq!(abs_sum(&fused[3].i(1).unwrap()), 0.0);
         }
     }
+}
+
+/// The e4m3 store of the fused RoPE + KV store: the rotated k and v heads times their factor,
+/// saturated and cast, land in the k and v planes at each token's row, bit for bit as candle's
+/// clamp and cast of the same values (the CPU path's quantization); other rows stay zero.
+#[test]
+fn rope_store_e4m3_matches_clamp_and_cast() -> Result<()> {
+    let dev = gpu();
+    for dtype in DTYPES {
+        for interleaved in [false, true] {
+            // (tokens, q heads, kv heads, head_dim, cache rows)
+            for (tokens, h, hk, d, cache_rows) in [(1, 8, 2, 64, 40), (5, 6, 3, 128, 11), (33, 2, 1, 64, 70)] {
+                let heads = h + 2 * hk;
+                let y = randn(&[tokens, heads, d], dtype, &dev);
+                let angles = Tensor::rand(-4f32, 4.0, (tokens, heads, d / 2), &dev)?;
+                let (cos, sin) = (angles.cos()?.to_dtype(dtype)?, angles.sin()?.to_dtype(dtype)?);
+                let rows: Vec<u32> = (0..tokens).map(|t| ((t * 7 + 3) % cache_rows) as u32).collect();
+                let rows_t = Tensor::new(rows.clone(), &dev)?;
+                // Factors from 0.5 to 300: the largest saturate many values at 448.
+                let quant: Vec<f32> = (0..2 * hk)
+                    .map(|i| 0.5 * 600f32.powf(i as f32 / (2 * hk - 1).max(1) as f32))
+                    .collect();
+                let quant = Tensor::new(quant, &dev)?;
+                let kv = Tensor::zeros((2, cache_rows, hk, d), DType::F8E4M3, &dev)?;
+                let got = y.copy()?;
+                rope_store(
+                    &got,
+                    &cos,
+                    &sin,
+                    interleaved,
+                    Some(CacheStore::E4m3 {
+                        kv: &kv,
+                        rows: &rows_t,
+                        quant: &quant,
+                    }),
+                )?;
+                let alone = y.copy()?;
+                rope_store(&alone, &cos, &sin, interleaved, None)?;
+                assert_eq!(rel_diff(&got, &alone), 0.0, "y is rotated as without a store");
+                let rotated = got.clone();
+                let want = rotated
+                    .narrow(1, h, 2 * hk)?
+                    .to_dtype(DType::F32)?
+                    .broadcast_mul(&quant.reshape((1, 2 * hk, 1))?)?
+                    .clamp(-448f32, 448f32)?
+                    .to_device(&Device::Cpu)?
+                    .to_dtype(DType::F8E4M3)?;
+                let bits = |t: &Tensor| -> Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+                for (plane, name) in [(0, "k"), (1, "v")] {
+                    let stored = kv
+                        .get(plane)?
+                        .to_device(&Device::Cpu)?
+                        .index_select(&rows_t.to_device(&Device::Cpu)?, 0)?;
+                    assert_eq!(
+                        bits(&stored)?,
+                        bits(&want.narrow(1, plane * hk, hk)?)?,
+                        "{dtype:?} {tokens}x{heads}x{d} {name} plane"
+                    );
+                    let untouched: Vec<u32> = (0..cache_rows as u32).filter(|r| !rows.contains(r)).collect();
+                    let rest = kv
+                        .get(plane)?
+                        .to_device(&Device::Cpu)?
+                        .index_select(&Tensor::new(untouched, &Device::Cpu)?, 0)?;
+                    assert_eq!(
+                        abs_sum(&rest.to_dtype(DType::F32)?),
+                        0.0,
+                        "rows that were not written changed"
+                    );
+                }
+                // The store without rotation (an fp8 cache's first write) of the rotated values:
+                // the same bytes.
+                let kv2 = Tensor::zeros((2, cache_rows, hk, d), DType::F8E4M3, &dev)?;
+                store_e4m3(&got.narrow(1, h, 2 * hk)?, &kv2, &rows_t, &quant)?;
+                assert_eq!(bits(&kv2)?, bits(&kv)?, "{dtype:?} {tokens}x{heads}x{d}: store_e4m3");
+                let saturated = bits(&want)?.iter().filter(|v| v.abs() == 448.0).count();
+                assert!(saturated > 0, "the case saturates some values");
+                println!("rope_store e4m3 {dtype:?} interleaved {interleaved} {tokens}x{heads}x{d}: bit-equal ({saturated} saturated)");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An fp8 KV cache on the GPU (the `_tv` kvcache kernels, the fused e4m3 store): every step
+/// after the prefill follows the bf16 cache within e4m3's rounding (the prefill, which attends
+/// to the fresh keys, equals it), with sequences taking different numbers of tokens or none;
+/// and `generate`'s greedy loop on the device gives the host loop's tokens over an fp8 cache.
+#[test]
+fn fp8_cache_follows_the_bf16_cache_on_the_gpu() {
+    let dir = hf_model(Family::WideHeads);
+    for kernels in [Kernels::Fused, Kernels::Composed] {
+        let model = load_hf_dir(&dir, DType::BF16, &gpu(), kernels).unwrap();
+        let mut exact = model.new_cache(4, 96).unwrap();
+        let mut fp8 = model.new_cache_of(4, 96, DType::F8E4M3).unwrap();
+        let steps: Vec<Vec<Vec<u32>>> = vec![
+            vec![tokens(5, 1), tokens(3, 2), tokens(70, 3), tokens(4, 4)],
+            (0..4).map(|i| tokens(1, 10 + i)).collect(),
+            vec![tokens(2, 20), vec![], tokens(1, 21), tokens(2, 22)],
+            vec![vec![], tokens(3, 30), vec![], vec![]],
+            (0..4).map(|i| tokens(1, 40 + i)).collect(),
+        ];
+        for (n, step) in steps.iter().enumerate() {
+            let want = model.step(step, &mut exact).unwrap();
+            let got = model.step(step, &mut fp8).unwrap();
+            let d = rel_diff(&got, &want);
+            println!("{kernels:?} step {n}: fp8 cache vs bf16 cache {d:.2e}");
+            if n == 0 {
+                assert_eq!(d, 0.0, "{kernels:?}: the prefill does not read the cache");
+            } else {
+                assert!(d > 0.0 && d < 0.15, "{kernels:?} step {n}: fp8 cache differs by {d}");
+            }
+            for (i, t) in step.iter().enumerate() {
+                if t.is_empty() {
+                    assert_eq!(abs_sum(&got.i(i).unwrap()), 0.0, "step {n}: sequence {i} sat out");
+                }
+            }
+        }
+    }
+    let model = load_hf_dir(&dir, DType::BF16, &gpu(), Kernels::Fused).unwrap();
+    let prompts = vec![tokens(5, 1), tokens(9, 2), tokens(70, 3)];
+    let opts = GenerateOptions {
+        max_tokens: 12,
+        sampling: SamplingParams::default(),
+        stop_tokens: vec![],
+        kv_cache_dtype: Some(DType::F8E4M3),
+    };
+    let on_device = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue))
+        .unwrap()
+        .tokens;
+    // The host loop over an fp8 cache.
+    let mut cache = model.new_cache_of(3, 70 + 12, DType::F8E4M3).unwrap();
+    let mut inputs = prompts.clone();
+    let mut on_host = vec![Vec::new(); 3];
+    for _ in 0..12 {
+        let logits: Vec<Vec<f32>> = model.step(&inputs, &mut cache).unwrap().to_vec2().unwrap();
+        for i in 0..3 {
+            let t = argmax(&logits[i]);
+            on_host[i].push(t);
+            inputs[i] = vec![t];
+        }
+    }
+    assert_eq!(on_device, on_host);
 }

@@ -4,7 +4,7 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use common::{abs_sum, hf_model, max_diff, Family, VOCAB};
+use common::{abs_sum, hf_model, max_diff, rel_diff, Family, VOCAB};
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::{generate, Flow, GenerateOptions, Kernels, Llama, SamplingParams};
 
@@ -75,6 +75,7 @@ fn flow_stop_ends_one_sequence() {
         max_tokens: 8,
         sampling: SamplingParams::default(),
         stop_tokens: vec![],
+        kv_cache_dtype: None,
     };
     let full = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue)).unwrap();
     let mut seen = 0;
@@ -106,6 +107,7 @@ fn batched_generation_equals_single_prompt_generation() {
             max_tokens: 7,
             sampling: SamplingParams::default(),
             stop_tokens: vec![],
+            kv_cache_dtype: None,
         };
         let batched = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue)).unwrap();
         for (i, prompt) in prompts.iter().enumerate() {
@@ -285,4 +287,105 @@ fn long_prefill_fused_matches_composed() {
         &fused.step(&[vec![2]], &mut b).unwrap(),
     );
     assert!(diff < 1e-4, "decode after a long prefill: {diff}");
+}
+
+/// An fp8 (e4m3) KV cache on the CPU: the prefill gives the model-dtype cache's logits exactly
+/// (it attends to the fresh keys), and every later step reads the e4m3 cache and follows the
+/// f32 cache within e4m3's rounding, yet not exactly (the fp8 path ran). Steps whose sequences
+/// take different numbers of tokens, or none, make several kvcache calls per layer whose
+/// outputs go back in packed order.
+#[test]
+fn fp8_cache_follows_the_model_dtype_cache() {
+    // e4m3 keeps 4 significant bits: q and k each off by up to 1/16 of a value, through two
+    // layers of a tiny model with large attention logits (measured: 2-6e-2).
+    const FP8_TOL: f32 = 0.1;
+    for kernels in [Kernels::Composed, Kernels::Fused] {
+        let model = load_with(Family::WideHeads, DType::F32, kernels);
+        let mut exact = model.new_cache(4, 32).unwrap();
+        let mut fp8 = model.new_cache_of(4, 32, DType::F8E4M3).unwrap();
+        assert_eq!(fp8.dtype(), DType::F8E4M3);
+        let steps: Vec<Vec<Vec<u32>>> = vec![
+            vec![tokens(5, 1), tokens(3, 2), tokens(7, 3), tokens(4, 4)],
+            (0..4).map(|i| tokens(1, 10 + i)).collect(),
+            vec![tokens(2, 20), vec![], tokens(1, 21), tokens(2, 22)],
+            vec![vec![], tokens(3, 30), vec![], vec![]],
+            (0..4).map(|i| tokens(1, 40 + i)).collect(),
+        ];
+        for (n, step) in steps.iter().enumerate() {
+            let want = model.step(step, &mut exact).unwrap();
+            let got = model.step(step, &mut fp8).unwrap();
+            let d = rel_diff(&got, &want);
+            println!("{kernels:?} step {n}: fp8 cache vs f32 cache {d:.2e}");
+            if n == 0 {
+                assert_eq!(d, 0.0, "{kernels:?}: the prefill does not read the cache");
+            } else {
+                assert!(d > 0.0 && d < FP8_TOL, "{kernels:?} step {n}: fp8 cache differs by {d}");
+            }
+            // The sequences' rows differ by far more than that: rows put back in the wrong order
+            // would fail.
+            let active: Vec<usize> = (0..step.len()).filter(|&i| !step[i].is_empty()).collect();
+            for pair in active.windows(2) {
+                let apart = rel_diff(&want.i(pair[0]).unwrap(), &want.i(pair[1]).unwrap());
+                assert!(apart > 4.0 * FP8_TOL, "step {n}: rows {pair:?} only {apart} apart");
+            }
+            for (i, tokens) in step.iter().enumerate() {
+                if tokens.is_empty() {
+                    assert_eq!(abs_sum(&got.i(i).unwrap()), 0.0, "step {n}: sequence {i} sat out");
+                }
+            }
+        }
+        assert_eq!(fp8.lens(), exact.lens());
+        // A reset forgets the scales: the next prefill sets them afresh and runs as the first.
+        fp8.reset();
+        exact.reset();
+        let want = model.step(&steps[0], &mut exact).unwrap();
+        assert_eq!(max_diff(&model.step(&steps[0], &mut fp8).unwrap(), &want), 0.0);
+    }
+}
+
+/// The perplexity through the cache is the full forward's (f32 cache), and an fp8 cache moves
+/// it by little; texts too short or too long and unsupported cache dtypes are errors.
+#[test]
+fn perplexity_through_the_cache() {
+    let model = load_with(Family::WideHeads, DType::F32, Kernels::Fused);
+    let text = tokens(40, 7);
+    let logits = model
+        .forward(
+            &Tensor::new(text.as_slice(), &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap(),
+        )
+        .unwrap()
+        .squeeze(0)
+        .unwrap();
+    let log_probs = candle_nn::ops::log_softmax(&logits, 1)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let want: f64 = -(0..text.len() - 1)
+        .map(|i| log_probs[i][text[i + 1] as usize] as f64)
+        .sum::<f64>()
+        / (text.len() - 1) as f64;
+    let got = flash_llama::perplexity(&model, &text, DType::F32).unwrap();
+    assert_eq!(got.predicted, text.len() - 1);
+    assert!((got.mean_nll - want).abs() < 1e-5, "{} vs {want}", got.mean_nll);
+    let fp8 = flash_llama::perplexity(&model, &text, DType::F8E4M3).unwrap();
+    println!("perplexity: f32 cache {:.5}, fp8 cache {:.5}", got.value(), fp8.value());
+    assert!(fp8.mean_nll != got.mean_nll && (fp8.mean_nll - got.mean_nll).abs() < 0.02 * want);
+    assert!(flash_llama::perplexity(&model, &text[..1], DType::F32).is_err());
+    let too_long = tokens(200, 1);
+    assert!(flash_llama::perplexity(&model, &too_long, DType::F32)
+        .unwrap_err()
+        .to_string()
+        .contains("context"));
+    assert!(model
+        .new_cache_of(1, 8, DType::F16)
+        .unwrap_err()
+        .to_string()
+        .contains("f8e4m3"));
+    // The fp8 kernels tile head dims by 16: the 8-dim heads of the other test models are refused.
+    let narrow = load(Family::Llama, DType::F32);
+    let err = narrow.new_cache_of(1, 8, DType::F8E4M3).unwrap_err().to_string();
+    assert!(err.contains("multiple of 16"), "{err}");
 }

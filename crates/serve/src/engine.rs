@@ -130,6 +130,7 @@ fn run_job(model: &Llama, tokenizer: &TextTokenizer, job: Job, events: &Sender<E
         max_tokens: job.max_tokens,
         sampling: job.sampling.clone(),
         stop_tokens: tokenizer.eos_token_ids.clone(),
+        kv_cache_dtype: None,
     };
     let mut stream = TokenStream::new(tokenizer);
     let mut filter = StopFilter::new(job.stop.clone());

@@ -13,6 +13,8 @@ use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
+use super::StoreTarget;
+
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fused.cubin"));
 
 /// Threads of the add + RMSNorm blocks (`kNormThreads`), one block per row.
@@ -105,6 +107,22 @@ pub(crate) fn addr<T: CudaDType>(s: &CudaStorage, l: &Layout, op: &str, what: &s
     let stream = s.device.cuda_stream();
     let (ptr, _) = s.as_cuda_slice::<T>()?.device_ptr(&stream);
     Ok(ptr + (start * std::mem::size_of::<T>()) as u64)
+}
+
+/// [`addr`] for an e4m3 tensor (bytes; candle's CudaDType does not cover F8E4M3).
+fn addr_e4m3(s: &CudaStorage, l: &Layout, op: &str, what: &str) -> Result<u64> {
+    let Some((start, _)) = l.contiguous_offsets() else {
+        bail!(
+            "flash-llama {op}: {what} must be contiguous, got strides {:?}",
+            l.stride()
+        )
+    };
+    let candle_core::cuda_backend::CudaStorageSlice::F8E4M3(slice) = &s.slice else {
+        bail!("flash-llama {op}: {what} must be f8e4m3, got {:?}", s.dtype())
+    };
+    let stream = s.device.cuda_stream();
+    let (ptr, _) = slice.device_ptr(&stream);
+    Ok(ptr + start as u64)
 }
 
 /// The CUDA storage of a tensor that an op holds besides its inputs (a cache, a bias, an index),
@@ -314,7 +332,7 @@ pub(super) fn rope_store(
     cos: (&CudaStorage, &Layout),
     sin: (&CudaStorage, &Layout),
     interleaved: bool,
-    store: Option<(&Tensor, &Tensor)>,
+    store: Option<&StoreTarget>,
 ) -> Result<()> {
     by_dtype!(
         "RoPE + KV store",
@@ -328,7 +346,7 @@ fn rope_store_t<T: CudaDType + DeviceRepr>(
     cos: (&CudaStorage, &Layout),
     sin: (&CudaStorage, &Layout),
     interleaved: bool,
-    store: Option<(&Tensor, &Tensor)>,
+    store: Option<&StoreTarget>,
 ) -> Result<()> {
     const OP: &str = "RoPE + KV store";
     let dtype = y.0.dtype();
@@ -341,46 +359,128 @@ fn rope_store_t<T: CudaDType + DeviceRepr>(
     let dev = y.0.device.clone();
     let stream = dev.cuda_stream();
     let (ca, sa) = (addr::<T>(cos.0, cos.1, OP, "cos")?, addr::<T>(sin.0, sin.1, OP, "sin")?);
-    // The cache and its rows: read locks on their storage; the kernel writes the cache through
-    // them. KvCache is not Clone and `Llama::step` holds it mutably, so nothing else touches the
-    // cache while the launch is queued, and every launch is on candle's one stream.
-    let guards = store.map(|(kv, rows)| (kv.storage_and_layout(), rows.storage_and_layout()));
-    let (rows_a, cache_a, row_stride, first) = match &guards {
-        None => (0u64, 0u64, 0i64, heads as i32),
-        Some(((kv_s, kv_l), (rows_s, rows_l))) => {
-            let kv_s = held_on(kv_s, &dev, OP, "the cache")?;
-            let rows_s = held_on(rows_s, &dev, OP, "the cache rows")?;
-            same_dtype(OP, dtype, &[("the cache", kv_s.dtype())])?;
-            let cached = kv_l.dims()[1];
-            (
-                addr::<u32>(rows_s, rows_l, OP, "rows")?,
-                addr::<T>(kv_s, kv_l, OP, "the cache")?,
-                (cached * d) as i64,
-                (heads - cached) as i32,
-            )
-        }
-    };
     let Some((start, _)) = y.1.contiguous_offsets() else {
         bail!("flash-llama {OP}: y must be contiguous, got strides {:?}", y.1.stride())
     };
-    let func = function(&dev, format!("rope_store_{}", suffix(dtype, OP)?))?;
+    // The cache, its rows (and an e4m3 cache's factors): read locks on their storage; the kernel
+    // writes the cache through them. KvCache is not Clone and `Llama::step` holds it mutably, so
+    // nothing else touches the cache while the launch is queued, and every launch is on candle's
+    // one stream.
+    let (kv, rows, quant) = match store {
+        None => (None, None, None),
+        Some(StoreTarget::Rows { kv, rows }) => (Some(kv), Some(rows), None),
+        Some(StoreTarget::E4m3 { kv, rows, quant }) => (Some(kv), Some(rows), Some(quant)),
+    };
+    let kv_g = kv.map(|t| t.storage_and_layout());
+    let rows_g = rows.map(|t| t.storage_and_layout());
+    let quant_g = quant.map(|t| t.storage_and_layout());
+    let rows_a = match &rows_g {
+        None => 0u64,
+        Some((s, l)) => addr::<u32>(held_on(s, &dev, OP, "the cache rows")?, l, OP, "rows")?,
+    };
+    let name = match quant_g {
+        None => "rope_store",
+        Some(_) => "rope_store_e4m3",
+    };
+    let func = function(&dev, format!("{name}_{}", suffix(dtype, OP)?))?;
     let slice = T::as_cuda_slice_mut(y.0)?;
     let (ya, _guard) = slice.device_ptr_mut(&stream);
     let ya = ya + (start * std::mem::size_of::<T>()) as u64;
-    let (tokens, heads, d, interleaved) = (tokens as i32, heads as i32, d as i32, interleaved as i32);
+    let (tokens_i, heads_i, d_i, interleaved) = (tokens as i32, heads as i32, d as i32, interleaved as i32);
     let mut b = stream.launch_builder(&func);
     b.arg(&ya)
         .arg(&ca)
         .arg(&sa)
-        .arg(&tokens)
-        .arg(&heads)
-        .arg(&d)
-        .arg(&interleaved);
-    b.arg(&rows_a).arg(&cache_a).arg(&row_stride).arg(&first);
+        .arg(&tokens_i)
+        .arg(&heads_i)
+        .arg(&d_i)
+        .arg(&interleaved)
+        .arg(&rows_a);
+    // The store's own arguments (see kernels/model/fused.cu: StoreRows, StoreE4m3).
+    let (cache_a, row_stride, first, plane, kv_heads, quant_a);
+    match (&kv_g, &quant_g) {
+        (None, _) => {
+            (cache_a, row_stride, first) = (0u64, 0i64, heads as i32);
+            b.arg(&cache_a).arg(&row_stride).arg(&first);
+        }
+        (Some((kv_s, kv_l)), None) => {
+            let kv_s = held_on(kv_s, &dev, OP, "the cache")?;
+            same_dtype(OP, dtype, &[("the cache", kv_s.dtype())])?;
+            let cached = kv_l.dims()[1];
+            cache_a = addr::<T>(kv_s, kv_l, OP, "the cache")?;
+            (row_stride, first) = ((cached * d) as i64, (heads - cached) as i32);
+            b.arg(&cache_a).arg(&row_stride).arg(&first);
+        }
+        (Some((kv_s, kv_l)), Some((q_s, q_l))) => {
+            let kv_s = held_on(kv_s, &dev, OP, "the cache")?;
+            let q_s = held_on(q_s, &dev, OP, "the quant factors")?;
+            // (2, rows, kv_heads, d), checked by the caller.
+            let dims = kv_l.dims();
+            cache_a = addr_e4m3(kv_s, kv_l, OP, "the cache")?;
+            plane = (dims[1] * dims[2] * dims[3]) as i64;
+            kv_heads = dims[2] as i32;
+            quant_a = addr::<f32>(q_s, q_l, OP, "the quant factors")?;
+            b.arg(&cache_a).arg(&plane).arg(&kv_heads).arg(&quant_a);
+        }
+    }
     // SAFETY: y, cos, sin checked contiguous with their shapes by the caller; the cache rows are
     // the model's own (each below the cache's row count), the cache contiguous.
     unsafe { b.launch(grid(n)) }.map_err(|e| err("rope_store launch", e))?;
-    drop(guards);
+    drop((kv_g, rows_g, quant_g));
+    Ok(())
+}
+
+pub(super) fn store_e4m3(
+    kv: (&mut CudaStorage, &Layout),
+    x: (&CudaStorage, &Layout),
+    rows: &Tensor,
+    quant: &Tensor,
+) -> Result<()> {
+    by_dtype!("e4m3 KV store", x.0.dtype(), store_e4m3_t(kv, x, rows, quant))
+}
+
+fn store_e4m3_t<T: CudaDType + DeviceRepr>(
+    kv: (&mut CudaStorage, &Layout),
+    x: (&CudaStorage, &Layout),
+    rows: &Tensor,
+    quant: &Tensor,
+) -> Result<()> {
+    const OP: &str = "e4m3 KV store";
+    let (tokens, heads, d) = x.1.shape().dims3()?;
+    let n = tokens * heads * d / 2;
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = x.0.device.clone();
+    let stream = dev.cuda_stream();
+    let xa = addr::<T>(x.0, x.1, OP, "the new keys")?;
+    // Shapes checked by the caller: kv (2, rows, kv_heads, d).
+    let dims = kv.1.dims().to_vec();
+    let cache_a = addr_e4m3(kv.0, kv.1, OP, "the cache")?;
+    let (rows_g, quant_g) = (rows.storage_and_layout(), quant.storage_and_layout());
+    let rows_a = addr::<u32>(held_on(&rows_g.0, &dev, OP, "the cache rows")?, &rows_g.1, OP, "rows")?;
+    let quant_a = addr::<f32>(
+        held_on(&quant_g.0, &dev, OP, "the quant factors")?,
+        &quant_g.1,
+        OP,
+        "the quant factors",
+    )?;
+    let plane = (dims[1] * dims[2] * dims[3]) as i64;
+    let (tokens_i, d_i, kv_heads) = (tokens as i32, d as i32, dims[2] as i32);
+    let func = function(&dev, format!("store_e4m3_{}", suffix(x.0.dtype(), OP)?))?;
+    let mut b = stream.launch_builder(&func);
+    b.arg(&xa)
+        .arg(&tokens_i)
+        .arg(&d_i)
+        .arg(&rows_a)
+        .arg(&cache_a)
+        .arg(&plane)
+        .arg(&kv_heads)
+        .arg(&quant_a);
+    // SAFETY: x contiguous (tokens, 2 kv_heads, d), the cache (2, rows, kv_heads, d) contiguous,
+    // each of `rows` below its row count (the model's own), quant (2 kv_heads,) f32.
+    unsafe { b.launch(grid(n)) }.map_err(|e| err("store_e4m3 launch", e))?;
+    drop((rows_g, quant_g));
     Ok(())
 }
 

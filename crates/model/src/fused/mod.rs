@@ -122,18 +122,26 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
 }
 
 /// Where [`rope_store`] puts the rotated k heads and the v heads.
-pub struct CacheStore<'a> {
-    /// The layer's cache, (rows, cached heads, head_dim), contiguous: written in place.
-    pub kv: &'a Tensor,
-    /// The cache row of each token, (tokens,) u32.
-    pub rows: &'a Tensor,
+pub enum CacheStore<'a> {
+    /// In the model's dtype: `kv` (rows, cached heads, head_dim), contiguous, takes the last
+    /// `kv.dim(1)` heads of each token (k then v side by side) in its row `rows[t]`.
+    Rows { kv: &'a Tensor, rows: &'a Tensor },
+    /// As e4m3: `kv` (2, rows, kv_heads, head_dim) `F8E4M3`, contiguous, a k plane and a v plane;
+    /// each of the last 2 · kv_heads heads of a token is multiplied by its factor in `quant`
+    /// (2 · kv_heads,) f32 (k heads first) and saturated to ±448 before the cast.
+    E4m3 {
+        kv: &'a Tensor,
+        rows: &'a Tensor,
+        quant: &'a Tensor,
+    },
 }
 
 /// Rotary embedding of `y` (tokens, heads, head_dim), in place, each (token, head) by its own
 /// angles `cos`/`sin` (tokens, heads, head_dim / 2) (heads at angle 0 pass unchanged): pairs
-/// `(x_i, x_{i+d/2})`, or `(x_{2i}, x_{2i+1})` if `interleaved`. With `store`, the last
-/// `kv.dim(1)` heads of each token (k then v of a fused q/k/v output) are also written, rotated,
-/// to its cache row: one launch for what was a RoPE and a strided copy.
+/// `(x_i, x_{i+d/2})`, or `(x_{2i}, x_{2i+1})` if `interleaved`. With `store`, the k and v heads
+/// of each token (the last heads of a fused q/k/v output) are also written, rotated, to its
+/// cache row: one launch for what was a RoPE and a strided copy (and, for an e4m3 cache, the
+/// quantization).
 pub fn rope_store(y: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool, store: Option<CacheStore>) -> Result<()> {
     on_cuda("RoPE + KV store", y)?;
     let (tokens, heads, d) = y.dims3()?;
@@ -145,23 +153,126 @@ pub fn rope_store(y: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool, sto
             sin.shape()
         )
     }
-    if let Some(s) = &store {
-        let (_, cached, kd) = s.kv.dims3()?;
-        if kd != d || cached > heads || s.rows.dims() != [tokens] || s.rows.dtype() != DType::U32 {
-            bail!(
-                "flash-llama RoPE + KV store: cache {:?} and rows {:?} ({:?}) do not fit y {:?}",
-                s.kv.shape(),
-                s.rows.shape(),
-                s.rows.dtype(),
-                y.shape()
-            )
+    let store = match store {
+        None => None,
+        Some(CacheStore::Rows { kv, rows }) => {
+            let (_, cached, kd) = kv.dims3()?;
+            check_rows(rows, tokens)?;
+            if kd != d || cached > heads {
+                bail!(
+                    "flash-llama RoPE + KV store: the cache {:?} and y {:?} do not fit (head dim, cached heads)",
+                    kv.shape(),
+                    y.shape()
+                )
+            }
+            Some(StoreTarget::Rows {
+                kv: kv.clone(),
+                rows: rows.clone(),
+            })
         }
-    }
-    let op = RopeStore {
-        interleaved,
-        store: store.map(|s| (s.kv.clone(), s.rows.clone())),
+        Some(CacheStore::E4m3 { kv, rows, quant }) => {
+            check_rows(rows, tokens)?;
+            let fits = match *kv.dims() {
+                [2, _, kv_heads, kd] => kd == d && 2 * kv_heads <= heads && quant.dims() == [2 * kv_heads],
+                _ => false,
+            };
+            if !fits || kv.dtype() != DType::F8E4M3 || quant.dtype() != DType::F32 || !kv.is_contiguous() {
+                bail!(
+                    "flash-llama RoPE + KV store: e4m3 cache {:?} ({:?}, 2 planes of (rows, kv_heads, head_dim)) and factors {:?} ({:?}) do not fit y {:?}",
+                    kv.shape(),
+                    kv.dtype(),
+                    quant.shape(),
+                    quant.dtype(),
+                    y.shape()
+                )
+            }
+            Some(StoreTarget::E4m3 {
+                kv: kv.clone(),
+                rows: rows.clone(),
+                quant: quant.clone(),
+            })
+        }
     };
+    let op = RopeStore { interleaved, store };
     y.inplace_op3(cos, sin, &op)
+}
+
+/// Stores `kv_new` (tokens, 2 × kv_heads, head_dim), k heads first, into the e4m3 cache `kv`
+/// (2, rows, kv_heads, head_dim) at the rows `rows` (tokens,) u32, each head multiplied by its
+/// factor in `quant` (2 × kv_heads,) f32 and saturated: [`rope_store`]'s e4m3 store without the
+/// rotation (candle's CUDA casts have no f8e4m3 target).
+pub fn store_e4m3(kv_new: &Tensor, kv: &Tensor, rows: &Tensor, quant: &Tensor) -> Result<()> {
+    on_cuda("e4m3 KV store", kv_new)?;
+    let (tokens, heads, d) = kv_new.dims3()?;
+    check_rows(rows, tokens)?;
+    let fits = match *kv.dims() {
+        [2, _, kv_heads, kd] => kd == d && 2 * kv_heads == heads && quant.dims() == [heads],
+        _ => false,
+    };
+    if !fits || d % 2 != 0 || kv.dtype() != DType::F8E4M3 || quant.dtype() != DType::F32 || !kv.is_contiguous() {
+        bail!(
+            "flash-llama e4m3 KV store: cache {:?} ({:?}) and factors {:?} ({:?}) do not fit new keys {:?}",
+            kv.shape(),
+            kv.dtype(),
+            quant.shape(),
+            quant.dtype(),
+            kv_new.shape()
+        )
+    }
+    let kv_new = kv_new.contiguous()?;
+    kv.inplace_op2(
+        &kv_new,
+        &StoreE4m3Op {
+            rows: rows.clone(),
+            quant: quant.clone(),
+        },
+    )
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct StoreE4m3Op {
+    rows: Tensor,
+    quant: Tensor,
+}
+
+impl candle_core::InplaceOp2 for StoreE4m3Op {
+    fn name(&self) -> &'static str {
+        "e4m3-kv-store"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
+        Err(cuda_only("e4m3 KV store"))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        kv: &mut candle_core::CudaStorage,
+        kv_l: &Layout,
+        x: &candle_core::CudaStorage,
+        x_l: &Layout,
+    ) -> Result<()> {
+        cuda::store_e4m3((kv, kv_l), (x, x_l), &self.rows, &self.quant)
+    }
+}
+
+fn check_rows(rows: &Tensor, tokens: usize) -> Result<()> {
+    if rows.dims() != [tokens] || rows.dtype() != DType::U32 {
+        bail!(
+            "flash-llama RoPE + KV store: cache rows {:?} ({:?}) for {tokens} tokens: (tokens,) u32 expected",
+            rows.shape(),
+            rows.dtype()
+        )
+    }
+    Ok(())
+}
+
+/// [`CacheStore`] with the op's own handles on the tensors (sharing the caller's storage,
+/// written / read inside the launch).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum StoreTarget {
+    Rows { kv: Tensor, rows: Tensor },
+    E4m3 { kv: Tensor, rows: Tensor, quant: Tensor },
 }
 
 // Without the `cuda` feature the ops exist (their CPU forward is the error) but read no field.
@@ -183,8 +294,7 @@ struct LinearVector {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct RopeStore {
     interleaved: bool,
-    /// (cache, rows): tensors sharing the caller's storage, written/read inside the launch.
-    store: Option<(Tensor, Tensor)>,
+    store: Option<StoreTarget>,
 }
 
 /// Device check up front: the CPU never reaches these kernels.
@@ -325,7 +435,6 @@ impl InplaceOp3 for RopeStore {
         sl: &Layout,
     ) -> Result<()> {
         // Shapes checked by `rope_store`.
-        let store = self.store.as_ref().map(|(kv, rows)| (kv, rows));
-        cuda::rope_store((y, yl), (cos, cl), (sin, sl), self.interleaved, store)
+        cuda::rope_store((y, yl), (cos, cl), (sin, sl), self.interleaved, self.store.as_ref())
     }
 }

@@ -29,6 +29,9 @@ pub enum Family {
     Qwen2,
     /// q/k RMSNorm.
     Qwen3,
+    /// Llama with heads of 64 dims (the smallest head dim of the fp8 KV-cache kernels; the other
+    /// families' heads have 8). Not in [`Family::ALL`].
+    WideHeads,
 }
 
 impl Family {
@@ -52,6 +55,7 @@ impl Family {
             Family::Mistral => ("mistral", r#", "sliding_window": 4"#.to_string()),
             Family::Qwen2 => ("qwen2", r#", "tie_word_embeddings": true"#.to_string()),
             Family::Qwen3 => ("qwen3", r#", "head_dim": 8, "attention_bias": false"#.to_string()),
+            Family::WideHeads => ("llama", format!(r#", "head_dim": {}"#, self.head_dim())),
         };
         format!(
             r#"{{"model_type": "{model_type}", "vocab_size": {VOCAB}, "hidden_size": {HIDDEN},
@@ -59,6 +63,13 @@ impl Family {
                "num_key_value_heads": {KV_HEADS}, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                "max_position_embeddings": 128, "bos_token_id": 1, "eos_token_id": 2{extra}}}"#
         )
+    }
+
+    pub fn head_dim(self) -> usize {
+        match self {
+            Family::WideHeads => 64,
+            _ => HEAD_DIM,
+        }
     }
 
     fn tied(self) -> bool {
@@ -94,6 +105,7 @@ pub fn weights(family: Family) -> HashMap<String, Tensor> {
         w.insert("lm_head.weight".to_string(), t(&[VOCAB, HIDDEN], 0.3));
     }
     let proj = 0.35;
+    let head_dim = family.head_dim();
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}");
         let mut put = |name: &str, tensor: Tensor| {
@@ -101,21 +113,21 @@ pub fn weights(family: Family) -> HashMap<String, Tensor> {
         };
         put("input_layernorm.weight", (t(&[HIDDEN], 0.2) + 1.0).unwrap());
         put("post_attention_layernorm.weight", (t(&[HIDDEN], 0.2) + 1.0).unwrap());
-        put("self_attn.q_proj.weight", t(&[HEADS * HEAD_DIM, HIDDEN], proj));
-        put("self_attn.k_proj.weight", t(&[KV_HEADS * HEAD_DIM, HIDDEN], proj));
-        put("self_attn.v_proj.weight", t(&[KV_HEADS * HEAD_DIM, HIDDEN], proj));
-        put("self_attn.o_proj.weight", t(&[HIDDEN, HEADS * HEAD_DIM], proj));
+        put("self_attn.q_proj.weight", t(&[HEADS * head_dim, HIDDEN], proj));
+        put("self_attn.k_proj.weight", t(&[KV_HEADS * head_dim, HIDDEN], proj));
+        put("self_attn.v_proj.weight", t(&[KV_HEADS * head_dim, HIDDEN], proj));
+        put("self_attn.o_proj.weight", t(&[HIDDEN, HEADS * head_dim], proj));
         put("mlp.gate_proj.weight", t(&[INTER, HIDDEN], proj));
         put("mlp.up_proj.weight", t(&[INTER, HIDDEN], proj));
         put("mlp.down_proj.weight", t(&[HIDDEN, INTER], proj));
         if family == Family::Qwen2 {
-            put("self_attn.q_proj.bias", t(&[HEADS * HEAD_DIM], 0.2));
-            put("self_attn.k_proj.bias", t(&[KV_HEADS * HEAD_DIM], 0.2));
-            put("self_attn.v_proj.bias", t(&[KV_HEADS * HEAD_DIM], 0.2));
+            put("self_attn.q_proj.bias", t(&[HEADS * head_dim], 0.2));
+            put("self_attn.k_proj.bias", t(&[KV_HEADS * head_dim], 0.2));
+            put("self_attn.v_proj.bias", t(&[KV_HEADS * head_dim], 0.2));
         }
         if family == Family::Qwen3 {
-            put("self_attn.q_norm.weight", (t(&[HEAD_DIM], 0.2) + 1.0).unwrap());
-            put("self_attn.k_norm.weight", (t(&[HEAD_DIM], 0.2) + 1.0).unwrap());
+            put("self_attn.q_norm.weight", (t(&[head_dim], 0.2) + 1.0).unwrap());
+            put("self_attn.k_norm.weight", (t(&[head_dim], 0.2) + 1.0).unwrap());
         }
     }
     w
