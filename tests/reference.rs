@@ -201,10 +201,14 @@ impl Packed {
 
 /// Any tensor as a flat f64 vector in logical (row-major) order, read on the CPU.
 pub fn to_f64_vec(t: &Tensor) -> Result<Vec<f64>> {
-    t.to_device(&Device::Cpu)?
-        .to_dtype(DType::F64)?
-        .flatten_all()?
-        .to_vec1::<f64>()
+    let t = t.to_device(&Device::Cpu)?;
+    // candle 0.11.1's CPU cast from f8e4m3 to f64 never returns (its `to_f64` for e4m3 calls
+    // itself); through f32 is exact.
+    let t = match t.dtype() {
+        DType::F8E4M3 => t.to_dtype(DType::F32)?,
+        _ => t,
+    };
+    t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()
 }
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {

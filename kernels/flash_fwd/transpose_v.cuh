@@ -75,7 +75,10 @@ template <class Tr> __device__ void v_transposer(SharedStorage<Tr>& s, int t) {
         mbar_wait(&s.full_v_raw[raw], (it / Tr::kVRawStages) & 1);
         // A position, not a flag: the TMA thread may name the end while this warp still works on
         // the blocks before it (their barriers completed long ago).
-        if (*reinterpret_cast<volatile int*>(&s.transpose_stop) == it) break;
+        // Atomic on both sides: the TMA thread may write the word while a warp still reads it
+        // for an earlier position (a benign race, but a race: compute-sanitizer's racecheck
+        // reported the plain store and volatile load).
+        if (atomicOr(&s.transpose_stop, 0) == it) break;
         // V^T's slot is free once both consumer warpgroups retired its last P·V.
         mbar_wait(&s.empty_v[stage], ((it / Tr::kStages) & 1) ^ 1);
         transpose_v_block<Tr>(smem_u32(s.v_raw[raw]), smem_u32(s.v[stage]), t);
@@ -93,7 +96,7 @@ template <class Tr> __device__ void v_transposer(SharedStorage<Tr>& s, int t) {
 template <class Tr> __device__ __forceinline__ void stop_transposer(SharedStorage<Tr>& s, int it) {
     const int raw = it % Tr::kVRawStages;
     mbar_wait(&s.empty_v_raw[raw], ((it / Tr::kVRawStages) & 1) ^ 1);
-    s.transpose_stop = it;
+    atomicExch(&s.transpose_stop, it);
     mbar_arrive(&s.full_v_raw[raw]);
 }
 

@@ -394,8 +394,8 @@ fn kvcache_bad_indices_read_as_empty() -> Result<()> {
     Ok(())
 }
 
-/// Host-side errors of GPU calls: f32 (the GPU kernels take 16 bits), a status of the wrong
-/// shape, an fp8 cache (to come).
+/// Host-side errors of GPU calls: f32 (the GPU kernels take 16 bits and e4m3), a status of the
+/// wrong shape.
 #[test]
 fn kvcache_gpu_errors() -> Result<()> {
     let dev = gpu()?;
@@ -404,7 +404,7 @@ fn kvcache_gpu_errors() -> Result<()> {
     let lens = Tensor::new(&[3u32], &dev)?;
     assert_err(
         FlashAttn::new(0.1).kv_cache(&k, &k, &lens).forward(&q),
-        &["bf16 and f16", "F32"],
+        &["bf16, f16 and f8e4m3", "F32"],
     );
     let (q, k) = (q.to_dtype(DType::BF16)?, k.to_dtype(DType::BF16)?);
     let status = Tensor::zeros(2, DType::U32, &dev)?;
