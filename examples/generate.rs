@@ -51,7 +51,8 @@ struct Args {
     #[arg(long, conflicts_with_all = ["prompt", "token_ids", "dump_logits", "chat"])]
     perplexity: Option<PathBuf>,
 
-    /// A prompt given as comma-separated token ids instead of text (repeat for a batch). No
+    /// A prompt given as comma-separated token ids instead of text, or `@FILE` to read them from
+    /// a file (repeat for a batch). No
     /// tokenizer is loaded: the generated ids are printed, one line per prompt. For checks and
     /// benchmarks with random-weight models.
     #[arg(long)]
@@ -176,10 +177,7 @@ fn run(args: Args) -> Result<()> {
         device.location(),
     );
 
-    let kv_cache_dtype = match args.kv_cache_dtype.as_str() {
-        "fp8" => DType::F8E4M3,
-        _ => model.dtype(),
-    };
+    let kv_cache_dtype = common::kv_cache_dtype(&args.kv_cache_dtype, model.dtype())?;
 
     if let Some(path) = &args.perplexity {
         let Some(tokenizer) = tokenizer else {
@@ -204,11 +202,19 @@ fn run(args: Args) -> Result<()> {
         None => args
             .token_ids
             .iter()
-            .map(|list| {
-                list.split(',')
+            .map(|arg| {
+                // `@FILE`: the ids in a file (prompts too long for a command line).
+                let list = match arg.strip_prefix('@') {
+                    Some(path) => {
+                        std::fs::read_to_string(path).with_context(|| format!("reading --token-ids {arg}"))?
+                    }
+                    None => arg.clone(),
+                };
+                list.trim()
+                    .split(',')
                     .map(|t| t.trim().parse::<u32>())
                     .collect::<std::result::Result<Vec<u32>, _>>()
-                    .with_context(|| format!("--token-ids {list:?}: expected comma-separated token ids"))
+                    .with_context(|| format!("--token-ids {arg:?}: expected comma-separated token ids"))
             })
             .collect::<Result<_>>()?,
         Some(tokenizer) => args

@@ -45,6 +45,10 @@ struct Args {
     /// Run on the CPU even when a GPU is available.
     #[arg(long)]
     cpu: bool,
+
+    /// The KV cache's dtype: `model` (the compute dtype) or `fp8` (e4m3, half the bytes of bf16).
+    #[arg(long, default_value = "model", value_parser = ["model", "fp8"])]
+    kv_cache_dtype: String,
 }
 
 fn main() {
@@ -74,7 +78,8 @@ fn run(args: Args) -> Result<()> {
         t0.elapsed().as_secs_f64(),
         device.location()
     );
-    let engine = Engine::start(name.clone(), loaded.model, loaded.tokenizer);
+    let kv_cache_dtype = common::kv_cache_dtype(&args.kv_cache_dtype, dtype)?;
+    let engine = Engine::start(name.clone(), loaded.model, loaded.tokenizer, kv_cache_dtype);
     let addr = format!("{}:{}", args.host, args.port);
     let server = Server::bind(&addr)?;
     eprintln!("serving `{name}` on http://{}", server.local_addr()?);

@@ -47,8 +47,13 @@ def run(cmd, timeout):
 def decode_speed(args, model_dir, prompts, kv):
     cmd = [args.bin, "--model", model_dir, "-n", str(args.new_tokens), "--dtype", "bf16", "--ignore-eos", "--warmup"]
     cmd += ["--kv-cache-dtype", kv]
-    for p in prompts:
-        cmd += ["--token-ids", ",".join(map(str, p))]
+    # Through files: 32k-token prompts overflow a command line.
+    os.makedirs(args.work, exist_ok=True)
+    for i, p in enumerate(prompts):
+        path = os.path.join(args.work, f"prompt{i}.txt")
+        with open(path, "w") as f:
+            f.write(",".join(map(str, p)))
+        cmd += ["--token-ids", "@" + path]
     r, secs = run(cmd, args.timeout)
     m = GEN.search(r.stderr)
     if not m:

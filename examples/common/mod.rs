@@ -1,4 +1,5 @@
-//! What the inference examples (generate, serve) share: the device and the compute dtype.
+//! What the inference examples (generate, serve) share: the device, the compute dtype and the
+//! KV cache's dtype.
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
@@ -34,5 +35,15 @@ pub fn inference_dtype(arg: Option<&str>, device: &Device) -> Result<DType> {
         Some("bf16") => DType::BF16,
         Some("f16") => DType::F16,
         Some(other) => bail!("unsupported --dtype {other}: use f32, bf16 or f16"),
+    })
+}
+
+/// `--kv-cache-dtype`: `model` (the compute dtype `model`) or `fp8` (e4m3 with a scale per layer
+/// and kv head, half the bytes of bf16; flash-llama's `KvCache`).
+pub fn kv_cache_dtype(arg: &str, model: DType) -> Result<DType> {
+    Ok(match arg {
+        "model" => model,
+        "fp8" => DType::F8E4M3,
+        other => bail!("unsupported --kv-cache-dtype {other}: use model or fp8"),
     })
 }

@@ -49,8 +49,9 @@ use crate::nn::{apply_rope, rope_angles, rope_angles_per_head, rope_per_head, Ke
 /// mapped to e4m3's largest value 448; later tokens are multiplied by the same factor and
 /// saturated to ±448 (so up to 64 times the prompt's largest value is stored without clipping).
 /// The fused GPU RoPE + KV store quantizes as it stores. A step that reads the cache runs
-/// `flash_attn_with_kvcache` on the e4m3 planes directly (q quantized per (sequence, head) for
-/// the call; the varlen call would transpose all of V each step), one call per group of
+/// `flash_attn_with_kvcache` on the e4m3 planes directly (q quantized for the call, one scale
+/// per (sequence, kv head) at decode so the kernel packs GQA groups; the varlen call would
+/// transpose all of V each step), one call per group of
 /// sequences with the same number of new tokens. A prefill into an empty cache attends to the
 /// fresh keys in the model's dtype, as for any cache.
 ///
@@ -586,17 +587,31 @@ impl Attention {
                 None => q.clone(),
                 Some(rows) => q.contiguous()?.index_select(rows, 0)?,
             };
-            let qg = quantize(&qg.reshape((g.batch, g.new, h, d))?, Granularity::Head)?;
+            let (q8, q_descale) = if g.new == 1 {
+                // One scale per (sequence, kv head): a token's heads of one GQA group are
+                // adjacent rows, so q viewed as (batch × kv_heads, group, 1, d) makes each group
+                // one "head" of the quantizer. A q descale shared by the group lets the kernel
+                // pack the group's heads into one tile (pack-GQA), reading K and V once per kv
+                // head instead of once per q head.
+                let grouped = quantize(&qg.reshape((g.batch * hk, h / hk, 1, d))?, Granularity::Head)?;
+                (
+                    grouped.data.reshape((g.batch, 1, h, d))?,
+                    grouped.descale.reshape((g.batch, hk))?,
+                )
+            } else {
+                let per_head = quantize(&qg.reshape((g.batch, g.new, h, d))?, Granularity::Head)?;
+                (per_head.data, per_head.descale)
+            };
             let attn = self
                 .attn
                 .clone()
-                .descale(Some(&qg.descale), Some(&scales.k_descale), Some(&scales.v_descale))
+                .descale(Some(&q_descale), Some(&scales.k_descale), Some(&scales.v_descale))
                 .out_dtype(out_dtype);
             let mut call = attn.kv_cache(&k_cache, &v_cache, &g.seqlens);
             if let Some(idx) = &g.cache_idx {
                 call = call.cache_batch_idx(idx);
             }
-            outs.push(call.forward(&qg.data)?.reshape((g.batch * g.new, h, d))?);
+            outs.push(call.forward(&q8)?.reshape((g.batch * g.new, h, d))?);
         }
         let out = match unpermute {
             None if outs.len() == 1 => outs.pop().expect("one group"),

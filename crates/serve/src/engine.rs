@@ -8,6 +8,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread;
 
+use candle_core::DType;
 use flash_llama::{generate, ChatMessage, Flow, GenerateOptions, Llama, SamplingParams, TextTokenizer, TokenStream};
 
 /// One generation request, tokenized.
@@ -75,8 +76,9 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts the worker thread, which owns `model` from now on.
-    pub fn start(name: impl Into<String>, model: Llama, tokenizer: TextTokenizer) -> Self {
+    /// Starts the worker thread, which owns `model` from now on; each request's KV cache holds
+    /// `kv_cache_dtype` (the model's dtype, or `F8E4M3`).
+    pub fn start(name: impl Into<String>, model: Llama, tokenizer: TextTokenizer, kv_cache_dtype: DType) -> Self {
         let context_len = model.config().max_position_embeddings;
         let (jobs, queue) = channel::<(Job, Sender<Event>)>();
         let tokenizer = Arc::new(tokenizer);
@@ -85,7 +87,7 @@ impl Engine {
             .name("flash-serve-engine".into())
             .spawn(move || {
                 for (job, events) in queue {
-                    run_job(&model, &worker_tokenizer, job, &events);
+                    run_job(&model, &worker_tokenizer, kv_cache_dtype, job, &events);
                 }
             })
             .expect("spawning the engine thread");
@@ -125,12 +127,12 @@ impl Backend for Engine {
 }
 
 /// Runs one job on the worker thread, streaming its text into `events`.
-fn run_job(model: &Llama, tokenizer: &TextTokenizer, job: Job, events: &Sender<Event>) {
+fn run_job(model: &Llama, tokenizer: &TextTokenizer, kv_cache_dtype: DType, job: Job, events: &Sender<Event>) {
     let opts = GenerateOptions {
         max_tokens: job.max_tokens,
         sampling: job.sampling.clone(),
         stop_tokens: tokenizer.eos_token_ids.clone(),
-        kv_cache_dtype: None,
+        kv_cache_dtype: Some(kv_cache_dtype),
     };
     let mut stream = TokenStream::new(tokenizer);
     let mut filter = StopFilter::new(job.stop.clone());
