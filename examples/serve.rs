@@ -8,8 +8,8 @@
 //! ```
 //!
 //! Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
-//! (temperature, top_p, top_k, max_tokens, stop, seed, stream). Requests from many clients queue
-//! for the model and run one at a time (crates/serve).
+//! (temperature, top_p, top_k, max_tokens, stop, seed, stream). Requests from many clients share
+//! the model's steps in one continuous batch of up to `--slots` (crates/serve).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Parser;
 use flash_llama::Kernels;
-use flash_serve::{Engine, Server};
+use flash_serve::{Engine, EngineOptions, Server};
 
 mod common;
 
@@ -49,6 +49,15 @@ struct Args {
     /// The KV cache's dtype: `model` (the compute dtype) or `fp8` (e4m3, half the bytes of bf16).
     #[arg(long, default_value = "model", value_parser = ["model", "fp8"])]
     kv_cache_dtype: String,
+
+    /// Requests that share a model step at most (continuous batching; more wait in arrival
+    /// order). The KV cache holds slots × max-seq tokens.
+    #[arg(long, default_value_t = 8)]
+    slots: usize,
+
+    /// Tokens (prompt and generated) one request may hold; longer requests get a 400.
+    #[arg(long, default_value_t = 2048)]
+    max_seq: usize,
 }
 
 fn main() {
@@ -79,7 +88,16 @@ fn run(args: Args) -> Result<()> {
         device.location()
     );
     let kv_cache_dtype = common::kv_cache_dtype(&args.kv_cache_dtype, dtype)?;
-    let engine = Engine::start(name.clone(), loaded.model, loaded.tokenizer, kv_cache_dtype);
+    let opts = EngineOptions {
+        slots: args.slots,
+        max_seq: args.max_seq,
+        kv_cache_dtype: Some(kv_cache_dtype),
+    };
+    let engine = Engine::start(name.clone(), loaded.model, loaded.tokenizer, opts)?;
+    eprintln!(
+        "continuous batching: {} slots of {} tokens, KV cache {kv_cache_dtype:?}",
+        args.slots, args.max_seq
+    );
     let addr = format!("{}:{}", args.host, args.port);
     let server = Server::bind(&addr)?;
     eprintln!("serving `{name}` on http://{}", server.local_addr()?);

@@ -8,9 +8,11 @@
 //! - [`TextTokenizer`], [`TokenStream`]: encoding, chat templates, incremental decoding;
 //!   [`spm`] rebuilds SentencePiece vocabularies of GGUF files.
 //! - [`perplexity()`]: a text's perplexity through the KV cache (fp8 or the model's dtype).
+//! - [`Batcher`]: continuous batching (requests join and leave a running batch between steps).
 //! - [`generate()`]: batched sampling loop ([`Sampler`]: temperature, top-k, top-p, repeat penalty).
 //! - [`train`]: training from scratch (presets, AdamW, checkpoints that resume the same run).
 
+pub mod batch;
 pub mod config;
 pub mod eval;
 pub mod fused;
@@ -24,6 +26,7 @@ pub mod tokenizer;
 pub mod train;
 pub mod train_ops;
 
+pub use batch::{Batcher, Emitted, Finish, Request};
 pub use config::{Architecture, Config, Llama3RopeScaling};
 pub use eval::{perplexity, Perplexity};
 pub use generate::{generate, Flow, GenerateOptions, Generation};

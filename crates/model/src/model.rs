@@ -189,6 +189,21 @@ impl KvCache {
         self.dtype
     }
 
+    /// Forgets sequence `i` alone (a finished member of a running batch; its slot's memory is
+    /// overwritten by the next sequence there). An fp8 cache keeps its scales.
+    pub fn clear_sequence(&mut self, i: usize) -> Result<()> {
+        match self.lens.get_mut(i) {
+            Some(len) => {
+                *len = 0;
+                Ok(())
+            }
+            None => bail!(
+                "clear_sequence: no sequence {i} in a cache of batch {}",
+                self.lens.len()
+            ),
+        }
+    }
+
     /// Forgets every sequence (the memory is kept and overwritten by the next prefill, which
     /// also sets an fp8 cache's scales afresh).
     pub fn reset(&mut self) {

@@ -389,3 +389,126 @@ fn perplexity_through_the_cache() {
     let err = narrow.new_cache_of(1, 8, DType::F8E4M3).unwrap_err().to_string();
     assert!(err.contains("multiple of 16"), "{err}");
 }
+
+/// Continuous batching: more requests than slots, joining as slots free up (so prefills run in
+/// the same steps as other sequences' decoding), greedy and sampled, with stop tokens: each
+/// request's tokens are the ones `generate` gives it alone (with the model-dtype cache; an fp8
+/// cache's scales depend on its first write, so there only the bookkeeping is checked).
+#[test]
+fn continuous_batching_equals_generation_alone() {
+    use flash_llama::{Batcher, Finish, Request};
+    for (family, kv_dtype) in [
+        (Family::Llama, None),
+        (Family::Mistral, None),
+        (Family::WideHeads, Some(DType::F8E4M3)),
+    ] {
+        let model = load_with(family, DType::F32, Kernels::Fused);
+        let kv_dtype = kv_dtype.unwrap_or(DType::F32);
+        let requests: Vec<Request> = (0..5u32)
+            .map(|i| Request {
+                prompt: tokens(3 + 4 * i as usize, 20 + i),
+                max_tokens: 4 + 3 * i as usize,
+                sampling: SamplingParams {
+                    temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
+                    top_k: 8,
+                    seed: 99 + i as u64,
+                    ..SamplingParams::default()
+                },
+                stop_tokens: if i == 3 { vec![tokens(1, 5)[0], 2] } else { vec![] },
+            })
+            .collect();
+        let alone: Vec<Vec<u32>> = requests
+            .iter()
+            .map(|r| {
+                let opts = GenerateOptions {
+                    max_tokens: r.max_tokens,
+                    sampling: r.sampling.clone(),
+                    stop_tokens: r.stop_tokens.clone(),
+                    kv_cache_dtype: Some(kv_dtype),
+                };
+                generate(&model, std::slice::from_ref(&r.prompt), &opts, |_, _| {
+                    Ok(Flow::Continue)
+                })
+                .unwrap()
+                .tokens
+                .remove(0)
+            })
+            .collect();
+        // Two slots for five requests: the rest wait and join between steps.
+        let mut batcher = Batcher::new(&model, 2, 40, kv_dtype).unwrap();
+        let mut waiting: std::collections::VecDeque<(u64, Request)> = requests
+            .iter()
+            .cloned()
+            .enumerate()
+            .map(|(i, r)| (i as u64, r))
+            .collect();
+        let mut got: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+        let mut finished = vec![None; requests.len()];
+        let mut steps = 0;
+        while finished.iter().any(Option::is_none) {
+            while batcher.free_slots() > 0 {
+                let Some((id, r)) = waiting.pop_front() else { break };
+                batcher.join(id, r).unwrap();
+            }
+            for e in batcher.step().unwrap() {
+                got[e.id as usize].push(e.token);
+                if e.finish.is_some() {
+                    finished[e.id as usize] = e.finish;
+                }
+            }
+            steps += 1;
+            assert!(steps < 200, "the batch never drained");
+        }
+        if kv_dtype == DType::F8E4M3 {
+            // An fp8 cache's scales come from its first write: here the first two prompts
+            // together, alone each prompt's own. So the tokens may part; the lengths may not
+            // exceed the requests' (and `finished`, below, must match each last token).
+            for (g, r) in got.iter().zip(&requests) {
+                assert!(!g.is_empty() && g.len() <= r.max_tokens);
+            }
+        } else {
+            assert_eq!(got, alone, "{family:?} {kv_dtype:?}");
+        }
+        for (i, (f, r)) in finished.iter().zip(&requests).enumerate() {
+            let last = *got[i].last().unwrap();
+            let want = if r.stop_tokens.contains(&last) {
+                Finish::Stop
+            } else {
+                Finish::Length
+            };
+            assert_eq!(*f, Some(want), "request {i}");
+        }
+        assert_eq!(batcher.running(), 0);
+        // Errors: too long for a slot, an empty prompt, a full batch.
+        let long = Request {
+            prompt: tokens(38, 1),
+            max_tokens: 3,
+            sampling: SamplingParams::default(),
+            stop_tokens: vec![],
+        };
+        assert!(batcher
+            .join(9, long.clone())
+            .unwrap_err()
+            .to_string()
+            .contains("exceed"));
+        let empty = Request {
+            prompt: vec![],
+            ..long.clone()
+        };
+        assert!(batcher.join(9, empty).is_err());
+        let short = Request {
+            prompt: tokens(2, 1),
+            ..long
+        };
+        batcher.join(1, short.clone()).unwrap();
+        assert!(batcher
+            .join(1, short.clone())
+            .unwrap_err()
+            .to_string()
+            .contains("already"));
+        batcher.join(2, short.clone()).unwrap();
+        assert!(batcher.join(3, short).unwrap_err().to_string().contains("no free slot"));
+        batcher.cancel(1);
+        assert_eq!(batcher.free_slots(), 1);
+    }
+}

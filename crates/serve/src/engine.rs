@@ -1,15 +1,18 @@
-//! The generation side of the server: a worker thread that owns the model and runs the queued
-//! requests one after the other, streaming each one's text as it comes.
+//! The generation side of the server: a worker thread that owns the model and runs the requests
+//! in one continuous batch ([`flash_llama::Batcher`]): a request joins the running batch between
+//! two steps when a slot is free (else it waits, in arrival order) and leaves it when it ends, so
+//! each model step serves every request in flight. Each one's text streams as it comes.
 //!
 //! [`Backend`] is what the HTTP layer needs from it (a name, a context length, tokenization and a
 //! streaming generation), so that the HTTP layer is tested without a model.
 
+use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread;
 
 use candle_core::DType;
-use flash_llama::{generate, ChatMessage, Flow, GenerateOptions, Llama, SamplingParams, TextTokenizer, TokenStream};
+use flash_llama::{Batcher, ChatMessage, Finish, Llama, Request, SamplingParams, TextTokenizer, TokenStream};
 
 /// One generation request, tokenized.
 #[derive(Debug, Clone)]
@@ -67,7 +70,19 @@ pub trait Backend: Send + Sync + 'static {
     fn submit(&self, job: Job) -> Result<Receiver<Event>, String>;
 }
 
-/// The model's worker thread and its queue: requests run one at a time, in arrival order.
+/// How the engine batches.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineOptions {
+    /// Requests that share a step at most (the KV cache's sequences).
+    pub slots: usize,
+    /// Tokens (prompt and generated) a request may hold; the context the HTTP layer enforces is
+    /// the smaller of this and the model's.
+    pub max_seq: usize,
+    /// The KV cache's dtype: `None` for the model's, or `Some(F8E4M3)`.
+    pub kv_cache_dtype: Option<DType>,
+}
+
+/// The model's worker thread and its queue (module docs).
 pub struct Engine {
     name: String,
     context_len: usize,
@@ -76,27 +91,43 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts the worker thread, which owns `model` from now on; each request's KV cache holds
-    /// `kv_cache_dtype` (the model's dtype, or `F8E4M3`).
-    pub fn start(name: impl Into<String>, model: Llama, tokenizer: TextTokenizer, kv_cache_dtype: DType) -> Self {
-        let context_len = model.config().max_position_embeddings;
+    /// Starts the worker thread, which owns `model` from now on, with its batch's KV cache
+    /// allocated (an error if it cannot be).
+    pub fn start(
+        name: impl Into<String>,
+        model: Llama,
+        tokenizer: TextTokenizer,
+        opts: EngineOptions,
+    ) -> candle_core::Result<Self> {
+        let context_len = model.config().max_position_embeddings.min(opts.max_seq);
         let (jobs, queue) = channel::<(Job, Sender<Event>)>();
         let tokenizer = Arc::new(tokenizer);
         let worker_tokenizer = Arc::clone(&tokenizer);
+        let (ready, started) = channel::<candle_core::Result<()>>();
         thread::Builder::new()
             .name("flash-serve-engine".into())
             .spawn(move || {
-                for (job, events) in queue {
-                    run_job(&model, &worker_tokenizer, kv_cache_dtype, job, &events);
+                let kv_dtype = opts.kv_cache_dtype.unwrap_or(model.dtype());
+                match Batcher::new(&model, opts.slots, opts.max_seq, kv_dtype) {
+                    Ok(batcher) => {
+                        let _ = ready.send(Ok(()));
+                        run_batch(batcher, &worker_tokenizer, &queue);
+                    }
+                    Err(e) => {
+                        let _ = ready.send(Err(e));
+                    }
                 }
             })
-            .expect("spawning the engine thread");
-        Self {
+            .map_err(|e| candle_core::Error::msg(format!("spawning the engine thread: {e}")))?;
+        started
+            .recv()
+            .map_err(|_| candle_core::Error::msg("the engine thread stopped while starting"))??;
+        Ok(Self {
             name: name.into(),
             context_len,
             tokenizer,
             jobs,
-        }
+        })
     }
 }
 
@@ -126,76 +157,132 @@ impl Backend for Engine {
     }
 }
 
-/// Runs one job on the worker thread, streaming its text into `events`.
-fn run_job(model: &Llama, tokenizer: &TextTokenizer, kv_cache_dtype: DType, job: Job, events: &Sender<Event>) {
-    let opts = GenerateOptions {
-        max_tokens: job.max_tokens,
-        sampling: job.sampling.clone(),
-        stop_tokens: tokenizer.eos_token_ids.clone(),
-        kv_cache_dtype: Some(kv_cache_dtype),
-    };
-    let mut stream = TokenStream::new(tokenizer);
-    let mut filter = StopFilter::new(job.stop.clone());
-    let mut finish = FinishReason::Length;
-    let mut completion_tokens = 0;
-    let mut client_gone = false;
-    // A stop string ended the text: what the filter held back is not part of the answer.
-    let mut cut = false;
-    let result = generate(model, std::slice::from_ref(&job.prompt), &opts, |_, token| {
-        completion_tokens += 1;
-        if tokenizer.eos_token_ids.contains(&token) {
-            finish = FinishReason::Stop;
-            return Ok(Flow::Stop);
+/// A request in the batch: where its text goes and what is still held back.
+struct Live<'t> {
+    events: Sender<Event>,
+    stream: TokenStream<'t>,
+    filter: StopFilter,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+impl Live<'_> {
+    /// Sends the text held back (a possible start of a stop string, an incomplete character),
+    /// unless a stop string turns up in it, then `Done`.
+    fn finish(mut self, mut reason: FinishReason) {
+        let rest = match self.stream.finish() {
+            Ok(rest) => rest.unwrap_or_default(),
+            Err(e) => {
+                let _ = self.events.send(Event::Error(e.to_string()));
+                return;
+            }
+        };
+        let (mut text, stopped) = self.filter.push(&rest);
+        match stopped {
+            true => reason = FinishReason::Stop,
+            false => text.push_str(&self.filter.flush()),
         }
-        let piece = stream
-            .push(token)
-            .map_err(|e| candle_core::Error::msg(format!("{e:#}")))?
-            .unwrap_or_default();
-        let (text, stopped) = filter.push(&piece);
-        if !text.is_empty() && events.send(Event::Text(text)).is_err() {
-            client_gone = true;
-            return Ok(Flow::Stop);
+        if !text.is_empty() && self.events.send(Event::Text(text)).is_err() {
+            return;
         }
-        if stopped {
-            cut = true;
-            finish = FinishReason::Stop;
-            return Ok(Flow::Stop);
-        }
-        Ok(Flow::Continue)
-    });
-    if client_gone {
-        return;
+        self.done(reason);
     }
-    let event = match result {
-        Ok(_) => {
-            // The text held back (a possible start of a stop string, an incomplete character)
-            // goes out after max_tokens and after an end-of-sequence token alike.
-            if !cut {
-                let rest = match stream.finish() {
-                    Ok(rest) => rest.unwrap_or_default(),
-                    Err(e) => {
-                        let _ = events.send(Event::Error(e.to_string()));
-                        return;
-                    }
-                };
-                let (mut text, stopped) = filter.push(&rest);
-                match stopped {
-                    true => finish = FinishReason::Stop,
-                    false => text.push_str(&filter.flush()),
+
+    fn done(self, finish_reason: FinishReason) {
+        let _ = self.events.send(Event::Done {
+            finish_reason,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+        });
+    }
+}
+
+/// The worker's loop: admit queued requests while slots are free (waiting for one when the batch
+/// is empty), run one step, stream each request's new text; until the queue closes.
+fn run_batch(mut batcher: Batcher, tokenizer: &TextTokenizer, queue: &Receiver<(Job, Sender<Event>)>) {
+    let mut live: HashMap<u64, Live> = HashMap::new();
+    let mut next_id = 0u64;
+    loop {
+        let mut admit = |(job, events): (Job, Sender<Event>), batcher: &mut Batcher| {
+            let id = next_id;
+            next_id += 1;
+            let request = Request {
+                prompt: job.prompt.clone(),
+                max_tokens: job.max_tokens,
+                sampling: job.sampling.clone(),
+                stop_tokens: tokenizer.eos_token_ids.clone(),
+            };
+            match batcher.join(id, request) {
+                Ok(()) => {
+                    let state = Live {
+                        events,
+                        stream: TokenStream::new(tokenizer),
+                        filter: StopFilter::new(job.stop),
+                        prompt_tokens: job.prompt.len(),
+                        completion_tokens: 0,
+                    };
+                    live.insert(id, state);
                 }
-                if !text.is_empty() && events.send(Event::Text(text)).is_err() {
-                    return;
+                Err(e) => {
+                    let _ = events.send(Event::Error(e.to_string()));
                 }
             }
-            Event::Done {
-                finish_reason: finish,
-                prompt_tokens: job.prompt.len(),
-                completion_tokens,
+        };
+        if batcher.running() == 0 {
+            match queue.recv() {
+                Ok(job) => admit(job, &mut batcher),
+                Err(_) => return,
             }
         }
-        Err(e) => Event::Error(e.to_string()),
-    };
-    let _ = events.send(event);
+        while batcher.free_slots() > 0 {
+            match queue.try_recv() {
+                Ok(job) => admit(job, &mut batcher),
+                Err(_) => break,
+            }
+        }
+        let emitted = match batcher.step() {
+            Ok(emitted) => emitted,
+            Err(e) => {
+                // The batcher dropped every sequence.
+                for (_, state) in live.drain() {
+                    let _ = state.events.send(Event::Error(e.to_string()));
+                }
+                continue;
+            }
+        };
+        for e in emitted {
+            let Some(mut state) = live.remove(&e.id) else { continue };
+            state.completion_tokens += 1;
+            if e.finish == Some(Finish::Stop) {
+                // An end-of-sequence token: not part of the text.
+                state.finish(FinishReason::Stop);
+                continue;
+            }
+            let piece = match state.stream.push(e.token) {
+                Ok(piece) => piece.unwrap_or_default(),
+                Err(err) => {
+                    let _ = state.events.send(Event::Error(format!("{err:#}")));
+                    batcher.cancel(e.id);
+                    continue;
+                }
+            };
+            let (text, stopped) = state.filter.push(&piece);
+            if !text.is_empty() && state.events.send(Event::Text(text)).is_err() {
+                // The client went away: its slot is free for the next request.
+                batcher.cancel(e.id);
+                continue;
+            }
+            if stopped {
+                // A stop string ended the text: what the filter held back is not part of it.
+                batcher.cancel(e.id);
+                state.done(FinishReason::Stop);
+            } else if e.finish == Some(Finish::Length) {
+                state.finish(FinishReason::Length);
+            } else {
+                live.insert(e.id, state);
+            }
+        }
+    }
 }
 
 /// Cuts a stream of text at the first of some stop strings. Text that may be the start of a stop

@@ -1,0 +1,186 @@
+//! Continuous batching: sequences join a running batch between steps and leave it as soon as
+//! they finish, so that one model step serves every request in flight (what a server needs;
+//! [`crate::generate()`] runs one fixed batch to its end instead).
+//!
+//! A [`Batcher`] owns a [`KvCache`] of `slots` sequences of at most `max_seq` tokens each. A
+//! request [`Batcher::join`]s a free slot; each [`Batcher::step`] is one [`Llama::step`] over
+//! every occupied slot: a newcomer's whole prompt (its prefill), one token for the others, in
+//! the same call (the step packs them; attention is one varlen call, or one kvcache call per
+//! token count for an fp8 cache). Each sequence samples with its own [`Sampler`] on the host, so
+//! its tokens do not depend on what else is in the batch.
+
+use candle_core::{bail, DType, Device, Result};
+
+use crate::model::{KvCache, Llama};
+use crate::sampling::{Sampler, SamplingParams};
+
+/// What one sequence asks for.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (a stop token included).
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Tokens that end the sequence (EOS, end of turn); the one that does is emitted.
+    pub stop_tokens: Vec<u32>,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// It produced a stop token.
+    Stop,
+    /// It produced `max_tokens` tokens.
+    Length,
+}
+
+/// A token produced by a step: whose, which, and whether it was the sequence's last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Emitted {
+    pub id: u64,
+    pub token: u32,
+    pub finish: Option<Finish>,
+}
+
+/// A sequence in a slot.
+#[derive(Debug)]
+struct Sequence {
+    id: u64,
+    sampler: Sampler,
+    /// Prompt and generated tokens (the repeat penalty's window).
+    history: Vec<u32>,
+    /// Its input of the next step: the prompt, then the last token.
+    next: Vec<u32>,
+    generated: usize,
+    max_tokens: usize,
+    stop_tokens: Vec<u32>,
+}
+
+/// The running batch (module docs).
+pub struct Batcher<'m> {
+    model: &'m Llama,
+    cache: KvCache,
+    slots: Vec<Option<Sequence>>,
+}
+
+impl<'m> Batcher<'m> {
+    /// Room for `slots` sequences of at most `max_seq` tokens (prompt and generated), keys and
+    /// values held in `kv_cache_dtype` (the model's or `F8E4M3`).
+    pub fn new(model: &'m Llama, slots: usize, max_seq: usize, kv_cache_dtype: DType) -> Result<Self> {
+        let cache = model.new_cache_of(slots, max_seq, kv_cache_dtype)?;
+        Ok(Self {
+            model,
+            cache,
+            slots: (0..slots).map(|_| None).collect(),
+        })
+    }
+
+    /// Tokens one sequence may hold (prompt and generated).
+    pub fn max_seq(&self) -> usize {
+        self.cache.max_seq()
+    }
+
+    /// Slots a new request could join now.
+    pub fn free_slots(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_none()).count()
+    }
+
+    /// Sequences in the batch.
+    pub fn running(&self) -> usize {
+        self.slots.len() - self.free_slots()
+    }
+
+    /// Adds a sequence, `id` chosen by the caller (unique among the running ones); it runs from
+    /// the next step. Errors: no free slot, an empty prompt, `max_tokens` 0, or more tokens than
+    /// a slot holds.
+    pub fn join(&mut self, id: u64, request: Request) -> Result<()> {
+        let max_seq = self.cache.max_seq();
+        if request.prompt.is_empty() || request.max_tokens == 0 {
+            bail!("batch: a request needs a prompt and max_tokens >= 1")
+        }
+        if request.prompt.len() + request.max_tokens > max_seq {
+            bail!(
+                "batch: {} prompt tokens + max_tokens {} exceed the {max_seq} tokens of a slot",
+                request.prompt.len(),
+                request.max_tokens
+            )
+        }
+        if self.slots.iter().flatten().any(|s| s.id == id) {
+            bail!("batch: sequence {id} is already running")
+        }
+        let Some(slot) = self.slots.iter().position(Option::is_none) else {
+            bail!("batch: no free slot (all {} are running)", self.slots.len())
+        };
+        self.cache.clear_sequence(slot)?;
+        self.slots[slot] = Some(Sequence {
+            id,
+            sampler: Sampler::new(request.sampling),
+            history: request.prompt.clone(),
+            next: request.prompt,
+            generated: 0,
+            max_tokens: request.max_tokens,
+            stop_tokens: request.stop_tokens,
+        });
+        Ok(())
+    }
+
+    /// Drops a sequence (its client went away); its slot is free at once. Unknown ids are
+    /// ignored.
+    pub fn cancel(&mut self, id: u64) {
+        for slot in &mut self.slots {
+            if slot.as_ref().is_some_and(|s| s.id == id) {
+                *slot = None;
+            }
+        }
+    }
+
+    /// One model step over every running sequence: one token each, in slot order. A sequence
+    /// whose token ends it leaves the batch (its `finish` is set). On an error every sequence
+    /// is dropped (the cache may hold part of the step).
+    pub fn step(&mut self) -> Result<Vec<Emitted>> {
+        if self.running() == 0 {
+            return Ok(Vec::new());
+        }
+        let inputs: Vec<Vec<u32>> = self
+            .slots
+            .iter()
+            .map(|s| s.as_ref().map_or_else(Vec::new, |s| s.next.clone()))
+            .collect();
+        let logits = match self
+            .model
+            .step(&inputs, &mut self.cache)
+            .and_then(|l| l.to_device(&Device::Cpu))
+        {
+            Ok(l) => l,
+            Err(e) => {
+                self.slots.iter_mut().for_each(|s| *s = None);
+                self.cache.reset();
+                return Err(e);
+            }
+        };
+        let mut out = Vec::with_capacity(self.running());
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            let Some(seq) = slot else { continue };
+            let token = seq.sampler.sample(&logits.get(i)?, &seq.history)?;
+            seq.history.push(token);
+            seq.generated += 1;
+            let finish = if seq.stop_tokens.contains(&token) {
+                Some(Finish::Stop)
+            } else if seq.generated >= seq.max_tokens {
+                Some(Finish::Length)
+            } else {
+                None
+            };
+            out.push(Emitted {
+                id: seq.id,
+                token,
+                finish,
+            });
+            match finish {
+                Some(_) => *slot = None,
+                None => seq.next = vec![token],
+            }
+        }
+        Ok(out)
+    }
+}
