@@ -2,8 +2,8 @@
 # Builds, here (no GPU needed), what scripts/gpu-run.sh runs on the GPU machine, into .device/
 # (git-ignored): the GPU test binaries (tests/gpu.rs, crates/model/tests/gpu.rs and gpu_train.rs),
 # the GPU benchmark binaries (crates/flash-attn/benches/gpu_attention.rs,
-# crates/model/benches/decode_host.rs) and the generate example built for the GPU (for
-# scripts/gpu_model_check.py), stripped and xz-compressed.
+# crates/model/benches/decode_host.rs) and the generate and serve examples built for the GPU (for
+# scripts/gpu_model_check.py, gpu_fp8_cache.py and gpu-serve-load.sh), stripped and xz-compressed.
 #
 #   scripts/gpu-pack.sh [--anchors] [--fp8] [--attn] [--baseline REV]
 #
@@ -88,6 +88,7 @@ if ((!ATTN_ONLY)); then
     build_exe TRAIN_TEST_EXE gpu_train test --release -p flash-llama --features cuda --test gpu_train --no-run
     build_exe HOST_BENCH_EXE decode_host bench -p flash-llama --features cuda --bench decode_host --no-run
     build_exe GENERATE_EXE generate build --release -p flash-attn3-examples --features cuda --example generate
+    build_exe SERVE_EXE serve build --release -p flash-attn3-examples --features cuda --example serve
 fi
 if [[ -n $BASELINE ]]; then
     BASE_REV=$(git rev-parse --short "$BASELINE^{commit}") || die "--baseline $BASELINE: no such revision"
@@ -118,6 +119,7 @@ if ((!ATTN_ONLY)); then
     pack "$TRAIN_TEST_EXE" train-gpu-test
     pack "$HOST_BENCH_EXE" decode-host
     pack "$GENERATE_EXE" generate
+    pack "$SERVE_EXE" serve
 fi
 if [[ -n $BASELINE ]]; then
     mkdir -p "$REPO/.device-base"
@@ -138,6 +140,7 @@ fi
         echo "train:   $(basename "$TRAIN_TEST_EXE")"
         echo "host:    $(basename "$HOST_BENCH_EXE")"
         echo "generate: $(basename "$GENERATE_EXE")"
+        echo "serve:   $(basename "$SERVE_EXE")"
     fi
 } >"$DEV/manifest.txt"
 

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The `serve` example on the GPU machine with the default model (SmolLM2-135M-Instruct Q4_1, bf16),
+# under scripts/serve-load.py's load test (32 streaming clients, 200 requests): requests/s,
+# tokens/s, time to first token and inter-token latency. Runs ON the GPU machine, from the repo root.
+#
+# The binary: .device/serve.xz or .device-serve/serve.xz (scripts/gpu-pack.sh packs it). The model:
+# models/SmolLM2-135M-Instruct.Q4_1.gguf, or its parts under .device-model/ (98 MB does not fit one
+# device call's 64 MiB carry, so it travels in two calls to the same warm machine):
+#
+#   here:  scripts/gpu-serve-load.sh --split        (writes .device-model/part-00..02 and sha256,
+#                                                    and .device-serve/serve.xz from .device/)
+#   run 1: carry [".device-serve", ".device-model/part-00", ".device-model/sha256"]  command "true"
+#   run 2: carry [".device-model/part-01", ".device-model/part-02"]  (within 30 s of run 1)
+#          command "SLOTS=32 bash scripts/gpu-serve-load.sh"
+#
+# Env: SLOTS (default 32, comma-separated for several runs), REQUESTS (200), CLIENTS (32),
+# MAX_TOKENS (16), KV (model or fp8; default model).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+if [[ ${1:-} == --split ]]; then
+    [[ -f $MODEL ]] || { echo "no $MODEL: run scripts/fetch-default-model.sh" >&2; exit 1; }
+    [[ -f .device/serve.xz ]] || { echo "no .device/serve.xz: run scripts/gpu-pack.sh" >&2; exit 1; }
+    rm -rf .device-model .device-serve
+    mkdir -p .device-model .device-serve
+    split -b 49000000 -d -a 2 "$MODEL" .device-model/part-
+    sha256sum "$MODEL" | cut -c1-64 >.device-model/sha256
+    cp .device/serve.xz .device-serve/
+    du -sh .device-model/* .device-serve
+    exit 0
+fi
+
+if [[ ! -f $MODEL ]]; then
+    if [[ -f .device-model/part-00 && -f .device-model/part-01 ]]; then
+        mkdir -p models
+        cat .device-model/part-* >"$MODEL"
+        [[ $(sha256sum "$MODEL" | cut -c1-64) == $(cat .device-model/sha256) ]] || { echo "gpu-serve-load: the joined model's sha256 differs" >&2; rm -f "$MODEL"; exit 1; }
+    else
+        echo "gpu-serve-load: no $MODEL and no parts under .device-model/ (a fresh machine between the two calls?)" >&2
+        exit 1
+    fi
+fi
+XZ=.device/serve.xz
+[[ -f $XZ ]] || XZ=.device-serve/serve.xz
+[[ -f $XZ ]] || { echo "gpu-serve-load: no serve.xz in .device/ or .device-serve/" >&2; exit 1; }
+xz -dc "$XZ" >/tmp/serve && chmod +x /tmp/serve || exit 1
+
+STATUS=0
+for slots in ${SLOTS:-32}; do
+    for s in ${slots//,/ }; do
+        /tmp/serve --model "$MODEL" --port 8095 --slots "$s" --kv-cache-dtype "${KV:-model}" >/tmp/serve.log 2>&1 &
+        PID=$!
+        for _ in $(seq 1 120); do
+            curl -sf http://127.0.0.1:8095/health >/dev/null && break
+            kill -0 $PID 2>/dev/null || break
+            sleep 0.5
+        done
+        head -3 /tmp/serve.log
+        echo "== slots $s, KV cache ${KV:-model}"
+        python3 scripts/serve-load.py --url http://127.0.0.1:8095 --clients "${CLIENTS:-32}" \
+            --requests "${REQUESTS:-200}" --max-tokens "${MAX_TOKENS:-16}" || STATUS=1
+        kill $PID 2>/dev/null
+        wait $PID 2>/dev/null
+    done
+done
+exit $STATUS
