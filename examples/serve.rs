@@ -58,6 +58,11 @@ struct Args {
     /// Tokens (prompt and generated) one request may hold; longer requests get a 400.
     #[arg(long, default_value_t = 2048)]
     max_seq: usize,
+
+    /// Prompt tokens a request feeds per step at most (chunked prefill: a long prompt does not
+    /// stall the other requests' tokens); 0 feeds whole prompts.
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
 }
 
 fn main() {
@@ -92,11 +97,12 @@ fn run(args: Args) -> Result<()> {
         slots: args.slots,
         max_seq: args.max_seq,
         kv_cache_dtype: Some(kv_cache_dtype),
+        prefill_chunk: args.prefill_chunk,
     };
     let engine = Engine::start(name.clone(), loaded.model, loaded.tokenizer, opts)?;
     eprintln!(
-        "continuous batching: {} slots of {} tokens, KV cache {kv_cache_dtype:?}",
-        args.slots, args.max_seq
+        "continuous batching: {} slots of {} tokens, prefill chunks of {}, KV cache {kv_cache_dtype:?}",
+        args.slots, args.max_seq, args.prefill_chunk
     );
     let addr = format!("{}:{}", args.host, args.port);
     let server = Server::bind(&addr)?;

@@ -4,9 +4,10 @@
 //!
 //! A [`Batcher`] owns a [`KvCache`] of `slots` sequences of at most `max_seq` tokens each. A
 //! request [`Batcher::join`]s a free slot; each [`Batcher::step`] is one [`Llama::step`] over
-//! every occupied slot: a newcomer's whole prompt (its prefill), one token for the others, in
-//! the same call (the step packs them; attention is one varlen call, or one kvcache call per
-//! token count for an fp8 cache). Each sequence samples with its own [`Sampler`] on the host, so
+//! every occupied slot: a newcomer's prompt (its prefill, whole or, with
+//! [`Batcher::prefill_chunk`], at most that many tokens a step, so that a long prompt does not
+//! stall the others' next tokens), one token for the others, in the same call (the step packs
+//! them; attention is one varlen call, or one kvcache call per token count for an fp8 cache). Each sequence samples with its own [`Sampler`] on the host, so
 //! its tokens do not depend on what else is in the batch.
 
 use candle_core::{bail, DType, Device, Result};
@@ -49,7 +50,9 @@ struct Sequence {
     sampler: Sampler,
     /// Prompt and generated tokens (the repeat penalty's window).
     history: Vec<u32>,
-    /// Its input of the next step: the prompt, then the last token.
+    /// Prompt tokens not yet fed (chunked prefill).
+    pending: Vec<u32>,
+    /// Its input of the next step once the prompt is in: the last token.
     next: Vec<u32>,
     generated: usize,
     max_tokens: usize,
@@ -61,6 +64,8 @@ pub struct Batcher<'m> {
     model: &'m Llama,
     cache: KvCache,
     slots: Vec<Option<Sequence>>,
+    /// Prompt tokens a sequence feeds per step at most (0: the whole prompt at once).
+    prefill_chunk: usize,
 }
 
 impl<'m> Batcher<'m> {
@@ -72,7 +77,16 @@ impl<'m> Batcher<'m> {
             model,
             cache,
             slots: (0..slots).map(|_| None).collect(),
+            prefill_chunk: 0,
         })
+    }
+
+    /// Feeds prompts `tokens` at a time at most (0, the default: whole): a step's cost then
+    /// stays bounded while a long prompt comes in, so the other sequences' tokens keep flowing
+    /// (chunked prefill). The sequence samples its first token after its last chunk.
+    pub fn prefill_chunk(mut self, tokens: usize) -> Self {
+        self.prefill_chunk = tokens;
+        self
     }
 
     /// Tokens one sequence may hold (prompt and generated).
@@ -116,7 +130,8 @@ impl<'m> Batcher<'m> {
             id,
             sampler: Sampler::new(request.sampling),
             history: request.prompt.clone(),
-            next: request.prompt,
+            pending: request.prompt,
+            next: Vec::new(),
             generated: 0,
             max_tokens: request.max_tokens,
             stop_tokens: request.stop_tokens,
@@ -134,17 +149,30 @@ impl<'m> Batcher<'m> {
         }
     }
 
-    /// One model step over every running sequence: one token each, in slot order. A sequence
-    /// whose token ends it leaves the batch (its `finish` is set). On an error every sequence
+    /// One model step over every running sequence: one token each, in slot order (none for a
+    /// sequence still feeding its prompt in chunks). A sequence whose token ends it leaves the
+    /// batch (its `finish` is set). On an error every sequence
     /// is dropped (the cache may hold part of the step).
     pub fn step(&mut self) -> Result<Vec<Emitted>> {
         if self.running() == 0 {
             return Ok(Vec::new());
         }
+        let chunk = self.prefill_chunk;
         let inputs: Vec<Vec<u32>> = self
             .slots
-            .iter()
-            .map(|s| s.as_ref().map_or_else(Vec::new, |s| s.next.clone()))
+            .iter_mut()
+            .map(|slot| match slot {
+                None => Vec::new(),
+                Some(s) if s.pending.is_empty() => s.next.clone(),
+                Some(s) => {
+                    let n = if chunk == 0 {
+                        s.pending.len()
+                    } else {
+                        chunk.min(s.pending.len())
+                    };
+                    s.pending.drain(..n).collect()
+                }
+            })
             .collect();
         let logits = match self
             .model
@@ -161,6 +189,10 @@ impl<'m> Batcher<'m> {
         let mut out = Vec::with_capacity(self.running());
         for (i, slot) in self.slots.iter_mut().enumerate() {
             let Some(seq) = slot else { continue };
+            if !seq.pending.is_empty() {
+                // A chunk of its prompt went in; the rest comes next step.
+                continue;
+            }
             let token = seq.sampler.sample(&logits.get(i)?, &seq.history)?;
             seq.history.push(token);
             seq.generated += 1;

@@ -391,16 +391,18 @@ fn perplexity_through_the_cache() {
 }
 
 /// Continuous batching: more requests than slots, joining as slots free up (so prefills run in
-/// the same steps as other sequences' decoding), greedy and sampled, with stop tokens: each
+/// the same steps as other sequences' decoding), whole or in chunks, greedy and sampled, with
+/// stop tokens: each
 /// request's tokens are the ones `generate` gives it alone (with the model-dtype cache; an fp8
 /// cache's scales depend on its first write, so there only the bookkeeping is checked).
 #[test]
 fn continuous_batching_equals_generation_alone() {
     use flash_llama::{Batcher, Finish, Request};
-    for (family, kv_dtype) in [
-        (Family::Llama, None),
-        (Family::Mistral, None),
-        (Family::WideHeads, Some(DType::F8E4M3)),
+    for (family, kv_dtype, chunk) in [
+        (Family::Llama, None, 0),
+        (Family::Llama, None, 5),
+        (Family::Mistral, None, 3),
+        (Family::WideHeads, Some(DType::F8E4M3), 4),
     ] {
         let model = load_with(family, DType::F32, Kernels::Fused);
         let kv_dtype = kv_dtype.unwrap_or(DType::F32);
@@ -434,8 +436,9 @@ fn continuous_batching_equals_generation_alone() {
                 .remove(0)
             })
             .collect();
-        // Two slots for five requests: the rest wait and join between steps.
-        let mut batcher = Batcher::new(&model, 2, 40, kv_dtype).unwrap();
+        // Two slots for five requests: the rest wait and join between steps. Prompts of more
+        // than 5 tokens come in chunks.
+        let mut batcher = Batcher::new(&model, 2, 40, kv_dtype).unwrap().prefill_chunk(chunk);
         let mut waiting: std::collections::VecDeque<(u64, Request)> = requests
             .iter()
             .cloned()
@@ -467,7 +470,7 @@ fn continuous_batching_equals_generation_alone() {
                 assert!(!g.is_empty() && g.len() <= r.max_tokens);
             }
         } else {
-            assert_eq!(got, alone, "{family:?} {kv_dtype:?}");
+            assert_eq!(got, alone, "{family:?} {kv_dtype:?} chunk {chunk}");
         }
         for (i, (f, r)) in finished.iter().zip(&requests).enumerate() {
             let last = *got[i].last().unwrap();

@@ -80,6 +80,8 @@ pub struct EngineOptions {
     pub max_seq: usize,
     /// The KV cache's dtype: `None` for the model's, or `Some(F8E4M3)`.
     pub kv_cache_dtype: Option<DType>,
+    /// Prompt tokens a request feeds per step at most (chunked prefill; 0: whole prompts).
+    pub prefill_chunk: usize,
 }
 
 /// The model's worker thread and its queue (module docs).
@@ -110,6 +112,7 @@ impl Engine {
                 let kv_dtype = opts.kv_cache_dtype.unwrap_or(model.dtype());
                 match Batcher::new(&model, opts.slots, opts.max_seq, kv_dtype) {
                     Ok(batcher) => {
+                        let batcher = batcher.prefill_chunk(opts.prefill_chunk);
                         let _ = ready.send(Ok(()));
                         run_batch(batcher, &worker_tokenizer, &queue);
                     }
