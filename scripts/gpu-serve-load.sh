@@ -9,12 +9,15 @@
 #
 #   here:  scripts/gpu-serve-load.sh --split        (writes .device-model/part-00..02 and sha256,
 #                                                    and .device-serve/serve.xz from .device/)
-#   run 1: carry [".device-serve", ".device-model/part-00", ".device-model/sha256"]  command "true"
+#   run 1: carry [".device-serve", ".device-model/part-00", ".device-model/sha256",
+#                 ".device-model/gguf-0.19.0-py3-none-any.whl"]  command "true"
 #   run 2: carry [".device-model/part-01", ".device-model/part-02"]  (within 30 s of run 1)
 #          command "SLOTS=32 bash scripts/gpu-serve-load.sh"
 #
 # Env: SLOTS (default 32, comma-separated for several runs), REQUESTS (200), CLIENTS (32),
-# MAX_TOKENS (16), KV (model or fp8; default model).
+# MAX_TOKENS (16), KV (model or fp8; default model). HF=1 then runs scripts/hf_serve_baseline.py
+# (transformers' static batches of 32 on the same requests), installing the `gguf` wheel that
+# --split put in .device-model/ (pip download gguf --no-deps).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -27,6 +30,7 @@ if [[ ${1:-} == --split ]]; then
     split -b 49000000 -d -a 2 "$MODEL" .device-model/part-
     sha256sum "$MODEL" | cut -c1-64 >.device-model/sha256
     cp .device/serve.xz .device-serve/
+    pip download gguf --no-deps -q -d .device-model/ || echo "no gguf wheel: HF=1 will not work" >&2
     du -sh .device-model/* .device-serve
     exit 0
 fi
@@ -64,4 +68,10 @@ for slots in ${SLOTS:-32}; do
         wait $PID 2>/dev/null
     done
 done
+if [[ ${HF:-0} == 1 ]]; then
+    echo "== HF transformers"
+    python3 -m pip install -q --no-index --no-deps .device-model/gguf-*.whl 2>&1 | grep -v WARNING | tail -1
+    python3 scripts/hf_serve_baseline.py --gguf "$MODEL" --requests "${REQUESTS:-200}" --batch "${CLIENTS:-32}" \
+        --max-tokens "${MAX_TOKENS:-16}" || STATUS=1
+fi
 exit $STATUS
