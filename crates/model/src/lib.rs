@@ -17,6 +17,7 @@ pub mod config;
 pub mod eval;
 pub mod fused;
 pub mod generate;
+pub mod kv_cache;
 pub mod loader;
 pub mod model;
 pub mod nn;

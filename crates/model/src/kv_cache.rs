@@ -1,0 +1,404 @@
+//! The KV cache of [`crate::Llama`]: keys and values of every layer for a batch of sequences,
+//! preallocated and written in place, in the model's dtype or as e4m3 (the fp8 cache), and how a
+//! step's new keys are written into it and grouped for `flash_attn_with_kvcache` calls.
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Result, Tensor};
+
+use crate::config::Config;
+
+/// Keys and values of every layer for a batch of sequences, preallocated and written in place.
+///
+/// Layout: per layer, one contiguous tensor of shape (batch × max_seq, 2 × kv_heads, head_dim):
+/// each row holds a token's k heads then its v heads. Sequence `i` owns rows
+/// `[i·max_seq, (i+1)·max_seq)`, of which the first `lens[i]` are filled. The k and v halves are
+/// flash-attn3's (batch, max_seq, kv_heads, head_dim) layout with the first two axes merged and
+/// a row stride of 2 × kv_heads × head_dim, which the op reads as it is. Appending a token is one
+/// strided copy of its row (k and v together when they come from the fused q/k/v projection,
+/// where they are adjacent), no concatenation, no reallocation.
+///
+/// Sequences of different lengths: the varlen op reads sequence `b`'s keys from the cumulative
+/// offsets `seqlens_k[b]..seqlens_k[b+1]`, which must tile the packed axis without holes. The
+/// unused tail of each slot is described as an extra *gap* sequence that has no query, so the
+/// call sees 2 × batch sequences:
+///
+/// ```text
+/// rows      | seq 0: lens[0] keys | gap 0 | seq 1: lens[1] keys | gap 1 | ...
+/// seqlens_k   0      lens[0]        S      S + lens[1]          2S      ...   (S = max_seq)
+/// seqlens_q   0      n0             n0     n0 + n1              n0 + n1 ...   (n_i new tokens)
+/// ```
+///
+/// A gap has zero queries, so the op does no work for it; each real sequence attends to exactly
+/// its own keys, with the causal mask aligned bottom-right (its new tokens are its last keys).
+///
+/// **fp8 caches** ([`crate::Llama::new_cache_of`] with `F8E4M3`): each layer holds its keys and values
+/// as e4m3 in two planes, k then v, each (batch, max_seq, kv_heads, head_dim), half the bytes
+/// of bf16. The first write into an empty cache (the prefill) fixes one scale per (layer, kv
+/// head) for k and for v: [`E4M3_HEADROOM`] times that write's largest magnitude (after RoPE),
+/// mapped to e4m3's largest value 448; later tokens are multiplied by the same factor and
+/// saturated to ±448 (so up to 64 times the prompt's largest value is stored without clipping).
+/// The fused GPU RoPE + KV store quantizes as it stores. A step that reads the cache runs
+/// `flash_attn_with_kvcache` on the e4m3 planes directly (q quantized for the call, one scale
+/// per (sequence, kv head) at decode so the kernel packs GQA groups; the varlen call would
+/// transpose all of V each step), one call per group of
+/// sequences with the same number of new tokens. A prefill into an empty cache attends to the
+/// fresh keys in the model's dtype, as for any cache.
+///
+/// Not `Clone`: a tensor clone shares storage, and the in-place writes would show in both.
+#[derive(Debug)]
+pub struct KvCache {
+    pub(crate) layers: Vec<LayerKv>,
+    pub(crate) lens: Vec<usize>,
+    pub(crate) max_seq: usize,
+    pub(crate) dtype: DType,
+}
+
+/// Headroom of an fp8 cache's scales over the largest value of its first write (see
+/// [`KvCache`]). Large, because the first write may be a short prompt (a lone BOS token has
+/// far smaller keys than the text after it) and headroom costs little: e4m3 keeps its 4
+/// significant bits over 2^15 of range, so only values under 1/437 of the first write's largest
+/// fall into its subnormals, where they weigh little in a dot product. Measured on
+/// SmolLM2-135M (`generate --perplexity`, prefill of one token): headroom 2 raised the
+/// perplexity by 27% (later keys clipped), 8 by 0.4%, 64 and 1000 left it within 0.5% of the
+/// f32 cache (docs/benchmarks.md).
+pub const E4M3_HEADROOM: f64 = 64.0;
+/// e4m3's largest finite value.
+pub(crate) const E4M3_MAX: f64 = 448.0;
+
+/// One layer's cached keys and values.
+#[derive(Debug)]
+pub(crate) enum LayerKv {
+    /// In the model's dtype: (batch × max_seq, 2 × kv_heads, head_dim), k heads first.
+    Rows(Tensor),
+    /// e4m3: (2, batch × max_seq, kv_heads, head_dim), the k plane then the v plane, with the
+    /// layer's scales, fixed by its first write.
+    E4m3 { kv: Tensor, scales: OnceLock<E4m3Scales> },
+}
+
+/// An fp8 cache layer's scales.
+#[derive(Debug)]
+pub(crate) struct E4m3Scales {
+    /// (2 × kv_heads,) f32, k heads first: value → e4m3 factor of each cached head.
+    pub(crate) quant: Tensor,
+    /// (1, kv_heads) f32 each: e4m3 → value factors, in flash-attn3's descale shape.
+    pub(crate) k_descale: Tensor,
+    pub(crate) v_descale: Tensor,
+}
+
+impl E4m3Scales {
+    /// The scales for `kv_new` (tokens, 2 × kv_heads, head_dim), k heads first: each head's
+    /// largest magnitude times [`E4M3_HEADROOM`] maps to 448 (a head of zeros gets a tiny scale
+    /// rather than a division by zero).
+    fn of(kv_new: &Tensor) -> Result<Self> {
+        let hk = kv_new.dim(1)? / 2;
+        let amax = kv_new.to_dtype(DType::F32)?.abs()?.max(2)?.max(0)?.maximum(1e-6f32)?;
+        let descale = (amax * (E4M3_HEADROOM / E4M3_MAX))?;
+        Ok(Self {
+            quant: descale.recip()?,
+            k_descale: descale.narrow(0, 0, hk)?.reshape((1, hk))?,
+            v_descale: descale.narrow(0, hk, hk)?.reshape((1, hk))?,
+        })
+    }
+}
+
+impl LayerKv {
+    /// Stores the new tokens' k and v heads, `kv_new` (tokens, 2 × kv_heads, head_dim), k heads
+    /// first, at the cache rows `writes` names (an fp8 layer's first write fixes its scales).
+    /// `rows` (tokens,) u32, the cache row of each token, is needed on the GPU.
+    pub(crate) fn store(&self, kv_new: &Tensor, writes: &[(usize, usize, usize)], rows: Option<&Tensor>) -> Result<()> {
+        match self {
+            LayerKv::Rows(kv) => write_rows(kv, kv_new, 0, writes),
+            LayerKv::E4m3 { kv, scales } => {
+                let scales = match scales.get() {
+                    Some(s) => s,
+                    None => {
+                        let _ = scales.set(E4m3Scales::of(kv_new)?);
+                        scales.get().expect("just set")
+                    }
+                };
+                if kv_new.device().is_cuda() {
+                    let Some(rows) = rows else {
+                        bail!("internal error: a GPU cache write without its rows")
+                    };
+                    return crate::fused::store_e4m3(kv_new, kv, rows, &scales.quant);
+                }
+                let hk = kv_new.dim(1)? / 2;
+                let e4m3 = kv_new
+                    .to_dtype(DType::F32)?
+                    .broadcast_mul(&scales.quant.reshape((1, 2 * hk, 1))?)?
+                    .clamp(-E4M3_MAX as f32, E4M3_MAX as f32)?
+                    .to_dtype(DType::F8E4M3)?;
+                write_rows(&kv.get(0)?, &e4m3.narrow(1, 0, hk)?, 0, writes)?;
+                write_rows(&kv.get(1)?, &e4m3.narrow(1, hk, hk)?, 0, writes)
+            }
+        }
+    }
+}
+
+impl KvCache {
+    /// An empty cache for `batch` sequences of at most `max_seq` tokens each, holding keys and
+    /// values in `dtype`: the model's, or `F8E4M3` (see above).
+    pub fn new(cfg: &Config, batch: usize, max_seq: usize, dtype: DType, device: &Device) -> Result<Self> {
+        if batch == 0 || max_seq == 0 {
+            bail!("a KV cache needs batch >= 1 and max_seq >= 1, got batch {batch}, max_seq {max_seq}")
+        }
+        let (hk, d) = (cfg.num_key_value_heads, cfg.head_dim);
+        let layer = || -> Result<LayerKv> {
+            Ok(match dtype {
+                DType::F8E4M3 => LayerKv::E4m3 {
+                    kv: Tensor::zeros((2, batch * max_seq, hk, d), dtype, device)?,
+                    scales: OnceLock::new(),
+                },
+                _ => LayerKv::Rows(Tensor::zeros((batch * max_seq, 2 * hk, d), dtype, device)?),
+            })
+        };
+        Ok(Self {
+            layers: (0..cfg.num_hidden_layers).map(|_| layer()).collect::<Result<_>>()?,
+            lens: vec![0; batch],
+            max_seq,
+            dtype,
+        })
+    }
+
+    /// Tokens held for each sequence.
+    pub fn lens(&self) -> &[usize] {
+        &self.lens
+    }
+
+    pub fn batch(&self) -> usize {
+        self.lens.len()
+    }
+
+    pub fn max_seq(&self) -> usize {
+        self.max_seq
+    }
+
+    /// The dtype the keys and values are held in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Forgets sequence `i` alone (a finished member of a running batch; its slot's memory is
+    /// overwritten by the next sequence there). An fp8 cache keeps its scales.
+    pub fn clear_sequence(&mut self, i: usize) -> Result<()> {
+        match self.lens.get_mut(i) {
+            Some(len) => {
+                *len = 0;
+                Ok(())
+            }
+            None => bail!(
+                "clear_sequence: no sequence {i} in a cache of batch {}",
+                self.lens.len()
+            ),
+        }
+    }
+
+    /// Forgets every sequence (the memory is kept and overwritten by the next prefill, which
+    /// also sets an fp8 cache's scales afresh).
+    pub fn reset(&mut self) {
+        self.lens.iter_mut().for_each(|l| *l = 0);
+        for layer in &mut self.layers {
+            if let LayerKv::E4m3 { scales, .. } = layer {
+                scales.take();
+            }
+        }
+    }
+}
+
+/// Sequences of one step with the same number of new tokens, for one kvcache call.
+pub(crate) struct CacheGroup {
+    /// Their queries' packed rows, (batch × new,) u32; `None`: every packed row, in order.
+    pub(crate) rows: Option<Tensor>,
+    pub(crate) batch: usize,
+    pub(crate) new: usize,
+    /// Keys each holds after this step's write, (batch,) u32.
+    pub(crate) seqlens: Tensor,
+    /// Their cache rows, (batch,) u32; `None`: 0..batch, the whole cache.
+    pub(crate) cache_idx: Option<Tensor>,
+}
+
+impl CacheGroup {
+    /// The groups of a step that appends `new[i]` tokens to sequence `i`, holding `lens[i]`
+    /// before it (sequences given no token are in none), and, with several groups, the
+    /// permutation that puts their concatenated outputs back in packed order.
+    pub(crate) fn plan(lens: &[usize], new: &[usize], dev: &Device) -> Result<(Vec<CacheGroup>, Option<Tensor>)> {
+        let mut first_row = Vec::with_capacity(new.len());
+        let mut packed = 0;
+        for &n in new {
+            first_row.push(packed);
+            packed += n;
+        }
+        let mut counts: Vec<usize> = Vec::new();
+        for &n in new {
+            if n > 0 && !counts.contains(&n) {
+                counts.push(n);
+            }
+        }
+        let single = counts.len() == 1;
+        let mut order: Vec<u32> = Vec::with_capacity(packed);
+        let mut groups = Vec::with_capacity(counts.len());
+        for n in counts {
+            let seqs: Vec<usize> = (0..new.len()).filter(|&i| new[i] == n).collect();
+            let rows: Vec<u32> = seqs
+                .iter()
+                .flat_map(|&i| (first_row[i]..first_row[i] + n).map(|r| r as u32))
+                .collect();
+            order.extend(&rows);
+            let seqlens: Vec<u32> = seqs.iter().map(|&i| (lens[i] + n) as u32).collect();
+            let whole_cache = seqs.len() == new.len();
+            groups.push(CacheGroup {
+                rows: if single { None } else { Some(Tensor::new(rows, dev)?) },
+                batch: seqs.len(),
+                new: n,
+                seqlens: Tensor::new(seqlens, dev)?,
+                cache_idx: if whole_cache {
+                    None
+                } else {
+                    Some(Tensor::new(seqs.iter().map(|&i| i as u32).collect::<Vec<_>>(), dev)?)
+                },
+            });
+        }
+        let unpermute = if single {
+            None
+        } else {
+            let mut inverse = vec![0u32; order.len()];
+            for (pos, &row) in order.iter().enumerate() {
+                inverse[row as usize] = pos as u32;
+            }
+            Some(Tensor::new(inverse, dev)?)
+        };
+        Ok((groups, unpermute))
+    }
+}
+
+/// Copies runs of packed rows of `src` (tokens, heads, d) into the cache rows given by
+/// `writes`, in place, at heads `first_head..first_head + heads` of each cache row.
+///
+/// A row of `src` must be contiguous (heads × d elements), but rows may be any distance apart
+/// (a view into a fused q/k/v projection). Runs whose source and destination rows are both
+/// equally spaced (one token for each sequence of a batch whose caches hold the same lengths:
+/// the usual decode step) are one strided copy; otherwise one copy per run.
+pub(crate) fn write_rows(
+    cache: &Tensor,
+    src: &Tensor,
+    first_head: usize,
+    writes: &[(usize, usize, usize)],
+) -> Result<()> {
+    let (_, heads, d) = src.dims3()?;
+    let row = heads * d;
+    let (_, c_heads, c_d) = cache.dims3()?;
+    if c_d != d || first_head + heads > c_heads || !cache.is_contiguous() {
+        bail!(
+            "internal error: cache rows {:?} for new keys {:?} at head {first_head}",
+            cache.dims(),
+            src.dims()
+        )
+    }
+    let cache_row = c_heads * d;
+    let col = first_head * d;
+    let src = match src.stride() {
+        [_, h_stride, 1] if *h_stride == d || heads == 1 => src.clone(),
+        _ => src.contiguous()?,
+    };
+    let src_stride = src.stride()[0];
+    let equally_spaced = writes.len() > 1
+        && writes.iter().all(|&(_, n, _)| n == 1)
+        && writes.windows(2).all(|w| {
+            w[1].0 as isize - w[0].0 as isize == writes[1].0 as isize - writes[0].0 as isize
+                && w[1].2 as isize - w[0].2 as isize == writes[1].2 as isize - writes[0].2 as isize
+        })
+        && writes[1].0 > writes[0].0
+        && writes[1].2 > writes[0].2;
+    if equally_spaced {
+        let (from_step, to_step) = (writes[1].0 - writes[0].0, writes[1].2 - writes[0].2);
+        return cache.inplace_op2(
+            &src,
+            &CopyRows {
+                rows: writes.len(),
+                row,
+                src_stride: src_stride * from_step,
+                dst_stride: cache_row * to_step,
+                src_offset: writes[0].0 * src_stride,
+                dst_offset: writes[0].2 * cache_row + col,
+            },
+        );
+    }
+    for &(from, n, to) in writes {
+        cache.inplace_op2(
+            &src,
+            &CopyRows {
+                rows: n,
+                row,
+                src_stride,
+                dst_stride: cache_row,
+                src_offset: from * src_stride,
+                dst_offset: to * cache_row + col,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// `rows` rows of `row` elements from `src` into `dst` (in place), rows `src_stride` and
+/// `dst_stride` elements apart, starting `src_offset` / `dst_offset` elements after each
+/// tensor's own start: one 2-D copy (candle's `copy2d`, a single launch on the GPU).
+struct CopyRows {
+    rows: usize,
+    row: usize,
+    src_stride: usize,
+    dst_stride: usize,
+    src_offset: usize,
+    dst_offset: usize,
+}
+
+impl CopyRows {
+    /// Absolute element offsets (src, dst), after checking that every row lies inside the
+    /// elements each tensor's layout spans.
+    fn offsets(&self, dst_l: &Layout, src_l: &Layout) -> Result<(usize, usize)> {
+        // One past the last element a layout can address.
+        let end = |l: &Layout| {
+            l.start_offset()
+                + 1
+                + l.dims()
+                    .iter()
+                    .zip(l.stride())
+                    .map(|(&n, &s)| n.saturating_sub(1) * s)
+                    .sum::<usize>()
+        };
+        let last = |o: usize, stride: usize| o + (self.rows.max(1) - 1) * stride + self.row;
+        let src_o = src_l.start_offset() + self.src_offset;
+        let dst_o = dst_l.start_offset() + self.dst_offset;
+        if last(src_o, self.src_stride) > end(src_l) {
+            bail!("internal error: copying rows past the end of the source")
+        }
+        if (self.rows > 1 && self.dst_stride < self.row) || last(dst_o, self.dst_stride) > end(dst_l) {
+            bail!("internal error: copying rows past the end of the cache")
+        }
+        Ok((src_o, dst_o))
+    }
+}
+
+impl InplaceOp2 for CopyRows {
+    fn name(&self) -> &'static str {
+        "copy-rows"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout, src: &CpuStorage, src_l: &Layout) -> Result<()> {
+        let (src_o, dst_o) = self.offsets(dst_l, src_l)?;
+        src.copy2d(dst, self.rows, self.row, self.src_stride, self.dst_stride, src_o, dst_o)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        src: &candle_core::CudaStorage,
+        src_l: &Layout,
+    ) -> Result<()> {
+        let (src_o, dst_o) = self.offsets(dst_l, src_l)?;
+        src.copy2d(dst, self.rows, self.row, self.src_stride, self.dst_stride, src_o, dst_o)
+    }
+}
