@@ -63,6 +63,16 @@ struct Args {
     /// stall the other requests' tokens); 0 feeds whole prompts.
     #[arg(long, default_value_t = 256)]
     prefill_chunk: usize,
+
+    /// A paged KV cache with pages of this many tokens (16 to 256, a power of two; 0: one slot
+    /// of --max-seq tokens per request). Memory then follows what requests hold: see --pages.
+    #[arg(long, default_value_t = 0)]
+    page_size: usize,
+
+    /// With --page-size: pages in the pool (default: slots × max-seq / page-size, the memory of
+    /// the slot cache). A request waits until the pool has pages for its prompt and max_tokens.
+    #[arg(long)]
+    pages: Option<usize>,
 }
 
 fn main() {
@@ -98,11 +108,21 @@ fn run(args: Args) -> Result<()> {
         max_seq: args.max_seq,
         kv_cache_dtype: Some(kv_cache_dtype),
         prefill_chunk: args.prefill_chunk,
+        paged: match args.page_size {
+            0 => None,
+            size => Some((args.pages.unwrap_or(args.slots * args.max_seq / size), size)),
+        },
     };
     let engine = Engine::start(name.clone(), loaded.model, loaded.tokenizer, opts)?;
     eprintln!(
-        "continuous batching: {} slots of {} tokens, prefill chunks of {}, KV cache {kv_cache_dtype:?}",
-        args.slots, args.max_seq, args.prefill_chunk
+        "continuous batching: {} slots of {} tokens, prefill chunks of {}, KV cache {kv_cache_dtype:?}{}",
+        args.slots,
+        args.max_seq,
+        args.prefill_chunk,
+        match opts.paged {
+            Some((pages, size)) => format!(", paged: {pages} pages of {size}"),
+            None => String::new(),
+        }
     );
     let addr = format!("{}:{}", args.host, args.port);
     let server = Server::bind(&addr)?;

@@ -72,7 +72,16 @@ impl<'m> Batcher<'m> {
     /// Room for `slots` sequences of at most `max_seq` tokens (prompt and generated), keys and
     /// values held in `kv_cache_dtype` (the model's or `F8E4M3`).
     pub fn new(model: &'m Llama, slots: usize, max_seq: usize, kv_cache_dtype: DType) -> Result<Self> {
-        let cache = model.new_cache_of(slots, max_seq, kv_cache_dtype)?;
+        Self::with_cache(model, model.new_cache_of(slots, max_seq, kv_cache_dtype)?)
+    }
+
+    /// A batch over `cache` (one slot per sequence of it, emptied first), e.g. a paged one
+    /// ([`Llama::new_paged_cache`]): a request then joins only when the pool has pages for all
+    /// its tokens (prompt and max_tokens, taken at once so that a running request never meets
+    /// an exhausted pool), and gives them back when it ends.
+    pub fn with_cache(model: &'m Llama, mut cache: KvCache) -> Result<Self> {
+        cache.reset();
+        let slots = cache.batch();
         Ok(Self {
             model,
             cache,
@@ -97,6 +106,25 @@ impl<'m> Batcher<'m> {
     /// Slots a new request could join now.
     pub fn free_slots(&self) -> usize {
         self.slots.iter().filter(|s| s.is_none()).count()
+    }
+
+    /// Whether a request of `tokens` tokens (prompt and max_tokens) could join now: a free slot,
+    /// and for a paged cache enough free pages.
+    pub fn fits(&self, tokens: usize) -> bool {
+        let pages = match (self.cache.page_size(), self.cache.free_pages()) {
+            (Some(size), Some(free)) => tokens.div_ceil(size) <= free,
+            _ => true,
+        };
+        self.free_slots() > 0 && tokens <= self.cache.max_seq() && pages
+    }
+
+    /// Whether a request of `tokens` tokens could ever join (once the batch is empty).
+    pub fn could_fit(&self, tokens: usize) -> bool {
+        let pages = match (self.cache.page_size(), self.cache.pool_pages()) {
+            (Some(size), Some(all)) => tokens.div_ceil(size) <= all,
+            _ => true,
+        };
+        tokens <= self.cache.max_seq() && pages
     }
 
     /// Sequences in the batch.
@@ -126,6 +154,8 @@ impl<'m> Batcher<'m> {
             bail!("batch: no free slot (all {} are running)", self.slots.len())
         };
         self.cache.clear_sequence(slot)?;
+        // A paged cache: every page the request may need, now (an error if the pool lacks them).
+        self.cache.reserve(slot, request.prompt.len() + request.max_tokens)?;
         self.slots[slot] = Some(Sequence {
             id,
             sampler: Sampler::new(request.sampling),
@@ -142,9 +172,10 @@ impl<'m> Batcher<'m> {
     /// Drops a sequence (its client went away); its slot is free at once. Unknown ids are
     /// ignored.
     pub fn cancel(&mut self, id: u64) {
-        for slot in &mut self.slots {
-            if slot.as_ref().is_some_and(|s| s.id == id) {
-                *slot = None;
+        for i in 0..self.slots.len() {
+            if self.slots[i].as_ref().is_some_and(|s| s.id == id) {
+                self.slots[i] = None;
+                let _ = self.cache.clear_sequence(i);
             }
         }
     }
@@ -187,6 +218,7 @@ impl<'m> Batcher<'m> {
             }
         };
         let mut out = Vec::with_capacity(self.running());
+        let mut finished = Vec::new();
         for (i, slot) in self.slots.iter_mut().enumerate() {
             let Some(seq) = slot else { continue };
             if !seq.pending.is_empty() {
@@ -209,9 +241,16 @@ impl<'m> Batcher<'m> {
                 finish,
             });
             match finish {
-                Some(_) => *slot = None,
+                Some(_) => {
+                    *slot = None;
+                    finished.push(i);
+                }
                 None => seq.next = vec![token],
             }
+        }
+        // Their pages go back to the pool (a paged cache).
+        for i in finished {
+            self.cache.clear_sequence(i)?;
         }
         Ok(out)
     }

@@ -1,6 +1,7 @@
 //! The KV cache of [`crate::Llama`]: keys and values of every layer for a batch of sequences,
-//! preallocated and written in place, in the model's dtype or as e4m3 (the fp8 cache), and how a
-//! step's new keys are written into it and grouped for `flash_attn_with_kvcache` calls.
+//! preallocated and written in place, in the model's dtype or as e4m3 (the fp8 cache), in one slot
+//! per sequence or in pages (the paged cache), and how a step's new keys are written into it and
+//! grouped for `flash_attn_with_kvcache` calls.
 
 use std::sync::OnceLock;
 
@@ -53,6 +54,24 @@ pub struct KvCache {
     pub(crate) lens: Vec<usize>,
     pub(crate) max_seq: usize,
     pub(crate) dtype: DType,
+    /// A paged cache's pages (`None`: one slot of max_seq rows per sequence).
+    pub(crate) paging: Option<Paging>,
+}
+
+/// The pages of a paged cache (vLLM's layout): a pool of pages of `page_size` rows, each
+/// sequence holding a list of them in order, so that memory follows what sequences hold rather
+/// than batch × max_seq.
+#[derive(Debug)]
+pub(crate) struct Paging {
+    pub(crate) page_size: usize,
+    /// Pages in the pool.
+    pages: usize,
+    /// Free pages, taken from the end.
+    free: Vec<u32>,
+    /// Each sequence's pages, in position order.
+    pub(crate) owned: Vec<Vec<u32>>,
+    /// Pages one sequence may hold (max_seq / page_size): the page table's width.
+    pub(crate) max_pages: usize,
 }
 
 /// Headroom of an fp8 cache's scales over the largest value of its first write (see
@@ -72,9 +91,12 @@ pub(crate) const E4M3_MAX: f64 = 448.0;
 pub(crate) enum LayerKv {
     /// In the model's dtype: (batch × max_seq, 2 × kv_heads, head_dim), k heads first.
     Rows(Tensor),
-    /// e4m3: (2, batch × max_seq, kv_heads, head_dim), the k plane then the v plane, with the
-    /// layer's scales, fixed by its first write.
+    /// e4m3: (2, rows, kv_heads, head_dim), the k plane then the v plane (rows: batch × max_seq,
+    /// or pages × page_size for a paged cache), with the layer's scales, fixed by its first write.
     E4m3 { kv: Tensor, scales: OnceLock<E4m3Scales> },
+    /// A paged cache in the model's dtype: (2, pages × page_size, kv_heads, head_dim), the k plane
+    /// then the v plane.
+    Planes(Tensor),
 }
 
 /// An fp8 cache layer's scales.
@@ -110,6 +132,11 @@ impl LayerKv {
     pub(crate) fn store(&self, kv_new: &Tensor, writes: &[(usize, usize, usize)], rows: Option<&Tensor>) -> Result<()> {
         match self {
             LayerKv::Rows(kv) => write_rows(kv, kv_new, 0, writes),
+            LayerKv::Planes(kv) => {
+                let hk = kv_new.dim(1)? / 2;
+                write_rows(&kv.get(0)?, &kv_new.narrow(1, 0, hk)?, 0, writes)?;
+                write_rows(&kv.get(1)?, &kv_new.narrow(1, hk, hk)?, 0, writes)
+            }
             LayerKv::E4m3 { kv, scales } => {
                 let scales = match scales.get() {
                     Some(s) => s,
@@ -159,7 +186,124 @@ impl KvCache {
             lens: vec![0; batch],
             max_seq,
             dtype,
+            paging: None,
         })
+    }
+
+    /// An empty paged cache: a pool of `pages` pages of `page_size` tokens (one of
+    /// flash-attn3's `PAGE_SIZES`, 16 to 256) shared by `batch` sequences of at most `max_seq`
+    /// tokens each (a multiple of `page_size`), in `dtype` (the model's or `F8E4M3`). A
+    /// sequence takes pages as it grows ([`KvCache::reserve`], or the step that needs them) and
+    /// gives them back when cleared. Attention reads it through `flash_attn_with_kvcache` with a
+    /// page table.
+    pub fn new_paged(
+        cfg: &Config,
+        batch: usize,
+        pages: usize,
+        page_size: usize,
+        max_seq: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if !flash_attn3::kvcache::PAGE_SIZES.contains(&page_size) {
+            bail!(
+                "a paged KV cache takes pages of {:?} tokens, got {page_size}",
+                flash_attn3::kvcache::PAGE_SIZES
+            )
+        }
+        if batch == 0 || pages == 0 || max_seq == 0 || max_seq % page_size != 0 {
+            bail!(
+                "a paged KV cache needs batch, pages and max_seq >= 1, max_seq a multiple of the page size: got batch {batch}, {pages} pages of {page_size}, max_seq {max_seq}"
+            )
+        }
+        if pages > u32::MAX as usize {
+            bail!("a paged KV cache holds at most 2^32 - 1 pages, got {pages}")
+        }
+        let (hk, d) = (cfg.num_key_value_heads, cfg.head_dim);
+        let rows = pages * page_size;
+        let layer = || -> Result<LayerKv> {
+            let kv = Tensor::zeros((2, rows, hk, d), dtype, device)?;
+            Ok(match dtype {
+                DType::F8E4M3 => LayerKv::E4m3 {
+                    kv,
+                    scales: OnceLock::new(),
+                },
+                _ => LayerKv::Planes(kv),
+            })
+        };
+        Ok(Self {
+            layers: (0..cfg.num_hidden_layers).map(|_| layer()).collect::<Result<_>>()?,
+            lens: vec![0; batch],
+            max_seq,
+            dtype,
+            paging: Some(Paging {
+                page_size,
+                pages,
+                // Taken from the end: page 0 first.
+                free: (0..pages as u32).rev().collect(),
+                owned: vec![Vec::new(); batch],
+                max_pages: max_seq / page_size,
+            }),
+        })
+    }
+
+    /// A paged cache's page size (`None` for a contiguous cache).
+    pub fn page_size(&self) -> Option<usize> {
+        self.paging.as_ref().map(|p| p.page_size)
+    }
+
+    /// A paged cache's pool size in pages (`None` for a contiguous cache).
+    pub fn pool_pages(&self) -> Option<usize> {
+        self.paging.as_ref().map(|p| p.pages)
+    }
+
+    /// A paged cache's free pages (`None` for a contiguous cache).
+    pub fn free_pages(&self) -> Option<usize> {
+        self.paging.as_ref().map(|p| p.free.len())
+    }
+
+    /// Makes sure sequence `i` of a paged cache has pages for `tokens` tokens, taking what it
+    /// lacks from the pool (all or none: an error if the pool has too few, and nothing taken).
+    /// Contiguous caches have their room already: only `tokens <= max_seq` is checked.
+    pub fn reserve(&mut self, i: usize, tokens: usize) -> Result<()> {
+        if i >= self.lens.len() || tokens > self.max_seq {
+            bail!(
+                "reserve: sequence {i} of {}, {tokens} tokens of at most {}",
+                self.lens.len(),
+                self.max_seq
+            )
+        }
+        let Some(paging) = &mut self.paging else {
+            return Ok(());
+        };
+        let need = tokens.div_ceil(paging.page_size).saturating_sub(paging.owned[i].len());
+        if need > paging.free.len() {
+            bail!(
+                "the KV cache's page pool is exhausted: sequence {i} needs {need} more pages, {} are free",
+                paging.free.len()
+            )
+        }
+        let at = paging.free.len() - need;
+        let taken: Vec<u32> = paging.free.drain(at..).rev().collect();
+        paging.owned[i].extend(taken);
+        Ok(())
+    }
+
+    /// The cache row of sequence `i`'s key at position `pos` (its slot's row, or its page's).
+    pub(crate) fn row(&self, i: usize, pos: usize) -> usize {
+        match &self.paging {
+            None => i * self.max_seq + pos,
+            Some(p) => p.owned[i][pos / p.page_size] as usize * p.page_size + pos % p.page_size,
+        }
+    }
+
+    /// The first two dims of the caches' 4-D view for flash-attn3: (batch, max_seq), or (pages,
+    /// page_size) when paged.
+    pub(crate) fn view_dims(&self) -> (usize, usize) {
+        match &self.paging {
+            None => (self.lens.len(), self.max_seq),
+            Some(p) => (p.pages, p.page_size),
+        }
     }
 
     /// Tokens held for each sequence.
@@ -181,24 +325,29 @@ impl KvCache {
     }
 
     /// Forgets sequence `i` alone (a finished member of a running batch; its slot's memory is
-    /// overwritten by the next sequence there). An fp8 cache keeps its scales.
+    /// overwritten by the next sequence there, a paged cache's pages go back to the pool). An fp8
+    /// cache keeps its scales.
     pub fn clear_sequence(&mut self, i: usize) -> Result<()> {
         match self.lens.get_mut(i) {
-            Some(len) => {
-                *len = 0;
-                Ok(())
-            }
+            Some(len) => *len = 0,
             None => bail!(
                 "clear_sequence: no sequence {i} in a cache of batch {}",
                 self.lens.len()
             ),
         }
+        if let Some(p) = &mut self.paging {
+            let pages = std::mem::take(&mut p.owned[i]);
+            p.free.extend(pages.into_iter().rev());
+        }
+        Ok(())
     }
 
     /// Forgets every sequence (the memory is kept and overwritten by the next prefill, which
     /// also sets an fp8 cache's scales afresh).
     pub fn reset(&mut self) {
-        self.lens.iter_mut().for_each(|l| *l = 0);
+        for i in 0..self.lens.len() {
+            let _ = self.clear_sequence(i);
+        }
         for layer in &mut self.layers {
             if let LayerKv::E4m3 { scales, .. } = layer {
                 scales.take();
@@ -215,15 +364,22 @@ pub(crate) struct CacheGroup {
     pub(crate) new: usize,
     /// Keys each holds after this step's write, (batch,) u32.
     pub(crate) seqlens: Tensor,
-    /// Their cache rows, (batch,) u32; `None`: 0..batch, the whole cache.
+    /// Their cache rows, (batch,) u32; `None`: 0..batch, the whole cache (contiguous caches).
     pub(crate) cache_idx: Option<Tensor>,
+    /// Their pages, (batch, max_pages) u32 (paged caches).
+    pub(crate) page_table: Option<Tensor>,
 }
 
 impl CacheGroup {
     /// The groups of a step that appends `new[i]` tokens to sequence `i`, holding `lens[i]`
     /// before it (sequences given no token are in none), and, with several groups, the
     /// permutation that puts their concatenated outputs back in packed order.
-    pub(crate) fn plan(lens: &[usize], new: &[usize], dev: &Device) -> Result<(Vec<CacheGroup>, Option<Tensor>)> {
+    pub(crate) fn plan(
+        lens: &[usize],
+        new: &[usize],
+        paging: Option<&Paging>,
+        dev: &Device,
+    ) -> Result<(Vec<CacheGroup>, Option<Tensor>)> {
         let mut first_row = Vec::with_capacity(new.len());
         let mut packed = 0;
         for &n in new {
@@ -248,12 +404,24 @@ impl CacheGroup {
             order.extend(&rows);
             let seqlens: Vec<u32> = seqs.iter().map(|&i| (lens[i] + n) as u32).collect();
             let whole_cache = seqs.len() == new.len();
+            let page_table = match paging {
+                None => None,
+                Some(p) => {
+                    // Unused columns name page 0: the kernel reads no page past a sequence's keys.
+                    let table: Vec<u32> = seqs
+                        .iter()
+                        .flat_map(|&i| (0..p.max_pages).map(move |j| p.owned[i].get(j).copied().unwrap_or(0)))
+                        .collect();
+                    Some(Tensor::from_vec(table, (seqs.len(), p.max_pages), dev)?)
+                }
+            };
             groups.push(CacheGroup {
                 rows: if single { None } else { Some(Tensor::new(rows, dev)?) },
                 batch: seqs.len(),
                 new: n,
                 seqlens: Tensor::new(seqlens, dev)?,
-                cache_idx: if whole_cache {
+                page_table,
+                cache_idx: if whole_cache || paging.is_some() {
                     None
                 } else {
                     Some(Tensor::new(seqs.iter().map(|&i| i as u32).collect::<Vec<_>>(), dev)?)

@@ -30,17 +30,16 @@ enum KeySource {
         max_q: usize,
         max_k: usize,
     },
-    /// Attend to an fp8 cache (see [`KvCache`]), after the new tokens were written into it: one
-    /// `flash_attn_with_kvcache` call per group of sequences with the same number of new
+    /// Attend to an fp8 or paged cache (see [`KvCache`]), after the new tokens were written into
+    /// it: one `flash_attn_with_kvcache` call per group of sequences with the same number of new
     /// tokens.
-    CachedE4m3 {
+    KvCacheCalls {
         groups: Vec<CacheGroup>,
         /// With several groups: the packed row of each output row once the groups' outputs
         /// are concatenated, (tokens,) u32.
         unpermute: Option<Tensor>,
-        /// The cache's sequences and keys per sequence.
-        batch: usize,
-        max_seq: usize,
+        /// The first two dims of the caches' 4-D view: (batch, max_seq), or (pages, page_size).
+        view: (usize, usize),
     },
     /// `batch` sequences of `seq` fresh tokens each, through the textbook attention composite
     /// instead of flash-attn3 ([`Llama::forward_reference`]).
@@ -192,6 +191,12 @@ impl Attention {
                             Some(LayerKv::Rows(kv)) => {
                                 rope_store(&y, cos, sin, il, Some(CacheStore::Rows { kv, rows: rows()? }))?
                             }
+                            Some(layer @ LayerKv::Planes(_)) => {
+                                // (Two strided copies after the rotation: the paged planes have no
+                                // fused store yet.)
+                                rope_store(&y, cos, sin, il, None)?;
+                                layer.store(&y.narrow(1, h, 2 * hk)?, &plan.writes, None)?
+                            }
                             Some(LayerKv::E4m3 { kv, scales }) => match scales.get() {
                                 Some(s) => rope_store(
                                     &y,
@@ -285,20 +290,27 @@ impl Attention {
                     .forward_varlen_offsets(&q, &ck, &cv, cu_q, cu_k, *max_q, *max_k)?
             }
             (
-                KeySource::CachedE4m3 {
+                KeySource::KvCacheCalls {
                     groups,
                     unpermute,
-                    batch,
-                    max_seq,
+                    view,
                 },
                 Some(LayerKv::E4m3 { kv, scales }),
             ) => {
                 let Some(scales) = scales.get() else {
                     bail!("internal error: reading an fp8 cache layer that was never written")
                 };
-                self.attend_e4m3(&q, kv, scales, groups, unpermute.as_ref(), (*batch, *max_seq))?
+                self.attend_cache(&q, kv, Some(scales), groups, unpermute.as_ref(), *view)?
             }
-            (KeySource::Cached { .. } | KeySource::CachedE4m3 { .. }, _) => {
+            (
+                KeySource::KvCacheCalls {
+                    groups,
+                    unpermute,
+                    view,
+                },
+                Some(LayerKv::Planes(kv)),
+            ) => self.attend_cache(&q, kv, None, groups, unpermute.as_ref(), *view)?,
+            (KeySource::Cached { .. } | KeySource::KvCacheCalls { .. }, _) => {
                 bail!("internal error: a cached plan without its kind of cache")
             }
             (KeySource::Reference { batch, seq }, _) => self.reference_attention(&q, &k, &v, *batch, *seq)?,
@@ -310,22 +322,22 @@ impl Attention {
         )
     }
 
-    /// Attention of `q` (tokens, heads, d) over an fp8 cache layer `kv` (2, batch × max_seq,
-    /// kv_heads, d) holding the keys of this step already: per group, q quantized per
-    /// (sequence, head) and one `flash_attn_with_kvcache` call on the e4m3 planes. Output in
-    /// q's dtype, (tokens, heads, d), rows in packed order.
-    fn attend_e4m3(
+    /// Attention of `q` (tokens, heads, d) over a cache layer in planes, `kv` (2, rows, kv_heads,
+    /// d), holding the keys of this step already, viewed as (view.0, view.1, kv_heads, d) (slots
+    /// or pages): one `flash_attn_with_kvcache` call per group. An e4m3 layer (`scales`) gets q
+    /// quantized for the call. Output in q's dtype, (tokens, heads, d), rows in packed order.
+    fn attend_cache(
         &self,
         q: &Tensor,
         kv: &Tensor,
-        scales: &E4m3Scales,
+        scales: Option<&E4m3Scales>,
         groups: &[CacheGroup],
         unpermute: Option<&Tensor>,
-        (batch, max_seq): (usize, usize),
+        view: (usize, usize),
     ) -> Result<Tensor> {
         let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
-        let k_cache = kv.get(0)?.reshape((batch, max_seq, hk, d))?;
-        let v_cache = kv.get(1)?.reshape((batch, max_seq, hk, d))?;
+        let k_cache = kv.get(0)?.reshape((view.0, view.1, hk, d))?;
+        let v_cache = kv.get(1)?.reshape((view.0, view.1, hk, d))?;
         // The fp8 call's output is bf16 or f16: f16 models keep f16, the rest go through bf16.
         let out_dtype = match q.dtype() {
             DType::F16 => DType::F16,
@@ -337,31 +349,41 @@ impl Attention {
                 None => q.clone(),
                 Some(rows) => q.contiguous()?.index_select(rows, 0)?,
             };
-            let (q8, q_descale) = if g.new == 1 {
-                // One scale per (sequence, kv head): a token's heads of one GQA group are
-                // adjacent rows, so q viewed as (batch × kv_heads, group, 1, d) makes each group
-                // one "head" of the quantizer. A q descale shared by the group lets the kernel
-                // pack the group's heads into one tile (pack-GQA), reading K and V once per kv
-                // head instead of once per q head.
-                let grouped = quantize(&qg.reshape((g.batch * hk, h / hk, 1, d))?, Granularity::Head)?;
-                (
-                    grouped.data.reshape((g.batch, 1, h, d))?,
-                    grouped.descale.reshape((g.batch, hk))?,
-                )
-            } else {
-                let per_head = quantize(&qg.reshape((g.batch, g.new, h, d))?, Granularity::Head)?;
-                (per_head.data, per_head.descale)
+            let (qg, attn) = match scales {
+                None => (qg.reshape((g.batch, g.new, h, d))?, self.attn.clone()),
+                Some(scales) => {
+                    let (q8, q_descale) = if g.new == 1 {
+                        // One scale per (sequence, kv head): a token's heads of one GQA group
+                        // are adjacent rows, so q viewed as (batch × kv_heads, group, 1, d)
+                        // makes each group one "head" of the quantizer. A q descale shared by
+                        // the group lets the kernel pack the group's heads into one tile
+                        // (pack-GQA), reading K and V once per kv head instead of once per q
+                        // head.
+                        let grouped = quantize(&qg.reshape((g.batch * hk, h / hk, 1, d))?, Granularity::Head)?;
+                        (
+                            grouped.data.reshape((g.batch, 1, h, d))?,
+                            grouped.descale.reshape((g.batch, hk))?,
+                        )
+                    } else {
+                        let per_head = quantize(&qg.reshape((g.batch, g.new, h, d))?, Granularity::Head)?;
+                        (per_head.data, per_head.descale)
+                    };
+                    let attn = self
+                        .attn
+                        .clone()
+                        .descale(Some(&q_descale), Some(&scales.k_descale), Some(&scales.v_descale))
+                        .out_dtype(out_dtype);
+                    (q8, attn)
+                }
             };
-            let attn = self
-                .attn
-                .clone()
-                .descale(Some(&q_descale), Some(&scales.k_descale), Some(&scales.v_descale))
-                .out_dtype(out_dtype);
             let mut call = attn.kv_cache(&k_cache, &v_cache, &g.seqlens);
             if let Some(idx) = &g.cache_idx {
                 call = call.cache_batch_idx(idx);
             }
-            outs.push(call.forward(&q8)?.reshape((g.batch * g.new, h, d))?);
+            if let Some(table) = &g.page_table {
+                call = call.page_table(table);
+            }
+            outs.push(call.forward(&qg)?.reshape((g.batch * g.new, h, d))?);
         }
         let out = match unpermute {
             None if outs.len() == 1 => outs.pop().expect("one group"),
@@ -581,6 +603,26 @@ impl Llama {
     /// An empty cache on this model's device holding keys and values in `dtype`: the model's
     /// own, or `F8E4M3` (half the bytes of bf16; see [`KvCache`]).
     pub fn new_cache_of(&self, batch: usize, max_seq: usize, dtype: DType) -> Result<KvCache> {
+        self.check_cache_dtype(dtype)?;
+        KvCache::new(&self.cfg, batch, max_seq, dtype, &self.device)
+    }
+
+    /// An empty paged cache on this model's device: `pages` pages of `page_size` tokens shared
+    /// by `batch` sequences of at most `max_seq` tokens each, in `dtype` (the model's or
+    /// `F8E4M3`); see [`KvCache::new_paged`].
+    pub fn new_paged_cache(
+        &self,
+        batch: usize,
+        pages: usize,
+        page_size: usize,
+        max_seq: usize,
+        dtype: DType,
+    ) -> Result<KvCache> {
+        self.check_cache_dtype(dtype)?;
+        KvCache::new_paged(&self.cfg, batch, pages, page_size, max_seq, dtype, &self.device)
+    }
+
+    fn check_cache_dtype(&self, dtype: DType) -> Result<()> {
         if dtype != self.dtype && dtype != DType::F8E4M3 {
             bail!(
                 "a KV cache holds the model's dtype ({:?}) or f8e4m3, not {dtype:?}",
@@ -593,7 +635,7 @@ impl Llama {
                 self.cfg.head_dim
             )
         }
-        KvCache::new(&self.cfg, batch, max_seq, dtype, &self.device)
+        Ok(())
     }
 
     /// Full causal forward without a cache: input_ids (batch, seq) u32 → logits (batch, seq, vocab)
@@ -696,6 +738,25 @@ impl Llama {
                 )
             }
         }
+        // A paged cache's sequences take the pages this step's tokens need (all checked first:
+        // an exhausted pool is an error before anything is written).
+        if let Some(free) = cache.free_pages() {
+            let page = cache.page_size().unwrap_or(1);
+            let need: usize = (0..new.len())
+                .map(|i| {
+                    (cache.lens[i] + new[i])
+                        .div_ceil(page)
+                        .saturating_sub(cache.paging.as_ref().map_or(0, |p| p.owned[i].len()))
+                })
+                .sum();
+            if need > free {
+                bail!("step: the KV cache's page pool is exhausted ({need} pages needed, {free} free)")
+            }
+            for (i, &n) in new.iter().enumerate() {
+                let len = cache.lens[i];
+                cache.reserve(i, len + n)?;
+            }
+        }
         let dev = &self.device;
 
         // Each token's position continues its own sequence.
@@ -714,13 +775,12 @@ impl Llama {
                 cu: cumulative(new.iter().copied(), dev)?,
                 max_len: max_new,
             }
-        } else if cache.dtype == DType::F8E4M3 {
-            let (groups, unpermute) = CacheGroup::plan(lens, new, dev)?;
-            KeySource::CachedE4m3 {
+        } else if cache.dtype == DType::F8E4M3 || cache.paging.is_some() {
+            let (groups, unpermute) = CacheGroup::plan(lens, new, cache.paging.as_ref(), dev)?;
+            KeySource::KvCacheCalls {
                 groups,
                 unpermute,
-                batch: lens.len(),
-                max_seq,
+                view: cache.view_dims(),
             }
         } else {
             // Each sequence is followed by a gap sequence without queries (see KvCache).
@@ -732,13 +792,19 @@ impl Llama {
                 max_k: max_seq,
             }
         };
-        let mut writes = Vec::new();
+        // Runs of new tokens whose cache rows follow each other (a page boundary of a paged
+        // cache starts a new run).
+        let mut writes: Vec<(usize, usize, usize)> = Vec::new();
         let mut packed = 0;
         for (i, (&len, &n)) in lens.iter().zip(new).enumerate() {
-            if n > 0 {
-                writes.push((packed, n, i * max_seq + len));
+            for pos in len..len + n {
+                let row = cache.row(i, pos);
+                match writes.last_mut() {
+                    Some((from, count, to)) if *from + *count == packed && *to + *count == row => *count += 1,
+                    _ => writes.push((packed, 1, row)),
+                }
+                packed += 1;
             }
-            packed += n;
         }
         // The fused GPU RoPE + KV store takes the cache row of every new token.
         // (and so does an e4m3 cache's store on the GPU).

@@ -398,11 +398,12 @@ fn perplexity_through_the_cache() {
 #[test]
 fn continuous_batching_equals_generation_alone() {
     use flash_llama::{Batcher, Finish, Request};
-    for (family, kv_dtype, chunk) in [
-        (Family::Llama, None, 0),
-        (Family::Llama, None, 5),
-        (Family::Mistral, None, 3),
-        (Family::WideHeads, Some(DType::F8E4M3), 4),
+    for (family, kv_dtype, chunk, paged) in [
+        (Family::Llama, None, 0, false),
+        (Family::Llama, None, 5, false),
+        (Family::Mistral, None, 3, false),
+        (Family::Llama, None, 0, true),
+        (Family::WideHeads, Some(DType::F8E4M3), 4, false),
     ] {
         let model = load_with(family, DType::F32, Kernels::Fused);
         let kv_dtype = kv_dtype.unwrap_or(DType::F32);
@@ -438,7 +439,12 @@ fn continuous_batching_equals_generation_alone() {
             .collect();
         // Two slots for five requests: the rest wait and join between steps. Prompts of more
         // than 5 tokens come in chunks.
-        let mut batcher = Batcher::new(&model, 2, 40, kv_dtype).unwrap().prefill_chunk(chunk);
+        let mut batcher = match paged {
+            false => Batcher::new(&model, 2, 40, kv_dtype).unwrap(),
+            // Pages of 16 for 3 slots: 4 pages hold two requests at most (each needs 2 or 3).
+            true => Batcher::with_cache(&model, model.new_paged_cache(3, 4, 16, 48, kv_dtype).unwrap()).unwrap(),
+        }
+        .prefill_chunk(chunk);
         let mut waiting: std::collections::VecDeque<(u64, Request)> = requests
             .iter()
             .cloned()
@@ -449,8 +455,11 @@ fn continuous_batching_equals_generation_alone() {
         let mut finished = vec![None; requests.len()];
         let mut steps = 0;
         while finished.iter().any(Option::is_none) {
-            while batcher.free_slots() > 0 {
-                let Some((id, r)) = waiting.pop_front() else { break };
+            while let Some((id, r)) = waiting.pop_front() {
+                if !batcher.fits(r.prompt.len() + r.max_tokens) {
+                    waiting.push_front((id, r));
+                    break;
+                }
                 batcher.join(id, r).unwrap();
             }
             for e in batcher.step().unwrap() {
@@ -470,7 +479,7 @@ fn continuous_batching_equals_generation_alone() {
                 assert!(!g.is_empty() && g.len() <= r.max_tokens);
             }
         } else {
-            assert_eq!(got, alone, "{family:?} {kv_dtype:?} chunk {chunk}");
+            assert_eq!(got, alone, "{family:?} {kv_dtype:?} chunk {chunk} paged {paged}");
         }
         for (i, (f, r)) in finished.iter().zip(&requests).enumerate() {
             let last = *got[i].last().unwrap();
@@ -484,7 +493,7 @@ fn continuous_batching_equals_generation_alone() {
         assert_eq!(batcher.running(), 0);
         // Errors: too long for a slot, an empty prompt, a full batch.
         let long = Request {
-            prompt: tokens(38, 1),
+            prompt: tokens(46, 1),
             max_tokens: 3,
             sampling: SamplingParams::default(),
             stop_tokens: vec![],
@@ -509,9 +518,71 @@ fn continuous_batching_equals_generation_alone() {
             .unwrap_err()
             .to_string()
             .contains("already"));
-        batcher.join(2, short.clone()).unwrap();
-        assert!(batcher.join(3, short).unwrap_err().to_string().contains("no free slot"));
+        let mut id = 2;
+        while batcher.free_slots() > 0 {
+            batcher.join(id, short.clone()).unwrap();
+            id += 1;
+        }
+        assert!(!batcher.fits(5));
+        assert!(batcher
+            .join(id, short)
+            .unwrap_err()
+            .to_string()
+            .contains("no free slot"));
         batcher.cancel(1);
         assert_eq!(batcher.free_slots(), 1);
+        assert!(batcher.fits(5));
     }
+}
+
+/// A paged KV cache (pages of 16, handed out from the end of the pool, so no sequence's pages
+/// are in order): every step follows the contiguous cache of the same dtype (attention through
+/// `flash_attn_with_kvcache` with a page table instead of the varlen call, so to f32 rounding;
+/// an fp8 pair the same quantization), with steps of mixed token counts; pages go back to the
+/// pool when a sequence is cleared, and an exhausted pool is an error before anything is written.
+#[test]
+fn paged_cache_follows_the_contiguous_cache() {
+    for (family, dtype, kernels) in [
+        (Family::Llama, DType::F32, Kernels::Fused),
+        (Family::Mistral, DType::F32, Kernels::Composed),
+        (Family::Qwen2, DType::F32, Kernels::Fused),
+        (Family::WideHeads, DType::F8E4M3, Kernels::Fused),
+    ] {
+        let model = load_with(family, DType::F32, kernels);
+        let mut contiguous = model.new_cache_of(3, 64, dtype).unwrap();
+        let mut paged = model.new_paged_cache(3, 9, 16, 64, dtype).unwrap();
+        assert_eq!((paged.page_size(), paged.free_pages()), (Some(16), Some(9)));
+        let steps: Vec<Vec<Vec<u32>>> = vec![
+            vec![tokens(20, 1), tokens(3, 2), tokens(17, 3)],
+            vec![tokens(1, 4), tokens(14, 5), vec![]],
+            (0..3).map(|i| tokens(1, 10 + i)).collect(),
+            vec![tokens(2, 20), tokens(1, 21), tokens(16, 22)],
+        ];
+        for (n, step) in steps.iter().enumerate() {
+            let want = model.step(step, &mut contiguous).unwrap();
+            let got = model.step(step, &mut paged).unwrap();
+            let d = rel_diff(&got, &want);
+            println!("{family:?} {dtype:?} {kernels:?} step {n}: paged vs contiguous {d:.2e}");
+            assert!(d < 1e-4, "{family:?} {dtype:?} step {n}: paged differs by {d}");
+        }
+        // 24, 19 and 34 tokens: 2 + 2 + 3 pages of 16.
+        assert_eq!(paged.lens(), &[24, 19, 34]);
+        assert_eq!(paged.free_pages(), Some(2));
+        // 40 more tokens for the first two: 2 + 2 pages more, 2 free.
+        let grow = [tokens(40, 1), tokens(40, 2), vec![]];
+        let err = model.step(&grow, &mut paged).unwrap_err().to_string();
+        assert!(err.contains("exhausted"), "{err}");
+        assert_eq!(paged.lens(), &[24, 19, 34], "nothing written");
+        assert_eq!(paged.free_pages(), Some(2), "nothing taken");
+        paged.clear_sequence(2).unwrap();
+        assert_eq!(paged.free_pages(), Some(5));
+        model.step(&grow, &mut paged).unwrap();
+        assert_eq!(paged.free_pages(), Some(1));
+    }
+    let model = load(Family::Llama, DType::F32);
+    assert!(model.new_paged_cache(2, 4, 24, 48, DType::F32).is_err(), "page size 24");
+    assert!(
+        model.new_paged_cache(2, 4, 16, 40, DType::F32).is_err(),
+        "max_seq not whole pages"
+    );
 }

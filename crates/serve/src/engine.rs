@@ -6,7 +6,7 @@
 //! [`Backend`] is what the HTTP layer needs from it (a name, a context length, tokenization and a
 //! streaming generation), so that the HTTP layer is tested without a model.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread;
@@ -82,6 +82,10 @@ pub struct EngineOptions {
     pub kv_cache_dtype: Option<DType>,
     /// Prompt tokens a request feeds per step at most (chunked prefill; 0: whole prompts).
     pub prefill_chunk: usize,
+    /// A paged KV cache: (pages in the pool, tokens per page); `None`: one slot of `max_seq`
+    /// tokens per request. With pages, a request joins when the pool has room for all its
+    /// tokens (else it waits), and its pages go back when it ends.
+    pub paged: Option<(usize, usize)>,
 }
 
 /// The model's worker thread and its queue (module docs).
@@ -110,7 +114,13 @@ impl Engine {
             .name("flash-serve-engine".into())
             .spawn(move || {
                 let kv_dtype = opts.kv_cache_dtype.unwrap_or(model.dtype());
-                match Batcher::new(&model, opts.slots, opts.max_seq, kv_dtype) {
+                let batcher = match opts.paged {
+                    None => Batcher::new(&model, opts.slots, opts.max_seq, kv_dtype),
+                    Some((pages, page_size)) => model
+                        .new_paged_cache(opts.slots, pages, page_size, opts.max_seq, kv_dtype)
+                        .and_then(|cache| Batcher::with_cache(&model, cache)),
+                };
+                match batcher {
                     Ok(batcher) => {
                         let batcher = batcher.prefill_chunk(opts.prefill_chunk);
                         let _ = ready.send(Ok(()));
@@ -200,10 +210,12 @@ impl Live<'_> {
     }
 }
 
-/// The worker's loop: admit queued requests while slots are free (waiting for one when the batch
-/// is empty), run one step, stream each request's new text; until the queue closes.
+/// The worker's loop: queued requests join the batch in arrival order while slots (and pages)
+/// allow (waiting for one when nothing runs), one step, each request's new text streamed; until
+/// the queue closes.
 fn run_batch(mut batcher: Batcher, tokenizer: &TextTokenizer, queue: &Receiver<(Job, Sender<Event>)>) {
     let mut live: HashMap<u64, Live> = HashMap::new();
+    let mut waiting: VecDeque<(Job, Sender<Event>)> = VecDeque::new();
     let mut next_id = 0u64;
     loop {
         let mut admit = |(job, events): (Job, Sender<Event>), batcher: &mut Batcher| {
@@ -231,17 +243,33 @@ fn run_batch(mut batcher: Batcher, tokenizer: &TextTokenizer, queue: &Receiver<(
                 }
             }
         };
-        if batcher.running() == 0 {
+        // Everything queued joins the waiting line (blocking for one when nothing runs).
+        if batcher.running() == 0 && waiting.is_empty() {
             match queue.recv() {
-                Ok(job) => admit(job, &mut batcher),
+                Ok(job) => waiting.push_back(job),
                 Err(_) => return,
             }
         }
-        while batcher.free_slots() > 0 {
-            match queue.try_recv() {
-                Ok(job) => admit(job, &mut batcher),
-                Err(_) => break,
+        while let Ok(job) = queue.try_recv() {
+            waiting.push_back(job);
+        }
+        // Then joins the batch in arrival order, as slots (and a paged cache's pages) allow.
+        while let Some((job, events)) = waiting.pop_front() {
+            let tokens = job.prompt.len() + job.max_tokens;
+            if !batcher.could_fit(tokens) {
+                let _ = events.send(Event::Error(format!(
+                    "the request's {tokens} tokens do not fit the server's KV cache"
+                )));
+                continue;
             }
+            if !batcher.fits(tokens) {
+                waiting.push_front((job, events));
+                break;
+            }
+            admit((job, events), &mut batcher);
+        }
+        if batcher.running() == 0 {
+            continue;
         }
         let emitted = match batcher.step() {
             Ok(emitted) => emitted,
