@@ -590,3 +590,38 @@ fn fp8_cache_follows_the_bf16_cache_on_the_gpu() {
     }
     assert_eq!(on_device, on_host);
 }
+
+/// The paged KV cache on the GPU (flash_attn_with_kvcache's paged kernels, the e4m3 store into
+/// pages, the 16-bit planes' strided copies): every step follows the contiguous cache of the same
+/// dtype within bf16 rounding (the contiguous bf16 cache decodes through the varlen kernel, the
+/// paged one through the kvcache kernel), with steps of mixed token counts and pages handed out
+/// in no sequence's order.
+#[test]
+fn paged_cache_follows_the_contiguous_cache_on_the_gpu() {
+    let dir = hf_model(Family::WideHeads);
+    for kernels in [Kernels::Fused, Kernels::Composed] {
+        let model = load_hf_dir(&dir, DType::BF16, &gpu(), kernels).unwrap();
+        for dtype in [DType::BF16, DType::F8E4M3] {
+            let mut contiguous = model.new_cache_of(3, 128, dtype).unwrap();
+            let mut paged = model.new_paged_cache(3, 20, 16, 128, dtype).unwrap();
+            let steps: Vec<Vec<Vec<u32>>> = vec![
+                vec![tokens(20, 1), tokens(3, 2), tokens(70, 3)],
+                vec![tokens(1, 4), tokens(14, 5), vec![]],
+                (0..3).map(|i| tokens(1, 10 + i)).collect(),
+                vec![tokens(2, 20), tokens(1, 21), tokens(16, 22)],
+            ];
+            for (n, step) in steps.iter().enumerate() {
+                let want = model.step(step, &mut contiguous).unwrap();
+                let got = model.step(step, &mut paged).unwrap();
+                let d = rel_diff(&got, &want);
+                println!("{kernels:?} {dtype:?} step {n}: paged vs contiguous {d:.2e}");
+                assert!(d < 0.05, "{kernels:?} {dtype:?} step {n}: paged differs by {d}");
+                for (i, t) in step.iter().enumerate() {
+                    if t.is_empty() {
+                        assert_eq!(abs_sum(&got.i(i).unwrap()), 0.0, "step {n}: sequence {i} sat out");
+                    }
+                }
+            }
+        }
+    }
+}
