@@ -15,7 +15,8 @@
 #          command "SLOTS=32 bash scripts/gpu-serve-load.sh"
 #
 # Env: SLOTS (default 32, comma-separated for several runs), REQUESTS (200), CLIENTS (32),
-# MAX_TOKENS (16), KV (model or fp8; default model). HF=1 then runs scripts/hf_serve_baseline.py
+# MAX_TOKENS (16), KV (model or fp8; default model), SERVE_ARGS (more flags for `serve`, e.g.
+# "--page-size 16 --pages 256" for the paged KV cache). HF=1 then runs scripts/hf_serve_baseline.py
 # (transformers' static batches of 32 on the same requests), installing the `gguf` wheel that
 # --split put in .device-model/ (pip download gguf --no-deps).
 set -uo pipefail
@@ -53,7 +54,8 @@ xz -dc "$XZ" >/tmp/serve && chmod +x /tmp/serve || exit 1
 STATUS=0
 for slots in ${SLOTS:-32}; do
     for s in ${slots//,/ }; do
-        /tmp/serve --model "$MODEL" --port 8095 --slots "$s" --kv-cache-dtype "${KV:-model}" >/tmp/serve.log 2>&1 &
+        # shellcheck disable=SC2086 # SERVE_ARGS is a word list
+        /tmp/serve --model "$MODEL" --port 8095 --slots "$s" --kv-cache-dtype "${KV:-model}" ${SERVE_ARGS:-} >/tmp/serve.log 2>&1 &
         PID=$!
         for _ in $(seq 1 120); do
             curl -sf http://127.0.0.1:8095/health >/dev/null && break
@@ -61,7 +63,7 @@ for slots in ${SLOTS:-32}; do
             sleep 0.5
         done
         head -3 /tmp/serve.log
-        echo "== slots $s, KV cache ${KV:-model}"
+        echo "== slots $s, KV cache ${KV:-model} ${SERVE_ARGS:-}"
         python3 scripts/serve-load.py --url http://127.0.0.1:8095 --clients "${CLIENTS:-32}" \
             --requests "${REQUESTS:-200}" --max-tokens "${MAX_TOKENS:-16}" || STATUS=1
         kill $PID 2>/dev/null
