@@ -103,6 +103,11 @@ impl<'m> Batcher<'m> {
         self.cache.max_seq()
     }
 
+    /// A paged cache's free pages (`None` for one slot per sequence).
+    pub fn free_pages(&self) -> Option<usize> {
+        self.cache.free_pages()
+    }
+
     /// Slots a new request could join now.
     pub fn free_slots(&self) -> usize {
         self.slots.iter().filter(|s| s.is_none()).count()
@@ -154,19 +159,49 @@ impl<'m> Batcher<'m> {
             bail!("batch: no free slot (all {} are running)", self.slots.len())
         };
         self.cache.clear_sequence(slot)?;
-        // A paged cache: every page the request may need, now (an error if the pool lacks them).
-        self.cache.reserve(slot, request.prompt.len() + request.max_tokens)?;
+        // A paged cache: the whole pages of the longest prefix a running sequence holds already
+        // are shared, not recomputed (at least one prompt token is left to feed, for the
+        // logits); then every page the request may need, now (an error if the pool lacks them,
+        // and the slot is left empty).
+        let shared = self.shareable_prefix(&request.prompt);
+        if let Some((from, tokens)) = shared {
+            self.cache.share_prefix(from, slot, tokens)?;
+        }
+        if let Err(e) = self.cache.reserve(slot, request.prompt.len() + request.max_tokens) {
+            self.cache.clear_sequence(slot)?;
+            return Err(e);
+        }
+        let fed = shared.map_or(0, |(_, tokens)| tokens);
         self.slots[slot] = Some(Sequence {
             id,
             sampler: Sampler::new(request.sampling),
             history: request.prompt.clone(),
-            pending: request.prompt,
+            pending: request.prompt[fed..].to_vec(),
             next: Vec::new(),
             generated: 0,
             max_tokens: request.max_tokens,
             stop_tokens: request.stop_tokens,
         });
         Ok(())
+    }
+
+    /// For a paged cache: the running sequence (slot) whose cached keys share the longest
+    /// prefix with `prompt`, in whole pages, leaving at least one prompt token; `None` if no
+    /// page's worth is shared.
+    fn shareable_prefix(&self, prompt: &[u32]) -> Option<(usize, usize)> {
+        let page = self.cache.page_size()?;
+        let mut best: Option<(usize, usize)> = None;
+        for (i, slot) in self.slots.iter().enumerate() {
+            let Some(seq) = slot else { continue };
+            // The keys it holds: its history, less what it has not fed yet.
+            let held = &seq.history[..self.cache.lens()[i]];
+            let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+            let tokens = (common.min(prompt.len() - 1) / page) * page;
+            if tokens > 0 && best.is_none_or(|(_, t)| tokens > t) {
+                best = Some((i, tokens));
+            }
+        }
+        best
     }
 
     /// Drops a sequence (its client went away); its slot is free at once. Unknown ids are

@@ -70,6 +70,8 @@ pub(crate) struct Paging {
     free: Vec<u32>,
     /// Each sequence's pages, in position order.
     pub(crate) owned: Vec<Vec<u32>>,
+    /// Sequences holding each page (prefix sharing: a page goes back to the pool at 0).
+    holders: Vec<u32>,
     /// Pages one sequence may hold (max_seq / page_size): the page table's width.
     pub(crate) max_pages: usize,
 }
@@ -242,6 +244,7 @@ impl KvCache {
                 // Taken from the end: page 0 first.
                 free: (0..pages as u32).rev().collect(),
                 owned: vec![Vec::new(); batch],
+                holders: vec![0; pages],
                 max_pages: max_seq / page_size,
             }),
         })
@@ -285,7 +288,38 @@ impl KvCache {
         }
         let at = paging.free.len() - need;
         let taken: Vec<u32> = paging.free.drain(at..).rev().collect();
+        for &page in &taken {
+            paging.holders[page as usize] = 1;
+        }
         paging.owned[i].extend(taken);
+        Ok(())
+    }
+
+    /// Prefix sharing (paged caches): empty sequence `to` starts with the first `tokens` keys of
+    /// sequence `from`, whose pages it shares instead of computing and storing them again (a
+    /// common system prompt). `tokens` must be whole pages (later writes never touch a shared
+    /// page) and held by `from`; the pages go back to the pool when the last holder is cleared.
+    pub fn share_prefix(&mut self, from: usize, to: usize, tokens: usize) -> Result<()> {
+        let n = self.lens.len();
+        let Some(p) = &mut self.paging else {
+            bail!("share_prefix: only a paged cache shares pages")
+        };
+        if from >= n || to >= n || from == to || tokens % p.page_size != 0 || tokens > self.lens[from] {
+            bail!(
+                "share_prefix: sequences {from} -> {to} of {n}, {tokens} tokens (whole pages of {}, at most the {} that {from} holds)",
+                p.page_size,
+                self.lens.get(from).copied().unwrap_or(0)
+            )
+        }
+        if self.lens[to] != 0 || !p.owned[to].is_empty() {
+            bail!("share_prefix: sequence {to} is not empty")
+        }
+        let pages: Vec<u32> = p.owned[from][..tokens / p.page_size].to_vec();
+        for &page in &pages {
+            p.holders[page as usize] += 1;
+        }
+        p.owned[to] = pages;
+        self.lens[to] = tokens;
         Ok(())
     }
 
@@ -337,7 +371,13 @@ impl KvCache {
         }
         if let Some(p) = &mut self.paging {
             let pages = std::mem::take(&mut p.owned[i]);
-            p.free.extend(pages.into_iter().rev());
+            for page in pages.into_iter().rev() {
+                let holders = &mut p.holders[page as usize];
+                *holders -= 1;
+                if *holders == 0 {
+                    p.free.push(page);
+                }
+            }
         }
         Ok(())
     }

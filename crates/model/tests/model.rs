@@ -586,3 +586,80 @@ fn paged_cache_follows_the_contiguous_cache() {
         "max_seq not whole pages"
     );
 }
+
+/// Prefix sharing in a paged batch: a request whose prompt starts like a running sequence's
+/// cached keys shares those whole pages instead of computing them again (fewer pages taken), and
+/// still gets the tokens `generate` gives it alone; the shared pages stay valid after the first
+/// sequence ends, and all go back to the pool at the end.
+#[test]
+fn paged_batch_shares_prompt_prefixes() {
+    use flash_llama::{Batcher, Request};
+    for dtype in [DType::F32, DType::F8E4M3] {
+        let family = if dtype == DType::F8E4M3 {
+            Family::WideHeads
+        } else {
+            Family::Llama
+        };
+        let model = load_with(family, DType::F32, Kernels::Fused);
+        let system = tokens(37, 9); // 2 whole pages of 16 shared, 5 tokens fed again
+        let request = |tail: u32, max_tokens: usize| Request {
+            prompt: system.iter().copied().chain(tokens(4, tail)).collect(),
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop_tokens: vec![],
+        };
+        let (first, second) = (request(1, 3), request(2, 6));
+        let cache = model.new_paged_cache(2, 12, 16, 64, dtype).unwrap();
+        let mut batcher = Batcher::with_cache(&model, cache).unwrap();
+        batcher.join(0, first.clone()).unwrap();
+        let mut got = vec![Vec::new(), Vec::new()];
+        for e in batcher.step().unwrap() {
+            got[e.id as usize].push(e.token);
+        }
+        // 41 + 3 tokens: 3 pages; the second (41 + 6) needs 3 pages, 2 of them shared.
+        let free = batcher.free_pages().unwrap();
+        batcher.join(1, second.clone()).unwrap();
+        assert_eq!(
+            batcher.free_pages().unwrap(),
+            free - 1,
+            "{dtype:?}: 2 of its 3 pages shared"
+        );
+        while batcher.running() > 0 {
+            for e in batcher.step().unwrap() {
+                got[e.id as usize].push(e.token);
+            }
+        }
+        assert_eq!(batcher.free_pages(), Some(12), "every page back in the pool");
+        // share_prefix's rules: paged caches only, whole pages, held by the source, an empty
+        // destination.
+        let mut paged = model.new_paged_cache(2, 8, 16, 64, dtype).unwrap();
+        model.step(&[tokens(40, 3), vec![]], &mut paged).unwrap();
+        assert!(paged.share_prefix(0, 1, 20).is_err(), "not whole pages");
+        assert!(paged.share_prefix(0, 1, 48).is_err(), "more than it holds");
+        paged.share_prefix(0, 1, 32).unwrap();
+        assert_eq!(paged.lens(), &[40, 32]);
+        assert!(paged.share_prefix(0, 1, 16).is_err(), "not empty");
+        let mut contiguous = model.new_cache_of(2, 64, dtype).unwrap();
+        model.step(&[tokens(40, 3), vec![]], &mut contiguous).unwrap();
+        assert!(contiguous.share_prefix(0, 1, 32).is_err(), "not paged");
+        if dtype == DType::F32 {
+            for (r, g) in [first, second].iter().zip(&got) {
+                let opts = GenerateOptions {
+                    max_tokens: r.max_tokens,
+                    sampling: r.sampling.clone(),
+                    stop_tokens: vec![],
+                    kv_cache_dtype: None,
+                };
+                let alone = generate(&model, std::slice::from_ref(&r.prompt), &opts, |_, _| {
+                    Ok(Flow::Continue)
+                })
+                .unwrap()
+                .tokens
+                .remove(0);
+                assert_eq!(g, &alone);
+            }
+        } else {
+            assert_eq!((got[0].len(), got[1].len()), (3, 6));
+        }
+    }
+}
