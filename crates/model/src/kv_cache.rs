@@ -295,6 +295,33 @@ impl KvCache {
         Ok(())
     }
 
+    /// [`KvCache::reserve`] for every sequence at once, `tokens[i]` for sequence `i`: all or
+    /// none (an exhausted pool is an error before any page is taken, so a failed step writes
+    /// nothing).
+    pub fn reserve_all(&mut self, tokens: &[usize]) -> Result<()> {
+        if tokens.len() != self.lens.len() {
+            bail!("reserve_all: {} counts for {} sequences", tokens.len(), self.lens.len())
+        }
+        let Some(p) = &self.paging else {
+            return Ok(());
+        };
+        let need: usize = tokens
+            .iter()
+            .zip(&p.owned)
+            .map(|(&t, owned)| t.div_ceil(p.page_size).saturating_sub(owned.len()))
+            .sum();
+        if need > p.free.len() {
+            bail!(
+                "the KV cache's page pool is exhausted: {need} more pages needed, {} are free",
+                p.free.len()
+            )
+        }
+        for (i, &t) in tokens.iter().enumerate() {
+            self.reserve(i, t)?;
+        }
+        Ok(())
+    }
+
     /// Prefix sharing (paged caches): empty sequence `to` starts with the first `tokens` keys of
     /// sequence `from`, whose pages it shares instead of computing and storing them again (a
     /// common system prompt). `tokens` must be whole pages (later writes never touch a shared

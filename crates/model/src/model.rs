@@ -179,46 +179,31 @@ impl Attention {
                 let y = project(qkv, x, self.kernels)?.reshape((tokens, h + 2 * hk, d))?;
                 if let RopeTables::PerHead { cos, sin } = &plan.rope {
                     let y = if y.device().is_cuda() {
-                        // One kernel: q and k rotated in place, v unchanged, k and v stored.
+                        // One kernel where the store fuses into the rotation (q and k rotated in
+                        // place, v unchanged, k and v stored); otherwise the rotation, then the
+                        // layer's own store: a paged cache's 16-bit planes (no fused store yet)
+                        // and an fp8 cache's first write (its scales come from the rotated values).
                         let rows = || {
                             plan.cache_rows.as_ref().ok_or_else(|| {
                                 candle_core::Error::Msg("internal error: a GPU cache write without its rows".into())
                             })
                         };
-                        let il = self.rope_interleaved;
-                        match cache {
-                            None => rope_store(&y, cos, sin, il, None)?,
-                            Some(LayerKv::Rows(kv)) => {
-                                rope_store(&y, cos, sin, il, Some(CacheStore::Rows { kv, rows: rows()? }))?
-                            }
-                            Some(layer @ LayerKv::Planes(_)) => {
-                                // (Two strided copies after the rotation: the paged planes have no
-                                // fused store yet.)
-                                rope_store(&y, cos, sin, il, None)?;
-                                layer.store(&y.narrow(1, h, 2 * hk)?, &plan.writes, None)?
-                            }
+                        let fused = match cache {
+                            Some(LayerKv::Rows(kv)) => Some(CacheStore::Rows { kv, rows: rows()? }),
                             Some(LayerKv::E4m3 { kv, scales }) => match scales.get() {
-                                Some(s) => rope_store(
-                                    &y,
-                                    cos,
-                                    sin,
-                                    il,
-                                    Some(CacheStore::E4m3 {
-                                        kv,
-                                        rows: rows()?,
-                                        quant: &s.quant,
-                                    }),
-                                )?,
-                                // The first write sets the scales from the rotated values.
-                                None => {
-                                    rope_store(&y, cos, sin, il, None)?;
-                                    cache.expect("matched").store(
-                                        &y.narrow(1, h, 2 * hk)?,
-                                        &plan.writes,
-                                        Some(rows()?),
-                                    )?
-                                }
+                                Some(s) => Some(CacheStore::E4m3 {
+                                    kv,
+                                    rows: rows()?,
+                                    quant: &s.quant,
+                                }),
+                                None => None,
                             },
+                            _ => None,
+                        };
+                        let store_after = fused.is_none();
+                        rope_store(&y, cos, sin, self.rope_interleaved, fused)?;
+                        if let (true, Some(layer)) = (store_after, cache) {
+                            layer.store(&y.narrow(1, h, 2 * hk)?, &plan.writes, plan.cache_rows.as_ref())?;
                         }
                         y
                     } else {
@@ -738,25 +723,9 @@ impl Llama {
                 )
             }
         }
-        // A paged cache's sequences take the pages this step's tokens need (all checked first:
-        // an exhausted pool is an error before anything is written).
-        if let Some(free) = cache.free_pages() {
-            let page = cache.page_size().unwrap_or(1);
-            let need: usize = (0..new.len())
-                .map(|i| {
-                    (cache.lens[i] + new[i])
-                        .div_ceil(page)
-                        .saturating_sub(cache.paging.as_ref().map_or(0, |p| p.owned[i].len()))
-                })
-                .sum();
-            if need > free {
-                bail!("step: the KV cache's page pool is exhausted ({need} pages needed, {free} free)")
-            }
-            for (i, &n) in new.iter().enumerate() {
-                let len = cache.lens[i];
-                cache.reserve(i, len + n)?;
-            }
-        }
+        // A paged cache's sequences take the pages this step's tokens need (all or none).
+        let tokens_after: Vec<usize> = cache.lens.iter().zip(new).map(|(&len, &n)| len + n).collect();
+        cache.reserve_all(&tokens_after)?;
         let dev = &self.device;
 
         // Each token's position continues its own sequence.
