@@ -7,7 +7,7 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
-use common::{abs_sum, hf_model, rel_diff, Family, VOCAB};
+use common::{abs_sum, hf_model, mixed_steps, rel_diff, tokens, Family, VOCAB};
 use flash_llama::fused::{
     add_rms_norm, argmax_rows, linear_vector, linear_vector_fits, rope_store, silu_mul, store_e4m3, CacheStore,
 };
@@ -379,10 +379,6 @@ fn fused_ops_reject_what_they_do_not_cover() -> Result<()> {
     Ok(())
 }
 
-fn tokens(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 7 + salt * 13 + 3) % VOCAB as u32).collect()
-}
-
 /// Prefill of prompts of different lengths (varlen), then decode steps with one sequence
 /// sitting out a step; the logits of every step.
 fn run(model: &Llama) -> Vec<Tensor> {
@@ -541,13 +537,7 @@ fn fp8_cache_follows_the_bf16_cache_on_the_gpu() {
         let model = load_hf_dir(&dir, DType::BF16, &gpu(), kernels).unwrap();
         let mut exact = model.new_cache(4, 96).unwrap();
         let mut fp8 = model.new_cache_of(4, 96, DType::F8E4M3).unwrap();
-        let steps: Vec<Vec<Vec<u32>>> = vec![
-            vec![tokens(5, 1), tokens(3, 2), tokens(70, 3), tokens(4, 4)],
-            (0..4).map(|i| tokens(1, 10 + i)).collect(),
-            vec![tokens(2, 20), vec![], tokens(1, 21), tokens(2, 22)],
-            vec![vec![], tokens(3, 30), vec![], vec![]],
-            (0..4).map(|i| tokens(1, 40 + i)).collect(),
-        ];
+        let steps = mixed_steps(70);
         for (n, step) in steps.iter().enumerate() {
             let want = model.step(step, &mut exact).unwrap();
             let got = model.step(step, &mut fp8).unwrap();

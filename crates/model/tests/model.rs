@@ -4,7 +4,7 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use common::{abs_sum, hf_model, max_diff, rel_diff, Family, VOCAB};
+use common::{abs_sum, hf_model, max_diff, mixed_steps, rel_diff, tokens, Family, VOCAB};
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::{generate, Flow, GenerateOptions, Kernels, Llama, SamplingParams};
 
@@ -16,10 +16,6 @@ fn load(family: Family, dtype: DType) -> Llama {
 /// over q, k and v (per-head angles), strided cache writes; `Composed` the trainable one.
 fn load_with(family: Family, dtype: DType, kernels: Kernels) -> Llama {
     load_hf_dir(&hf_model(family), dtype, &Device::Cpu, kernels).unwrap()
-}
-
-fn tokens(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 7 + salt * 13 + 3) % VOCAB as u32).collect()
 }
 
 #[test]
@@ -304,13 +300,7 @@ fn fp8_cache_follows_the_model_dtype_cache() {
         let mut exact = model.new_cache(4, 32).unwrap();
         let mut fp8 = model.new_cache_of(4, 32, DType::F8E4M3).unwrap();
         assert_eq!(fp8.dtype(), DType::F8E4M3);
-        let steps: Vec<Vec<Vec<u32>>> = vec![
-            vec![tokens(5, 1), tokens(3, 2), tokens(7, 3), tokens(4, 4)],
-            (0..4).map(|i| tokens(1, 10 + i)).collect(),
-            vec![tokens(2, 20), vec![], tokens(1, 21), tokens(2, 22)],
-            vec![vec![], tokens(3, 30), vec![], vec![]],
-            (0..4).map(|i| tokens(1, 40 + i)).collect(),
-        ];
+        let steps = mixed_steps(7);
         for (n, step) in steps.iter().enumerate() {
             let want = model.step(step, &mut exact).unwrap();
             let got = model.step(step, &mut fp8).unwrap();

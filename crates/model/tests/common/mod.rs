@@ -256,3 +256,21 @@ pub fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
 pub fn abs_sum(t: &Tensor) -> f32 {
     t.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap()
 }
+
+/// `n` token ids inside the tiny models' vocabulary, a different run for each `salt`.
+pub fn tokens(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 7 + salt * 13 + 3) % VOCAB as u32).collect()
+}
+
+/// The steps of a batch of 4 that every KV-cache check runs: a prefill of prompts of different
+/// lengths (the third of `long` tokens), a decode step, mixed token counts with a sequence
+/// sitting out, one sequence alone, and a decode step.
+pub fn mixed_steps(long: usize) -> Vec<Vec<Vec<u32>>> {
+    vec![
+        vec![tokens(5, 1), tokens(3, 2), tokens(long, 3), tokens(4, 4)],
+        (0..4).map(|i| tokens(1, 10 + i)).collect(),
+        vec![tokens(2, 20), vec![], tokens(1, 21), tokens(2, 22)],
+        vec![vec![], tokens(3, 30), vec![], vec![]],
+        (0..4).map(|i| tokens(1, 40 + i)).collect(),
+    ]
+}
