@@ -79,6 +79,11 @@ struct Args {
     #[arg(long)]
     warmup: bool,
 
+    /// Decode step by step with eager launches instead of replaying a CUDA graph of the step
+    /// (greedy decoding on the GPU with the model-dtype cache captures one by default).
+    #[arg(long)]
+    no_cuda_graphs: bool,
+
     /// Wrap each prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -263,6 +268,7 @@ fn run(args: Args) -> Result<()> {
             (false, None) => cfg.eos_token_ids.clone(),
         },
         kv_cache_dtype: Some(kv_cache_dtype),
+        cuda_graphs: !args.no_cuda_graphs,
     };
     if args.warmup {
         let t = std::time::Instant::now();
@@ -327,6 +333,12 @@ fn run(args: Args) -> Result<()> {
             "generation: {:.0}% of the time waiting for the device (less: the host's own work per step is the limit)",
             100.0 * generation.decode_wait_secs / generation.decode_secs
         );
+    }
+    if let (Some(p50), Some(p99)) = (
+        generation.inter_token_latency(0.5),
+        generation.inter_token_latency(0.99),
+    ) {
+        eprintln!("inter-token latency: p50 {:.2} ms, p99 {:.2} ms", 1e3 * p50, 1e3 * p99);
     }
     Ok(())
 }

@@ -73,6 +73,11 @@ struct Args {
     /// the slot cache). A request waits until the pool has pages for its prompt and max_tokens.
     #[arg(long)]
     pages: Option<usize>,
+
+    /// Decode step by step with eager launches instead of replaying CUDA graphs of the decode
+    /// step (on the GPU, with a contiguous cache of the model's dtype, graphs are the default).
+    #[arg(long)]
+    no_cuda_graphs: bool,
 }
 
 fn main() {
@@ -112,6 +117,7 @@ fn run(args: Args) -> Result<()> {
             0 => None,
             size => Some((args.pages.unwrap_or(args.slots * args.max_seq / size), size)),
         },
+        cuda_graphs: !args.no_cuda_graphs,
     };
     let engine = Engine::start(name.clone(), loaded.model, loaded.tokenizer, opts)?;
     eprintln!(

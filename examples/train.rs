@@ -361,6 +361,7 @@ fn sample(trainer: &Trainer, tokenization: &Tokenization, args: &Args) -> Result
         },
         stop_tokens: tokenization.end_of_text().into_iter().collect(),
         kv_cache_dtype: None,
+        cuda_graphs: true,
     };
     let out = generate(&trainer.inference_model()?, &[prompt], &opts, |_, _| Ok(Flow::Continue))?;
     tokenization.decode(&out.tokens[0])

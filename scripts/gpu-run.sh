@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine, from the repo root, with .device/ carried (made by scripts/gpu-pack.sh):
 #
-#   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache]
+#   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache] [--graphs]
 #
 # Steps: GPU name; the GPU test binaries (--test-threads=1); the GPU benchmark binary; the host
 #   cost of a decode step (decode-host);
@@ -24,6 +24,10 @@
 #               tokens/s with an fp8 KV cache against the bf16 cache (random-weight Llama-3.2-1B
 #               shape, 8k and 32k context), and the perplexity of both with the default GGUF if
 #               models/ holds it (FP8_CACHE_ARGS: extra arguments)
+#   --graphs    scripts/gpu_decode_graphs.py with the packed generate example: decode tokens/s and
+#               inter-token latency with the CUDA-graph decode step against eager launches, same
+#               call (random-weight Llama-3.2-1B shape; GRAPHS_ARGS: extra arguments, e.g.
+#               --batches 1,32 --reps 2)
 # Env: TEST_ARGS / BENCH_ARGS: extra arguments to the test / benchmark binary (e.g. a filter).
 #      SKIP: step names not to run, comma-separated (e.g. SKIP=model-tests,train-tests,decode-host).
 #      DEADLINE (default 570): seconds from the start after which no step runs any more, and each
@@ -35,17 +39,18 @@
 # exit code is non-zero if any step failed.
 set -uo pipefail
 
-ANCHORS=0 SANITIZE=0 MODEL=0 FP8=0 KVCACHE=0 FP8_CACHE=0
+ANCHORS=0 SANITIZE=0 MODEL=0 FP8=0 KVCACHE=0 FP8_CACHE=0 GRAPHS=0
 for arg in "$@"; do
     case $arg in
         --anchors) ANCHORS=1 ;;
         --fp8) FP8=1 ;;
         --kvcache) KVCACHE=1 ;;
         --fp8-cache) FP8_CACHE=1 ;;
+        --graphs) GRAPHS=1 ;;
         --sanitize) SANITIZE=1 ;;
         --model) MODEL=1 ;;
-        -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
-        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache])" >&2; exit 2 ;;
+        -h | --help) sed -n '2,34p' "$0"; exit 0 ;;
+        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache] [--graphs])" >&2; exit 2 ;;
     esac
 done
 
@@ -184,6 +189,16 @@ if ((MODEL)); then
             --work /tmp/flash-llama-check --out "$LOGS" ${MODEL_CHECK_ARGS:-}
     else
         skip_step model-check "no .device/generate.xz: run scripts/gpu-pack.sh and carry .device"
+    fi
+fi
+
+if ((GRAPHS)); then
+    if [[ -n $GENERATE_BIN ]]; then
+        # shellcheck disable=SC2086 # GRAPHS_ARGS is a word list
+        step graphs python3 scripts/gpu_decode_graphs.py --bin "$GENERATE_BIN" --work /tmp/flash-llama-check \
+            --deadline $((DEADLINE - (SECONDS - START) - 60)) ${GRAPHS_ARGS:-}
+    else
+        skip_step graphs "no .device/generate.xz: run scripts/gpu-pack.sh and carry .device"
     fi
 fi
 

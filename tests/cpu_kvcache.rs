@@ -431,6 +431,58 @@ fn kvcache_function_form() -> Result<()> {
     Ok(())
 }
 
+/// A read-only call over strided cache views (k and v heads interleaved in one buffer, as
+/// flash-llama's contiguous cache holds them) gives what the same call over dense copies gives;
+/// a call that would write into such a view, or one whose head dim is strided, is refused.
+#[test]
+fn kvcache_strided_views() -> Result<()> {
+    let dev = Device::Cpu;
+    let mut rng = TestRng::fresh("cpu-kvcache-strided");
+    let (b, s, hk, d) = (3, 40, 2, 32);
+    let q = rng.randn((b, 1, 4, d), DType::F32, &dev)?;
+    // (batch, seqlen, 2 kv_heads, d): k heads then v heads in each row.
+    let kv = rng.randn((b, s, 2 * hk, d), DType::F32, &dev)?;
+    let (k, v) = (kv.narrow(2, 0, hk)?, kv.narrow(2, hk, hk)?);
+    assert!(!k.is_contiguous() && !v.is_contiguous());
+    let lens = Tensor::new(&[17u32, 0, 40], &dev)?;
+    let attn = FlashAttn::new(0.2).causal(true);
+    let got = attn.kv_cache(&k, &v, &lens).forward(&q)?;
+    let want = attn.kv_cache(&k.contiguous()?, &v.contiguous()?, &lens).forward(&q)?;
+    assert_eq!(to_f64_vec(&got)?, to_f64_vec(&want)?);
+    assert!(to_f64_vec(&got)?.iter().any(|&x| x != 0.0));
+    // Writing into a view, or reading one through pages, is refused.
+    let kn = rng.randn((b, 1, hk, d), DType::F32, &dev)?;
+    assert_err(
+        attn.kv_cache(&k, &v, &lens).append(&kn, &kn).forward(&q),
+        &["k_cache must be contiguous when the call appends"],
+    );
+    let table = Tensor::new(&[[0u32], [1], [2]], &dev)?;
+    let paged = rng.randn((3, 16, 2 * hk, d), DType::F32, &dev)?;
+    assert_err(
+        attn.kv_cache(
+            &paged.narrow(2, 0, hk)?,
+            &paged.narrow(2, hk, hk)?,
+            &Tensor::new(&[3u32, 4, 5], &dev)?,
+        )
+        .page_table(&table)
+        .forward(&q),
+        &["must be contiguous when the call appends, is paged"],
+    );
+    // Any other strides with a dense head dim (heads outermost), and a strided head dim.
+    let ks = k.contiguous()?;
+    let vt = v.transpose(1, 2)?.contiguous()?.transpose(1, 2)?;
+    assert!(!vt.is_contiguous());
+    let got = attn.kv_cache(&ks, &vt, &lens).forward(&q)?;
+    let want = attn.kv_cache(&ks, &vt.contiguous()?, &lens).forward(&q)?;
+    assert_eq!(to_f64_vec(&got)?, to_f64_vec(&want)?);
+    let kt = ks.transpose(2, 3)?.contiguous()?.transpose(2, 3)?;
+    assert_err(
+        attn.kv_cache(&kt, &vt, &lens).forward(&q),
+        &["head dim must be contiguous"],
+    );
+    Ok(())
+}
+
 #[test]
 fn kvcache_errors() -> Result<()> {
     let dev = Device::Cpu;

@@ -318,6 +318,58 @@ fn kvcache_split_counts_and_long_caches() -> Result<()> {
 }
 
 /// f16 caches: the same kernels' other element type (append, rotary and attention).
+/// Read-only calls over strided cache views (k and v heads interleaved in one buffer, as
+/// flash-llama's contiguous cache holds them, read by its CUDA-graph decode): the GPU reads the
+/// views as they are (TMA with the views' strides) and agrees with the CPU path, which
+/// tests/cpu_kvcache.rs checks against dense copies. Head dims 64 and 128, GQA with and without
+/// pack-GQA, causal and not, seqlen_q 1 and 4, a sequence without keys, split-KV chosen per call,
+/// forced to 1 and to 3.
+#[test]
+fn kvcache_strided_views() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-kvcache-strided");
+    let cpu = Device::Cpu;
+    for (d, heads, kv_heads, seqlen_q, causal, splits) in [
+        (64, 8, 2, 1, false, 0),
+        (128, 32, 4, 1, true, 3),
+        (128, 8, 8, 4, true, 1),
+        (64, 6, 3, 1, false, 0),
+    ] {
+        let what = format!(
+            "d {d}, heads {heads}/{kv_heads}, seqlen_q {seqlen_q}, causal {causal}, splits {splits}, seed {}",
+            rng.seed()
+        );
+        let (batch, rows) = (3, 300);
+        let kv = rng.randn((batch, rows, 2 * kv_heads, d), DType::BF16, &cpu)?;
+        let q = rng.randn((batch, seqlen_q, heads, d), DType::BF16, &cpu)?;
+        let lens = Tensor::new(&[37u32, 0, 300], &cpu)?;
+        let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
+        let views = |kv: &Tensor| -> Result<(Tensor, Tensor)> {
+            Ok((kv.narrow(2, 0, kv_heads)?, kv.narrow(2, kv_heads, kv_heads)?))
+        };
+        let (k, v) = views(&kv)?;
+        let (want, want_lse) = attn.kv_cache(&k, &v, &lens).forward_with_lse(&q)?;
+        let kv_dev = kv.to_device(&dev)?;
+        let (k, v) = views(&kv_dev)?;
+        poison(&dev, 1 << 22)?;
+        let (out, lse) = attn
+            .clone()
+            .num_splits(splits)
+            .kv_cache(&k, &v, &lens.to_device(&dev)?)
+            .forward_with_lse(&q.to_device(&dev)?)?;
+        assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+        assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+        // The sequence without keys reads as empty; the cache is untouched.
+        assert_eq!(
+            out.get(1)?.abs()?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?,
+            0.0,
+            "{what}"
+        );
+        assert_eq!(to_f64_vec(&kv_dev)?, to_f64_vec(&kv)?, "{what}: the cache changed");
+    }
+    Ok(())
+}
+
 #[test]
 fn kvcache_f16() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-kvcache-f16");

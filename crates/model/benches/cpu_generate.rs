@@ -46,6 +46,7 @@ fn main() -> Result<()> {
                 sampling: SamplingParams::default(),
                 stop_tokens: Vec::new(),
                 kv_cache_dtype: None,
+                cuda_graphs: true,
             };
             let g = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue))?;
             println!(

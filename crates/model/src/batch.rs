@@ -66,6 +66,11 @@ pub struct Batcher<'m> {
     slots: Vec<Option<Sequence>>,
     /// Prompt tokens a sequence feeds per step at most (0: the whole prompt at once).
     prefill_chunk: usize,
+    /// Decode steps through CUDA graphs where they apply ([`Batcher::cuda_graphs`]).
+    cuda_graphs: bool,
+    /// The captured decode steps, by rows (a power of two, or all slots).
+    #[cfg(feature = "cuda")]
+    graphs: std::collections::BTreeMap<usize, crate::decode_graph::DecodeGraph>,
 }
 
 impl<'m> Batcher<'m> {
@@ -87,7 +92,22 @@ impl<'m> Batcher<'m> {
             cache,
             slots: (0..slots).map(|_| None).collect(),
             prefill_chunk: 0,
+            cuda_graphs: false,
+            #[cfg(feature = "cuda")]
+            graphs: Default::default(),
         })
+    }
+
+    /// On the GPU, runs a step in which every running sequence decodes one token as the replay
+    /// of a CUDA graph of that step (one launch instead of a few hundred; `crate::decode_graph`
+    /// says where it applies: fused kernels, bf16/f16, a contiguous cache of the model's dtype,
+    /// cudarc's event tracking off). A graph decodes the first rows of the cache, a power of two
+    /// that covers the last occupied slot (empty slots among them decode a dummy token into
+    /// their own, empty, slot); the first step of each size runs eagerly and is captured. Steps
+    /// with a prompt going in run eagerly. Off by default; no effect on the CPU.
+    pub fn cuda_graphs(mut self, on: bool) -> Self {
+        self.cuda_graphs = on;
+        self
     }
 
     /// Feeds prompts `tokens` at a time at most (0, the default: whole): a step's cost then
@@ -223,6 +243,17 @@ impl<'m> Batcher<'m> {
         if self.running() == 0 {
             return Ok(Vec::new());
         }
+        #[cfg(feature = "cuda")]
+        match self.graph_step() {
+            Ok(Some(out)) => return Ok(out),
+            Ok(None) => {}
+            Err(e) => {
+                self.slots.iter_mut().for_each(|s| *s = None);
+                self.cache.reset();
+                self.graphs.clear();
+                return Err(e);
+            }
+        }
         let chunk = self.prefill_chunk;
         let inputs: Vec<Vec<u32>> = self
             .slots
@@ -252,6 +283,12 @@ impl<'m> Batcher<'m> {
                 return Err(e);
             }
         };
+        self.take_tokens(&logits)
+    }
+
+    /// Samples each decoding sequence's token from its row of the step's `logits` (on the host)
+    /// and retires the sequences it ends.
+    fn take_tokens(&mut self, logits: &candle_core::Tensor) -> Result<Vec<Emitted>> {
         let mut out = Vec::with_capacity(self.running());
         let mut finished = Vec::new();
         for (i, slot) in self.slots.iter_mut().enumerate() {
@@ -288,5 +325,58 @@ impl<'m> Batcher<'m> {
             self.cache.clear_sequence(i)?;
         }
         Ok(out)
+    }
+    /// A step as the replay of a captured decode step ([`Batcher::cuda_graphs`]), if it applies:
+    /// every running sequence decodes (none is feeding its prompt). `None`: run the step eagerly.
+    #[cfg(feature = "cuda")]
+    fn graph_step(&mut self) -> Result<Option<Vec<Emitted>>> {
+        use crate::decode_graph::{DecodeGraph, Sampling};
+        use std::collections::btree_map::Entry;
+        if !self.cuda_graphs || !DecodeGraph::fits(self.model, &self.cache) {
+            return Ok(None);
+        }
+        if self
+            .slots
+            .iter()
+            .flatten()
+            .any(|s| !s.pending.is_empty() || s.next.len() != 1)
+        {
+            return Ok(None);
+        }
+        let Some(last) = self.slots.iter().rposition(Option::is_some) else {
+            return Ok(None);
+        };
+        let rows = (last + 1).next_power_of_two().min(self.slots.len());
+        let tokens: Vec<u32> = self.slots[..rows]
+            .iter()
+            .map(|s| s.as_ref().map_or(0, |s| s.next[0]))
+            .collect();
+        // Empty slots hold no keys (cleared when their sequence ended).
+        let lens: Vec<usize> = self.cache.lens()[..rows].to_vec();
+        let graph = match self.graphs.entry(rows) {
+            Entry::Occupied(e) => {
+                let graph = e.into_mut();
+                graph.set_inputs(&tokens, &lens)?;
+                graph.launch(&self.cache, &lens)?;
+                graph
+            }
+            Entry::Vacant(e) => {
+                let tokens = candle_core::Tensor::new(tokens, self.model.device())?;
+                e.insert(DecodeGraph::start(
+                    self.model,
+                    &self.cache,
+                    Sampling::OnHost,
+                    &tokens,
+                    &lens,
+                )?)
+            }
+        };
+        let logits = graph.logits()?.to_device(&Device::Cpu)?;
+        for (i, slot) in self.slots[..rows].iter().enumerate() {
+            if slot.is_some() {
+                self.cache.lens[i] += 1;
+            }
+        }
+        self.take_tokens(&logits).map(Some)
     }
 }

@@ -19,6 +19,11 @@ pub struct GenerateOptions {
     /// The KV cache's dtype: `None` for the model's own, or `Some(F8E4M3)` for an fp8 cache
     /// (half the bytes of bf16; see [`KvCache`]).
     pub kv_cache_dtype: Option<DType>,
+    /// Greedy decoding on the GPU: capture the decode step once into a CUDA graph and replay it
+    /// for every later token (one launch per step instead of hundreds; see
+    /// `crate::decode_graph` for when it applies: fused kernels, bf16/f16, a cache of the
+    /// model's dtype, cudarc's event tracking off). Ignored elsewhere.
+    pub cuda_graphs: bool,
 }
 
 /// Tokens produced for each prompt, and the time spent.
@@ -37,6 +42,9 @@ pub struct Generation {
     /// On a GPU, near zero means the host is the bottleneck. On the CPU the work is done
     /// inside the host's calls: there is nothing to wait for.
     pub decode_wait_secs: f64,
+    /// When each step's tokens reached the caller, in seconds from the start (the first entry
+    /// ends the prefill): the gaps between them are the inter-token latencies.
+    pub step_ends_secs: Vec<f64>,
 }
 
 impl Generation {
@@ -46,6 +54,18 @@ impl Generation {
 
     pub fn decode_tokens_per_sec(&self) -> f64 {
         self.decode_tokens as f64 / self.decode_secs.max(1e-9)
+    }
+
+    /// The inter-token latency at quantile `q` in [0, 1] (nearest rank) over the decode steps, in
+    /// seconds; `None` without decode steps.
+    pub fn inter_token_latency(&self, q: f64) -> Option<f64> {
+        let mut gaps: Vec<f64> = self.step_ends_secs.windows(2).map(|w| w[1] - w[0]).collect();
+        if gaps.is_empty() {
+            return None;
+        }
+        gaps.sort_by(f64::total_cmp);
+        let rank = (q.clamp(0.0, 1.0) * gaps.len() as f64).ceil().max(1.0) as usize;
+        Some(gaps[rank - 1])
     }
 }
 /// What the token callback of [`generate`] wants for the sequence that produced the token.
@@ -112,6 +132,7 @@ struct Progress<'a, F> {
     prefill_secs: Option<f64>,
     decode_tokens: usize,
     decode_wait_secs: f64,
+    step_ends_secs: Vec<f64>,
 }
 
 impl<'a, F: FnMut(usize, u32) -> Result<Flow>> Progress<'a, F> {
@@ -125,6 +146,7 @@ impl<'a, F: FnMut(usize, u32) -> Result<Flow>> Progress<'a, F> {
             prefill_secs: None,
             decode_tokens: 0,
             decode_wait_secs: 0.0,
+            step_ends_secs: Vec::new(),
         }
     }
 
@@ -143,9 +165,15 @@ impl<'a, F: FnMut(usize, u32) -> Result<Flow>> Progress<'a, F> {
 
     /// Called once each step's tokens are accepted: the first call ends the prefill.
     fn end_step(&mut self) {
+        let now = self.start.elapsed().as_secs_f64();
+        self.step_ends_secs.push(now);
         if self.prefill_secs.is_none() {
-            self.prefill_secs = Some(self.start.elapsed().as_secs_f64());
+            self.prefill_secs = Some(now);
         }
+    }
+
+    fn all_done(&self) -> bool {
+        self.done.iter().all(|&d| d)
     }
 
     /// Counts `secs` spent waiting for the device, during decode steps only.
@@ -164,6 +192,7 @@ impl<'a, F: FnMut(usize, u32) -> Result<Flow>> Progress<'a, F> {
             decode_tokens: self.decode_tokens,
             decode_secs: self.start.elapsed().as_secs_f64() - prefill_secs,
             decode_wait_secs: self.decode_wait_secs,
+            step_ends_secs: self.step_ends_secs,
         }
     }
 }
@@ -186,7 +215,7 @@ fn sample_on_host<F: FnMut(usize, u32) -> Result<Flow>>(
     // Sampling history (for the repeat penalty): prompt and generated tokens.
     let mut history: Vec<Vec<u32>> = prompts.to_vec();
     let mut inputs = prompts.to_vec();
-    while run.done.iter().any(|d| !d) {
+    while !run.all_done() {
         let logits = model.step(&inputs, cache)?;
         // One copy of the whole (batch, vocab) block to the host per step, rather than one
         // per sequence inside the sampler; it waits for the step to finish.
@@ -232,6 +261,9 @@ fn greedy_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
     }
     let (ids, new) = model.upload_ids(prompts)?;
     let mut chosen = model.step_greedy(&ids, &new, cache)?;
+    if run.opts.cuda_graphs && crate::decode_graph::DecodeGraph::fits(model, cache) {
+        return graph_decode(model, readback, chosen, cache, run);
+    }
     let one_each = |running: &[usize]| -> Vec<usize> { (0..batch).map(|i| running.contains(&i) as usize).collect() };
     loop {
         readback.start(&chosen)?;
@@ -269,5 +301,62 @@ fn greedy_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
             None => model.step_greedy(&rows(chosen)?, &one_each(&kept), cache)?,
         };
         running = kept;
+    }
+}
+
+/// [`greedy_on_device`]'s decode steps as replays of one CUDA graph ([`crate::decode_graph`]):
+/// `first` holds the prefill's tokens, one per sequence. As there, step t + 1 is queued before
+/// the host waits for step t's tokens. Every sequence stays in the graph's batch to the end (its
+/// slot has room: no sequence runs more than max_tokens - 1 decode steps); the tokens of one
+/// that has finished are dropped.
+#[cfg(feature = "cuda")]
+fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
+    model: &Llama,
+    mut readback: crate::fused::cuda::TokenReadback,
+    first: candle_core::Tensor,
+    cache: &mut KvCache,
+    run: &mut Progress<F>,
+) -> Result<()> {
+    let accept_all = |run: &mut Progress<F>, readback: &crate::fused::cuda::TokenReadback| -> Result<()> {
+        let wait = Instant::now();
+        let tokens = readback.wait()?;
+        run.waited(wait.elapsed().as_secs_f64());
+        for (i, &token) in tokens.iter().enumerate() {
+            if !run.done[i] {
+                run.accept(i, token)?;
+            }
+        }
+        run.end_step();
+        Ok(())
+    };
+    // The prefill's tokens, alone (nothing queued behind the prefill, so its time is its own).
+    readback.start(&first)?;
+    accept_all(run, &readback)?;
+    if run.all_done() {
+        return Ok(());
+    }
+    use crate::decode_graph::{DecodeGraph, Sampling};
+    let graph = DecodeGraph::start(model, cache, Sampling::Greedy, &first, cache.lens())?;
+    cache.advance_all();
+    loop {
+        readback.start(graph.tokens())?;
+        // Running sequences have all produced the same number of tokens; with these, they may
+        // produce another.
+        let produced = (0..run.done.len())
+            .filter(|&i| !run.done[i])
+            .map(|i| run.out[i].len() + 1)
+            .max()
+            .unwrap_or(0);
+        if produced < run.opts.max_tokens {
+            graph.launch(cache, cache.lens())?;
+            cache.advance_all();
+        }
+        accept_all(run, &readback)?;
+        if run.all_done() {
+            return Ok(());
+        }
+        if produced >= run.opts.max_tokens {
+            candle_core::bail!("internal error: decode graph: sequences still running after max_tokens")
+        }
     }
 }

@@ -128,6 +128,22 @@ impl E4m3Scales {
 }
 
 impl LayerKv {
+    /// The layer's k and v as `flash_attn_with_kvcache` reads them, (view.0, view.1, kv_heads, d)
+    /// each ([`KvCache::view_dims`]: slots and max_seq, or pages and page_size): the two planes,
+    /// or for [`LayerKv::Rows`] the k and v heads of each row as two strided views (no copy).
+    pub(crate) fn cache_views(&self, view: (usize, usize), kv_heads: usize, d: usize) -> Result<(Tensor, Tensor)> {
+        Ok(match self {
+            LayerKv::Rows(kv) => {
+                let rows = kv.reshape((view.0, view.1, 2 * kv_heads, d))?;
+                (rows.narrow(2, 0, kv_heads)?, rows.narrow(2, kv_heads, kv_heads)?)
+            }
+            LayerKv::Planes(kv) | LayerKv::E4m3 { kv, .. } => (
+                kv.get(0)?.reshape((view.0, view.1, kv_heads, d))?,
+                kv.get(1)?.reshape((view.0, view.1, kv_heads, d))?,
+            ),
+        })
+    }
+
     /// Stores the new tokens' k and v heads, `kv_new` (tokens, 2 × kv_heads, head_dim), k heads
     /// first, at the cache rows `writes` names (an fp8 layer's first write fixes its scales).
     /// `rows` (tokens,) u32, the cache row of each token, is needed on the GPU.
@@ -367,6 +383,15 @@ impl KvCache {
         }
     }
 
+    /// Counts one more key in every sequence (a step that stored one per sequence on the device,
+    /// [`crate::decode_graph`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn advance_all(&mut self) {
+        for len in &mut self.lens {
+            *len += 1;
+        }
+    }
+
     /// Tokens held for each sequence.
     pub fn lens(&self) -> &[usize] {
         &self.lens
@@ -438,6 +463,20 @@ pub(crate) struct CacheGroup {
 }
 
 impl CacheGroup {
+    /// The first `batch` sequences of a contiguous cache, in order, with one new token each and
+    /// `seqlens` (batch,) u32 keys after this step's.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn one_token_each(batch: usize, seqlens: Tensor) -> Self {
+        Self {
+            rows: None,
+            batch,
+            new: 1,
+            seqlens,
+            cache_idx: None,
+            page_table: None,
+        }
+    }
+
     /// The groups of a step that appends `new[i]` tokens to sequence `i`, holding `lens[i]`
     /// before it (sequences given no token are in none), and, with several groups, the
     /// permutation that puts their concatenated outputs back in packed order.

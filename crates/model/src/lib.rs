@@ -14,6 +14,8 @@
 
 pub mod batch;
 pub mod config;
+#[cfg(feature = "cuda")]
+mod decode_graph;
 pub mod eval;
 pub mod fused;
 pub mod generate;

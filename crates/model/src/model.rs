@@ -280,21 +280,18 @@ impl Attention {
                     unpermute,
                     view,
                 },
-                Some(LayerKv::E4m3 { kv, scales }),
+                Some(layer),
             ) => {
-                let Some(scales) = scales.get() else {
-                    bail!("internal error: reading an fp8 cache layer that was never written")
+                let scales = match layer {
+                    LayerKv::E4m3 { scales, .. } => match scales.get() {
+                        Some(s) => Some(s),
+                        None => bail!("internal error: reading an fp8 cache layer that was never written"),
+                    },
+                    _ => None,
                 };
-                self.attend_cache(&q, kv, Some(scales), groups, unpermute.as_ref(), *view)?
+                let caches = layer.cache_views(*view, self.kv_heads, self.head_dim)?;
+                self.attend_cache(&q, &caches, scales, groups, unpermute.as_ref())?
             }
-            (
-                KeySource::KvCacheCalls {
-                    groups,
-                    unpermute,
-                    view,
-                },
-                Some(LayerKv::Planes(kv)),
-            ) => self.attend_cache(&q, kv, None, groups, unpermute.as_ref(), *view)?,
             (KeySource::Cached { .. } | KeySource::KvCacheCalls { .. }, _) => {
                 bail!("internal error: a cached plan without its kind of cache")
             }
@@ -307,22 +304,19 @@ impl Attention {
         )
     }
 
-    /// Attention of `q` (tokens, heads, d) over a cache layer in planes, `kv` (2, rows, kv_heads,
-    /// d), holding the keys of this step already, viewed as (view.0, view.1, kv_heads, d) (slots
-    /// or pages): one `flash_attn_with_kvcache` call per group. An e4m3 layer (`scales`) gets q
-    /// quantized for the call. Output in q's dtype, (tokens, heads, d), rows in packed order.
+    /// Attention of `q` (tokens, heads, d) over a cache layer's k and v, (slots or pages, rows,
+    /// kv_heads, d) each ([`LayerKv::cache_views`]), holding the keys of this step already: one
+    /// `flash_attn_with_kvcache` call per group. An e4m3 layer (`scales`) gets q quantized for the
+    /// call. Output in q's dtype, (tokens, heads, d), rows in packed order.
     fn attend_cache(
         &self,
         q: &Tensor,
-        kv: &Tensor,
+        (k_cache, v_cache): &(Tensor, Tensor),
         scales: Option<&E4m3Scales>,
         groups: &[CacheGroup],
         unpermute: Option<&Tensor>,
-        view: (usize, usize),
     ) -> Result<Tensor> {
         let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
-        let k_cache = kv.get(0)?.reshape((view.0, view.1, hk, d))?;
-        let v_cache = kv.get(1)?.reshape((view.0, view.1, hk, d))?;
         // The fp8 call's output is bf16 or f16: f16 models keep f16, the rest go through bf16.
         let out_dtype = match q.dtype() {
             DType::F16 => DType::F16,
@@ -361,7 +355,7 @@ impl Attention {
                     (q8, attn)
                 }
             };
-            let mut call = attn.kv_cache(&k_cache, &v_cache, &g.seqlens);
+            let mut call = attn.kv_cache(k_cache, v_cache, &g.seqlens);
             if let Some(idx) = &g.cache_idx {
                 call = call.cache_batch_idx(idx);
             }
@@ -695,6 +689,54 @@ impl Llama {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn step_greedy(&self, ids: &Tensor, new: &[usize], cache: &mut KvCache) -> Result<Tensor> {
         crate::fused::argmax_rows(&self.step_logits(ids, new, cache)?)
+    }
+
+    /// Whether [`Llama::decode_on_device`] can run over `cache`: a GPU model with the fused
+    /// kernels and per-head rotary tables (no q/k norm), in bf16 or f16, over a contiguous cache
+    /// of the model's dtype (the only cache whose rows the fused store writes from device-side
+    /// positions and whose attention reads device-side lengths).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn decodes_on_device(&self, cache: &KvCache) -> bool {
+        self.device.is_cuda()
+            && self.kernels == Kernels::Fused
+            && self.inv_freq_heads.is_some()
+            && matches!(self.dtype, DType::BF16 | DType::F16)
+            && cache.dtype == self.dtype
+            && cache.paging.is_none()
+            && cache.layers.iter().all(|l| matches!(l, LayerKv::Rows(_)))
+    }
+
+    /// A decode step of the first `rows` sequences of `cache` in which nothing comes from the
+    /// host, so that the same launches serve every step ([`crate::decode_graph`] captures them
+    /// into a CUDA graph): `ids` (rows,) u32 holds each sequence's last token and `lens` (rows,)
+    /// u32 the keys its cache holds before the step (the token's position); `slot_starts`
+    /// (rows,) u32 is `i × max_seq`, sequence i's first cache row. The new keys go into the
+    /// cache through the fused RoPE + KV store; the attention is one `flash_attn_with_kvcache`
+    /// call per layer over the cache's strided k and v views, reading `lens + 1` on the device.
+    /// Returns the logits (rows, vocab) in the run dtype. Neither `lens` nor the host's
+    /// `cache.lens` is advanced here, and each sequence must have a free row (the caller's
+    /// checks). Needs [`Llama::decodes_on_device`].
+    #[cfg(feature = "cuda")]
+    pub(crate) fn decode_on_device(
+        &self,
+        ids: &Tensor,
+        lens: &Tensor,
+        slot_starts: &Tensor,
+        cache: &KvCache,
+    ) -> Result<Tensor> {
+        let plan = Plan {
+            rope: self.rope_tables(lens)?,
+            keys: KeySource::KvCacheCalls {
+                groups: vec![CacheGroup::one_token_each(ids.dim(0)?, lens.affine(1.0, 1.0)?)],
+                unpermute: None,
+                view: cache.view_dims(),
+            },
+            // The fused store writes each token at its cache row; nothing goes through `writes`.
+            writes: Vec::new(),
+            cache_rows: Some((lens + slot_starts)?),
+        };
+        let hidden = self.run_layers(ids, &plan, Some(cache))?;
+        project(&self.lm_head, &hidden, self.kernels)
     }
 
     /// The common part of [`Llama::step`] and [`Llama::step_greedy`]: appends `new[i]` tokens of

@@ -14,7 +14,7 @@ use flash_llama::fused::{
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::nn::{rope_per_head, RmsNorm};
 use flash_llama::sampling::argmax;
-use flash_llama::{generate, Flow, GenerateOptions, Kernels, Llama, SamplingParams};
+use flash_llama::{generate, Batcher, Flow, GenerateOptions, Kernels, Llama, Request, SamplingParams};
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device")
@@ -285,6 +285,175 @@ fn greedy_on_the_host(model: &Llama, prompts: &[Vec<u32>], max_tokens: usize, st
     out
 }
 
+/// A CUDA device with cudarc's per-tensor event tracking off, as the examples make it: what the
+/// CUDA-graph decode needs (event waits cannot be captured).
+fn gpu_untracked() -> Device {
+    let dev = gpu();
+    // SAFETY: every tensor of the tests that use it lives and is used on candle's one stream.
+    unsafe { dev.as_cuda_device().unwrap().disable_event_tracking() };
+    dev
+}
+
+/// Feeds `tokens[i]` (what a graph decode produced after `prompts[i]`) through the eager steps
+/// (`Llama::step`, a fresh cache) and checks that each token is the argmax of the eager logits up
+/// to two roundings of the dtype of the logits' spread (the eager decode reads the cache through
+/// the varlen kernel, the graph through the kvcache kernel, so near-ties may go either way).
+/// Returns how many tokens are the eager argmax exactly.
+fn assert_follows_the_eager_steps(model: &Llama, prompts: &[Vec<u32>], tokens: &[Vec<u32>], what: &str) -> usize {
+    let longest = prompts
+        .iter()
+        .zip(tokens)
+        .map(|(p, t)| p.len() + t.len())
+        .max()
+        .unwrap();
+    let mut cache = model.new_cache(prompts.len(), longest).unwrap();
+    let mut inputs = prompts.to_vec();
+    let (mut exact, mut worst) = (0, 0f32);
+    for n in 0..tokens.iter().map(Vec::len).max().unwrap() {
+        let logits: Vec<Vec<f32>> = model.step(&inputs, &mut cache).unwrap().to_vec2().unwrap();
+        for (i, row) in logits.iter().enumerate() {
+            let Some(&token) = tokens[i].get(n) else {
+                inputs[i].clear();
+                continue;
+            };
+            assert!(row.iter().all(|x| x.is_finite()), "{what}: step {n}: non-finite logits");
+            let best = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let spread = best - row.iter().copied().fold(f32::INFINITY, f32::min);
+            let gap = (best - row[token as usize]) / spread;
+            worst = worst.max(gap);
+            assert!(
+                gap <= 2.0 * tol(model.dtype()),
+                "{what}: step {n}, sequence {i}: the graph chose {token}, {gap:.3e} of the spread under the eager argmax {}",
+                argmax(row)
+            );
+            exact += (argmax(row) == token) as usize;
+            inputs[i] = vec![token];
+        }
+    }
+    let total: usize = tokens.iter().map(Vec::len).sum();
+    println!("{what}: {exact}/{total} tokens the eager argmax, worst gap {worst:.2e} of the spread");
+    exact
+}
+
+/// `generate`'s CUDA-graph decode (one step captured, then replayed; attention through
+/// `flash_attn_with_kvcache` over strided views of the cache with the lengths on the device)
+/// against the eager steps fed the graph's own tokens ([`assert_follows_the_eager_steps`]), and
+/// at least 90% of the tokens the eager argmax exactly. Prompts of different lengths (5, 9, 70, so the sequences sit at different positions),
+/// batch 1, d8 and d64 heads, bf16 and f16; a stop token that ends one sequence mid-batch leaves
+/// the others' tokens unchanged.
+#[test]
+fn cuda_graph_decode_follows_the_eager_steps() {
+    let dev = gpu_untracked();
+    let max_tokens = 24;
+    for family in [Family::Llama, Family::WideHeads] {
+        let dir = hf_model(family);
+        for dtype in [DType::BF16, DType::F16] {
+            let model = load_hf_dir(&dir, dtype, &dev, Kernels::Fused).unwrap();
+            let opts = GenerateOptions {
+                max_tokens,
+                sampling: SamplingParams::default(),
+                stop_tokens: vec![],
+                kv_cache_dtype: None,
+                cuda_graphs: true,
+            };
+            for prompts in [vec![tokens(5, 1), tokens(9, 2), tokens(70, 3)], vec![tokens(33, 4)]] {
+                let what = format!("{family:?} {dtype:?} batch {}", prompts.len());
+                let mut streamed = vec![Vec::new(); prompts.len()];
+                let g = generate(&model, &prompts, &opts, |i, t| {
+                    streamed[i].push(t);
+                    Ok(Flow::Continue)
+                })
+                .unwrap();
+                assert_eq!(
+                    g.tokens, streamed,
+                    "{what}: streamed tokens differ from the returned ones"
+                );
+                assert!(g.tokens.iter().all(|t| t.len() == max_tokens), "{what}: {:?}", g.tokens);
+                assert_eq!(g.step_ends_secs.len(), max_tokens, "{what}: one step end per token");
+                let exact = assert_follows_the_eager_steps(&model, &prompts, &g.tokens, &what);
+                let total = max_tokens * prompts.len();
+                assert!(
+                    exact * 10 >= total * 9,
+                    "{what}: only {exact} of {total} tokens are the eager argmax"
+                );
+                // The caller ends the first sequence at its 6th token: its tokens stop there,
+                // the others' are unchanged.
+                if prompts.len() > 1 {
+                    let mut first = 0;
+                    let s = generate(&model, &prompts, &opts, |i, _| {
+                        first += (i == 0) as usize;
+                        Ok(if i == 0 && first == 6 {
+                            Flow::Stop
+                        } else {
+                            Flow::Continue
+                        })
+                    })
+                    .unwrap();
+                    assert_eq!(s.tokens[0], g.tokens[0][..6], "{what}: the stopped sequence");
+                    assert_eq!(s.tokens[1..], g.tokens[1..], "{what}: the sequences that went on");
+                }
+            }
+        }
+    }
+}
+
+/// The continuous batcher with CUDA graphs (`Batcher::cuda_graphs`): requests joining at
+/// different steps (graphs of 1, 2 and 4 rows, empty slots among the rows, the slot of a finished
+/// request taken by a newcomer, steps with a prompt going in run eagerly), each request's greedy
+/// tokens following the eager steps of that request alone ([`assert_follows_the_eager_steps`]).
+#[test]
+fn batcher_cuda_graphs_follow_the_eager_steps() {
+    let dev = gpu_untracked();
+    let dir = hf_model(Family::WideHeads);
+    for dtype in [DType::BF16, DType::F16] {
+        let model = load_hf_dir(&dir, dtype, &dev, Kernels::Fused).unwrap();
+        let mut batcher = Batcher::new(&model, 4, 128, dtype).unwrap().cuda_graphs(true);
+        // (step to join at, prompt, max_tokens)
+        let requests: Vec<(usize, Vec<u32>, usize)> = vec![
+            (0, tokens(7, 1), 20),
+            (2, tokens(30, 2), 12),
+            (5, tokens(5, 3), 16),
+            (5, tokens(12, 4), 10),
+            (9, tokens(3, 5), 14),
+            (9, tokens(40, 6), 6),
+        ];
+        let mut got: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+        let mut waiting: Vec<usize> = (0..requests.len()).collect();
+        let mut step = 0;
+        while !waiting.is_empty() || batcher.running() > 0 {
+            while let Some(&r) = waiting.first() {
+                if requests[r].0 > step || batcher.free_slots() == 0 {
+                    break;
+                }
+                let request = Request {
+                    prompt: requests[r].1.clone(),
+                    max_tokens: requests[r].2,
+                    sampling: SamplingParams::default(),
+                    stop_tokens: vec![],
+                };
+                batcher.join(r as u64, request).unwrap();
+                waiting.remove(0);
+            }
+            for e in batcher.step().unwrap() {
+                got[e.id as usize].push(e.token);
+            }
+            step += 1;
+            assert!(step < 200, "the batch does not drain");
+        }
+        for (r, (_, _, max_tokens)) in requests.iter().enumerate() {
+            assert_eq!(got[r].len(), *max_tokens, "{dtype:?}: request {r}");
+        }
+        let prompts: Vec<Vec<u32>> = requests.iter().map(|r| r.1.clone()).collect();
+        let what = format!("batcher with graphs, {dtype:?}");
+        let exact = assert_follows_the_eager_steps(&model, &prompts, &got, &what);
+        let total: usize = got.iter().map(Vec::len).sum();
+        assert!(
+            exact * 10 >= total * 9,
+            "{what}: only {exact} of {total} tokens are the eager argmax"
+        );
+    }
+}
+
 /// `generate`'s greedy decoding on the GPU (tokens chosen on the device, the next step queued
 /// before the host reads them) gives the host loop's tokens: a batch of prompts of different
 /// lengths, without stop tokens and with one that ends a sequence mid-batch (its queued step's
@@ -301,6 +470,8 @@ fn greedy_generation_on_the_gpu_equals_host_sampling() {
                 sampling: SamplingParams::default(),
                 stop_tokens: stop,
                 kv_cache_dtype: None,
+                // The eager steps (see cuda_graph_decode_follows_the_eager_steps for the graph).
+                cuda_graphs: false,
             };
             let mut streamed = vec![Vec::new(); prompts.len()];
             let g = generate(&model, prompts, &opts, |i, t| {
@@ -562,6 +733,7 @@ fn fp8_cache_follows_the_bf16_cache_on_the_gpu() {
         sampling: SamplingParams::default(),
         stop_tokens: vec![],
         kv_cache_dtype: Some(DType::F8E4M3),
+        cuda_graphs: false,
     };
     let on_device = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue))
         .unwrap()

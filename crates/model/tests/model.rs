@@ -72,6 +72,7 @@ fn flow_stop_ends_one_sequence() {
         sampling: SamplingParams::default(),
         stop_tokens: vec![],
         kv_cache_dtype: None,
+        cuda_graphs: true,
     };
     let full = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue)).unwrap();
     let mut seen = 0;
@@ -87,6 +88,20 @@ fn flow_stop_ends_one_sequence() {
     assert_eq!(cut.tokens[0], full.tokens[0][..3]);
     assert_eq!(cut.tokens[1], full.tokens[1]);
     assert_eq!(full.tokens[1].len(), 8);
+    // One step end per step (the prefill's first), in order; the latencies are their gaps.
+    assert_eq!(full.step_ends_secs.len(), 8);
+    assert_eq!(full.step_ends_secs[0], full.prefill_secs);
+    assert!(full.step_ends_secs.windows(2).all(|w| w[0] <= w[1]));
+    let gaps: Vec<f64> = full.step_ends_secs.windows(2).map(|w| w[1] - w[0]).collect();
+    let (p50, p99) = (
+        full.inter_token_latency(0.5).unwrap(),
+        full.inter_token_latency(0.99).unwrap(),
+    );
+    assert!(gaps.contains(&p50) && gaps.contains(&p99) && p50 <= p99);
+    assert_eq!(p99, gaps.iter().copied().fold(0.0, f64::max));
+    let one_token = GenerateOptions { max_tokens: 1, ..opts };
+    let g = generate(&model, &prompts, &one_token, |_, _| Ok(Flow::Continue)).unwrap();
+    assert_eq!(g.inter_token_latency(0.5), None);
 }
 
 /// Prompts of different lengths in one batch (varlen prefill, then decode over the gapped cache)
@@ -104,6 +119,7 @@ fn batched_generation_equals_single_prompt_generation() {
             sampling: SamplingParams::default(),
             stop_tokens: vec![],
             kv_cache_dtype: None,
+            cuda_graphs: true,
         };
         let batched = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue)).unwrap();
         for (i, prompt) in prompts.iter().enumerate() {
@@ -418,6 +434,7 @@ fn continuous_batching_equals_generation_alone() {
                     sampling: r.sampling.clone(),
                     stop_tokens: r.stop_tokens.clone(),
                     kv_cache_dtype: Some(kv_dtype),
+                    cuda_graphs: true,
                 };
                 generate(&model, std::slice::from_ref(&r.prompt), &opts, |_, _| {
                     Ok(Flow::Continue)
@@ -639,6 +656,7 @@ fn paged_batch_shares_prompt_prefixes() {
                     sampling: r.sampling.clone(),
                     stop_tokens: vec![],
                     kv_cache_dtype: None,
+                    cuda_graphs: true,
                 };
                 let alone = generate(&model, std::slice::from_ref(&r.prompt), &opts, |_, _| {
                     Ok(Flow::Continue)

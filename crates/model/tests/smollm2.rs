@@ -49,6 +49,7 @@ fn answer(model: &flash_llama::LoadedModel, question: &str) -> (Vec<u32>, String
         sampling: SamplingParams::default(),
         stop_tokens: tok.eos_token_ids.clone(),
         kv_cache_dtype: None,
+        cuda_graphs: true,
     };
     let out = generate(&model.model, &[prompt], &opts, |_, _| Ok(Flow::Continue)).unwrap();
     let tokens = out.tokens[0].clone();

@@ -86,6 +86,9 @@ pub struct EngineOptions {
     /// tokens per request. With pages, a request joins when the pool has room for all its
     /// tokens (else it waits), and its pages go back when it ends.
     pub paged: Option<(usize, usize)>,
+    /// On the GPU, decode steps as replays of CUDA graphs where they apply
+    /// ([`Batcher::cuda_graphs`]).
+    pub cuda_graphs: bool,
 }
 
 /// The model's worker thread and its queue (module docs).
@@ -122,7 +125,7 @@ impl Engine {
                 };
                 match batcher {
                     Ok(batcher) => {
-                        let batcher = batcher.prefill_chunk(opts.prefill_chunk);
+                        let batcher = batcher.prefill_chunk(opts.prefill_chunk).cuda_graphs(opts.cuda_graphs);
                         let _ = ready.send(Ok(()));
                         run_batch(batcher, &worker_tokenizer, &queue);
                     }

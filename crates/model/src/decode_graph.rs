@@ -1,0 +1,192 @@
+//! CUDA-graph decode: a decode step captured once into a CUDA graph (cudarc's stream capture on
+//! candle's stream) and replayed for every later token, so that a step costs the host one graph
+//! launch instead of a few hundred kernel launches.
+//!
+//! What a step reads and writes lives at fixed device addresses, which is what lets one graph
+//! serve every step ([`Llama::decode_on_device`]): the last tokens and the cache lengths are two
+//! small buffers, and the positions, the cache rows and the attention's key counts are computed
+//! from them on the device. The tensors a step allocates are taken and freed inside the graph
+//! (stream-ordered allocation is captured as graph memory nodes).
+//!
+//! A graph decodes the first `rows` sequences of a contiguous cache. Two ways to use it:
+//! - [`Sampling::Greedy`] ([`crate::generate()`]): the step ends with the argmax of each row,
+//!   written over the token buffer, and advances the length buffer, so replays follow each other
+//!   with nothing from the host;
+//! - [`Sampling::OnHost`] ([`crate::Batcher`]): the step ends with the logits, in an f32 buffer
+//!   the host reads and samples from; the host writes the next tokens and lengths before each
+//!   replay ([`DecodeGraph::set_inputs`]), so sequences may join and leave between steps.
+//!
+//! Requirements ([`DecodeGraph::fits`]): [`Llama::decodes_on_device`] (fused kernels, bf16 or f16,
+//! a contiguous cache of the model's dtype), and cudarc's per-tensor event tracking off on the
+//! model's device (its event waits cannot be captured; the examples turn it off, see
+//! `examples/common`).
+
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
+use candle_core::{bail, DType, Device, Result, Tensor};
+
+use crate::model::{KvCache, Llama};
+
+/// Where a step's tokens are chosen (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sampling {
+    Greedy,
+    OnHost,
+}
+
+/// One captured decode step of the first `rows` sequences of a cache.
+pub(crate) struct DecodeGraph {
+    graph: CudaGraph,
+    sampling: Sampling,
+    /// (rows,) u32: each sequence's last token; with [`Sampling::Greedy`], after a step, the
+    /// step's output.
+    ids: Tensor,
+    /// (rows,) u32: the keys each sequence holds before the next step.
+    lens: Tensor,
+    /// (rows,) u32, i × max_seq: read by the graph, so kept alive with it.
+    _slot_starts: Tensor,
+    /// [`Sampling::OnHost`]: (rows, vocab) f32, the last step's logits.
+    logits: Option<Tensor>,
+}
+
+impl DecodeGraph {
+    /// Whether `model` can decode over `cache` through a graph.
+    pub(crate) fn fits(model: &Llama, cache: &KvCache) -> bool {
+        match model.device() {
+            Device::Cuda(dev) => model.decodes_on_device(cache) && !dev.cuda_stream().context().is_event_tracking(),
+            _ => false,
+        }
+    }
+
+    /// Runs a decode step of the first `rows` sequences of `cache` from `tokens` (each one's
+    /// last token) and `lens` (the keys each holds) eagerly, which also loads every kernel and
+    /// warms the allocator, then captures the same step for the steps after it. On return the
+    /// step's result is in [`DecodeGraph::tokens`] or [`DecodeGraph::logits`] and the cache
+    /// holds each sequence's new key (`cache.lens`, the host's count, is the caller's to
+    /// advance).
+    pub(crate) fn start(
+        model: &Llama,
+        cache: &KvCache,
+        sampling: Sampling,
+        tokens: &Tensor,
+        lens: &[usize],
+    ) -> Result<Self> {
+        if !Self::fits(model, cache) {
+            bail!("internal error: a decode graph for a model or cache it does not fit")
+        }
+        let rows = lens.len();
+        if rows == 0 || rows > cache.batch() || tokens.dims() != [rows] || tokens.dtype() != DType::U32 {
+            bail!(
+                "internal error: decode graph of {rows} rows over a cache of {}, tokens {:?} {:?}",
+                cache.batch(),
+                tokens.shape(),
+                tokens.dtype()
+            )
+        }
+        check_room(cache, lens)?;
+        let dev = model.device();
+        let slot_starts: Vec<u32> = (0..rows).map(|i| (i * cache.max_seq()) as u32).collect();
+        let slot_starts = Tensor::new(slot_starts, dev)?;
+        let ids = tokens.copy()?;
+        let lens = Tensor::new(lens.iter().map(|&l| l as u32).collect::<Vec<u32>>(), dev)?;
+        let logits = match sampling {
+            Sampling::Greedy => None,
+            Sampling::OnHost => Some(Tensor::zeros((rows, model.config().vocab_size), DType::F32, dev)?),
+        };
+        let body = || -> Result<()> {
+            let step = model.decode_on_device(&ids, &lens, &slot_starts, cache)?;
+            match &logits {
+                None => ids.slice_set(&crate::fused::argmax_rows(&step)?, 0, 0)?,
+                Some(buf) => buf.slice_set(&step.to_dtype(DType::F32)?, 0, 0)?,
+            }
+            lens.slice_set(&lens.affine(1.0, 1.0)?, 0, 0)
+        };
+        // candle uploads the dims and strides of strided ops from host memory; a graph replaying
+        // such a copy would read host memory long freed. With this cache on (this thread, until
+        // the guard drops), the eager step uploads each such vector once into a device buffer
+        // that lives on, and the capture reuses it (a vector the eager step did not upload is an
+        // error during the capture, never a stale read).
+        let _param_cache = dev.as_cuda_device()?.enable_cuda_graph_htod_cache();
+        body()?;
+
+        let stream = dev.as_cuda_device()?.cuda_stream();
+        let driver = |what: &str, e| candle_core::Error::Msg(format!("flash-llama: decode graph: {what}: {e:?}"));
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| driver("begin capture", e))?;
+        // The capture must end whatever the step did, or the stream stays in capture mode.
+        let captured = body();
+        let ended = stream.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        captured.map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "flash-llama: decode graph: a step's launches could not be captured ({e}); decode without graphs (--no-cuda-graphs)"
+            ))
+        })?;
+        let graph = match ended.map_err(|e| driver("end capture", e))? {
+            Some(g) => g,
+            None => bail!("flash-llama: decode graph: the capture recorded nothing"),
+        };
+        graph.upload().map_err(|e| driver("upload", e))?;
+        Ok(Self {
+            graph,
+            sampling,
+            ids,
+            lens,
+            _slot_starts: slot_starts,
+            logits,
+        })
+    }
+
+    /// Sequences the graph decodes (the first ones of the cache).
+    pub(crate) fn rows(&self) -> usize {
+        self.lens.dims()[0]
+    }
+
+    /// [`Sampling::OnHost`]: the next step's inputs, each sequence's last token and the keys it
+    /// holds (uploaded here, outside the graph).
+    pub(crate) fn set_inputs(&self, tokens: &[u32], lens: &[usize]) -> Result<()> {
+        if self.sampling != Sampling::OnHost || tokens.len() != self.rows() || lens.len() != self.rows() {
+            bail!("internal error: decode graph inputs for {} rows", self.rows())
+        }
+        let dev = self.ids.device();
+        self.ids.slice_set(&Tensor::new(tokens, dev)?, 0, 0)?;
+        let lens: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+        self.lens.slice_set(&Tensor::new(lens, dev)?, 0, 0)
+    }
+
+    /// Queues one more step. `lens` are the keys each sequence holds before it (the host's copy
+    /// of what the device holds), checked against the cache's room.
+    pub(crate) fn launch(&self, cache: &KvCache, lens: &[usize]) -> Result<()> {
+        if lens.len() != self.rows() {
+            bail!(
+                "internal error: decode graph launch with {} lengths for {} rows",
+                lens.len(),
+                self.rows()
+            )
+        }
+        check_room(cache, lens)?;
+        self.graph
+            .launch()
+            .map_err(|e| candle_core::Error::Msg(format!("flash-llama: decode graph: launch: {e:?}")))
+    }
+
+    /// [`Sampling::Greedy`]: each sequence's newest token, (rows,) u32, as of the last step.
+    pub(crate) fn tokens(&self) -> &Tensor {
+        &self.ids
+    }
+
+    /// [`Sampling::OnHost`]: the last step's logits, (rows, vocab) f32.
+    pub(crate) fn logits(&self) -> Result<&Tensor> {
+        match &self.logits {
+            Some(l) => Ok(l),
+            None => bail!("internal error: the logits of a greedy decode graph"),
+        }
+    }
+}
+
+fn check_room(cache: &KvCache, lens: &[usize]) -> Result<()> {
+    let max_seq = cache.max_seq();
+    if let Some(i) = lens.iter().position(|&l| l >= max_seq) {
+        bail!("decode step: sequence {i} already holds the cache's max_seq {max_seq} tokens")
+    }
+    Ok(())
+}
