@@ -34,6 +34,7 @@ ap.add_argument("--batches", default="1,32,128")
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--new", type=int, default=128)
+ap.add_argument("--modes", default="graph,eager", help="graph (the default decode), eager (--no-cuda-graphs)")
 ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which no run starts")
 args = ap.parse_args()
 start = time.time()
@@ -79,7 +80,7 @@ for name in args.models.split(","):
     for batch in map(int, args.batches.split(",")):
         prompts = rng.integers(10, cfg["vocab_size"], size=(batch, args.prompt)).tolist()
         ids_file = os.path.join(args.work, f"prompts-{batch}.txt")
-        res = {"graph": [], "eager": []}
+        res = {m: [] for m in args.modes.split(",")}
         for _ in range(args.reps):
             for mode in res:
                 if time.time() - start > args.deadline:

@@ -232,6 +232,11 @@ fn argmax_rows_matches_the_host_argmax() -> Result<()> {
                     x[2][c] = f32::NAN;
                 }
             }
+            if cols > 10 {
+                // Row 0: two equal maxima side by side (one 16-byte chunk of 16-bit values).
+                x[0][9] = 100.0;
+                x[0][10] = 100.0;
+            }
             x[3].fill(f32::NAN);
             x[4].fill(f32::NEG_INFINITY);
             x[5][0] = f32::NAN;
@@ -247,6 +252,9 @@ fn argmax_rows_matches_the_host_argmax() -> Result<()> {
             assert_eq!(got, want, "{dtype:?} cols {cols}");
             if cols > 1 {
                 assert_eq!(want[1], (cols / 2) as u32, "the first of two maxima");
+            }
+            if cols > 10 {
+                assert_eq!(want[0], 9, "the first of two adjacent maxima");
             }
         }
     }
