@@ -460,15 +460,13 @@ pub(crate) struct CacheGroup {
     pub(crate) cache_idx: Option<Tensor>,
     /// Their pages, (batch, max_pages) u32 (paged caches).
     pub(crate) page_table: Option<Tensor>,
-    /// Split-KV shares per tile for the call (`FlashAttn::num_splits`; 0: the op's choice).
-    pub(crate) splits: usize,
 }
 
 impl CacheGroup {
     /// The first `batch` sequences of a contiguous cache, in order, with one new token each and
-    /// `seqlens` (batch,) u32 keys after this step's, split-KV shares as given.
+    /// `seqlens` (batch,) u32 keys after this step's.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn one_token_each(batch: usize, seqlens: Tensor, splits: usize) -> Self {
+    pub(crate) fn one_token_each(batch: usize, seqlens: Tensor) -> Self {
         Self {
             rows: None,
             batch,
@@ -476,7 +474,6 @@ impl CacheGroup {
             seqlens,
             cache_idx: None,
             page_table: None,
-            splits,
         }
     }
 
@@ -535,7 +532,6 @@ impl CacheGroup {
                 } else {
                     Some(Tensor::new(seqs.iter().map(|&i| i as u32).collect::<Vec<_>>(), dev)?)
                 },
-                splits: 0,
             });
         }
         let unpermute = if single {

@@ -355,10 +355,6 @@ impl Attention {
                     (q8, attn)
                 }
             };
-            let attn = match g.splits {
-                0 => attn,
-                n => attn.num_splits(n),
-            };
             let mut call = attn.kv_cache(k_cache, v_cache, &g.seqlens);
             if let Some(idx) = &g.cache_idx {
                 call = call.cache_batch_idx(idx);
@@ -721,13 +717,9 @@ impl Llama {
     /// `cache.lens` is advanced here, and each sequence must have a free row (the caller's
     /// checks). Needs [`Llama::decodes_on_device`].
     ///
-    /// Split-KV: each layer's attention is `rows × kv_heads` tiles (the GQA group packed), a few
-    /// CTAs at small batches, each walking every key block of its sequence one after the other
-    /// (at batch 1 of the 1B shape, 8 CTAs on 132 SMs: 17% of the step's GPU time under Nsight
-    /// Compute). So the keys are shared out among about one wave of CTAs, `SMs / tiles` shares per
-    /// tile (the op caps it at one key block per share); the op's own choice leaves calls of few
-    /// key blocks unsplit because of the host time a split costs an eager call, which a graph
-    /// does not pay.
+    /// Captured into a graph, each layer's attention splits its keys over about one wave of CTAs
+    /// even for short caches (flash-attn3 does so for captured calls): at batch 1 it is otherwise
+    /// `kv_heads` CTAs, each walking every key block one after the other.
     #[cfg(feature = "cuda")]
     pub(crate) fn decode_on_device(
         &self,
@@ -736,21 +728,10 @@ impl Llama {
         slot_starts: &Tensor,
         cache: &KvCache,
     ) -> Result<Tensor> {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-        let rows = ids.dim(0)?;
-        let sms = self
-            .device
-            .as_cuda_device()?
-            .cuda_stream()
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| candle_core::Error::Msg(format!("flash-llama: the GPU's SM count: {e:?}")))?;
-        let tiles = rows * self.cfg.num_key_value_heads;
-        let splits = (sms.max(1) as usize / tiles).max(1);
         let plan = Plan {
             rope: self.rope_tables(lens)?,
             keys: KeySource::KvCacheCalls {
-                groups: vec![CacheGroup::one_token_each(rows, lens.affine(1.0, 1.0)?, splits)],
+                groups: vec![CacheGroup::one_token_each(ids.dim(0)?, lens.affine(1.0, 1.0)?)],
                 unpermute: None,
                 view: cache.view_dims(),
             },

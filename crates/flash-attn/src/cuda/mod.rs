@@ -825,11 +825,17 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let num_m_blocks = dims.seqlen_q.div_ceil(q_tile_queries);
     let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
     let sms = sm_count(&dev)?;
+    // A call captured into a CUDA graph does not pay a split's host time on replay.
+    let captured = matches!(
+        dev.cuda_stream().capture_status(),
+        Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
+    );
     let splits = split_count(
         params.num_splits,
         num_m_blocks * tile_heads * dims.batch,
         sms,
         dims.seqlen_k.div_ceil(variant.block_n),
+        captured,
     );
     let num_tiles = num_m_blocks * tile_heads * dims.batch * splits;
     // Tile order: uneven tiles run longest first across the pairs of an L2-sized section; even
