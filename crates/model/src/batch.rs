@@ -326,6 +326,7 @@ impl<'m> Batcher<'m> {
         }
         Ok(out)
     }
+
     /// A step as the replay of a captured decode step ([`Batcher::cuda_graphs`]), if it applies:
     /// every running sequence decodes (none is feeding its prompt). `None`: run the step eagerly.
     #[cfg(feature = "cuda")]

@@ -86,7 +86,9 @@ pub enum Flow {
 /// Greedy decoding without a repeat penalty on the GPU chooses the tokens there (with the same
 /// rules as [`crate::sampling::argmax`], so the same tokens) and overlaps the host's work on each
 /// step with the device's work on the step before; everything else samples on the host from each
-/// step's logits.
+/// step's logits. Where it applies (`opts.cuda_graphs`, the fused kernels in bf16/f16, a cache of
+/// the model's dtype, cudarc's event tracking off), the greedy decode steps replay one CUDA graph
+/// of the step instead of launching its kernels each time (`crate::decode_graph`).
 pub fn generate(
     model: &Llama,
     prompts: &[Vec<u32>],
@@ -317,6 +319,7 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
     cache: &mut KvCache,
     run: &mut Progress<F>,
 ) -> Result<()> {
+    use crate::decode_graph::{DecodeGraph, Sampling};
     let accept_all = |run: &mut Progress<F>, readback: &crate::fused::cuda::TokenReadback| -> Result<()> {
         let wait = Instant::now();
         let tokens = readback.wait()?;
@@ -335,7 +338,6 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
     if run.all_done() {
         return Ok(());
     }
-    use crate::decode_graph::{DecodeGraph, Sampling};
     let graph = DecodeGraph::start(model, cache, Sampling::Greedy, &first, cache.lens())?;
     cache.advance_all();
     loop {

@@ -333,6 +333,12 @@ fn pack_gqa(group: usize, seqlen_q: usize, forced: Option<bool>) -> bool {
 
 /// The device address of this device's dynamic-scheduler counters (two i32, zeroed once; every
 /// launch leaves them zero). Launches on one device run in stream order, so they share it.
+///
+/// Made by the first forward call on the device, whether or not it needs them: a buffer
+/// allocated while the stream is captured into a CUDA graph would be the graph's memory, freed
+/// with it under later calls. (A captured call may need them where its eager warm-up did not:
+/// captured calls split short caches, eager ones do not.) So the first call on a device must not
+/// be a captured one: that is an error.
 fn tile_counter(dev: &CudaDevice) -> Result<u64> {
     static COUNTERS: OnceLock<Mutex<HashMap<DeviceId, CudaSlice<i32>>>> = OnceLock::new();
     let mut counters = COUNTERS.get_or_init(Default::default).lock().unwrap();
@@ -340,10 +346,23 @@ fn tile_counter(dev: &CudaDevice) -> Result<u64> {
     if let Some(c) = counters.get(&dev.id()) {
         return Ok(c.device_ptr(&stream).0);
     }
+    if is_capturing(&stream) {
+        bail!(
+            "flash-attn3: the first attention call on this device is being captured into a CUDA graph; run one call eagerly first (it sets up the device's scheduler counters)"
+        )
+    }
     let c = dev.alloc_zeros::<i32>(2)?;
     let addr = c.device_ptr(&stream).0;
     counters.insert(dev.id(), c);
     Ok(addr)
+}
+
+/// Whether `stream` is being captured into a CUDA graph.
+fn is_capturing(stream: &CudaStream) -> bool {
+    matches!(
+        stream.capture_status(),
+        Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
+    )
 }
 
 /// The device's multiprocessor count (the persistent grid size), cached per device.
@@ -826,10 +845,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
     let sms = sm_count(&dev)?;
     // A call captured into a CUDA graph does not pay a split's host time on replay.
-    let captured = matches!(
-        dev.cuda_stream().capture_status(),
-        Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
-    );
+    let captured = is_capturing(&dev.cuda_stream());
     let splits = split_count(
         params.num_splits,
         num_m_blocks * tile_heads * dims.batch,
@@ -883,8 +899,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     }
     // The dynamic scheduler's counters: one zeroed buffer per device, which every launch leaves
     // zeroed (kernels/flash_fwd/scheduler.cuh), so no memset per call.
+    let counter = tile_counter(&dev)?;
     let counter_addr = match uneven && grid < num_tiles {
-        true => tile_counter(&dev)?,
+        true => counter,
         false => 0,
     };
 
