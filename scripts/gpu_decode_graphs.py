@@ -43,21 +43,6 @@ PAT = re.compile(r"generation: (\d+) tokens in [\d.]+s \(([\d.]+) tokens/s\)")
 ITL = re.compile(r"inter-token latency: p50 ([\d.]+) ms, p99 ([\d.]+) ms")
 
 
-def copy_bandwidth():
-    import torch
-
-    x = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.time()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 2 * 10 / (time.time() - t)
-
-
 def weight_bytes(cfg):
     """bf16 bytes a batch-1 step reads: every layer's weights, the final norm and the output head
     (the embedding matrix itself when tied); the embedding lookup's one row is left out."""
@@ -67,7 +52,7 @@ def weight_bytes(cfg):
     return 2 * (n * per_layer + h + v * h)
 
 
-bw = copy_bandwidth()
+bw = g.copy_bandwidth()
 print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
 rows = []
 for name in args.models.split(","):
