@@ -36,7 +36,6 @@ pub(crate) enum Sampling {
 /// One captured decode step of the first `rows` sequences of a cache.
 pub(crate) struct DecodeGraph {
     graph: CudaGraph,
-    sampling: Sampling,
     /// (rows,) u32: each sequence's last token; with [`Sampling::Greedy`], after a step, the
     /// step's output.
     ids: Tensor,
@@ -44,7 +43,8 @@ pub(crate) struct DecodeGraph {
     lens: Tensor,
     /// (rows,) u32, i × max_seq: read by the graph, so kept alive with it.
     _slot_starts: Tensor,
-    /// [`Sampling::OnHost`]: (rows, vocab) f32, the last step's logits.
+    /// [`Sampling::OnHost`] (`None`: [`Sampling::Greedy`]): (rows, vocab) f32, the last step's
+    /// logits.
     logits: Option<Tensor>,
 }
 
@@ -128,7 +128,6 @@ impl DecodeGraph {
         graph.upload().map_err(|e| driver("upload", e))?;
         Ok(Self {
             graph,
-            sampling,
             ids,
             lens,
             _slot_starts: slot_starts,
@@ -144,7 +143,7 @@ impl DecodeGraph {
     /// [`Sampling::OnHost`]: the next step's inputs, each sequence's last token and the keys it
     /// holds (uploaded here, outside the graph).
     pub(crate) fn set_inputs(&self, tokens: &[u32], lens: &[usize]) -> Result<()> {
-        if self.sampling != Sampling::OnHost || tokens.len() != self.rows() || lens.len() != self.rows() {
+        if self.logits.is_none() || tokens.len() != self.rows() || lens.len() != self.rows() {
             bail!("internal error: decode graph inputs for {} rows", self.rows())
         }
         let dev = self.ids.device();
