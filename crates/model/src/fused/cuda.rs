@@ -458,10 +458,10 @@ fn store_e4m3_t<T: CudaDType + DeviceRepr>(
     let dims = kv.1.dims().to_vec();
     let cache_a = addr_e4m3(kv.0, kv.1, OP, "the cache")?;
     let (rows_g, quant_g) = (rows.storage_and_layout(), quant.storage_and_layout());
-    let rows_a = addr::<u32>(held_on(&rows_g.0, &dev, OP, "the cache rows")?, &rows_g.1, OP, "rows")?;
+    let rows_a = addr::<u32>(held_on(&rows_g.0, &dev, OP, "the cache rows")?, rows_g.1, OP, "rows")?;
     let quant_a = addr::<f32>(
         held_on(&quant_g.0, &dev, OP, "the quant factors")?,
-        &quant_g.1,
+        quant_g.1,
         OP,
         "the quant factors",
     )?;
