@@ -145,6 +145,7 @@ struct CombineParams {
     int64_t lse_head_stride;
     int64_t lse_batch_stride;
     const float* sinks;     // (heads) or null, as FwdParams::sinks
+    int warps_per_row;      // 1, 2, 4 or 8 (combine.cuh)
 };
 
 }  // namespace fa3

@@ -110,13 +110,21 @@ struct CombineParams {
     lse_head_stride: i64,
     lse_batch_stride: i64,
     sinks: u64,
+    warps_per_row: i32,
 }
 
 // SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
 unsafe impl DeviceRepr for CombineParams {}
 
-/// Rows of the combine kernel's 256-thread blocks (`fa3::kCombineWarps`, a warp per row).
-const COMBINE_ROWS_PER_BLOCK: usize = 8;
+/// Warps of the combine kernel's 256-thread blocks (`fa3::kCombineWarps`).
+const COMBINE_WARPS: usize = 8;
+
+/// Warps that share one row of the combine (`CombineParams::warps_per_row`): enough that each
+/// reads at most 4 splits (`fa3::kCombineInFlight`, loads in flight at once), a power of two up
+/// to the block's 8.
+fn combine_warps_per_row(splits: usize) -> usize {
+    splits.div_ceil(4).next_power_of_two().clamp(1, COMBINE_WARPS)
+}
 
 // SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
 unsafe impl DeviceRepr for FwdParams {}
@@ -510,6 +518,7 @@ fn dump_trace(dev: &CudaDevice) -> Result<()> {
 
 /// Launches the split-KV combine over `rows` (token, head) rows (kernels/flash_fwd/combine.cuh).
 fn combine_splits(dev: &CudaDevice, dtype: DType, p: &CombineParams, rows: usize) -> Result<()> {
+    let rows_per_block = COMBINE_WARPS / p.warps_per_row as usize;
     let name = if dtype == DType::BF16 {
         "flash_fwd_combine_bf16"
     } else {
@@ -517,8 +526,8 @@ fn combine_splits(dev: &CudaDevice, dtype: DType, p: &CombineParams, rows: usize
     };
     let func = kernel(dev, name, 0)?;
     let cfg = LaunchConfig {
-        grid_dim: (rows.div_ceil(COMBINE_ROWS_PER_BLOCK) as u32, 1, 1),
-        block_dim: (32 * COMBINE_ROWS_PER_BLOCK as u32, 1, 1),
+        grid_dim: (rows.div_ceil(rows_per_block) as u32, 1, 1),
+        block_dim: (32 * COMBINE_WARPS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: the params point at the partials, out and lse, all alive until the caller drops
@@ -1077,6 +1086,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
                 lse_head_stride,
                 lse_batch_stride,
                 sinks: extras.sinks,
+                warps_per_row: combine_warps_per_row(splits) as i32,
             },
             dims.total_q * dims.heads,
         )?;
