@@ -28,6 +28,59 @@ __device__ __forceinline__ float block_sum(float v) {
     return v;
 }
 
+// Whether add_rms_norm's vector path takes a row: 16-byte aligned pointers, whole 16-byte
+// vectors, at most kNormIters of them per thread.
+template <typename T>
+__host__ __device__ constexpr int norm_vector_max_dim() {
+    return kNormThreads * (16 / sizeof(T)) * kNormIters;
+}
+
+// The vector path of add_rms_norm for one row (the whole block, kNormThreads threads): res = x + h
+// rounded to T, out = res * rsqrt(mean(res²) + eps) * w. `res` may be null (not written); `out`
+// may be in shared memory. Needs 16-byte aligned pointers and dim a multiple of 16 / sizeof(T) of
+// at most norm_vector_max_dim<T>(). Shared by the add_rms_norm kernel and the fused projection
+// below, so both give the same bits.
+template <typename T>
+__device__ __forceinline__ void add_rms_norm_row_vec(const T* __restrict__ x, const T* __restrict__ h,
+                                                     const T* __restrict__ w, T* __restrict__ res, T* out, int dim,
+                                                     float eps) {
+    constexpr int kVec = 16 / sizeof(T);
+    float sum = 0.f;
+    uint4 r[kNormIters];
+#pragma unroll
+    for (int k = 0; k < kNormIters; ++k) {
+        const int v = threadIdx.x + k * kNormThreads;
+        if (v * kVec < dim) {
+            const uint4 xv = reinterpret_cast<const uint4*>(x)[v], hv = reinterpret_cast<const uint4*>(h)[v];
+            const T* xe = reinterpret_cast<const T*>(&xv);
+            const T* he = reinterpret_cast<const T*>(&hv);
+            T* re = reinterpret_cast<T*>(&r[k]);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+                re[e] = from_f<T>(to_f(xe[e]) + to_f(he[e]));
+                const float f = to_f(re[e]);
+                sum += f * f;
+            }
+            if (res != nullptr) reinterpret_cast<uint4*>(res)[v] = r[k];
+        }
+    }
+    const float scale = rsqrtf(block_sum(sum) / dim + eps);
+#pragma unroll
+    for (int k = 0; k < kNormIters; ++k) {
+        const int v = threadIdx.x + k * kNormThreads;
+        if (v * kVec < dim) {
+            const uint4 wv = reinterpret_cast<const uint4*>(w)[v];
+            const T* we = reinterpret_cast<const T*>(&wv);
+            const T* re = reinterpret_cast<const T*>(&r[k]);
+            uint4 o;
+            T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) oe[e] = from_f<T>(scale * to_f(re[e]) * to_f(we[e]));
+            reinterpret_cast<uint4*>(out)[v] = o;
+        }
+    }
+}
+
 // res = x + h (rounded to T, as candle's add), out = res * rsqrt(mean(res²) + eps) * w.
 // One block of kNormThreads per row; rows are contiguous, `dim` elements each.
 template <typename T>
@@ -42,44 +95,12 @@ __device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ h, c
     h += row * dim;
     res += row * dim;
     out += row * dim;
-    float sum = 0.f;
-    if (aligned && dim % kVec == 0 && dim <= kNormThreads * kVec * kNormIters) {
-        uint4 r[kNormIters];
-#pragma unroll
-        for (int k = 0; k < kNormIters; ++k) {
-            const int v = threadIdx.x + k * kNormThreads;
-            if (v * kVec < dim) {
-                const uint4 xv = reinterpret_cast<const uint4*>(x)[v], hv = reinterpret_cast<const uint4*>(h)[v];
-                const T* xe = reinterpret_cast<const T*>(&xv);
-                const T* he = reinterpret_cast<const T*>(&hv);
-                T* re = reinterpret_cast<T*>(&r[k]);
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    re[e] = from_f<T>(to_f(xe[e]) + to_f(he[e]));
-                    const float f = to_f(re[e]);
-                    sum += f * f;
-                }
-                reinterpret_cast<uint4*>(res)[v] = r[k];
-            }
-        }
-        const float scale = rsqrtf(block_sum(sum) / dim + eps);
-#pragma unroll
-        for (int k = 0; k < kNormIters; ++k) {
-            const int v = threadIdx.x + k * kNormThreads;
-            if (v * kVec < dim) {
-                const uint4 wv = reinterpret_cast<const uint4*>(w)[v];
-                const T* we = reinterpret_cast<const T*>(&wv);
-                const T* re = reinterpret_cast<const T*>(&r[k]);
-                uint4 o;
-                T* oe = reinterpret_cast<T*>(&o);
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) oe[e] = from_f<T>(scale * to_f(re[e]) * to_f(we[e]));
-                reinterpret_cast<uint4*>(out)[v] = o;
-            }
-        }
+    if (aligned && dim % kVec == 0 && dim <= norm_vector_max_dim<T>()) {
+        add_rms_norm_row_vec<T>(x, h, w, res, out, dim, eps);
         return;
     }
     // Any other row length or alignment: element by element.
+    float sum = 0.f;
     for (int c = threadIdx.x; c < dim; c += kNormThreads) {
         const T r = from_f<T>(to_f(x[c]) + to_f(h[c]));
         res[c] = r;
@@ -93,15 +114,20 @@ __device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ h, c
     }
 }
 
+// silu(g) * u rounded to T: silu_mul's element, and the down projection's fused input.
+template <typename T>
+__device__ __forceinline__ T silu_times(T g, T u) {
+    const float gf = to_f(g);
+    return from_f<T>(gf / (1.f + __expf(-gf)) * to_f(u));
+}
+
 // out (rows, inter) = silu(y[:, :inter]) * y[:, inter:], y (rows, 2 * inter) contiguous.
 template <typename T>
 __device__ void silu_mul(const T* __restrict__ y, T* __restrict__ out, size_t rows, int inter) {
     const size_t n = rows * inter;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / inter, c = i % inter;
-        const float g = to_f(y[r * 2 * inter + c]);
-        const float u = to_f(y[r * 2 * inter + inter + c]);
-        out[i] = from_f<T>(g / (1.f + __expf(-g)) * u);
+        out[i] = silu_times<T>(y[r * 2 * inter + c], y[r * 2 * inter + inter + c]);
     }
 }
 
@@ -182,40 +208,117 @@ __device__ void store_e4m3(const T* __restrict__ x, int tokens, int d, const uin
 // y (n) = w · x [+ bias] for one row x (k) and w (n, k) row-major (a linear layer's weight): the
 // projections of a batch-1 decode step, a matrix-vector product bound by reading w once. One warp
 // per output: its lanes stream the output's weight row in 16-byte loads, kMatvecUnroll of them in
-// flight per lane (x is small and stays in L1/L2), then a warp reduction. k must be a whole
-// number of 16-byte vectors and every pointer 16-byte aligned (checked by the caller, which
-// otherwise uses cuBLAS).
+// flight per lane, then a warp reduction. k must be a whole number of 16-byte vectors and every
+// pointer 16-byte aligned (checked by the caller, which otherwise uses cuBLAS).
+//
+// Where x comes from is the `Input` policy: a vector in global memory (`PlainInput`, small enough
+// to stay in L1/L2), or the element-wise op that would otherwise be a launch of its own before the
+// projection, computed by every block into shared memory (`SiluMulInput`: the down projection's
+// silu(gate) * up; `AddNormInput`: add + RMSNorm before the q/k/v, gate/up and output-head
+// projections). At batch 1 such an op is a few µs of launch and ramp for a few KB of data; here
+// it runs while the block's first weight loads are in flight, and gives the same bits as its own
+// kernel (the same code: silu_times, add_rms_norm_row_vec).
 constexpr int kMatvecWarps = 8;
 constexpr int kMatvecUnroll = 4;
 
+// Programmatic dependent launch (sm_90; PTX `griddepcontrol`). The host launches linear_vector
+// with the launch attribute that lets its blocks start while the kernel before it on the stream
+// is still running (`launch_overlapping`, crates/model/src/fused/cuda.rs): a block requests its
+// first weights, which nothing on the stream writes, then waits for the earlier kernels to
+// finish before it reads its input or writes anything. Kernels that let their successor start
+// early call `let_next_kernel_start` once every block of theirs is running; the successor's blocks
+// then fill the SMs as this kernel's last wave drains. Both are no-ops for a normal launch.
+__device__ __forceinline__ void let_next_kernel_start() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_for_earlier_kernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+static_assert(kMatvecWarps * 32 == kNormThreads, "AddNormInput runs add_rms_norm's block code");
+
 template <typename T>
-__device__ void linear_vector(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
+struct PlainInput {
+    const T* x;
+    __device__ void prepare(int) const {}
+    __device__ uint4 vec(int v) const { return __ldg(reinterpret_cast<const uint4*>(x) + v); }
+};
+
+// Reads the staged input of the two fused policies (dynamic shared memory, k elements).
+template <typename T>
+struct StagedInput {
+    T* staged;
+    __device__ uint4 vec(int v) const { return reinterpret_cast<const uint4*>(staged)[v]; }
+};
+
+// x = silu(y[:k]) * y[k:] for the gate/up output y (2k).
+template <typename T>
+struct SiluMulInput : StagedInput<T> {
+    const T* y;
+    __device__ void prepare(int k) const {
+        constexpr int kVec = 16 / sizeof(T);
+        const uint4* g = reinterpret_cast<const uint4*>(y);
+        const uint4* u = reinterpret_cast<const uint4*>(y + k);
+        for (int v = threadIdx.x; v < k / kVec; v += blockDim.x) {
+            const uint4 gv = g[v], uv = u[v];
+            const T* ge = reinterpret_cast<const T*>(&gv);
+            const T* ue = reinterpret_cast<const T*>(&uv);
+            uint4 o;
+            T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) oe[e] = silu_times<T>(ge[e], ue[e]);
+            reinterpret_cast<uint4*>(this->staged)[v] = o;
+        }
+        __syncthreads();
+    }
+};
+
+// x = rms_norm(a + b) * w; block 0 also writes the residual a + b to `res`.
+template <typename T>
+struct AddNormInput : StagedInput<T> {
+    const T* a;
+    const T* b;
+    const T* w;
+    T* res;
+    float eps;
+    __device__ void prepare(int k) const {
+        add_rms_norm_row_vec<T>(a, b, w, blockIdx.x == 0 ? res : nullptr, this->staged, k, eps);
+        __syncthreads();
+    }
+};
+
+template <typename T, typename Input>
+__device__ void linear_vector(const Input& in, const T* __restrict__ w, const T* __restrict__ bias,
                               T* __restrict__ y, int n, int k) {
     constexpr int kVec = 16 / sizeof(T);
     const int lane = threadIdx.x % 32;
     const int col = blockIdx.x * kMatvecWarps + threadIdx.x / 32;
-    if (col >= n) return;
-    const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)col * k);
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)min(col, n - 1) * k);
     const int vecs = k / kVec;
-    float acc = 0.f;
-    for (int v0 = lane; v0 < vecs; v0 += 32 * kMatvecUnroll) {
-        uint4 wv[kMatvecUnroll];
+    uint4 wv[kMatvecUnroll];
+    auto load_round = [&](int v0) {
 #pragma unroll
         for (int u = 0; u < kMatvecUnroll; ++u) {
             const int v = v0 + u * 32;
             wv[u] = v < vecs ? __ldg(wrow + v) : make_uint4(0, 0, 0, 0);
         }
+    };
+    let_next_kernel_start();
+    // The first weights are requested before the input is ready: they do not depend on it.
+    load_round(lane);
+    wait_for_earlier_kernels();
+    in.prepare(k);
+    if (col >= n) return;
+    float acc = 0.f;
+    for (int v0 = lane;;) {
 #pragma unroll
         for (int u = 0; u < kMatvecUnroll; ++u) {
             const int v = v0 + u * 32;
             if (v >= vecs) break;
-            const uint4 xu = __ldg(xv + v);
+            const uint4 xu = in.vec(v);
             const T* we = reinterpret_cast<const T*>(&wv[u]);
             const T* xe = reinterpret_cast<const T*>(&xu);
 #pragma unroll
             for (int e = 0; e < kVec; ++e) acc = fmaf(to_f(we[e]), to_f(xe[e]), acc);
         }
+        v0 += 32 * kMatvecUnroll;
+        if (v0 >= vecs) break;
+        load_round(v0);
     }
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) y[col] = from_f<T>(acc + (bias != nullptr ? to_f(bias[col]) : 0.f));
@@ -328,9 +431,30 @@ __device__ void argmax_rows(const T* __restrict__ x, uint32_t* __restrict__ out,
                                                                                     int cols) {                       \
         argmax_rows<T>(x, out, cols);                                                                                 \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32) linear_vector_##SUFFIX(                          \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32) linear_vector_##SUFFIX(                           \
         const T* x, const T* w, const T* bias, T* y, int n, int k) {                                                  \
-        linear_vector<T>(x, w, bias, y, n, k);                                                                        \
+        linear_vector<T>(PlainInput<T>{x}, w, bias, y, n, k);                                                         \
+    }                                                                                                                 \
+    /* The staged input (k elements of T) is the dynamic shared memory. */                                           \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32) linear_vector_silu_##SUFFIX(                     \
+        const T* gate_up, const T* w, const T* bias, T* y, int n, int k) {                                            \
+        extern __shared__ uint4 staged_silu_##SUFFIX[];                                                               \
+        SiluMulInput<T> in;                                                                                           \
+        in.staged = reinterpret_cast<T*>(staged_silu_##SUFFIX);                                                       \
+        in.y = gate_up;                                                                                               \
+        linear_vector<T>(in, w, bias, y, n, k);                                                                       \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32) linear_vector_add_norm_##SUFFIX(                 \
+        const T* a, const T* b, const T* norm_w, float eps, T* res, const T* w, const T* bias, T* y, int n, int k) {  \
+        extern __shared__ uint4 staged_norm_##SUFFIX[];                                                               \
+        AddNormInput<T> in;                                                                                           \
+        in.staged = reinterpret_cast<T*>(staged_norm_##SUFFIX);                                                       \
+        in.a = a;                                                                                                     \
+        in.b = b;                                                                                                     \
+        in.w = norm_w;                                                                                                \
+        in.res = res;                                                                                                 \
+        in.eps = eps;                                                                                                 \
+        linear_vector<T>(in, w, bias, y, n, k);                                                                       \
     }
 
 FUSED_OPS(__nv_bfloat16, bf16)

@@ -163,20 +163,34 @@ impl Attention {
         })
     }
 
-    /// x: (tokens, hidden) → (tokens, hidden). `cache` is this layer's keys and values, if any:
-    /// the new keys and values are stored there before attending.
-    fn forward(&self, x: &Tensor, plan: &Plan, cache: Option<&LayerKv>) -> Result<Tensor> {
-        let tokens = x.dim(0)?;
+    /// The attention sub-block over `input.norm(norm)` (tokens, hidden): returns the residual
+    /// stream before it and the attention's output (tokens, hidden). `cache` is this layer's keys
+    /// and values, if any: the new keys and values are stored there before attending.
+    fn forward(
+        &self,
+        input: &Residual,
+        norm: &RmsNorm,
+        plan: &Plan,
+        cache: Option<&LayerKv>,
+    ) -> Result<(Tensor, Tensor)> {
+        let tokens = input.x.dim(0)?;
         let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
+        let residual;
         // q (tokens, h, d), k and v (tokens, hk, d); possibly strided views of one fused output.
         let (q, k, v) = match &self.qkv {
-            QkvProj::Separate { q, k, v } => (
-                q.forward(x)?.reshape((tokens, h, d))?,
-                k.forward(x)?.reshape((tokens, hk, d))?,
-                v.forward(x)?.reshape((tokens, hk, d))?,
-            ),
+            QkvProj::Separate { q, k, v } => {
+                let x;
+                (residual, x) = input.normed(norm)?;
+                (
+                    q.forward(&x)?.reshape((tokens, h, d))?,
+                    k.forward(&x)?.reshape((tokens, hk, d))?,
+                    v.forward(&x)?.reshape((tokens, hk, d))?,
+                )
+            }
             QkvProj::Fused(qkv) => {
-                let y = project(qkv, x, self.kernels)?.reshape((tokens, h + 2 * hk, d))?;
+                let y;
+                (residual, y) = input.project(norm, qkv, self.kernels)?;
+                let y = y.reshape((tokens, h + 2 * hk, d))?;
                 if let RopeTables::PerHead { cos, sin } = &plan.rope {
                     let y = if y.device().is_cuda() {
                         // One kernel where the store fuses into the rotation (q and k rotated in
@@ -216,7 +230,7 @@ impl Attention {
                         y
                     };
                     let (q, k, v) = (y.narrow(1, 0, h)?, y.narrow(1, h, hk)?, y.narrow(1, h + hk, hk)?);
-                    return self.attend(q, k, v, tokens, plan, cache);
+                    return Ok((residual, self.attend(q, k, v, tokens, plan, cache)?));
                 }
                 (y.narrow(1, 0, h)?, y.narrow(1, h, hk)?, y.narrow(1, h + hk, hk)?)
             }
@@ -240,7 +254,7 @@ impl Attention {
             Some(layer) => layer.store(&Tensor::cat(&[&k, &v], 1)?, &plan.writes, plan.cache_rows.as_ref())?,
             None => {}
         }
-        self.attend(q, k, v, tokens, plan, cache)
+        Ok((residual, self.attend(q, k, v, tokens, plan, cache)?))
     }
 
     /// Attends (over the fresh k and v, or over `cache`, where they were stored) and projects
@@ -414,6 +428,38 @@ impl Attention {
 /// `linear.forward(x)`; with fused kernels on the GPU, the one row of a batch-1 decode step goes
 /// through [`crate::fused::linear_vector`] (one launch, the weights read at full bandwidth) where
 /// its shape rules hold.
+/// The residual stream between two sub-blocks: `x`, and the output `h` of the sub-block before,
+/// not yet added to it (`None` before the first block). The next sub-block reads
+/// `norm(x + h)`, and `x + h` becomes the stream after it. The add and the norm are left to the
+/// sub-block's first projection: at one token on the GPU they run inside its matrix-vector launch
+/// ([`crate::fused::linear_vector_add_norm`]); otherwise one [`RmsNorm::add_forward`] first.
+struct Residual {
+    x: Tensor,
+    h: Option<Tensor>,
+}
+
+impl Residual {
+    /// `(x + h, norm(x + h))`.
+    fn normed(&self, norm: &RmsNorm) -> Result<(Tensor, Tensor)> {
+        match &self.h {
+            None => Ok((self.x.clone(), norm.forward(&self.x)?)),
+            Some(h) => norm.add_forward(&self.x, h),
+        }
+    }
+
+    /// `(x + h, linear(norm(x + h)))`.
+    fn project(&self, norm: &RmsNorm, linear: &Linear, kernels: Kernels) -> Result<(Tensor, Tensor)> {
+        if let (Some(h), Kernels::Fused) = (&self.h, kernels) {
+            let w = linear.weight();
+            if crate::fused::linear_vector_add_norm_fits(&self.x, h, norm.weight(), w) {
+                return crate::fused::linear_vector_add_norm(&self.x, h, norm.weight(), norm.eps(), w, linear.bias());
+            }
+        }
+        let (sum, normed) = self.normed(norm)?;
+        Ok((sum, project(linear, &normed, kernels)?))
+    }
+}
+
 fn project(linear: &Linear, x: &Tensor, kernels: Kernels) -> Result<Tensor> {
     if kernels == Kernels::Fused && crate::fused::linear_vector_fits(x, linear.weight()) {
         return crate::fused::linear_vector(x, linear.weight(), linear.bias());
@@ -458,14 +504,31 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// The MLP sub-block over `input.norm(norm)` (tokens, hidden): returns the residual stream
+    /// before it and the MLP's output (tokens, hidden).
+    fn forward(&self, input: &Residual, norm: &RmsNorm) -> Result<(Tensor, Tensor)> {
+        if let GateUp::Fused(gate_up) = &self.gate_up {
+            if input.x.device().is_cuda() {
+                // On the GPU one kernel reads both halves of the fused output, whatever the
+                // tokens; at one token, inside the down projection's launch.
+                let (residual, y) = input.project(norm, gate_up, self.kernels)?;
+                let down = &self.down_proj;
+                let out =
+                    match self.kernels == Kernels::Fused && crate::fused::linear_vector_silu_fits(&y, down.weight()) {
+                        true => crate::fused::linear_vector_silu(&y, down.weight(), down.bias())?,
+                        false => project(down, &silu_mul(&y)?, self.kernels)?,
+                    };
+                return Ok((residual, out));
+            }
+        }
+        let (residual, x) = input.normed(norm)?;
+        Ok((residual, self.forward_normed(&x)?))
+    }
+
+    /// The MLP of a normed input x, on the CPU or with separate gate and up weights.
+    fn forward_normed(&self, x: &Tensor) -> Result<Tensor> {
         let (gate, up) = match &self.gate_up {
             GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
-            // On the GPU one kernel reads both halves of the fused output, whatever the tokens.
-            GateUp::Fused(gate_up) if x.device().is_cuda() => {
-                let act = silu_mul(&project(gate_up, x, self.kernels)?)?;
-                return project(&self.down_proj, &act, self.kernels);
-            }
             GateUp::Fused(gate_up) if x.dim(0)? <= FUSED_MLP_MAX_TOKENS => {
                 let y = gate_up.forward(x)?;
                 let i = self.intermediate;
@@ -648,7 +711,7 @@ impl Llama {
             writes: Vec::new(),
             cache_rows: None,
         };
-        let hidden = self.run_layers(&ids, &plan, None)?;
+        let (_, hidden) = self.run_layers(&ids, &plan, None)?.normed(&self.norm)?;
         let logits = self.lm_head.forward(&hidden)?;
         logits.to_dtype(DType::F32)?.reshape((b, s, self.cfg.vocab_size))
     }
@@ -739,8 +802,8 @@ impl Llama {
             writes: Vec::new(),
             cache_rows: Some((lens + slot_starts)?),
         };
-        let hidden = self.run_layers(ids, &plan, Some(cache))?;
-        project(&self.lm_head, &hidden, self.kernels)
+        let stream = self.run_layers(ids, &plan, Some(cache))?;
+        Ok(stream.project(&self.norm, &self.lm_head, self.kernels)?.1)
     }
 
     /// The common part of [`Llama::step`] and [`Llama::step_greedy`]: appends `new[i]` tokens of
@@ -836,24 +899,23 @@ impl Llama {
             writes,
             cache_rows,
         };
-        let hidden = self.run_layers(ids, &plan, Some(cache))?;
+        let stream = self.run_layers(ids, &plan, Some(cache))?;
         for (len, n) in cache.lens.iter_mut().zip(new) {
             *len += n;
         }
 
         // Only the last new token of each sequence needs the (vocab-wide) output head. At most
         // one new token per sequence (decode): every packed row is a last token.
-        let hidden = match new.iter().all(|&n| n <= 1) {
-            true => hidden,
-            false => {
-                let ends = new.iter().scan(0, |end, &n| {
-                    *end += n;
-                    Some((*end, n))
-                });
-                let last: Vec<u32> = ends.filter(|&(_, n)| n > 0).map(|(end, _)| (end - 1) as u32).collect();
-                hidden.index_select(&Tensor::new(last, dev)?, 0)?
-            }
-        };
+        if new.iter().all(|&n| n <= 1) {
+            return Ok(stream.project(&self.norm, &self.lm_head, self.kernels)?.1);
+        }
+        let (_, hidden) = stream.normed(&self.norm)?;
+        let ends = new.iter().scan(0, |end, &n| {
+            *end += n;
+            Some((*end, n))
+        });
+        let last: Vec<u32> = ends.filter(|&(_, n)| n > 0).map(|(end, _)| (end - 1) as u32).collect();
+        let hidden = hidden.index_select(&Tensor::new(last, dev)?, 0)?;
         project(&self.lm_head, &hidden, self.kernels)
     }
 
@@ -889,27 +951,28 @@ impl Llama {
     }
 
     /// Embeds `ids` (tokens,) and runs every block, storing the new keys in `cache` if given;
-    /// returns the final norm of the hidden states. Each residual add and the norm after it are
-    /// one [`RmsNorm::add_forward`] (one kernel with fused kernels on the GPU).
-    fn run_layers(&self, ids: &Tensor, plan: &Plan, cache: Option<&KvCache>) -> Result<Tensor> {
-        let mut x = match self.kernels {
+    /// returns the residual stream with the last block's output not yet added (the caller applies
+    /// the final norm: [`Residual::normed`], or [`Residual::project`] into the output head). Each
+    /// residual add and the norm after it are one [`RmsNorm::add_forward`] (one kernel with
+    /// fused kernels on the GPU), or part of the projection that reads the norm
+    /// ([`Residual::project`]).
+    fn run_layers(&self, ids: &Tensor, plan: &Plan, cache: Option<&KvCache>) -> Result<Residual> {
+        let x = match self.kernels {
             // Our lookup, whose backward is not candle's (slow) index_add.
             Kernels::Trainable => crate::train_ops::embedding(self.embed_tokens.embeddings(), &ids.to_vec1::<u32>()?)?,
             _ => self.embed_tokens.forward(ids)?,
         };
-        let Some(first) = self.layers.first() else {
-            return self.norm.forward(&x);
-        };
-        let mut normed = first.input_layernorm.forward(&x)?;
+        let mut stream = Residual { x, h: None };
         for (i, block) in self.layers.iter().enumerate() {
             let layer_cache = cache.map(|c| &c.layers[i]);
-            let h = block.self_attn.forward(&normed, plan, layer_cache)?;
-            let (x1, n1) = block.post_attention_layernorm.add_forward(&x, &h)?;
-            let h = block.mlp.forward(&n1)?;
-            // The next block's input norm, or the final norm after the last block.
-            let next = self.layers.get(i + 1).map_or(&self.norm, |b| &b.input_layernorm);
-            (x, normed) = next.add_forward(&x1, &h)?;
+            let (x, h) = block
+                .self_attn
+                .forward(&stream, &block.input_layernorm, plan, layer_cache)?;
+            let (x, h) = block
+                .mlp
+                .forward(&Residual { x, h: Some(h) }, &block.post_attention_layernorm)?;
+            stream = Residual { x, h: Some(h) };
         }
-        Ok(normed)
+        Ok(stream)
     }
 }

@@ -36,6 +36,15 @@ impl RmsNorm {
     pub fn new(weight: Tensor, eps: f64, kernels: Kernels) -> Self {
         Self { weight, eps, kernels }
     }
+
+    /// The per-channel scale (dim).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
 }
 
 impl RmsNorm {

@@ -9,7 +9,8 @@ mod common;
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use common::{abs_sum, hf_model, mixed_steps, rel_diff, tokens, Family, VOCAB};
 use flash_llama::fused::{
-    add_rms_norm, argmax_rows, linear_vector, linear_vector_fits, rope_store, silu_mul, store_e4m3, CacheStore,
+    add_rms_norm, argmax_rows, linear_vector, linear_vector_add_norm, linear_vector_add_norm_fits, linear_vector_fits,
+    linear_vector_silu, linear_vector_silu_fits, rope_store, silu_mul, store_e4m3, CacheStore,
 };
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::nn::{rope_per_head, RmsNorm};
@@ -212,6 +213,130 @@ fn linear_vector_matches_matmul() -> Result<()> {
         .unwrap_err()
         .to_string()
         .contains("bias"));
+    Ok(())
+}
+
+/// The fused forms of `linear_vector` give the bits of the two launches they replace (the same
+/// device code runs in the prologue): SiLU × up then the projection, and add + RMSNorm then the
+/// projection (with the residual), for every dtype, odd sizes, with and without a bias; and they
+/// refuse what they do not cover.
+#[test]
+fn fused_linear_vector_inputs_match_the_two_launches() -> Result<()> {
+    let dev = gpu();
+    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+        let t = t.flatten_all()?;
+        Ok(match t.dtype() {
+            DType::F32 => t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect(),
+            _ => t
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|v| v.to_bits())
+                .collect(),
+        })
+    };
+    for dtype in DTYPES {
+        let vec = 16 / dtype.size_in_bytes();
+        let max_norm = 256 * 4 * vec;
+        for (n, k) in [
+            (1usize, vec),
+            (7, 576),
+            (3072, 2048),
+            (130, max_norm),
+            (33, 1000 - 1000 % vec),
+        ] {
+            let w = (randn(&[n, k], dtype, &dev) * 0.05)?.to_dtype(dtype)?;
+            let bias = randn(&[n], dtype, &dev);
+            // SiLU × up of a (1, 2k) gate/up output.
+            let gate_up = randn(&[1, 2 * k], dtype, &dev);
+            assert!(linear_vector_silu_fits(&gate_up, &w), "{dtype:?} {k}");
+            // add + RMSNorm: x and h (1, k), the norm's weight around 1.
+            let (x, h) = (randn(&[1, k], dtype, &dev), randn(&[1, k], dtype, &dev));
+            let norm_w = randn(&[k], DType::F32, &dev).affine(0.1, 1.0)?.to_dtype(dtype)?;
+            assert!(linear_vector_add_norm_fits(&x, &h, &norm_w, &w), "{dtype:?} {k}");
+            for with_bias in [false, true] {
+                let b = with_bias.then_some(&bias);
+                let got = linear_vector_silu(&gate_up, &w, b)?;
+                let want = linear_vector(&silu_mul(&gate_up)?, &w, b)?;
+                assert_eq!(got.dims(), [1, n]);
+                assert_eq!(
+                    bits(&got)?,
+                    bits(&want)?,
+                    "SiLU input {dtype:?} n {n} k {k} bias {with_bias}"
+                );
+
+                let (sum, got) = linear_vector_add_norm(&x, &h, &norm_w, 1e-5, &w, b)?;
+                let (want_sum, normed) = add_rms_norm(&x, &h, &norm_w, 1e-5)?;
+                let want = linear_vector(&normed, &w, b)?;
+                assert_eq!((sum.dims(), got.dims()), ([1, k].as_slice(), [1, n].as_slice()));
+                assert_eq!(bits(&sum)?, bits(&want_sum)?, "residual {dtype:?} n {n} k {k}");
+                assert_eq!(
+                    bits(&got)?,
+                    bits(&want)?,
+                    "norm input {dtype:?} n {n} k {k} bias {with_bias}"
+                );
+                // And the result is the projection (not only the same as another kernel).
+                let ref64 = normed.to_dtype(DType::F64)?.matmul(&w.to_dtype(DType::F64)?.t()?)?;
+                let ref64 = match b {
+                    Some(b) => ref64.broadcast_add(&b.to_dtype(DType::F64)?)?,
+                    None => ref64,
+                };
+                let max_abs = |t: &Tensor| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>();
+                let err = max_abs(&(got.to_dtype(DType::F64)? - &ref64)?)?;
+                let scale = max_abs(&ref64)?.max(1e-3);
+                assert!(
+                    err.is_finite() && err / scale <= tol(dtype) as f64 / 2.0,
+                    "{dtype:?} n {n} k {k}: {err:e}"
+                );
+            }
+        }
+    }
+    // What they do not take: the model keeps the separate launches, a direct call errs.
+    let w = Tensor::zeros((5, 64), DType::BF16, &dev)?;
+    let x = Tensor::zeros((1, 64), DType::BF16, &dev)?;
+    let norm_w = Tensor::ones(64, DType::BF16, &dev)?;
+    let two_rows = Tensor::zeros((2, 128), DType::BF16, &dev)?;
+    let odd_gate_up = Tensor::zeros((1, 126), DType::BF16, &dev)?;
+    let f16_gate_up = Tensor::zeros((1, 128), DType::F16, &dev)?;
+    // A gate/up row of 2 × 24,576 bf16: 48 KiB of staged input, the most.
+    let wide_w = Tensor::zeros((1, 24_584), DType::BF16, &dev)?;
+    let wide = Tensor::zeros((1, 2 * 24_584), DType::BF16, &dev)?;
+    for (what, y, w) in [
+        ("rows", &two_rows, &w),
+        ("2k", &odd_gate_up, &w),
+        ("dtype", &f16_gate_up, &w),
+        ("shared memory", &wide, &wide_w),
+    ] {
+        assert!(!linear_vector_silu_fits(y, w), "{what}");
+        assert!(linear_vector_silu(y, w, None).is_err(), "{what}");
+    }
+    let long_w = Tensor::zeros((3, 8192 + 8), DType::BF16, &dev)?;
+    let long = Tensor::zeros((1, 8192 + 8), DType::BF16, &dev)?;
+    let long_norm = Tensor::ones(8192 + 8, DType::BF16, &dev)?;
+    let short_norm = Tensor::ones(63, DType::BF16, &dev)?;
+    let h_f16 = Tensor::zeros((1, 64), DType::F16, &dev)?;
+    let offset = Tensor::zeros((66,), DType::BF16, &dev)?
+        .narrow(0, 2, 64)?
+        .reshape((1, 64))?;
+    for (what, x, h, nw, w) in [
+        ("row length", &long, &long, &long_norm, &long_w),
+        ("norm weight", &x, &x, &short_norm, &w),
+        ("dtype", &x, &h_f16, &norm_w, &w),
+        ("alignment", &x, &offset, &norm_w, &w),
+    ] {
+        assert!(!linear_vector_add_norm_fits(x, h, nw, w), "{what}");
+        assert!(linear_vector_add_norm(x, h, nw, 1e-5, w, None).is_err(), "{what}");
+    }
+    let cpu = Tensor::zeros((1, 64), DType::BF16, &Device::Cpu)?;
+    let err = linear_vector_add_norm(&cpu, &cpu, &norm_w, 1e-5, &w, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("CUDA"), "{err}");
+    let bad_bias = Tensor::zeros(4, DType::BF16, &dev)?;
+    let err = linear_vector_add_norm(&x, &x, &norm_w, 1e-5, &w, Some(&bad_bias))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("bias"), "{err}");
     Ok(())
 }
 

@@ -6,14 +6,14 @@ use std::sync::{Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaFunction, CudaModule, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
+    CudaEvent, CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
-use super::StoreTarget;
+use super::{StoreTarget, VectorInput};
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fused.cubin"));
 
@@ -240,59 +240,148 @@ fn silu_mul_t<T: CudaDType + DeviceRepr>(y: (&CudaStorage, &Layout)) -> Result<C
 pub(super) fn linear_vector(
     x: (&CudaStorage, &Layout),
     w: (&CudaStorage, &Layout),
+    input: &VectorInput,
     bias: Option<&Tensor>,
 ) -> Result<CudaStorage> {
-    by_dtype!("linear", x.0.dtype(), linear_vector_t(x, w, bias))
+    by_dtype!("linear", x.0.dtype(), linear_vector_t(x, w, input, bias))
+}
+
+/// The device address of a tensor an op holds besides its inputs (its storage under a read lock).
+fn held_addr<T: CudaDType>(
+    (storage, layout): (&Storage, &Layout),
+    dev: &CudaDevice,
+    dtype: DType,
+    op: &str,
+    what: &str,
+) -> Result<u64> {
+    let s = held_on(storage, dev, op, what)?;
+    same_dtype(op, dtype, &[(what, s.dtype())])?;
+    addr::<T>(s, layout, op, what)
 }
 
 fn linear_vector_t<T: CudaDType + DeviceRepr>(
     x: (&CudaStorage, &Layout),
     w: (&CudaStorage, &Layout),
+    input: &VectorInput,
     bias: Option<&Tensor>,
 ) -> Result<CudaStorage> {
     const OP: &str = "linear";
     let dtype = x.0.dtype();
     same_dtype(OP, dtype, &[("the weight", w.0.dtype())])?;
     let dev = x.0.device.clone();
-    let k = x.1.dims()[1];
     let n = w.1.dims()[0];
+    let k = w.1.dims()[1];
     let (xa, wa) = (addr::<T>(x.0, x.1, OP, "x")?, addr::<T>(w.0, w.1, OP, "the weight")?);
-    // The bias: a read lock on its storage for the launch (as rope_store's cache).
-    let guard = bias.map(|b| b.storage_and_layout());
-    let ba = match &guard {
+    // The bias and an add + norm's h and weight: read locks on their storage for the launch (as
+    // rope_store's cache).
+    let bias_g = bias.map(|b| b.storage_and_layout());
+    let ba = match &bias_g {
         None => 0u64,
-        Some((storage, layout)) => {
-            let bs = held_on(storage, &dev, OP, "the bias")?;
-            same_dtype(OP, dtype, &[("the bias", bs.dtype())])?;
-            addr::<T>(bs, layout, OP, "the bias")?
-        }
+        Some((storage, layout)) => held_addr::<T>((storage, layout), &dev, dtype, OP, "the bias")?,
+    };
+    let norm_g = match input {
+        VectorInput::AddNorm { h, norm_w, .. } => Some((h.storage_and_layout(), norm_w.storage_and_layout())),
+        _ => None,
     };
     if (xa | wa) % 16 != 0 {
         bail!("flash-llama {OP}: x and the weight must start on 16 bytes")
     }
-    // SAFETY: the kernel writes all n elements.
-    let mut out = unsafe { dev.alloc::<T>(n.max(1))? };
+    // The residual of an add + norm comes first in the output.
+    let res_len = match input {
+        VectorInput::AddNorm { .. } => k,
+        _ => 0,
+    };
+    // SAFETY: the kernel writes all res_len + n elements.
+    let mut out = unsafe { dev.alloc::<T>((res_len + n).max(1))? };
     if n == 0 {
         return Ok(T::wrap_cuda_slice(out, dev));
     }
-    let func = function(&dev, format!("linear_vector_{}", suffix(dtype, OP)?))?;
+    let kernel = match input {
+        VectorInput::Plain => "linear_vector",
+        VectorInput::SiluMul => "linear_vector_silu",
+        VectorInput::AddNorm { .. } => "linear_vector_add_norm",
+    };
+    let func = function(&dev, format!("{kernel}_{}", suffix(dtype, OP)?))?;
     let stream = dev.cuda_stream();
     {
-        let (ya, _guard) = out.device_ptr_mut(&stream);
+        let (res, _guard) = out.device_ptr_mut(&stream);
+        let ya = res + (res_len * std::mem::size_of::<T>()) as u64;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(MATVEC_WARPS as usize) as u32, 1, 1),
             block_dim: (MATVEC_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
+            // The fused inputs' row, staged (sizes checked by their `_fits`).
+            shared_mem_bytes: match input {
+                VectorInput::Plain => 0,
+                _ => (k * std::mem::size_of::<T>()) as u32,
+            },
         };
-        let (n, k) = (n as i32, k as i32);
-        let mut b = stream.launch_builder(&func);
-        b.arg(&xa).arg(&wa).arg(&ba).arg(&ya).arg(&n).arg(&k);
-        // SAFETY: contiguous x (k) and w (n x k), 16-byte aligned with k a whole number of
-        // 16-byte vectors (checked by `linear_vector`); a bias of n if any; an output of n.
-        unsafe { b.launch(cfg) }.map_err(|e| err("linear_vector launch", e))?;
+        let (n_i, k_i) = (n as i32, k as i32);
+        let mut args = vec![arg(&xa)];
+        let (ha, norm_wa, eps);
+        if let (VectorInput::AddNorm { eps: e, .. }, Some((h_g, nw_g))) = (input, &norm_g) {
+            ha = held_addr::<T>((&h_g.0, h_g.1), &dev, dtype, OP, "h")?;
+            norm_wa = held_addr::<T>((&nw_g.0, nw_g.1), &dev, dtype, OP, "the norm weight")?;
+            eps = *e;
+            args.extend([arg(&ha), arg(&norm_wa), arg(&eps), arg(&res)]);
+        }
+        args.extend([arg(&wa), arg(&ba), arg(&ya), arg(&n_i), arg(&k_i)]);
+        // SAFETY: the arguments of the kernel's signature, in order (kernels/model/fused.cu):
+        // contiguous x (k; 2k for SiLU × up) and w (n x k), 16-byte aligned with k a whole number
+        // of 16-byte vectors (checked by `linear_vector` and its fused forms, with h and the norm
+        // weight of k); a bias of n if any; an output of res_len + n. The kernel reads only the
+        // weights before its `griddepcontrol.wait`.
+        unsafe { launch_overlapping(&stream, &func, cfg, &mut args) }?;
     }
-    drop(guard);
+    drop((bias_g, norm_g));
     Ok(T::wrap_cuda_slice(out, dev))
+}
+
+/// A kernel argument for [`launch_overlapping`]: the address of its value.
+fn arg<T>(value: &T) -> *mut std::ffi::c_void {
+    value as *const T as *mut std::ffi::c_void
+}
+
+/// Launches `func` on `stream` as a programmatic dependent launch (sm_90): its blocks may start
+/// before the kernel queued before it has finished, as soon as that kernel's blocks have all
+/// started and let it (or have finished). Used for the matrix-vector products of a decode step:
+/// each block requests its first weights, which no kernel writes, while the kernel before drains,
+/// then waits (`griddepcontrol.wait`) until the earlier kernels are done before it reads its input
+/// or writes anything (kernels/model/fused.cu). Captured into a CUDA graph, the launch keeps the
+/// same edge. cudarc's launch builder has no launch attributes, hence the driver call.
+///
+/// # Safety
+/// `args` must be the kernel's arguments, each the address of a value of the parameter's type,
+/// all alive until the call returns; the kernel must not touch memory that earlier kernels write
+/// before its `griddepcontrol.wait`.
+unsafe fn launch_overlapping(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| err("binding the CUDA context", e))?;
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    sys::cuLaunchKernelEx(&config, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
+        .result()
+        .map_err(|e| err("linear_vector launch", e))
 }
 
 pub(super) fn argmax_rows(x: (&CudaStorage, &Layout)) -> Result<CudaStorage> {

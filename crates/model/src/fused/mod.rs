@@ -8,6 +8,10 @@
 //! - [`linear_vector`]: a linear layer over the one row of a batch-1 decode step (a
 //!   matrix-vector product that reads the weights at full bandwidth, one launch with about half
 //!   cuBLAS's host cost);
+//! - [`linear_vector_silu`], [`linear_vector_add_norm`]: the same product with the op before it
+//!   (SiLU × up before the down projection; add + RMSNorm before the q/k/v, gate/up and output
+//!   head projections) computed inside the launch, by every block while its first weights load:
+//!   at batch 1 those ops are a few KB each, whose own launches cost more than their work;
 //! - [`argmax_rows`]: the greedy choice of each row of logits, on the device, so that a decode
 //!   step's next input never has to visit the host (see `generate`).
 //!
@@ -96,7 +100,137 @@ pub fn linear_vector(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Te
             w.dtype()
         )
     }
-    let n = w.dim(0)?;
+    check_bias(bias, w.dim(0)?, x)?;
+    x.apply_op2_no_bwd(
+        w,
+        &LinearVector {
+            input: VectorInput::Plain,
+            bias: bias.cloned(),
+        },
+    )
+}
+
+/// Bytes of the input row that the fused forms of [`linear_vector`] stage in shared memory (the
+/// default 48 KiB a block may use without opting in).
+const STAGED_INPUT_MAX_BYTES: usize = 48 << 10;
+
+/// Whether `t` is a contiguous CUDA tensor of `dtype` on `dev`, starting on 16 bytes.
+fn vector_ready(t: &Tensor, dtype: DType, x: &Tensor) -> bool {
+    let l = t.layout();
+    t.device().same_device(x.device())
+        && t.dtype() == dtype
+        && l.is_contiguous()
+        && (l.start_offset() * dtype.size_in_bytes()) % 16 == 0
+}
+
+/// Whether [`linear_vector_silu`] takes `gate_up` (1, 2k) and `w` (n, k): as
+/// [`linear_vector_fits`] for the (1, k) row it computes, which must fit shared memory.
+pub fn linear_vector_silu_fits(gate_up: &Tensor, w: &Tensor) -> bool {
+    let (Ok((rows, two_k)), Ok((_, k))) = (gate_up.dims2(), w.dims2()) else {
+        return false;
+    };
+    let dtype = gate_up.dtype();
+    let size = dtype.size_in_bytes();
+    gate_up.device().is_cuda()
+        && matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
+        && rows == 1
+        && two_k == 2 * k
+        && (k * size) % 16 == 0
+        && k * size <= STAGED_INPUT_MAX_BYTES
+        && vector_ready(gate_up, dtype, gate_up)
+        && vector_ready(w, dtype, gate_up)
+}
+
+/// `linear_vector(silu_mul(gate_up), w, bias)` in one launch: the down projection of a batch-1
+/// MLP reading the fused gate/up output (1, 2k) directly, each block computing SiLU × up into
+/// shared memory while its first weights load; the same bits as the two launches. An error
+/// unless [`linear_vector_silu_fits`].
+pub fn linear_vector_silu(gate_up: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    on_cuda("linear (SiLU × up input)", gate_up)?;
+    if !linear_vector_silu_fits(gate_up, w) {
+        bail!(
+            "flash-llama linear (SiLU × up input): gate/up {:?} ({:?}) and w {:?} ({:?}) need one dtype, one row of 2k for k-wide weight rows of whole 16-byte vectors (at most {STAGED_INPUT_MAX_BYTES} bytes), contiguous and 16-byte aligned on one GPU",
+            gate_up.shape(),
+            gate_up.dtype(),
+            w.shape(),
+            w.dtype()
+        )
+    }
+    check_bias(bias, w.dim(0)?, gate_up)?;
+    gate_up.apply_op2_no_bwd(
+        w,
+        &LinearVector {
+            input: VectorInput::SiluMul,
+            bias: bias.cloned(),
+        },
+    )
+}
+
+/// Whether [`linear_vector_add_norm`] takes `x`, `h` (1, k), `norm_w` (k) and `w` (n, k): as
+/// [`linear_vector_fits`], with a row that add + RMSNorm's vector path covers (k of at most 256
+/// threads × 4 vectors of 16 bytes: 8192 bf16/f16, 4096 f32).
+pub fn linear_vector_add_norm_fits(x: &Tensor, h: &Tensor, norm_w: &Tensor, w: &Tensor) -> bool {
+    let (Ok((rows, k)), Ok((_, wk))) = (x.dims2(), w.dims2()) else {
+        return false;
+    };
+    let dtype = x.dtype();
+    let size = dtype.size_in_bytes();
+    x.device().is_cuda()
+        && matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
+        && rows == 1
+        && k == wk
+        && h.dims() == [1, k]
+        && norm_w.dims() == [k]
+        && (k * size) % 16 == 0
+        && k * size <= 256 * 16 * 4
+        && [x, h, norm_w, w].iter().all(|t| vector_ready(t, dtype, x))
+}
+
+/// `(x + h, linear_vector(rms_norm(x + h) · norm_w, w, bias))` in one launch: a residual add, the
+/// RMSNorm after it and the batch-1 projection that reads the norm (q/k/v, gate/up, the output
+/// head). Each block computes the sum and the norm into shared memory while its first weights
+/// load, and block 0 writes the sum: the same bits as [`add_rms_norm`] then [`linear_vector`].
+/// An error unless [`linear_vector_add_norm_fits`].
+pub fn linear_vector_add_norm(
+    x: &Tensor,
+    h: &Tensor,
+    norm_w: &Tensor,
+    eps: f64,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    on_cuda("linear (add + RMSNorm input)", x)?;
+    if !linear_vector_add_norm_fits(x, h, norm_w, w) {
+        bail!(
+            "flash-llama linear (add + RMSNorm input): x {:?} ({:?}), h {:?}, norm weight {:?} and w {:?} need one dtype, one row of k (at most 4096 bytes × 16) matching the weight rows, contiguous and 16-byte aligned tensors on one GPU",
+            x.shape(),
+            x.dtype(),
+            h.shape(),
+            norm_w.shape(),
+            w.shape()
+        )
+    }
+    let (k, n) = (x.dim(1)?, w.dim(0)?);
+    check_bias(bias, n, x)?;
+    // One output: the residual (k), then the projection (n).
+    let both = x.apply_op2_no_bwd(
+        w,
+        &LinearVector {
+            input: VectorInput::AddNorm {
+                h: h.clone(),
+                norm_w: norm_w.clone(),
+                eps: eps as f32,
+            },
+            bias: bias.cloned(),
+        },
+    )?;
+    Ok((
+        both.narrow(0, 0, k)?.reshape((1, k))?,
+        both.narrow(0, k, n)?.reshape((1, n))?,
+    ))
+}
+
+fn check_bias(bias: Option<&Tensor>, n: usize, x: &Tensor) -> Result<()> {
     if let Some(b) = bias {
         if b.dims() != [n] || b.dtype() != x.dtype() || !b.is_contiguous() || !b.device().same_device(x.device()) {
             bail!(
@@ -107,7 +241,7 @@ pub fn linear_vector(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Te
             )
         }
     }
-    x.apply_op2_no_bwd(w, &LinearVector { bias: bias.cloned() })
+    Ok(())
 }
 
 /// The index of the largest value of each row of `logits` (rows, vocab): (rows,) u32, the first
@@ -285,8 +419,20 @@ struct SiluMul;
 
 struct ArgmaxRows;
 
+/// Where [`LinearVector`]'s row comes from (the kernel's `Input` policy, kernels/model/fused.cu).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum VectorInput {
+    /// The op's first input, x (1, k).
+    Plain,
+    /// silu(y[:k]) · y[k:] of the op's first input y (1, 2k).
+    SiluMul,
+    /// rms_norm(x + h) · norm_w of the op's first input x (1, k); the output holds x + h first.
+    AddNorm { h: Tensor, norm_w: Tensor, eps: f32 },
+}
+
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct LinearVector {
+    input: VectorInput,
     /// Shares the caller's storage; read inside the launch.
     bias: Option<Tensor>,
 }
@@ -401,9 +547,16 @@ impl CustomOp2 for LinearVector {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        // Shapes, dtypes and alignment checked by `linear_vector`.
-        let out = cuda::linear_vector((x, xl), (w, wl), self.bias.as_ref())?;
-        Ok((out, Shape::from((xl.dims()[0], wl.dims()[0]))))
+        // Shapes, dtypes and alignment checked by `linear_vector` and its fused forms.
+        let out = cuda::linear_vector((x, xl), (w, wl), &self.input, self.bias.as_ref())?;
+        let n = wl.dims()[0];
+        Ok((
+            out,
+            match self.input {
+                VectorInput::AddNorm { .. } => Shape::from(xl.dims()[1] + n),
+                _ => Shape::from((xl.dims()[0], n)),
+            },
+        ))
     }
 }
 
