@@ -29,6 +29,8 @@ ap.add_argument("--work", default="/tmp/flash-llama-check")
 ap.add_argument("--model", default="llama3.2-1b-shape")
 ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--prompt", type=int, default=512)
+ap.add_argument("--no-flush", action="store_true",
+                help="leave the caches alone between kernels (ncu --cache-control none): closer to a replayed step")
 args = ap.parse_args()
 
 cfg = g.MODELS[args.model]
@@ -36,7 +38,7 @@ d = os.path.join(args.work, args.model)
 if not os.path.exists(os.path.join(d, "model.safetensors")):
     g.write_model(cfg, d, seed=7)
 rng = np.random.default_rng(5)
-cmd = ["ncu", "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base",
+cmd = ["ncu", "--clock-control", "none"] + (["--cache-control", "none"] if args.no_flush else []) + ["--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base",
        args.bin, "--model", d, "-n", "2", "--dtype", "bf16", "--ignore-eos"]
 for b in range(args.batch):
     path = os.path.join(args.work, f"profile-prompt-{b}.txt")
