@@ -86,40 +86,81 @@ impl Sampler {
         if p.temperature <= 0.0 {
             return Ok(argmax(&logits));
         }
-        // Softmax over temperature-scaled logits, most likely first.
+        // Softmax weights of the temperature-scaled logits, in vocabulary order.
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut probs: Vec<(u32, f64)> = logits
             .iter()
             .enumerate()
             .map(|(i, &l)| (i as u32, (((l - max) as f64) / p.temperature).exp()))
             .collect();
-        probs.sort_by(|a, b| b.1.total_cmp(&a.1));
-        if p.top_k > 0 {
+        // The filters and the draw walk the tokens most likely first, but only as far as they
+        // stop: the top k, the top-p prefix, the token the draw lands on (typically a few
+        // hundred of a 128k vocabulary). Sorting the whole vocabulary took milliseconds per
+        // token, so the walk orders a growing head of it instead (`Walk`).
+        if p.top_k > 0 && p.top_k < probs.len() {
+            probs.select_nth_unstable_by(p.top_k - 1, walk_order);
             probs.truncate(p.top_k);
         }
-        if p.top_p < 1.0 {
+        let mut walk = Walk { probs, ordered: 0 };
+        let total: f64 = walk.probs.iter().map(|x| x.1).sum();
+        let (keep, kept_total) = if p.top_p < 1.0 {
             // Keep the smallest prefix whose mass reaches top_p (at least one token).
-            let total: f64 = probs.iter().map(|x| x.1).sum();
             let mut acc = 0.0;
-            let mut keep = probs.len();
-            for (i, x) in probs.iter().enumerate() {
-                acc += x.1 / total;
+            let mut keep = walk.probs.len();
+            for i in 0..walk.probs.len() {
+                acc += walk.get(i).1 / total;
                 if acc >= p.top_p {
                     keep = i + 1;
                     break;
                 }
             }
-            probs.truncate(keep.max(1));
-        }
-        let total: f64 = probs.iter().map(|x| x.1).sum();
-        let mut r = self.next_f64() * total;
-        for &(token, weight) in &probs {
+            let kept_total = (0..keep).map(|i| walk.get(i).1).sum();
+            (keep, kept_total)
+        } else {
+            (walk.probs.len(), total)
+        };
+        let mut r = self.next_f64() * kept_total;
+        for i in 0..keep {
+            let (token, weight) = walk.get(i);
             if r < weight {
                 return Ok(token);
             }
             r -= weight;
         }
-        Ok(probs[probs.len() - 1].0)
+        Ok(walk.get(keep - 1).0)
+    }
+}
+
+/// The order in which the sampler walks its candidates: most likely first, ties by the lower
+/// token id (what a stable sort of the vocabulary by probability gives).
+fn walk_order(a: &(u32, f64), b: &(u32, f64)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// Candidates whose first `ordered` entries are the most likely ones in walk order (the rest
+/// after them, in any order), ordered further on demand: each time the walk reaches the end of
+/// the ordered head, the head doubles (at least 64) by a selection over the rest and a sort of
+/// the selected, linear in the vocabulary instead of a full sort.
+struct Walk {
+    probs: Vec<(u32, f64)>,
+    ordered: usize,
+}
+
+impl Walk {
+    /// The `i`-th candidate in walk order.
+    fn get(&mut self, i: usize) -> (u32, f64) {
+        while i >= self.ordered {
+            let len = self.probs.len();
+            let grown = (2 * self.ordered).max(64).min(len);
+            let rest = &mut self.probs[self.ordered..];
+            let take = grown - self.ordered;
+            if take < rest.len() {
+                rest.select_nth_unstable_by(take - 1, walk_order);
+            }
+            rest[..take].sort_unstable_by(walk_order);
+            self.ordered = grown;
+        }
+        self.probs[i]
     }
 }
 

@@ -249,3 +249,119 @@ fn gguf_sentencepiece_vocabulary() {
     assert_eq!(tok.encode("<s>hello", false).unwrap()[0], 1);
     assert_eq!((tok.bos_token_id, tok.eos_token_ids.clone()), (Some(1), vec![2]));
 }
+
+/// The sampler orders only the head of the vocabulary it walks (a selection, then a sort of the
+/// selected); it must draw what a full sort of the vocabulary draws. The reference below is the
+/// sampler as it was with the full sort (session 19 replaced it): the same tokens for every seed,
+/// filter and shape of distribution, ties included (equal probabilities are walked by token id).
+#[test]
+fn sampling_draws_what_a_full_sort_draws() {
+    // SplitMix64, as the sampler's.
+    struct Rng(u64);
+    impl Rng {
+        fn next_f64(&mut self) -> f64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (z >> 11) as f64 / (1u64 << 53) as f64
+        }
+    }
+    fn reference(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut probs: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, (((l - max) as f64) / p.temperature).exp()))
+            .collect();
+        probs.sort_by(|a, b| b.1.total_cmp(&a.1));
+        if p.top_k > 0 {
+            probs.truncate(p.top_k);
+        }
+        if p.top_p < 1.0 {
+            let total: f64 = probs.iter().map(|x| x.1).sum();
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, x) in probs.iter().enumerate() {
+                acc += x.1 / total;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep.max(1));
+        }
+        let total: f64 = probs.iter().map(|x| x.1).sum();
+        let mut r = rng.next_f64() * total;
+        for &(token, weight) in &probs {
+            if r < weight {
+                return token;
+            }
+            r -= weight;
+        }
+        probs[probs.len() - 1].0
+    }
+
+    let mut gen = Rng(42);
+    let (mut cases, mut walked_far) = (0, 0);
+    for vocab in [1usize, 2, 63, 64, 65, 1000, 5000, 40_000] {
+        for shape in 0..4 {
+            // Peaked (a few likely tokens), flat, quantised (many exact ties), and one spike.
+            let logits: Vec<f32> = (0..vocab)
+                .map(|i| {
+                    let u = gen.next_f64() as f32;
+                    match shape {
+                        0 => 12.0 * u * u * u,
+                        1 => u,
+                        2 => (4.0 * u).floor(),
+                        _ => {
+                            if i == vocab / 2 {
+                                9.0
+                            } else {
+                                u
+                            }
+                        }
+                    }
+                })
+                .collect();
+            let tensor = Tensor::new(logits.as_slice(), &Device::Cpu).unwrap();
+            for (temperature, top_k, top_p) in [
+                (1.0, 0, 1.0),
+                (0.7, 0, 0.9),
+                (1.3, 40, 1.0),
+                (1.0, 50, 0.95),
+                (0.5, 1, 1.0),
+                (2.0, 0, 0.5),
+                (1.0, vocab + 3, 0.999),
+            ] {
+                for seed in [1u64, 7, 299_792_458] {
+                    let params = SamplingParams {
+                        temperature,
+                        top_k,
+                        top_p,
+                        seed,
+                        ..SamplingParams::default()
+                    };
+                    let mut sampler = Sampler::new(params.clone());
+                    let mut rng = Rng(seed);
+                    for draw in 0..5 {
+                        let got = sampler.sample(&tensor, &[]).unwrap();
+                        let want = reference(&logits, &params, &mut rng);
+                        assert_eq!(
+                            got, want,
+                            "vocab {vocab} shape {shape} T {temperature} top_k {top_k} top_p {top_p} seed {seed} draw {draw}"
+                        );
+                        cases += 1;
+                        // Count draws past the first doubling of the ordered head (64).
+                        let rank = logits.iter().filter(|&&l| l > logits[got as usize]).count();
+                        walked_far += (rank >= 64) as usize;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 8 * 4 * 7 * 3 * 5);
+    // The comparison reached tokens beyond the first ordered head, where the walk grows.
+    assert!(walked_far > 100, "{walked_far}");
+}
