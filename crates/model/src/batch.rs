@@ -59,6 +59,14 @@ struct Sequence {
     stop_tokens: Vec<u32>,
 }
 
+/// Where a new request's shared prefix comes from (paged caches): a running sequence's slot, or
+/// a finished sequence's retired prefix (`KvCache::retire_sequence`).
+#[derive(Debug, Clone, Copy)]
+enum PrefixSource {
+    Running(usize),
+    Retired(usize),
+}
+
 /// The running batch (module docs).
 pub struct Batcher<'m> {
     model: &'m Llama,
@@ -128,6 +136,13 @@ impl<'m> Batcher<'m> {
         self.cache.free_pages()
     }
 
+    /// Pages of a paged cache that hold finished requests' keys for later prompts that start the
+    /// same way (`None` for one slot per sequence); counted in [`Batcher::free_pages`], since the
+    /// pool takes them back when it needs them.
+    pub fn prefix_cache_pages(&self) -> Option<usize> {
+        self.cache.prefix_cache_pages()
+    }
+
     /// Slots a new request could join now.
     pub fn free_slots(&self) -> usize {
         self.slots.iter().filter(|s| s.is_none()).count()
@@ -184,8 +199,10 @@ impl<'m> Batcher<'m> {
         // logits); then every page the request may need, now (an error if the pool lacks them,
         // and the slot is left empty).
         let shared = self.shareable_prefix(&request.prompt);
-        if let Some((from, tokens)) = shared {
-            self.cache.share_prefix(from, slot, tokens)?;
+        match shared {
+            Some((PrefixSource::Running(from), tokens)) => self.cache.share_prefix(from, slot, tokens)?,
+            Some((PrefixSource::Retired(entry), tokens)) => self.cache.share_retired(entry, slot, tokens)?,
+            None => {}
         }
         if let Err(e) = self.cache.reserve(slot, request.prompt.len() + request.max_tokens) {
             self.cache.clear_sequence(slot)?;
@@ -205,12 +222,15 @@ impl<'m> Batcher<'m> {
         Ok(())
     }
 
-    /// For a paged cache: the running sequence (slot) whose cached keys share the longest
-    /// prefix with `prompt`, in whole pages, leaving at least one prompt token; `None` if no
-    /// page's worth is shared.
-    fn shareable_prefix(&self, prompt: &[u32]) -> Option<(usize, usize)> {
+    /// For a paged cache: the running sequence (slot) or the retired prefix of a finished one
+    /// whose cached keys share the longest prefix with `prompt`, in whole pages, leaving at
+    /// least one prompt token, and that many tokens; `None` if no page's worth is shared.
+    fn shareable_prefix(&self, prompt: &[u32]) -> Option<(PrefixSource, usize)> {
         let page = self.cache.page_size()?;
-        let mut best: Option<(usize, usize)> = None;
+        let mut best: Option<(PrefixSource, usize)> = self
+            .cache
+            .retired_match(prompt)
+            .map(|(entry, tokens)| (PrefixSource::Retired(entry), tokens));
         for (i, slot) in self.slots.iter().enumerate() {
             let Some(seq) = slot else { continue };
             // The keys it holds: its history, less what it has not fed yet.
@@ -218,7 +238,7 @@ impl<'m> Batcher<'m> {
             let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
             let tokens = (common.min(prompt.len() - 1) / page) * page;
             if tokens > 0 && best.is_none_or(|(_, t)| tokens > t) {
-                best = Some((i, tokens));
+                best = Some((PrefixSource::Running(i), tokens));
             }
         }
         best
@@ -228,9 +248,8 @@ impl<'m> Batcher<'m> {
     /// ignored.
     pub fn cancel(&mut self, id: u64) {
         for i in 0..self.slots.len() {
-            if self.slots[i].as_ref().is_some_and(|s| s.id == id) {
-                self.slots[i] = None;
-                let _ = self.cache.clear_sequence(i);
+            if let Some(seq) = self.slots[i].take_if(|s| s.id == id) {
+                let _ = self.cache.retire_sequence(i, &seq.history);
             }
         }
     }
@@ -314,15 +333,17 @@ impl<'m> Batcher<'m> {
             });
             match finish {
                 Some(_) => {
-                    *slot = None;
-                    finished.push(i);
+                    if let Some(seq) = slot.take() {
+                        finished.push((i, seq.history));
+                    }
                 }
                 None => seq.next = vec![token],
             }
         }
-        // Their pages go back to the pool (a paged cache).
-        for i in finished {
-            self.cache.clear_sequence(i)?;
+        // A paged cache keeps their whole pages of keys for later prompts that start the same
+        // way; the rest goes back to the pool.
+        for (i, history) in finished {
+            self.cache.retire_sequence(i, &history)?;
         }
         Ok(out)
     }

@@ -3,6 +3,7 @@
 //! per sequence or in pages (the paged cache), and how a step's new keys are written into it and
 //! grouped for `flash_attn_with_kvcache` calls.
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
@@ -70,10 +71,61 @@ pub(crate) struct Paging {
     free: Vec<u32>,
     /// Each sequence's pages, in position order.
     pub(crate) owned: Vec<Vec<u32>>,
-    /// Sequences holding each page (prefix sharing: a page goes back to the pool at 0).
+    /// Holders of each page: the sequences and the retired prefixes that hold it (prefix
+    /// sharing: a page goes back to the pool at 0).
     holders: Vec<u32>,
     /// Pages one sequence may hold (max_seq / page_size): the page table's width.
     pub(crate) max_pages: usize,
+    /// Finished sequences' whole pages of keys, kept for later prompts that start the same way,
+    /// least recently used first; given back (oldest first) when the pool runs short.
+    retired: VecDeque<RetiredPrefix>,
+}
+
+/// A finished sequence's first tokens and the pages holding their keys (whole pages), each page
+/// with one holder for the entry.
+#[derive(Debug)]
+struct RetiredPrefix {
+    tokens: Vec<u32>,
+    pages: Vec<u32>,
+}
+
+/// The most retired prefixes a paged cache keeps (each costs nothing but its pages, which the
+/// pool takes back when it needs them; the bound keeps the prefix search short).
+const MAX_RETIRED_PREFIXES: usize = 256;
+
+impl Paging {
+    /// Drops one holder of `page`; the page goes back to the pool at 0.
+    fn release(&mut self, page: u32) {
+        let holders = &mut self.holders[page as usize];
+        *holders -= 1;
+        if *holders == 0 {
+            self.free.push(page);
+        }
+    }
+
+    /// Gives retired prefixes' pages back, least recently used first, until `need` pages are
+    /// free or no prefix is left.
+    fn evict_retired(&mut self, need: usize) {
+        while self.free.len() < need {
+            let Some(entry) = self.retired.pop_front() else { break };
+            for page in entry.pages.into_iter().rev() {
+                self.release(page);
+            }
+        }
+    }
+
+    /// Pages that only retired prefixes hold: free once those are evicted.
+    fn reclaimable(&self) -> usize {
+        let mut refs: HashMap<u32, u32> = HashMap::new();
+        for entry in &self.retired {
+            for &page in &entry.pages {
+                *refs.entry(page).or_default() += 1;
+            }
+        }
+        refs.iter()
+            .filter(|&(&page, &n)| self.holders[page as usize] == n)
+            .count()
+    }
 }
 
 /// Headroom of an fp8 cache's scales over the largest value of its first write (see
@@ -262,6 +314,7 @@ impl KvCache {
                 owned: vec![Vec::new(); batch],
                 holders: vec![0; pages],
                 max_pages: max_seq / page_size,
+                retired: VecDeque::new(),
             }),
         })
     }
@@ -276,9 +329,21 @@ impl KvCache {
         self.paging.as_ref().map(|p| p.pages)
     }
 
-    /// A paged cache's free pages (`None` for a contiguous cache).
+    /// A paged cache's free pages, counting those that only retired prefixes hold (the pool
+    /// takes them back when it needs them) (`None` for a contiguous cache).
     pub fn free_pages(&self) -> Option<usize> {
-        self.paging.as_ref().map(|p| p.free.len())
+        self.paging.as_ref().map(|p| p.free.len() + p.reclaimable())
+    }
+
+    /// Pages that retired prefixes of finished sequences hold (`None` for a contiguous cache):
+    /// keys kept for later prompts that start the same way ([`KvCache::retire_sequence`]).
+    pub fn prefix_cache_pages(&self) -> Option<usize> {
+        self.paging.as_ref().map(|p| {
+            let mut pages: Vec<u32> = p.retired.iter().flat_map(|e| e.pages.iter().copied()).collect();
+            pages.sort_unstable();
+            pages.dedup();
+            pages.len()
+        })
     }
 
     /// Makes sure sequence `i` of a paged cache has pages for `tokens` tokens, taking what it
@@ -296,6 +361,7 @@ impl KvCache {
             return Ok(());
         };
         let need = tokens.div_ceil(paging.page_size).saturating_sub(paging.owned[i].len());
+        paging.evict_retired(need);
         if need > paging.free.len() {
             bail!(
                 "the KV cache's page pool is exhausted: sequence {i} needs {need} more pages, {} are free",
@@ -318,7 +384,7 @@ impl KvCache {
         if tokens.len() != self.lens.len() {
             bail!("reserve_all: {} counts for {} sequences", tokens.len(), self.lens.len())
         }
-        let Some(p) = &self.paging else {
+        let Some(p) = &mut self.paging else {
             return Ok(());
         };
         let need: usize = tokens
@@ -326,6 +392,7 @@ impl KvCache {
             .zip(&p.owned)
             .map(|(&t, owned)| t.div_ceil(p.page_size).saturating_sub(owned.len()))
             .sum();
+        p.evict_retired(need);
         if need > p.free.len() {
             bail!(
                 "the KV cache's page pool is exhausted: {need} more pages needed, {} are free",
@@ -361,6 +428,82 @@ impl KvCache {
         for &page in &pages {
             p.holders[page as usize] += 1;
         }
+        p.owned[to] = pages;
+        self.lens[to] = tokens;
+        Ok(())
+    }
+
+    /// [`KvCache::clear_sequence`] for a finished sequence `i` of a paged cache whose tokens
+    /// are `tokens` (its first `lens()[i]` have their keys here): its whole pages of keys stay,
+    /// as a retired prefix, for later prompts that start the same way ([`KvCache::share_retired`])
+    /// until the pool needs them (then the least recently used go first). A contiguous cache
+    /// just clears the sequence.
+    pub fn retire_sequence(&mut self, i: usize, tokens: &[u32]) -> Result<()> {
+        let held = self.lens.get(i).copied().unwrap_or(0).min(tokens.len());
+        if let Some(p) = &mut self.paging {
+            let whole = held / p.page_size;
+            let tokens = &tokens[..whole * p.page_size];
+            // Nothing new if a kept prefix already starts with these tokens.
+            let known = p.retired.iter().any(|e| e.tokens.starts_with(tokens));
+            if whole > 0 && !known {
+                let pages = p.owned[i][..whole].to_vec();
+                for &page in &pages {
+                    p.holders[page as usize] += 1;
+                }
+                p.retired.push_back(RetiredPrefix {
+                    tokens: tokens.to_vec(),
+                    pages,
+                });
+                if p.retired.len() > MAX_RETIRED_PREFIXES {
+                    let oldest = p.retired.pop_front().expect("more than the bound");
+                    for page in oldest.pages.into_iter().rev() {
+                        p.release(page);
+                    }
+                }
+            }
+        }
+        self.clear_sequence(i)
+    }
+
+    /// The retired prefix (its index) sharing the longest start with `prompt`, in whole pages,
+    /// leaving at least one prompt token, and that many tokens; `None` if no page's worth.
+    pub(crate) fn retired_match(&self, prompt: &[u32]) -> Option<(usize, usize)> {
+        let p = self.paging.as_ref()?;
+        let mut best: Option<(usize, usize)> = None;
+        for (e, entry) in p.retired.iter().enumerate() {
+            let common = entry.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+            let tokens = (common.min(prompt.len().saturating_sub(1)) / p.page_size) * p.page_size;
+            if tokens > 0 && best.is_none_or(|(_, t)| tokens > t) {
+                best = Some((e, tokens));
+            }
+        }
+        best
+    }
+
+    /// [`KvCache::share_prefix`] from retired prefix `entry` (of [`KvCache::retired_match`]):
+    /// empty sequence `to` starts with its first `tokens` keys (whole pages); the entry becomes
+    /// the most recently used.
+    pub(crate) fn share_retired(&mut self, entry: usize, to: usize, tokens: usize) -> Result<()> {
+        let n = self.lens.len();
+        let Some(p) = &mut self.paging else {
+            bail!("share_retired: only a paged cache keeps prefixes")
+        };
+        let fits = p
+            .retired
+            .get(entry)
+            .is_some_and(|e| tokens % p.page_size == 0 && tokens <= e.tokens.len());
+        if to >= n || !fits {
+            bail!("share_retired: prefix {entry}, {tokens} tokens, for sequence {to} of {n}")
+        }
+        if self.lens[to] != 0 || !p.owned[to].is_empty() {
+            bail!("share_retired: sequence {to} is not empty")
+        }
+        let e = p.retired.remove(entry).expect("checked above");
+        let pages: Vec<u32> = e.pages[..tokens / p.page_size].to_vec();
+        for &page in &pages {
+            p.holders[page as usize] += 1;
+        }
+        p.retired.push_back(e);
         p.owned[to] = pages;
         self.lens[to] = tokens;
         Ok(())
@@ -424,21 +567,21 @@ impl KvCache {
         if let Some(p) = &mut self.paging {
             let pages = std::mem::take(&mut p.owned[i]);
             for page in pages.into_iter().rev() {
-                let holders = &mut p.holders[page as usize];
-                *holders -= 1;
-                if *holders == 0 {
-                    p.free.push(page);
-                }
+                p.release(page);
             }
         }
         Ok(())
     }
 
-    /// Forgets every sequence (the memory is kept and overwritten by the next prefill, which
-    /// also sets an fp8 cache's scales afresh).
+    /// Forgets every sequence and retired prefix (the memory is kept and overwritten by the next
+    /// prefill, which also sets an fp8 cache's scales afresh).
     pub fn reset(&mut self) {
         for i in 0..self.lens.len() {
             let _ = self.clear_sequence(i);
+        }
+        // Retired prefixes too: their keys may belong to the fp8 scales dropped below.
+        if let Some(p) = &mut self.paging {
+            p.evict_retired(usize::MAX);
         }
         for layer in &mut self.layers {
             if let LayerKv::E4m3 { scales, .. } = layer {

@@ -671,3 +671,97 @@ fn paged_batch_shares_prompt_prefixes() {
         }
     }
 }
+
+/// Prefixes outlive their sequences in a paged batch: a finished request's whole pages of keys
+/// stay (counted as free: the pool takes them back when it needs them), a later request that
+/// starts the same way shares them and still gets the tokens `generate` gives it alone, a request
+/// that needs the whole pool evicts them, and a contiguous cache just forgets.
+#[test]
+fn paged_batch_keeps_finished_prefixes() {
+    use flash_llama::{Batcher, Request};
+    for dtype in [DType::F32, DType::F8E4M3] {
+        let family = if dtype == DType::F8E4M3 {
+            Family::WideHeads
+        } else {
+            Family::Llama
+        };
+        let model = load_with(family, DType::F32, Kernels::Fused);
+        let system = tokens(37, 9);
+        let request = |prompt: Vec<u32>, max_tokens: usize| Request {
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop_tokens: vec![],
+        };
+        let with_system = |tail: u32| system.iter().copied().chain(tokens(4, tail)).collect::<Vec<u32>>();
+        let cache = model.new_paged_cache(2, 6, 16, 96, dtype).unwrap();
+        let mut batcher = Batcher::with_cache(&model, cache).unwrap();
+        let run = |batcher: &mut Batcher, id: u64, r: &Request| -> Vec<u32> {
+            batcher.join(id, r.clone()).unwrap();
+            let mut got = Vec::new();
+            while batcher.running() > 0 {
+                got.extend(batcher.step().unwrap().iter().map(|e| e.token));
+            }
+            got
+        };
+        // A: 41 + 3 tokens, 43 cached when it ends: its first 2 pages (32 tokens) stay.
+        let a = request(with_system(1), 3);
+        run(&mut batcher, 0, &a);
+        assert_eq!(batcher.prefix_cache_pages(), Some(2), "{dtype:?}");
+        assert_eq!(batcher.free_pages(), Some(6), "{dtype:?}: kept pages count as free");
+        // B starts like A: it shares those 2 pages (and keeps them: nothing new to retire).
+        let b = request(with_system(2), 6);
+        let got_b = run(&mut batcher, 1, &b);
+        assert_eq!(batcher.prefix_cache_pages(), Some(2), "{dtype:?}");
+        // C needs the whole pool (96 tokens, 6 pages): the kept prefix goes.
+        let c = request(tokens(90, 5), 6);
+        let got_c = run(&mut batcher, 2, &c);
+        assert_eq!(got_c.len(), 6);
+        assert!(
+            batcher.prefix_cache_pages().unwrap() <= 5,
+            "{dtype:?}: C's own pages now"
+        );
+        assert_eq!(batcher.free_pages(), Some(6));
+        // D starts like A again, after the eviction: computed afresh.
+        let d = request(with_system(3), 4);
+        let got_d = run(&mut batcher, 3, &d);
+        if dtype == DType::F32 {
+            for (r, got) in [(&b, &got_b), (&d, &got_d)] {
+                let opts = GenerateOptions {
+                    max_tokens: r.max_tokens,
+                    sampling: r.sampling.clone(),
+                    stop_tokens: vec![],
+                    kv_cache_dtype: None,
+                    cuda_graphs: true,
+                };
+                let alone = generate(&model, std::slice::from_ref(&r.prompt), &opts, |_, _| {
+                    Ok(Flow::Continue)
+                })
+                .unwrap()
+                .tokens
+                .remove(0);
+                assert_eq!(got, &alone);
+            }
+        } else {
+            assert_eq!((got_b.len(), got_d.len()), (6, 4));
+        }
+    }
+    // A contiguous cache keeps nothing.
+    let model = load(Family::Llama, DType::F32);
+    let mut contiguous = model.new_cache(2, 64).unwrap();
+    model.step(&[tokens(40, 3), vec![]], &mut contiguous).unwrap();
+    contiguous.retire_sequence(0, &tokens(40, 3)).unwrap();
+    assert_eq!(contiguous.lens(), &[0, 0]);
+    assert_eq!(contiguous.prefix_cache_pages(), None);
+    // On a paged cache, retiring keeps whole pages of what the sequence holds, once.
+    let mut paged = model.new_paged_cache(2, 8, 16, 64, DType::F32).unwrap();
+    let prompt = tokens(40, 3);
+    model.step(&[prompt.clone(), vec![]], &mut paged).unwrap();
+    paged.retire_sequence(0, &prompt).unwrap();
+    assert_eq!((paged.lens(), paged.prefix_cache_pages()), (&[0usize, 0][..], Some(2)));
+    model.step(&[prompt.clone(), vec![]], &mut paged).unwrap();
+    paged.retire_sequence(0, &prompt).unwrap();
+    assert_eq!(paged.prefix_cache_pages(), Some(2), "the same prefix is kept once");
+    paged.reset();
+    assert_eq!((paged.prefix_cache_pages(), paged.free_pages()), (Some(0), Some(8)));
+}
