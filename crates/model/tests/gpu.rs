@@ -298,7 +298,7 @@ fn fused_linear_vector_inputs_match_the_two_launches() -> Result<()> {
     let two_rows = Tensor::zeros((2, 128), DType::BF16, &dev)?;
     let odd_gate_up = Tensor::zeros((1, 126), DType::BF16, &dev)?;
     let f16_gate_up = Tensor::zeros((1, 128), DType::F16, &dev)?;
-    // A gate/up row of 2 × 24,576 bf16: 48 KiB of staged input, the most.
+    // A gate/up row of 2 × 24,584 bf16: 8 bytes over the 48 KiB of staged input it may use.
     let wide_w = Tensor::zeros((1, 24_584), DType::BF16, &dev)?;
     let wide = Tensor::zeros((1, 2 * 24_584), DType::BF16, &dev)?;
     for (what, y, w) in [

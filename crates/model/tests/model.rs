@@ -18,6 +18,22 @@ fn load_with(family: Family, dtype: DType, kernels: Kernels) -> Llama {
     load_hf_dir(&hf_model(family), dtype, &Device::Cpu, kernels).unwrap()
 }
 
+/// The tokens `generate` gives request `r` alone (its sampling, max_tokens and stop tokens), with
+/// a cache of `kv_cache_dtype`: what a batched run must give it too.
+fn generated_alone(model: &Llama, r: &flash_llama::Request, kv_cache_dtype: Option<DType>) -> Vec<u32> {
+    let opts = GenerateOptions {
+        max_tokens: r.max_tokens,
+        sampling: r.sampling.clone(),
+        stop_tokens: r.stop_tokens.clone(),
+        kv_cache_dtype,
+        cuda_graphs: true,
+    };
+    generate(model, std::slice::from_ref(&r.prompt), &opts, |_, _| Ok(Flow::Continue))
+        .unwrap()
+        .tokens
+        .remove(0)
+}
+
 #[test]
 fn hf_directory_loads_and_gives_logit_shapes() {
     for family in Family::ALL {
@@ -428,21 +444,7 @@ fn continuous_batching_equals_generation_alone() {
             .collect();
         let alone: Vec<Vec<u32>> = requests
             .iter()
-            .map(|r| {
-                let opts = GenerateOptions {
-                    max_tokens: r.max_tokens,
-                    sampling: r.sampling.clone(),
-                    stop_tokens: r.stop_tokens.clone(),
-                    kv_cache_dtype: Some(kv_dtype),
-                    cuda_graphs: true,
-                };
-                generate(&model, std::slice::from_ref(&r.prompt), &opts, |_, _| {
-                    Ok(Flow::Continue)
-                })
-                .unwrap()
-                .tokens
-                .remove(0)
-            })
+            .map(|r| generated_alone(&model, r, Some(kv_dtype)))
             .collect();
         // Two slots for five requests: the rest wait and join between steps. Prompts of more
         // than 5 tokens come in chunks.
@@ -651,20 +653,7 @@ fn paged_batch_shares_prompt_prefixes() {
         assert!(contiguous.share_prefix(0, 1, 32).is_err(), "not paged");
         if dtype == DType::F32 {
             for (r, g) in [first, second].iter().zip(&got) {
-                let opts = GenerateOptions {
-                    max_tokens: r.max_tokens,
-                    sampling: r.sampling.clone(),
-                    stop_tokens: vec![],
-                    kv_cache_dtype: None,
-                    cuda_graphs: true,
-                };
-                let alone = generate(&model, std::slice::from_ref(&r.prompt), &opts, |_, _| {
-                    Ok(Flow::Continue)
-                })
-                .unwrap()
-                .tokens
-                .remove(0);
-                assert_eq!(g, &alone);
+                assert_eq!(g, &generated_alone(&model, r, None));
             }
         } else {
             assert_eq!((got[0].len(), got[1].len()), (3, 6));
@@ -727,20 +716,7 @@ fn paged_batch_keeps_finished_prefixes() {
         let got_d = run(&mut batcher, 3, &d);
         if dtype == DType::F32 {
             for (r, got) in [(&b, &got_b), (&d, &got_d)] {
-                let opts = GenerateOptions {
-                    max_tokens: r.max_tokens,
-                    sampling: r.sampling.clone(),
-                    stop_tokens: vec![],
-                    kv_cache_dtype: None,
-                    cuda_graphs: true,
-                };
-                let alone = generate(&model, std::slice::from_ref(&r.prompt), &opts, |_, _| {
-                    Ok(Flow::Continue)
-                })
-                .unwrap()
-                .tokens
-                .remove(0);
-                assert_eq!(got, &alone);
+                assert_eq!(got, &generated_alone(&model, r, None));
             }
         } else {
             assert_eq!((got_b.len(), got_d.len()), (6, 4));

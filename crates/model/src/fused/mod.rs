@@ -67,20 +67,14 @@ pub fn linear_vector_fits(x: &Tensor, w: &Tensor) -> bool {
     let (Ok((rows, k)), Ok((_, wk))) = (x.dims2(), w.dims2()) else {
         return false;
     };
-    let size = x.dtype().size_in_bytes();
-    let aligned = |t: &Tensor| {
-        let l = t.layout();
-        l.is_contiguous() && (l.start_offset() * size) % 16 == 0
-    };
+    let dtype = x.dtype();
     x.device().is_cuda()
-        && w.device().same_device(x.device())
-        && matches!(x.dtype(), DType::BF16 | DType::F16 | DType::F32)
-        && w.dtype() == x.dtype()
+        && matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
         && rows == 1
         && k == wk
-        && (k * size) % 16 == 0
-        && aligned(x)
-        && aligned(w)
+        && (k * dtype.size_in_bytes()) % 16 == 0
+        && vector_ready(x, dtype, x)
+        && vector_ready(w, dtype, x)
 }
 
 /// `x · wᵀ (+ bias)` for one row `x` (1, k) and a linear layer's `w` (n, k) (and `bias` (n)):
@@ -114,7 +108,7 @@ pub fn linear_vector(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Te
 /// default 48 KiB a block may use without opting in).
 const STAGED_INPUT_MAX_BYTES: usize = 48 << 10;
 
-/// Whether `t` is a contiguous CUDA tensor of `dtype` on `dev`, starting on 16 bytes.
+/// Whether `t` is a contiguous tensor of `dtype` on `x`'s device, starting on 16 bytes.
 fn vector_ready(t: &Tensor, dtype: DType, x: &Tensor) -> bool {
     let l = t.layout();
     t.device().same_device(x.device())
