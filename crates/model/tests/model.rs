@@ -738,6 +738,8 @@ fn paged_batch_keeps_finished_prefixes() {
     model.step(&[prompt.clone(), vec![]], &mut paged).unwrap();
     paged.retire_sequence(0, &prompt).unwrap();
     assert_eq!(paged.prefix_cache_pages(), Some(2), "the same prefix is kept once");
+    let err = paged.retire_sequence(2, &prompt).unwrap_err().to_string();
+    assert!(err.contains("no sequence 2"), "{err}");
     paged.reset();
     assert_eq!((paged.prefix_cache_pages(), paged.free_pages()), (Some(0), Some(8)));
 }
