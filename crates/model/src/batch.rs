@@ -235,8 +235,7 @@ impl<'m> Batcher<'m> {
             let Some(seq) = slot else { continue };
             // The keys it holds: its history, less what it has not fed yet.
             let held = &seq.history[..self.cache.lens()[i]];
-            let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-            let tokens = (common.min(prompt.len() - 1) / page) * page;
+            let tokens = crate::kv_cache::shareable_tokens(held, prompt, page);
             if tokens > 0 && best.is_none_or(|(_, t)| tokens > t) {
                 best = Some((PrefixSource::Running(i), tokens));
             }

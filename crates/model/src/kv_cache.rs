@@ -89,6 +89,14 @@ struct RetiredPrefix {
     pages: Vec<u32>,
 }
 
+/// How many of `prompt`'s first tokens a sequence whose cached keys are those of `held` can give
+/// it: their common start in whole pages of `page` tokens, leaving at least one prompt token to
+/// feed (for its logits).
+pub(crate) fn shareable_tokens(held: &[u32], prompt: &[u32], page: usize) -> usize {
+    let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+    (common.min(prompt.len().saturating_sub(1)) / page) * page
+}
+
 /// The most retired prefixes a paged cache keeps (each costs nothing but its pages, which the
 /// pool takes back when it needs them; the bound keeps the prefix search short).
 const MAX_RETIRED_PREFIXES: usize = 256;
@@ -471,8 +479,7 @@ impl KvCache {
         let p = self.paging.as_ref()?;
         let mut best: Option<(usize, usize)> = None;
         for (e, entry) in p.retired.iter().enumerate() {
-            let common = entry.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-            let tokens = (common.min(prompt.len().saturating_sub(1)) / p.page_size) * p.page_size;
+            let tokens = shareable_tokens(&entry.tokens, prompt, p.page_size);
             if tokens > 0 && best.is_none_or(|(_, t)| tokens > t) {
                 best = Some((e, tokens));
             }

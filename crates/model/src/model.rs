@@ -425,9 +425,6 @@ impl Attention {
     }
 }
 
-/// `linear.forward(x)`; with fused kernels on the GPU, the one row of a batch-1 decode step goes
-/// through [`crate::fused::linear_vector`] (one launch, the weights read at full bandwidth) where
-/// its shape rules hold.
 /// The residual stream between two sub-blocks: `x`, and the output `h` of the sub-block before,
 /// not yet added to it (`None` before the first block). The next sub-block reads
 /// `norm(x + h)`, and `x + h` becomes the stream after it. The add and the norm are left to the
@@ -460,6 +457,9 @@ impl Residual {
     }
 }
 
+/// `linear.forward(x)`; with fused kernels on the GPU, the one row of a batch-1 decode step goes
+/// through [`crate::fused::linear_vector`] (one launch, the weights read at full bandwidth) where
+/// its shape rules hold.
 fn project(linear: &Linear, x: &Tensor, kernels: Kernels) -> Result<Tensor> {
     if kernels == Kernels::Fused && crate::fused::linear_vector_fits(x, linear.weight()) {
         return crate::fused::linear_vector(x, linear.weight(), linear.bias());

@@ -493,10 +493,8 @@ fn rope_store_t<T: CudaDType + DeviceRepr>(
             b.arg(&cache_a).arg(&row_stride).arg(&first);
         }
         (Some((kv_s, kv_l)), None) => {
-            let kv_s = held_on(kv_s, &dev, OP, "the cache")?;
-            same_dtype(OP, dtype, &[("the cache", kv_s.dtype())])?;
+            cache_a = held_addr::<T>((kv_s, kv_l), &dev, dtype, OP, "the cache")?;
             let cached = kv_l.dims()[1];
-            cache_a = addr::<T>(kv_s, kv_l, OP, "the cache")?;
             (row_stride, first) = ((cached * d) as i64, (heads - cached) as i32);
             b.arg(&cache_a).arg(&row_stride).arg(&first);
         }
