@@ -519,6 +519,14 @@ fn invalid_tuning_is_rejected() {
         FlashAttn::new(0.25).tuning(section).forward(&t, &t, &t),
         &["l2_section"],
     );
+    let keys = Tuning {
+        fp8_d128_block_n: Some(192),
+        ..default
+    };
+    assert_err(
+        FlashAttn::new(0.25).tuning(keys).forward(&t, &t, &t),
+        &["fp8_d128_block_n", "128 or 224"],
+    );
     // A valid tuning changes nothing on the CPU.
     let q = Tensor::randn(0f32, 1., (1, 8, 2, 16), &CPU).unwrap();
     let tuned = Tuning {
@@ -527,6 +535,7 @@ fn invalid_tuning_is_rejected() {
         direct_store: true,
         per_tile: true,
         l2_section: Some(3),
+        fp8_d128_block_n: Some(224),
     };
     let a = FlashAttn::new(0.25).forward(&q, &q, &q).unwrap();
     let b = FlashAttn::new(0.25).tuning(tuned).forward(&q, &q, &q).unwrap();

@@ -39,6 +39,9 @@ pub struct Opts {
     pub left: Option<usize>,
     pub right: Option<usize>,
     pub softcap: Option<f32>,
+    /// How the GPU schedules the call (the reference ignores it): to reach a kernel that the
+    /// default choice keeps for larger calls.
+    pub tuning: flash_attn3::Tuning,
 }
 
 impl Opts {
@@ -48,7 +51,11 @@ impl Opts {
             left: None,
             right: None,
             softcap: None,
+            tuning: flash_attn3::Tuning::default(),
         }
+    }
+    pub fn tuned(self, tuning: flash_attn3::Tuning) -> Self {
+        Self { tuning, ..self }
     }
     pub fn causal(self) -> Self {
         Self { right: Some(0), ..self }
@@ -63,7 +70,9 @@ impl Opts {
         }
     }
     pub fn builder(&self) -> flash_attn3::FlashAttn {
-        let fa = flash_attn3::FlashAttn::new(self.scale).window(self.left, self.right);
+        let fa = flash_attn3::FlashAttn::new(self.scale)
+            .window(self.left, self.right)
+            .tuning(self.tuning);
         match self.softcap {
             Some(cap) => fa.softcap(cap),
             None => fa,

@@ -73,7 +73,7 @@ __device__ __forceinline__ void load_kv_block(const FwdParams& p, const TmaDesc*
 }
 
 // FP8 with the pre-pass: key block n of V^T (head_dim rows x kBlockN keys), one box per 128-key
-// column block; the pre-pass padded every sequence to its own rows of V^T, so the coordinates are
+// column block (the last one whole, traits.cuh kVtColBlocks); the pre-pass padded every sequence to its own rows of V^T, so the coordinates are
 // (key, 0, kv head, sequence) for fixed-length and varlen calls alike.
 template <class Tr>
 __device__ __forceinline__ void load_vt_block(const FwdParams& p, uint8_t* dst, uint64_t* bar, int n, const TileInfo& t) {
@@ -131,7 +131,7 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
         trace_stamp(0, it, 2);
         mbar_wait(empty, ((it / kRing) & 1) ^ 1);
         trace_stamp(0, it, 3);
-        mbar_arrive_expect_tx(full, Tr::kKVBytes);
+        mbar_arrive_expect_tx(full, kRaw ? Tr::kKVBytes : Tr::kVStageBytes);
         if constexpr (Tr::kFp8 && !kRaw) {
             load_vt_block<Tr>(p, s.v[stage], full, n, t);
         } else {

@@ -39,7 +39,7 @@ __device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const RowMask& rm
 
 // The consumers' online softmax (softmax.cuh), lazy or exact as the traits choose.
 // FP8 kernels scale p by 2^8 for P's e4m3 rounding (softmax.cuh).
-template <class Tr> using Softmax = OnlineSoftmax<Tr::kSRegs, Tr::kLazyMax, Tr::kFp8 ? 8 : 0>;
+template <class Tr> using Softmax = OnlineSoftmax<Tr::kSRegs, Tr::kLazyMax, Tr::kFp8 ? 8 : 0, Tr::kExp2FmaEvery>;
 
 // O's rows times the softmax's correction factors (rows r and r + 8 of the thread). With the lazy
 // max, skipped when every row of the warp kept its reference max (factors exactly 1): after the
@@ -89,7 +89,8 @@ __device__ __forceinline__ void pingpong_ring_end(int wg) {
 // stage 0 of the K and V rings; stage s of a ring is kStageStep further. Column blocks are
 // Tr::kSwizzle bytes wide: a tile of `rows` rows keeps block c at c * rows * kSwizzle bytes.
 template <class Tr> struct OperandDescs {
-    static constexpr uint32_t kStageStep = Tr::kKVBytes >> 4;  // s.k[1] - s.k[0], in 16-byte units
+    static constexpr uint32_t kStageStep = Tr::kKVBytes >> 4;     // s.k[1] - s.k[0], in 16-byte units
+    static constexpr uint32_t kVStageStep = Tr::kVStageBytes >> 4;  // s.v[1] - s.v[0]
     uint32_t q_, k0, v0;
     __device__ __forceinline__ OperandDescs(SharedStorage<Tr>& s, int wg, int q_stage)
         : q_(uniform(smem_desc_lo(smem_u32(s.q[q_stage]) + wg * 64 * Tr::kSwizzle, 16))),
@@ -101,7 +102,7 @@ template <class Tr> struct OperandDescs {
     // register and then spent an R2UR (and its latency) before every Q·Kᵀ k-step's wgmma.
     __device__ __forceinline__ uint32_t q() const { return uniform(q_); }
     __device__ __forceinline__ uint32_t k(int stage) const { return uniform(k0 + stage * kStageStep); }
-    __device__ __forceinline__ uint32_t v(int stage) const { return uniform(v0 + stage * kStageStep); }
+    __device__ __forceinline__ uint32_t v(int stage) const { return uniform(v0 + stage * kVStageStep); }
 };
 
 // S = Q·Kᵀ: k-step kk reads column block kk / kSteps and its 32-byte slice kk % kSteps of the rows
@@ -147,6 +148,7 @@ struct TileScales {
     int negate;                     // FwdParams::negate, flipped when q descale · k descale < 0
     float v_descale;
     const float* k_block_descale;   // per-block K descales of the tile's (sequence, kv head), else null
+    int k_blocks;                   // how many (FwdParams::k_descale_blocks)
 };
 
 template <class Tr>
@@ -162,8 +164,10 @@ __device__ __forceinline__ TileScales tile_scales(const FwdParams& p, const Tile
     float qk = qd;
     if (p.k_descale_blocks > 0) {
         ts.k_block_descale = p.k_descale + kv * k_blocks;
+        ts.k_blocks = k_blocks;
     } else {
         ts.k_block_descale = nullptr;
+        ts.k_blocks = 0;
         qk *= p.k_descale[kv];
     }
     ts.v_descale = p.v_descale[kv];
@@ -171,6 +175,33 @@ __device__ __forceinline__ TileScales tile_scales(const FwdParams& p, const Tile
     ts.negate = p.negate ^ (qk < 0.f);
     ts.scale_log2 = p.softcap_pre != 0.f ? p.scale_log2 : fmaxf(p.scale_log2 * fabsf(qk), 1e-30f);
     return ts;
+}
+
+// Per-block K descales (one per kFp8KBlockKeys keys) times key block n's raw scores. A key block
+// that is no multiple of them (d128's 224 keys) spans up to three: each 8-column group of the
+// accumulators lies in one (128 is a multiple of 8, and so is every key block's first key).
+template <class Tr>
+__device__ __forceinline__ void scale_by_k_blocks(float (&sc)[Tr::kSRegs], const TileScales& ts, int n) {
+    if constexpr (Tr::kBlockN == kFp8KBlockKeys) {
+        const float kd = ts.k_block_descale[n];
+#pragma unroll
+        for (int i = 0; i < Tr::kSRegs; ++i) sc[i] *= kd;
+    } else {
+        const int k0 = n * Tr::kBlockN, first = k0 / kFp8KBlockKeys;
+        constexpr int kSpan = (Tr::kBlockN + kFp8KBlockKeys - 1) / kFp8KBlockKeys + 1;
+        float kd[kSpan];
+#pragma unroll
+        for (int b = 0; b < kSpan; ++b) kd[b] = ts.k_block_descale[min(first + b, ts.k_blocks - 1)];
+#pragma unroll
+        for (int j = 0; j < Tr::kSRegs / 4; ++j) {
+            const int b = (k0 + 8 * j) / kFp8KBlockKeys - first;
+            float d = kd[0];
+#pragma unroll
+            for (int c = 1; c < kSpan; ++c) d = b == c ? kd[c] : d;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[4 * j + e] *= d;
+        }
+    }
 }
 
 // Softcap / sign, boundary mask and online softmax of one S block, in place (fp32).
@@ -182,11 +213,7 @@ __device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileSc
     float softcap_pre = p.softcap_pre, scale_log2 = p.scale_log2;
     int negate = p.negate;
     if constexpr (Tr::kFp8) {
-        if (ts.k_block_descale != nullptr) {
-            const float kd = ts.k_block_descale[n];
-#pragma unroll
-            for (int i = 0; i < Tr::kSRegs; ++i) sc[i] *= kd;
-        }
+        if (ts.k_block_descale != nullptr) scale_by_k_blocks<Tr>(sc, ts, n);
         softcap_pre = ts.softcap_pre;
         scale_log2 = ts.scale_log2;
         negate = ts.negate;

@@ -85,7 +85,7 @@ struct alignas(64) FwdParams {
     // sequences), written by the pre-pass (fp8_prepass.cuh). Descales (f32, x = e4m3 value ·
     // descale): q (batch, heads, q_descale_blocks), k (batch, kv_heads, k_descale_blocks),
     // v (batch, kv_heads); a block count of 0 means one value per (batch, head), else one per
-    // block of kFp8QBlockRows query rows / kBlockN keys.
+    // block of kFp8QBlockRows query rows / kFp8KBlockKeys keys.
     const float* q_descale;
     const float* k_descale;
     const float* v_descale;
@@ -113,6 +113,9 @@ struct alignas(64) FwdParams {
 // Query rows per Q descale block of the fp8 kernels (one consumer warpgroup's rows): mirrored
 // by flash_attn3::fp8::Q_BLOCK_ROWS.
 constexpr int kFp8QBlockRows = 64;
+// Keys per K descale block: flash_attn3::fp8::K_BLOCK_ROWS (the 128-key blocks of the d64 and
+// d256 kernels; d128's 224-key blocks span up to three, mainloop.cuh scale_by_k_blocks).
+constexpr int kFp8KBlockKeys = 128;
 
 // The fp8 pre-pass (fp8_prepass.cuh): V (tokens, kv heads, head_dim_v) e4m3 -> V^T (sequences,
 // kv heads, head_dim_v, keys_padded), keys permuted inside each group of 16 so that P's

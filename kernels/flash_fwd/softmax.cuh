@@ -20,6 +20,11 @@
 // normal range a value keeps only an absolute 2^-10); O and the row sum carry the same factor,
 // which the LSE takes back out. The largest p is then 2^(kPScaleLog2 + slack), which must stay
 // under e4m3's 448 = 2^8.8: the lazy max's slack shrinks to 0.75.
+//
+// kExp2FmaEvery (0: off): every kExp2FmaEvery-th exponential of a row is computed on the FMA pipe
+// (exp2_fma, primitives/warp.cuh) instead of the SFU. Measured per kernel (FwdTraits); it pays
+// only where the SFU is the softmax's limit and the FMA pipe has room: fp8 d128 on 128-key
+// blocks (docs/kernels/forward-fp8.md, version 4).
 #pragma once
 #include <cmath>
 
@@ -29,7 +34,7 @@ namespace fa3 {
 
 constexpr float kMaxSlack = 8.f;
 
-template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0> struct OnlineSoftmax {
+template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0> struct OnlineSoftmax {
     static constexpr float kSlack = kPScaleLog2 == 0 ? kMaxSlack : 8.75f - kPScaleLog2;
     static_assert(kPScaleLog2 >= 0 && kPScaleLog2 <= 8, "p <= 2^8.75 < 448 with the slack above");
     float row_max[2];
@@ -113,7 +118,9 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0> struct OnlineSoftmax {
         for (int j = 0; j < kSRegs / 4; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                float pv = fast_exp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -m_scaled));
+                const float x = fmaf(s[4 * j + 2 * h + e], scale_log2, -m_scaled);
+                const bool on_fma = kExp2FmaEvery > 0 && (2 * j + e) % kExp2FmaEvery == kExp2FmaEvery - 1;
+                const float pv = on_fma ? exp2_fma(x) : fast_exp2(x);
                 s[4 * j + 2 * h + e] = pv;
                 s4[(2 * j + e) % 4] += pv;
             }

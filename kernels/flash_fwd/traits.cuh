@@ -28,13 +28,15 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2, bool 
     static constexpr int kStages = 2;
     // Q buffers: with two, the producer loads the next tile's Q while the consumers still work
     // on the current one (no room at d256: fp8's O staging tile takes the second buffer's place).
-    static constexpr int kQStages = kHeadDim_ <= 128 && kBlockN_ <= 128 ? 2 : 1;
+    // (fp8's one-byte tiles leave room for both next to d128's 224-key K and V^T rings.)
+    static constexpr int kQStages = kHeadDim_ <= 128 && (kBlockN_ <= 128 || kFp8) ? 2 : 1;
     // setmaxnreg split of the 64K registers (128 producer + 128·kConsumerWGs consumer threads).
     // 2 consumer warpgroups: 40 / 232 leaves the producer's TMA loop spill-free; d256's consumers
     // need 240 (they spill at 232), so its producer gets 24 (and spills a few values to local
     // memory). 3 consumer warpgroups: 32 / 160 (128·32 + 384·160 = 65536).
-    static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kHeadDim_ <= 128 ? 40 : 24;
-    static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kHeadDim_ <= 128 ? 232 : 240;
+    static constexpr bool kWideConsumers = kHeadDim_ > 128 || kBlockN_ > 128;  // also fp8 d128's 224 keys
+    static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kWideConsumers ? 24 : 40;
+    static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kWideConsumers ? 240 : 232;
     static_assert(kConsumerWGs == 2 || kConsumerWGs == 3, "2 or 3 consumer warpgroups");
     static_assert(128 * kProducerRegs + 128 * kConsumerWGs * kConsumerRegs <= 65536, "register split");
     // Tiles are stored as column blocks of [rows][kColElems] elements, swizzled by TMA, the layout
@@ -48,9 +50,14 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2, bool 
     // One wgmma k-step reads 32 bytes of each row: 16 elements of 16 bits, 32 of e4m3.
     static constexpr int kStepElems = 32 / kElemBytes;
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * kElemBytes;
-    // FP8: V^T tiles are kHeadDim rows of kBlockN keys, in 128-byte (128-key) column blocks.
-    static constexpr int kVtColBlocks = kFp8 ? kBlockN / 128 : 0;
-    static_assert(!kFp8 || kBlockN % 128 == 0, "fp8 key blocks are whole 128-byte rows of V^T");
+    // FP8: V^T tiles are kHeadDim rows of kBlockN keys, in 128-byte (128-key) column blocks; a
+    // block that is no multiple of 128 keys (d128's 224) loads its last column block whole (the
+    // keys past the block are the next block's, read again there; P·V's k-steps stop at kBlockN).
+    static constexpr int kVtColBlocks = kFp8 ? (kBlockN + 127) / 128 : 0;
+    static_assert(!kFp8 || kBlockN % 32 == 0, "fp8 key blocks are whole k-steps of 32 keys");
+    static_assert(!kTransposeV || kBlockN == 128, "the in-kernel V transpose moves 128-key blocks");
+    // Bytes of one V stage: V (16 bits), or V^T's column blocks (fp8).
+    static constexpr uint32_t kVStageBytes = kFp8 ? kVtColBlocks * 128 * kHeadDim : kKVBytes;
     // kTransposeV: V lands (TMA) in K's layout in the `v_raw` ring (two stages, one at d256 for
     // room), and warps 2 and 3 of the producer warpgroup write it transposed into the V ring.
     static constexpr int kTransposeThreads = kTransposeV ? 64 : 0;
@@ -70,6 +77,9 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2, bool 
     // mainloop.cuh rescale_o; version 29): two consumer warpgroups only, the three-warpgroup d64
     // kernel's 160 registers measured 4-7% slower with it.
     static constexpr bool kLazyMax = kConsumerWGs == 2;
+    // Every 4th exponential on the FMA pipe (softmax.cuh kExp2FmaEvery): fp8 d128 on 128-key
+    // blocks only, +2..+4% there; every other kernel measured 1-14% slower with it (forward-fp8.md).
+    static constexpr int kExp2FmaEvery = kFp8 && !kTransposeV && kHeadDim_ == 128 && kBlockN_ == 128 ? 4 : 0;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     // P as wgmma's register A operand: per k-step 4 registers of 2 (16-bit) or 4 (e4m3) values.
@@ -80,7 +90,7 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2, bool 
 template <class Tr> struct SharedStorage {
     alignas(1024) typename Tr::Elem q[Tr::kQStages][Tr::kBlockM * Tr::kHeadDim];
     alignas(1024) typename Tr::Elem k[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
-    alignas(1024) typename Tr::Elem v[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];  // fp8: V^T
+    alignas(1024) typename Tr::Elem v[Tr::kStages][Tr::kVStageBytes / Tr::kElemBytes];  // fp8: V^T
     alignas(1024) uint16_t o[Tr::kTmaStoreO ? Tr::kBlockM * Tr::kHeadDim : 8];  // O staging (kOutColElems blocks)
     alignas(Tr::kTransposeV ? 1024 : 16) typename Tr::Elem v_raw[Tr::kVRawStages][Tr::kVRawElems];  // V as loaded
     alignas(8) uint64_t bar_q[Tr::kQStages];      // Q of a tile landed

@@ -13,9 +13,9 @@ NS = (64, 80, 96, 112, 128, 192, 256)
 NS_EXTRA = {"wgmma_ss": (32,), "wgmma_ss_bt": (128,), "wgmma_ss_tt": (64,)}
 TYPES = (("bf16", "bf16"), ("f16", "f16"))
 # FP8 (e4m3) wrappers: k = 32 per instruction, both shared-memory operands K-major (fp8 wgmma has no
-# transposed operands). S = Q·Kᵀ with N = the fp8 kernels' key block; O += P·V (P from registers,
+# transposed operands). S = Q·Kᵀ with N = the fp8 kernels' key blocks; O += P·V (P from registers,
 # V stored transposed by the kernel's pre-pass) with N = the head dims that have an fp8 kernel.
-FP8_SS_NS = (128,)
+FP8_SS_NS = (128, 224)
 FP8_RS_NS = (64, 128, 256)
 
 

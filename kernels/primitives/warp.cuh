@@ -61,4 +61,23 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// exp2 on the FMA and integer pipes instead of the SFU (FA4's trick, here for Hopper): the SFU
+// does 16 exp2 per SM per clock, as many as the fp8 tensor cores need per clock at head dim 128
+// (bf16 at 64), so the softmax takes a share of its exponentials off it (softmax.cuh).
+// 2^x = 2^j · 2^f with j = round(x) and f = x − j in [−0.5, 0.5]: 1.5·2^23 added in round-to-
+// nearest leaves j in the sum's low mantissa bits; 2^f is a degree-3 minimax polynomial (relative
+// error 7.5e-5, below bf16's and e4m3's rounding of P); 2^j is built as a float's exponent.
+// x below −125 gives 2^−125 (the SFU's −inf gives 0: a masked score adds ~1e-38, nothing); a NaN
+// stays NaN (max.NaN, then the multiply).
+__device__ __forceinline__ float exp2_fma(float x) {
+    float xc;
+    asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(xc) : "f"(x), "f"(-125.f));
+    const float t = __fadd_rn(xc, 12582912.f);  // 1.5 · 2^23
+    const float j = __fsub_rn(t, 12582912.f);
+    const float f = __fsub_rn(xc, j);
+    const float p = fmaf(fmaf(fmaf(5.517166853e-02f, f, 2.426111251e-01f), f, 6.932609677e-01f), f, 9.999280572e-01f);
+    const float two_j = __uint_as_float((__float_as_uint(t) << 23) + 0x3f800000u);
+    return p * two_j;
+}
+
 }  // namespace fa3

@@ -160,6 +160,40 @@ fn fp8_every_option_head_dims_and_granularities() -> Result<()> {
     Ok(())
 }
 
+/// The d128 kernel on 224-key blocks (FA3's tile), which the default choice keeps for calls of
+/// 8k keys or more, forced on small odd shapes: every option, every granularity (a 224-key block
+/// spans up to three 128-key K descale blocks), both split choices.
+#[test]
+fn fp8_d128_224_key_blocks() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-224");
+    let tuning = flash_attn3::Tuning {
+        fp8_d128_block_n: Some(224),
+        ..Default::default()
+    };
+    let mut n = 0;
+    for d in [96, 128] {
+        for (name, o) in variants(d, &mut rng) {
+            let ratio = rng.pick(&[1, 2, 4]);
+            let kv_heads = rng.range(1, 2);
+            let (sq, sk) = (rng.odd_len(1, 330), rng.odd_len(200, 700));
+            let shape = AttnShape::new((rng.range(1, 2), sq, sk, kv_heads * ratio, kv_heads, d, d));
+            let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
+            // K's magnitude steps by 128-key block (x1, x2, x3, ...), so that a block's scores
+            // taken with a neighbour's descale would be off by half or more.
+            let ramp: Vec<f32> = (0..sk).map(|i| 1.0 + (i / fp8::K_BLOCK_ROWS % 3) as f32).collect();
+            let k = k.broadcast_mul(&Tensor::from_vec(ramp, (1, sk, 1, 1), &dev)?)?;
+            for granularity in [Granularity::Head, Granularity::Block(0)] {
+                let what = format!("fp8 224 keys d{d} {name} {shape:?} seed {}", rng.seed());
+                check_fp8((&q, &k, &v), granularity, o.tuned(tuning), DType::BF16, &what)?;
+                n += 1;
+            }
+        }
+    }
+    eprintln!("{n} fp8 cases on 224-key blocks");
+    Ok(())
+}
+
 #[test]
 fn fp8_every_granularity_long_keys_and_gqa() -> Result<()> {
     let dev = gpu()?;
@@ -371,11 +405,13 @@ fn fp8_cpu_and_gpu_agree() -> Result<()> {
 fn fp8_small_for_sanitizer() -> Result<()> {
     let dev = gpu()?;
     let mut rng = TestRng::fresh("gpu-fp8-small");
-    for (d, granularity, causal) in [
-        (64, Granularity::Head, true),
-        (64, Granularity::Block(0), false),
-        (128, Granularity::Block(0), true),
-        (256, Granularity::Tensor, true),
+    // (head dim, granularity, causal, d128's key block: 128 or 224)
+    for (d, granularity, causal, keys) in [
+        (64, Granularity::Head, true, 128),
+        (64, Granularity::Block(0), false, 128),
+        (128, Granularity::Block(0), true, 128),
+        (128, Granularity::Block(0), false, 224),
+        (256, Granularity::Tensor, true, 128),
     ] {
         let shape = AttnShape::new((1, 130, 260, 2, 1, d, d));
         let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
@@ -384,7 +420,11 @@ fn fp8_small_for_sanitizer() -> Result<()> {
         } else {
             Opts::new(shape.scale())
         };
-        let what = format!("fp8 small d{d} {granularity:?} causal {causal}");
+        let o = o.tuned(flash_attn3::Tuning {
+            fp8_d128_block_n: Some(keys),
+            ..Default::default()
+        });
+        let what = format!("fp8 small d{d} {granularity:?} causal {causal} {keys}-key blocks");
         check_fp8((&q, &k, &v), granularity, o, DType::BF16, &what)?;
     }
     let x = rng.randn((1, 70, 2, 128), DType::BF16, &dev)?;

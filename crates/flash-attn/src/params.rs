@@ -26,6 +26,10 @@ pub struct Tuning {
     /// (batch, head) pairs per section of the tile order: `None` sizes sections to the L2 for
     /// masked or varlen calls (one pair for the others).
     pub l2_section: Option<usize>,
+    /// Keys per pipeline stage of the fp8 kernel for head dims 65..=128: 128 or 224 (FA3's tile);
+    /// `None` takes 224 from 8192 keys (the longest key sequence of the call). KV cache calls
+    /// always run on 128.
+    pub fp8_d128_block_n: Option<usize>,
 }
 
 impl Tuning {
@@ -33,6 +37,11 @@ impl Tuning {
         if let Some(rows) = self.d64_tile_rows {
             if rows != 128 && rows != 192 {
                 bail!("flash-attn3: Tuning::d64_tile_rows must be 128 or 192, got {rows}")
+            }
+        }
+        if let Some(keys) = self.fp8_d128_block_n {
+            if keys != 128 && keys != 224 {
+                bail!("flash-attn3: Tuning::fp8_d128_block_n must be 128 or 224, got {keys}")
             }
         }
         if self.l2_section == Some(0) {

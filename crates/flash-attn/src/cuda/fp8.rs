@@ -10,8 +10,25 @@ use super::{device_addr, geometry, input_ptr, kernel, launch_with_params};
 use crate::descale::Fp8Call;
 use crate::params::Dims;
 
-/// Keys of one fp8 pipeline stage: whole 128-byte rows of V^T (`FwdTraits::kBlockN`).
-pub(super) const BLOCK_N: usize = 128;
+/// Keys per column block of V^T in shared memory (one 128-byte swizzled row, one TMA box;
+/// `FwdTraits::kVtColBlocks`).
+pub(super) const VT_COL_KEYS: usize = 128;
+
+/// Keys per pipeline stage of the fp8 kernel for a (padded) head dim and the call's longest key
+/// sequence (`FwdTraits::kBlockN`): 128, or FA3's 224 at d128 from [`LONG_KEYS`] keys without the
+/// in-kernel V transpose (whose transposer moves 128-key blocks). H200, same call: 224 keys
+/// +4.5..+4.9% at 16k keys, even at 4k, -4..-14% at 1k-2k (a partial last block costs up to 223
+/// keys' work; docs/kernels/forward-fp8.md, version 4). `tuned`: [`crate::Tuning::fp8_d128_block_n`].
+pub(super) fn block_n(head_dim: usize, transpose_v: bool, seqlen_k: usize, tuned: Option<usize>) -> usize {
+    match (head_dim, transpose_v, tuned) {
+        (128, false, Some(keys)) => keys,
+        (128, false, None) if seqlen_k >= LONG_KEYS => 224,
+        _ => 128,
+    }
+}
+
+/// Keys from which d128 runs on 224-key blocks ([`block_n`]).
+const LONG_KEYS: usize = 8192;
 
 /// Mirror of `fa3::Fp8PrepassParams` (kernels/flash_fwd/params.cuh).
 #[repr(C)]

@@ -200,14 +200,15 @@ impl Variant {
     }
 
     /// The fp8 kernels: d64, d128 and d256 (96 and 192 run on the next one up, TMA zero-filling
-    /// the columns), 128-key blocks, two consumer warpgroups (three for d64 where `pick` uses
+    /// the columns), 128-key blocks (224 at d128: `fp8::block_n`), two consumer warpgroups (three for d64 where `pick` uses
     /// three).
     fn pick_fp8(
         head_dim: usize,
         head_dim_v: usize,
         uneven: bool,
         seqlen_q: usize,
-        d64_rows: Option<usize>,
+        seqlen_k: usize,
+        tuning: &crate::Tuning,
         transpose_v: bool,
     ) -> Result<Self> {
         let head_dim = match head_dim.max(head_dim_v) {
@@ -220,9 +221,9 @@ impl Variant {
         // from 2k, +2..+7% causal from 4k, -10% causal at 512 and 1k (session 14, same call).
         Ok(Self {
             head_dim,
-            block_n: fp8::BLOCK_N,
+            block_n: fp8::block_n(head_dim, transpose_v, seqlen_k, tuning.fp8_d128_block_n),
             consumer_wgs: match head_dim {
-                64 if !transpose_v => d64_consumer_wgs(uneven, seqlen_q, d64_rows),
+                64 if !transpose_v => d64_consumer_wgs(uneven, seqlen_q, tuning.d64_tile_rows),
                 _ => 2,
             },
             fp8: true,
@@ -243,6 +244,7 @@ impl Variant {
             return match self.head_dim {
                 64 if self.consumer_wgs == 3 => "flash_fwd_d64x3_e4m3",
                 64 => "flash_fwd_d64_e4m3",
+                128 if self.block_n == 224 => "flash_fwd_d128_n224_e4m3",
                 128 => "flash_fwd_d128_e4m3",
                 _ => "flash_fwd_d256_e4m3",
             };
@@ -288,7 +290,10 @@ impl Variant {
                 true => 1024,
                 false => 2 * self.block_m() * self.head_dim,
             };
-            let bytes = self.head_dim * (q_tiles * self.block_m() + (2 + 2 + raw_stages) * self.block_n) + o_bytes;
+            // V^T stages hold whole 128-key column blocks.
+            let vt_keys = self.block_n.div_ceil(fp8::VT_COL_KEYS) * fp8::VT_COL_KEYS;
+            let bytes =
+                self.head_dim * (q_tiles * self.block_m() + (2 + raw_stages) * self.block_n + 2 * vt_keys) + o_bytes;
             return bytes + 1024 + 1024;
         }
         let roomy = self.head_dim <= 128 && self.block_n <= 128;
@@ -770,7 +775,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             dims.head_dim_v,
             uneven || pack_gqa,
             dims.seqlen_q,
-            rows,
+            dims.seqlen_k,
+            &tuning,
             cache.is_some(),
         )?,
         None => Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q, rows)?,
@@ -968,7 +974,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
                 &[dims.head_dim_v, dims.kv_heads, dims.batch],
                 &[padded, slab, slab * dims.kv_heads],
                 &[variant.head_dim as u32, 1, 1],
-                fp8::BLOCK_N as u32,
+                fp8::VT_COL_KEYS as u32,
             )?
         }
         None => map("v", v_addr, dims.head_dim_v, v_sizes, v_strides, kv_box_rows)?,
