@@ -21,6 +21,20 @@ struct RowMask {
     int lo[2], hi[2];  // visible keys [lo, hi) of the thread's two rows
 };
 
+// The visible keys of the thread's rows (tile rows row_in_tile and + 8): held across the key loop,
+// or (FwdTraits::kRowMaskPerBlock) made again at each boundary block, four registers fewer next
+// to S, P and O.
+__device__ __forceinline__ RowMask row_mask(const FwdParams& p, const TileInfo& t, int row_in_tile) {
+    RowMask rm;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int query, head;
+        row_position(p, t, row_in_tile + 8 * h, query, head);
+        key_range(p, query, t.seqlen_q, t.seqlen_k, rm.lo[h], rm.hi[h]);
+    }
+    return rm;
+}
+
 // Sets masked scores to -inf. k0: the first key of the block; col0 = 2 * (lane % 4).
 template <int kSRegs>
 __device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const RowMask& rm, int k0, int col0) {
@@ -208,7 +222,8 @@ __device__ __forceinline__ void scale_by_k_blocks(float (&sc)[Tr::kSRegs], const
 // FP8: per-block K descales multiply the raw scores first; the tile's scales replace the call's.
 template <class Tr>
 __device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileScales& ts, const TileInfo& t,
-                                                const RowMask& rm, Softmax<Tr>& softmax, float (&sc)[Tr::kSRegs],
+                                                const RowMask& held_mask, int row_in_tile, Softmax<Tr>& softmax,
+                                                float (&sc)[Tr::kSRegs],
                                                 int n, int quad_lane, float (&corr)[2]) {
     float softcap_pre = p.softcap_pre, scale_log2 = p.scale_log2;
     int negate = p.negate;
@@ -226,7 +241,9 @@ __device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileSc
         for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = -sc[i];
     }
     const int k0 = n * Tr::kBlockN;
-    if (!(k0 >= t.full_lo && k0 + Tr::kBlockN <= t.full_hi)) apply_mask(sc, rm, k0, 2 * quad_lane);
+    if (!(k0 >= t.full_lo && k0 + Tr::kBlockN <= t.full_hi)) {
+        apply_mask(sc, Tr::kRowMaskPerBlock ? row_mask(p, t, row_in_tile) : held_mask, k0, 2 * quad_lane);
+    }
     softmax.step(sc, scale_log2, corr);
 }
 
@@ -271,14 +288,8 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     constexpr int kBoth = 256;  // a warpgroup waiting on its barrier + the one before it arriving
     trace_edge(wg + 1, tc, 0);
 
-    RowMask rm;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-    {
-        int query, head;
-        row_position(p, t, row_in_tile + 8 * h, query, head);
-        key_range(p, query, t.seqlen_q, t.seqlen_k, rm.lo[h], rm.hi[h]);
-    }
+    RowMask held_mask;  // unused with kRowMaskPerBlock
+    if constexpr (!Tr::kRowMaskPerBlock) held_mask = row_mask(p, t, row_in_tile);
 
     float o[Tr::kORegs];
 #pragma unroll
@@ -311,7 +322,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         trace_edge(wg + 1, tc, 2);
         mbar_arrive(&s.empty_k[stage]);
     }
-    scores_to_probs<Tr>(p, ts, t, rm, softmax, sc, n, quad_lane, corr);
+    scores_to_probs<Tr>(p, ts, t, held_mask, row_in_tile, softmax, sc, n, quad_lane, corr);
     probs_to_a_operand<Tr>(sc, pa);
     trace_edge(wg + 1, tc, 3);
     // Whether the K block the next iteration issues against has already landed (two consumer
@@ -350,7 +361,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         // wait<0> (ptxas places the wait as early as its basic block allows; FA3's SASS has about
         // two thirds of its softmax there too). Forcing all of it above the wait measured ±1.5% on
         // d128/d256 and −7% on d64 (docs/kernels/forward-sm90.md, version 20), so it stays as is.
-        scores_to_probs<Tr>(p, ts, t, rm, softmax, sc, n - 1, quad_lane, corr);
+        scores_to_probs<Tr>(p, ts, t, held_mask, row_in_tile, softmax, sc, n - 1, quad_lane, corr);
         trace_stamp(wg + 1, it, 5);
         wgmma_wait<0>();
         fence_operand(o);

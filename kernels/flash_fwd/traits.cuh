@@ -79,6 +79,10 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2, bool 
     static constexpr bool kLazyMax = kConsumerWGs == 2;
     // Every 4th exponential on the FMA pipe (softmax.cuh kExp2FmaEvery): fp8 d128 on 128-key
     // blocks only, +2..+4% there; every other kernel measured 1-14% slower with it (forward-fp8.md).
+    // The boundary blocks' row masks made per block instead of held (mainloop.cuh row_mask): fp8
+    // d256, whose consumers spill at 240 registers (125 -> 72 spill instructions; H200, same call:
+    // +1..+7%). The other kernels measured -3.5..+5% with it (noise-level or worse), and keep it held.
+    static constexpr bool kRowMaskPerBlock = kFp8 && !kTransposeV && kHeadDim_ == 256;
     static constexpr int kExp2FmaEvery = kFp8 && !kTransposeV && kHeadDim_ == 128 && kBlockN_ == 128 ? 4 : 0;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
