@@ -9,7 +9,7 @@
 # each, ncu (--set full, clocks left alone) profiles the 4th launch (after the bench's warm-ups)
 # and prints the headline metrics and the SASS instructions with the most stall samples.
 # $OUT/profile.tar.xz (or /tmp/gpu-profile/) gets each case's details page and per-instruction CSV.
-# Env: PROFILE_PASS (fwd or bwd; default fwd: the backward's main kernel is profiled, not its
+# Env: PROFILE_PASS (fwd, fp8 (the e4m3 grid) or bwd; default fwd: the backward's main kernel is profiled, not its
 # pre/postprocess), PROFILE_SET (default full), PROFILE_TOP (default 30 instructions),
 # PROFILE_METRICS (extra comma-separated ncu metrics, printed per case).
 set -uo pipefail
@@ -26,7 +26,8 @@ PASS=${PROFILE_PASS:-fwd}
 case $PASS in
 fwd) KERNEL=regex:flash_fwd ;;
 bwd) KERNEL=regex:flash_bwd_d ;;
-*) echo "gpu-profile: PROFILE_PASS is fwd or bwd" >&2; exit 2 ;;
+fp8) KERNEL=regex:flash_fwd_d ;;  # the e4m3 grid's forward kernel, not its V transpose pre-pass
+*) echo "gpu-profile: PROFILE_PASS is fwd, fp8 or bwd" >&2; exit 2 ;;
 esac
 
 # ncu ARGS... on the 4th launch of the case's kernel (after the bench's warm-ups).
