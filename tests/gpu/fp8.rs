@@ -194,6 +194,76 @@ fn fp8_d128_224_key_blocks() -> Result<()> {
     Ok(())
 }
 
+/// A NaN in k or q comes out as NaN in every output it feeds, and only there: through the
+/// SFU's exponentials and through the FMA pipe's (`exp2_fma`: every 4th exponential of a row in
+/// the 128-key d128 kernel: key 9 of a block is one of those in every row, key 0 goes to the
+/// SFU), and on 224-key blocks.
+#[test]
+fn fp8_nan_inputs_reach_the_outputs_they_feed() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-nan");
+    let (sq, sk, heads, d) = (70, 300, 2, 128);
+    // e4m3 made on the host (candle's CUDA backend has no f32 -> e4m3 cast); a NaN stays NaN.
+    let e4m3 = |mut x: Vec<f32>, n: usize, nan_at: Option<usize>| -> Result<Tensor> {
+        if let Some(i) = nan_at {
+            x[i] = f32::NAN;
+        }
+        Tensor::from_vec(x, (1, n, heads, d), &Device::Cpu)?
+            .to_dtype(DType::F8E4M3)?
+            .to_device(&dev)
+    };
+    let values = |rng: &mut TestRng, n: usize| -> Result<Vec<f32>> {
+        rng.randn((n * heads * d,), DType::F32, &Device::Cpu)?.to_vec1::<f32>()
+    };
+    for keys_per_block in [128, 224] {
+        let attn = flash_attn3::FlashAttn::new(1.0 / (d as f32).sqrt()).tuning(flash_attn3::Tuning {
+            fp8_d128_block_n: Some(keys_per_block),
+            ..Default::default()
+        });
+        let (qv, kv, vv) = (values(&mut rng, sq)?, values(&mut rng, sk)?, values(&mut rng, sk)?);
+        for nan_key in [0, 9, 137] {
+            // k of key nan_key, head 1: every output row of head 1 sees it.
+            let (q, v) = (e4m3(qv.clone(), sq, None)?, e4m3(vv.clone(), sk, None)?);
+            let k = e4m3(kv.clone(), sk, Some((nan_key * heads + 1) * d + 5))?;
+            poison(&dev, sq * heads * d * 2)?;
+            let out = attn
+                .forward(&q, &k, &v)?
+                .to_dtype(DType::F32)?
+                .to_device(&Device::Cpu)?;
+            let out = out.reshape((sq, heads, d))?;
+            let nan_head = out.narrow(1, 1, 1)?.flatten_all()?.to_vec1::<f32>()?;
+            let other = out.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
+            let what = format!("{keys_per_block}-key blocks, NaN at key {nan_key}");
+            assert!(
+                nan_head.iter().all(|x| x.is_nan()),
+                "{what}: a head-1 output is not NaN"
+            );
+            assert!(
+                other.iter().all(|x| x.is_finite()),
+                "{what}: a head-0 output is not finite"
+            );
+        }
+        // q of query 33, head 0: that row alone.
+        let q = e4m3(qv.clone(), sq, Some((33 * heads) * d + 7))?;
+        let (k, v) = (e4m3(kv.clone(), sk, None)?, e4m3(vv.clone(), sk, None)?);
+        let out = attn
+            .forward(&q, &k, &v)?
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?;
+        let flat = out.flatten_all()?.to_vec1::<f32>()?;
+        for (i, x) in flat.iter().enumerate() {
+            let (query, head) = (i / (heads * d), i / d % heads);
+            let want_nan = query == 33 && head == 0;
+            assert_eq!(x.is_nan(), want_nan, "{keys_per_block}-key blocks: output {i} = {x}");
+            assert!(
+                want_nan || x.is_finite(),
+                "{keys_per_block}-key blocks: output {i} = {x}"
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn fp8_every_granularity_long_keys_and_gqa() -> Result<()> {
     let dev = gpu()?;
