@@ -73,8 +73,9 @@ __device__ __forceinline__ void load_kv_block(const FwdParams& p, const TmaDesc*
 }
 
 // FP8 with the pre-pass: key block n of V^T (head_dim rows x kBlockN keys), one box per 128-key
-// column block (the last one whole, traits.cuh kVtColBlocks); the pre-pass padded every sequence to its own rows of V^T, so the coordinates are
-// (key, 0, kv head, sequence) for fixed-length and varlen calls alike.
+// column block (the last one whole, traits.cuh kVtColBlocks); the pre-pass padded every sequence
+// to its own rows of V^T, so the coordinates are (key, 0, kv head, sequence) for fixed-length and
+// varlen calls alike.
 template <class Tr>
 __device__ __forceinline__ void load_vt_block(const FwdParams& p, uint8_t* dst, uint64_t* bar, int n, const TileInfo& t) {
 #pragma unroll

@@ -162,7 +162,6 @@ struct TileScales {
     int negate;                     // FwdParams::negate, flipped when q descale · k descale < 0
     float v_descale;
     const float* k_block_descale;   // per-block K descales of the tile's (sequence, kv head), else null
-    int k_blocks;                   // how many (FwdParams::k_descale_blocks)
 };
 
 template <class Tr>
@@ -178,10 +177,8 @@ __device__ __forceinline__ TileScales tile_scales(const FwdParams& p, const Tile
     float qk = qd;
     if (p.k_descale_blocks > 0) {
         ts.k_block_descale = p.k_descale + kv * k_blocks;
-        ts.k_blocks = k_blocks;
     } else {
         ts.k_block_descale = nullptr;
-        ts.k_blocks = 0;
         qk *= p.k_descale[kv];
     }
     ts.v_descale = p.v_descale[kv];
@@ -195,7 +192,8 @@ __device__ __forceinline__ TileScales tile_scales(const FwdParams& p, const Tile
 // that is no multiple of them (d128's 224 keys) spans up to three: each 8-column group of the
 // accumulators lies in one (128 is a multiple of 8, and so is every key block's first key).
 template <class Tr>
-__device__ __forceinline__ void scale_by_k_blocks(float (&sc)[Tr::kSRegs], const TileScales& ts, int n) {
+__device__ __forceinline__ void scale_by_k_blocks(const FwdParams& p, float (&sc)[Tr::kSRegs], const TileScales& ts,
+                                                  int n) {
     if constexpr (Tr::kBlockN == kFp8KBlockKeys) {
         const float kd = ts.k_block_descale[n];
 #pragma unroll
@@ -205,7 +203,7 @@ __device__ __forceinline__ void scale_by_k_blocks(float (&sc)[Tr::kSRegs], const
         constexpr int kSpan = (Tr::kBlockN + kFp8KBlockKeys - 1) / kFp8KBlockKeys + 1;
         float kd[kSpan];
 #pragma unroll
-        for (int b = 0; b < kSpan; ++b) kd[b] = ts.k_block_descale[min(first + b, ts.k_blocks - 1)];
+        for (int b = 0; b < kSpan; ++b) kd[b] = ts.k_block_descale[min(first + b, p.k_descale_blocks - 1)];
 #pragma unroll
         for (int j = 0; j < Tr::kSRegs / 4; ++j) {
             const int b = (k0 + 8 * j) / kFp8KBlockKeys - first;
@@ -228,7 +226,7 @@ __device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileSc
     float softcap_pre = p.softcap_pre, scale_log2 = p.scale_log2;
     int negate = p.negate;
     if constexpr (Tr::kFp8) {
-        if (ts.k_block_descale != nullptr) scale_by_k_blocks<Tr>(sc, ts, n);
+        if (ts.k_block_descale != nullptr) scale_by_k_blocks<Tr>(p, sc, ts, n);
         softcap_pre = ts.softcap_pre;
         scale_log2 = ts.scale_log2;
         negate = ts.negate;

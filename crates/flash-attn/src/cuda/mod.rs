@@ -200,8 +200,8 @@ impl Variant {
     }
 
     /// The fp8 kernels: d64, d128 and d256 (96 and 192 run on the next one up, TMA zero-filling
-    /// the columns), 128-key blocks (224 at d128: `fp8::block_n`), two consumer warpgroups (three for d64 where `pick` uses
-    /// three).
+    /// the columns), 128-key blocks (224 at d128: `fp8::block_n`), two consumer warpgroups (three
+    /// for d64 where `pick` uses three).
     fn pick_fp8(
         head_dim: usize,
         head_dim_v: usize,
