@@ -503,30 +503,32 @@ fn host_offsets_compute_what_the_tensor_form_computes() -> Result<()> {
 fn invalid_tuning_is_rejected() {
     let t = f32s((1, 8, 2, 16));
     let default = Tuning::default();
-    let rows = Tuning {
-        d64_tile_rows: Some(64),
-        ..default
-    };
-    assert_err(
-        FlashAttn::new(0.25).tuning(rows).forward(&t, &t, &t),
-        &["d64_tile_rows", "128 or 192"],
-    );
-    let section = Tuning {
-        l2_section: Some(0),
-        ..default
-    };
-    assert_err(
-        FlashAttn::new(0.25).tuning(section).forward(&t, &t, &t),
-        &["l2_section"],
-    );
-    let keys = Tuning {
-        fp8_d128_block_n: Some(192),
-        ..default
-    };
-    assert_err(
-        FlashAttn::new(0.25).tuning(keys).forward(&t, &t, &t),
-        &["fp8_d128_block_n", "128 or 224"],
-    );
+    let invalid: [(Tuning, &[&str]); 3] = [
+        (
+            Tuning {
+                d64_tile_rows: Some(64),
+                ..default
+            },
+            &["d64_tile_rows", "128 or 192"],
+        ),
+        (
+            Tuning {
+                l2_section: Some(0),
+                ..default
+            },
+            &["l2_section"],
+        ),
+        (
+            Tuning {
+                fp8_d128_block_n: Some(192),
+                ..default
+            },
+            &["fp8_d128_block_n", "128 or 224"],
+        ),
+    ];
+    for (tuning, expected) in invalid {
+        assert_err(FlashAttn::new(0.25).tuning(tuning).forward(&t, &t, &t), expected);
+    }
     // A valid tuning changes nothing on the CPU.
     let q = Tensor::randn(0f32, 1., (1, 8, 2, 16), &CPU).unwrap();
     let tuned = Tuning {

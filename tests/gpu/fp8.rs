@@ -161,8 +161,8 @@ fn fp8_every_option_head_dims_and_granularities() -> Result<()> {
 }
 
 /// The d128 kernel on 224-key blocks (FA3's tile), which the default choice keeps for calls of
-/// 8k keys or more, forced on small odd shapes: every option, every granularity (a 224-key block
-/// spans up to three 128-key K descale blocks), both split choices.
+/// 8k keys or more, forced on small odd shapes: every option, per-head and per-block descales (a
+/// 224-key block spans up to three 128-key K descale blocks), both split choices.
 #[test]
 fn fp8_d128_224_key_blocks() -> Result<()> {
     let dev = gpu()?;

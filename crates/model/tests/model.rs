@@ -596,6 +596,17 @@ fn paged_cache_follows_the_contiguous_cache() {
     );
 }
 
+/// The model the paged-batch tests run with a KV cache of `cache_dtype`: e4m3 caches need the
+/// family with 64-dim heads (the smallest head dim of the fp8 KV-cache kernels), f32 caches Llama.
+fn paged_batch_model(cache_dtype: DType) -> Llama {
+    let family = if cache_dtype == DType::F8E4M3 {
+        Family::WideHeads
+    } else {
+        Family::Llama
+    };
+    load_with(family, DType::F32, Kernels::Fused)
+}
+
 /// Prefix sharing in a paged batch: a request whose prompt starts like a running sequence's
 /// cached keys shares those whole pages instead of computing them again (fewer pages taken), and
 /// still gets the tokens `generate` gives it alone; the shared pages stay valid after the first
@@ -604,12 +615,7 @@ fn paged_cache_follows_the_contiguous_cache() {
 fn paged_batch_shares_prompt_prefixes() {
     use flash_llama::{Batcher, Request};
     for dtype in [DType::F32, DType::F8E4M3] {
-        let family = if dtype == DType::F8E4M3 {
-            Family::WideHeads
-        } else {
-            Family::Llama
-        };
-        let model = load_with(family, DType::F32, Kernels::Fused);
+        let model = paged_batch_model(dtype);
         let system = tokens(37, 9); // 2 whole pages of 16 shared, 5 tokens fed again
         let request = |tail: u32, max_tokens: usize| Request {
             prompt: system.iter().copied().chain(tokens(4, tail)).collect(),
@@ -669,12 +675,7 @@ fn paged_batch_shares_prompt_prefixes() {
 fn paged_batch_keeps_finished_prefixes() {
     use flash_llama::{Batcher, Request};
     for dtype in [DType::F32, DType::F8E4M3] {
-        let family = if dtype == DType::F8E4M3 {
-            Family::WideHeads
-        } else {
-            Family::Llama
-        };
-        let model = load_with(family, DType::F32, Kernels::Fused);
+        let model = paged_batch_model(dtype);
         let system = tokens(37, 9);
         let request = |prompt: Vec<u32>, max_tokens: usize| Request {
             prompt,
