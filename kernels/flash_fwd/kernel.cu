@@ -47,14 +47,17 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
             s.transpose_stop = -1;  // set by the TMA thread at the end (transpose_v.cuh)
         }
         mbar_init(&s.tile_full, 1);
-        mbar_init(&s.tile_empty, 128 * Tr::kConsumerWGs + 1);
+        // The consumers, the TMA thread and (paged caches) the V thread release a tile index.
+        mbar_init(&s.tile_empty, 128 * Tr::kConsumerWGs + 1 + (paged_v_thread<Tr>(p) ? 1 : 0));
         mbar_init_fence();
     }
     __syncthreads();
 
     if (wg == 0) {
         warpgroup_reg_dealloc<Tr::kProducerRegs>();
-        if (tid == 0) producer<Tr>(p, s);        // the TMA thread
+        const bool v_thread = paged_v_thread<Tr>(p);
+        if (tid == 0) producer<Tr>(p, s, {true, !v_thread});  // the TMA thread
+        if (tid == 64 && v_thread) producer<Tr>(p, s, {false, true});  // a paged cache's V
         if (tid == 32) scheduler<Tr>(p, s);      // claims tiles (scheduler.cuh)
         if constexpr (Tr::kTransposeV) {
             if (tid >= 64) v_transposer<Tr>(s, tid - 64);  // V -> V^T (transpose_v.cuh)

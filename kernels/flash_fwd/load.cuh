@@ -1,4 +1,5 @@
-// The producer: one thread of the producer warpgroup issues every TMA copy of the tile.
+// The producer: one thread of the producer warpgroup issues every TMA copy of the tile (with a
+// paged 16-bit cache, a second thread issues V's: paged_v_thread below).
 // Q is loaded once; K and V go through kStages-deep rings, each slot guarded by a "full"
 // barrier (TMA bytes landed) and an "empty" barrier (both consumer warpgroups are done with it).
 // K and V have separate barriers: Q·Kᵀ can start while V is still landing, and a K slot is
@@ -83,10 +84,35 @@ __device__ __forceinline__ void load_vt_block(const FwdParams& p, uint8_t* dst, 
         tma_load_4d(&p.tma_v, dst + c * Tr::kHeadDim * 128, bar, n * Tr::kBlockN + c * 128, 0, t.kv_head, t.batch);
 }
 
+// Paged caches, 16-bit kernels: V's boxes are issued by a second thread (warp 2 of the producer
+// warpgroup, idle otherwise), so that a block's K and V issues (2 × kBlockN / page boxes per
+// column block: 32 at pages of 16 and d128) and their page-table loads run side by side instead
+// of one after the other in the TMA thread. FP8 caches go through the in-kernel V transpose
+// (kTransposeV), which keeps warps 2 and 3 for itself; their V stays with the TMA thread.
+template <class Tr> __device__ __forceinline__ bool paged_v_thread(const FwdParams& p) {
+    return !Tr::kFp8 && p.page_table != nullptr;
+}
+
+// Which loads a producer thread issues: the TMA thread Q and K, and V unless a V thread does.
+struct ProducerRole {
+    bool q_and_k, v;
+};
+
 // it: K/V blocks issued so far by this CTA (the ring position, continued across tiles);
 // tc: tiles with keys processed so far (the Q buffer and the parity of its barriers).
 template <class Tr>
-__device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int& it, int tc) {
+__device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int& it, int tc,
+                              ProducerRole role) {
+    if (!role.q_and_k) {
+        // The V thread: V of every key block in the consumers' order, as below.
+        for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
+            const int stage = it % Tr::kStages;
+            mbar_wait(&s.empty_v[stage], ((it / Tr::kStages) & 1) ^ 1);
+            mbar_arrive_expect_tx(&s.full_v[stage], Tr::kKVBytes);
+            load_paged_rows<Tr>(p, &p.tma_v, s.v[stage], &s.full_v[stage], n, t);
+        }
+        return;
+    }
     // A Q buffer is free once every consumer warpgroup retired its last Q·Kᵀ of the tile that used
     // it (kQStages tiles ago). With two buffers this load goes out as soon as the previous tile's
     // last K/V load did, a few key blocks before the consumers need it.
@@ -123,6 +149,7 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     trace_edge(0, tc, 2);
     for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
         if (n > t.n_min) load_k(n - 1, it + 1);
+        if (!role.v) continue;  // the V thread loads V
         // kTransposeV: V goes to the transposer warps' ring (transpose_v.cuh), which fills the V ring.
         constexpr bool kRaw = Tr::kTransposeV;
         constexpr int kRing = kRaw ? Tr::kVRawStages : Tr::kStages;
@@ -142,7 +169,9 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     trace_edge(0, tc, 3);
 }
 
-template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<Tr>& s) {
+// A producer thread: the tiles the scheduler thread claims (receive_tile), each tile's loads as
+// its role says; it releases the tile index after its issues (tile_empty counts each producer).
+template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<Tr>& s, ProducerRole role) {
     tma_prefetch_desc(&p.tma_q);
     tma_prefetch_desc(&p.tma_k);
     tma_prefetch_desc(&p.tma_v);
@@ -152,7 +181,7 @@ template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<T
         if (tile >= num_tiles(p)) break;  // the consumers stop on the same index
         TileInfo t;
         if (get_tile<Tr>(p, tile, t) && t.n_max > t.n_min) {  // else the consumers skip it too
-            producer_tile<Tr>(p, s, t, it, tc);
+            producer_tile<Tr>(p, s, t, it, tc, role);
             ++tc;
         }
         mbar_arrive(&s.tile_empty);  // loads issued: the scheduler may claim the next tile
