@@ -84,13 +84,15 @@ __device__ __forceinline__ void load_vt_block(const FwdParams& p, uint8_t* dst, 
         tma_load_4d(&p.tma_v, dst + c * Tr::kHeadDim * 128, bar, n * Tr::kBlockN + c * 128, 0, t.kv_head, t.batch);
 }
 
-// Paged caches, 16-bit kernels: V's boxes are issued by a second thread (warp 2 of the producer
-// warpgroup, idle otherwise), so that a block's K and V issues (2 × kBlockN / page boxes per
-// column block: 32 at pages of 16 and d128) and their page-table loads run side by side instead
-// of one after the other in the TMA thread. FP8 caches go through the in-kernel V transpose
-// (kTransposeV), which keeps warps 2 and 3 for itself; their V stays with the TMA thread.
+// Paged caches of small pages (16 or 32 keys), 16-bit kernels: V's boxes are issued by a second
+// thread (warp 2 of the producer warpgroup, idle otherwise), so that a block's K and V issues
+// (2 × kBlockN / page boxes per column block: 32 at pages of 16 and d128) and their page-table
+// loads run side by side instead of one after the other in the TMA thread. Pages of 64 keys or
+// more (at most 2 boxes per column block) measured 2-5% slower with it at batch 1 and keep one
+// thread. FP8 caches go through the in-kernel V transpose (kTransposeV), which keeps warps 2 and
+// 3 for itself; their V stays with the TMA thread.
 template <class Tr> __device__ __forceinline__ bool paged_v_thread(const FwdParams& p) {
-    return !Tr::kFp8 && p.page_table != nullptr;
+    return !Tr::kFp8 && p.page_table != nullptr && p.page_box_rows < 64;
 }
 
 // Which loads a producer thread issues: the TMA thread Q and K, and V unless a V thread does.
