@@ -405,12 +405,7 @@ pub(crate) const MAX_SPLITS: usize = 128;
 
 /// Key blocks up to which [`split_count`] never splits (when left to choose).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) const MAX_UNSPLIT_KEY_BLOCKS: usize = 8;
-
-/// Key blocks up to which an eager call over a paged cache of small pages (16 or 32 keys: at
-/// least 8 TMA boxes per key block and tensor, [`split_count`]'s `small_pages`) is never split.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) const MAX_UNSPLIT_SMALL_PAGE_BLOCKS: usize = 4;
+pub(crate) const MAX_UNSPLIT_KEY_BLOCKS: usize = 4;
 
 /// How many split-KV shares each tile gets when the caller left it to us (`requested` 0).
 ///
@@ -419,35 +414,24 @@ pub(crate) const MAX_UNSPLIT_SMALL_PAGE_BLOCKS: usize = 4;
 /// (efficiency = waves / ceil(waves)), preferring the smallest within 85% of the best, and skip
 /// counts that do not shorten the longest share (ceil(key_blocks / s) unchanged from s - 1).
 ///
-/// Up to [`MAX_UNSPLIT_KEY_BLOCKS`] key blocks, an eager call is never split: the partial
-/// outputs, their combine launch and its allocations cost more than the shares save. FA3 stops at
-/// 4 blocks; measured on an H100 (batch-1 decode, d64, 32/8 heads;
-/// crates/model/benches/decode_host.rs, eager calls back to back): 5 blocks 12.8 µs unsplit
-/// against 16.4 split, 10 blocks 18.9 against 16.5, and the split costs about 7 µs more of host
-/// time per call. A call `captured` into a CUDA graph pays none of that host time on replay, so
-/// it splits from 2 key blocks: graph-replayed on an H100, d128 batch-1 decode over 8 key blocks
-/// 11.6 µs split 8 ways against 17.0 unsplit (docs/kernels/kvcache.md), and flash-llama's graph
-/// decode of the 1B shape (d64, 5 key blocks, 8 tiles) 1.05x the tokens/s. Over a paged cache
-/// of `small_pages` a key block costs a CTA about twice a contiguous one (its page-table loads
-/// and 16-row boxes, docs/kernels/kvcache.md), so an eager call splits from
-/// [`MAX_UNSPLIT_SMALL_PAGE_BLOCKS`] + 1 blocks.
+/// Up to [`MAX_UNSPLIT_KEY_BLOCKS`] key blocks (FA3's 4), an eager call is never split: the
+/// partial outputs and their combine launch cost more than the shares save. It was 8 until
+/// session 21, from batch-1 decode timings (d64, 32/8 heads, H100, eager: 5 blocks 12.8 µs
+/// unsplit against 16.4 split) taken when a split cost about 7 µs more of host time per call,
+/// before the combine's version 2 and the scheduler counter without a memset; measured again on
+/// an H100 (same call, eager, d128, 32/4 heads, 8 key blocks): batch 1 12.2–12.8 µs split against
+/// 17.7–18.3 unsplit, batch 8 14.8–15.6 against 18.2–19.0, over pages of 16 keys 12.8–16.9 against
+/// 27 (docs/kernels/kvcache.md, version 4), and flash-llama's eager decode of the 1B shape (d64,
+/// 5 key blocks) 1.01x at batch 1 and 1.02–1.04x at batch 8. A call `captured` into a CUDA graph
+/// pays no host time on replay, so it splits from 2 key blocks: graph-replayed on an H100, d128
+/// batch-1 decode over 8 key blocks 11.6 µs split 8 ways against 17.0 unsplit, and flash-llama's
+/// graph decode of the 1B shape (d64, 5 key blocks, 8 tiles) 1.05x the tokens/s.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn split_count(
-    requested: usize,
-    tiles: usize,
-    sms: usize,
-    key_blocks: usize,
-    captured: bool,
-    small_pages: bool,
-) -> usize {
+pub(crate) fn split_count(requested: usize, tiles: usize, sms: usize, key_blocks: usize, captured: bool) -> usize {
     if requested > 0 {
         return requested.min(MAX_SPLITS).min(key_blocks.max(1));
     }
-    let unsplit_up_to = match (captured, small_pages) {
-        (true, _) => 1,
-        (false, true) => MAX_UNSPLIT_SMALL_PAGE_BLOCKS,
-        (false, false) => MAX_UNSPLIT_KEY_BLOCKS,
-    };
+    let unsplit_up_to = if captured { 1 } else { MAX_UNSPLIT_KEY_BLOCKS };
     // Enough tiles for most SMs, or too few key blocks to share: no split.
     if tiles * 10 >= sms * 8 || key_blocks <= unsplit_up_to {
         return 1;
@@ -657,38 +641,31 @@ mod tests {
     #[test]
     fn split_count_fills_the_gpu_only_when_tiles_are_few() {
         // Enough tiles (>= 80% of the SMs) or a single key block: never split.
-        assert_eq!(split_count(0, 106, 132, 64, false, false), 1);
-        assert_eq!(split_count(0, 4, 132, 1, false, false), 1);
+        assert_eq!(split_count(0, 106, 132, 64, false), 1);
+        assert_eq!(split_count(0, 4, 132, 1, false), 1);
         // Few key blocks: the combine costs more than the shares save.
-        assert_eq!(split_count(0, 1, 132, MAX_UNSPLIT_KEY_BLOCKS, false, false), 1);
-        assert!(split_count(0, 1, 132, MAX_UNSPLIT_KEY_BLOCKS + 1, false, false) > 1);
-        // Small pages split eager calls from fewer blocks; captured calls as before.
-        assert_eq!(split_count(0, 4, 132, MAX_UNSPLIT_SMALL_PAGE_BLOCKS, false, true), 1);
-        assert!(split_count(0, 4, 132, MAX_UNSPLIT_SMALL_PAGE_BLOCKS + 1, false, true) > 1);
-        assert_eq!(
-            split_count(0, 4, 132, 8, true, true),
-            split_count(0, 4, 132, 8, true, false)
-        );
+        assert_eq!(split_count(0, 1, 132, MAX_UNSPLIT_KEY_BLOCKS, false), 1);
+        assert!(split_count(0, 1, 132, MAX_UNSPLIT_KEY_BLOCKS + 1, false) > 1);
         // Decode at batch 1 with 8 kv heads (pack-GQA: 8 tiles) and 64 key blocks: enough shares
         // to fill most SMs, each share at least one block.
-        let s = split_count(0, 8, 132, 64, false, false);
+        let s = split_count(0, 8, 132, 64, false);
         assert!((8..=32).contains(&s), "{s}");
         assert!(8 * s <= 2 * 132);
         // Never more shares than key blocks, nor than the cap.
-        assert!(split_count(0, 1, 132, 3, false, false) <= 3);
-        assert!(split_count(0, 1, 1000, 10_000, false, false) <= MAX_SPLITS);
+        assert!(split_count(0, 1, 132, 3, false) <= 3);
+        assert!(split_count(0, 1, 1000, 10_000, false) <= MAX_SPLITS);
         // Forced counts are capped the same way.
-        assert_eq!(split_count(7, 200, 132, 64, false, false), 7);
-        assert_eq!(split_count(1, 1, 132, 64, false, false), 1);
-        assert_eq!(split_count(500, 1, 132, 1000, false, false), MAX_SPLITS);
-        assert_eq!(split_count(16, 1, 132, 5, false, false), 5);
+        assert_eq!(split_count(7, 200, 132, 64, false), 7);
+        assert_eq!(split_count(1, 1, 132, 64, false), 1);
+        assert_eq!(split_count(500, 1, 132, 1000, false), MAX_SPLITS);
+        assert_eq!(split_count(16, 1, 132, 5, false), 5);
         // Captured into a CUDA graph (no host time per split on replay): few key blocks split
         // too, to fill the GPU: 8 tiles of 5 blocks one block per share, 64 tiles two shares.
-        assert_eq!(split_count(0, 8, 132, 5, true, false), 5);
-        assert_eq!(split_count(0, 64, 132, 5, true, false), 2);
-        assert_eq!(split_count(0, 4, 132, 8, true, false), 8);
-        assert_eq!(split_count(0, 8, 132, 1, true, false), 1);
-        assert_eq!(split_count(0, 106, 132, 5, true, false), 1);
+        assert_eq!(split_count(0, 8, 132, 5, true), 5);
+        assert_eq!(split_count(0, 64, 132, 5, true), 2);
+        assert_eq!(split_count(0, 4, 132, 8, true), 8);
+        assert_eq!(split_count(0, 8, 132, 1, true), 1);
+        assert_eq!(split_count(0, 106, 132, 5, true), 1);
     }
 
     #[test]

@@ -867,7 +867,6 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         sms,
         dims.seqlen_k.div_ceil(variant.block_n),
         captured,
-        kv_box_rows < 64,
     );
     let num_tiles = num_m_blocks * tile_heads * dims.batch * splits;
     // Tile order: uneven tiles run longest first across the pairs of an L2-sized section; even
