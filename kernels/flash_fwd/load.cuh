@@ -88,8 +88,8 @@ __device__ __forceinline__ void load_vt_block(const FwdParams& p, uint8_t* dst, 
 // thread (warp 2 of the producer warpgroup, idle otherwise), so that a block's K and V issues
 // (2 × kBlockN / page boxes per column block: 32 at pages of 16 and d128) and their page-table
 // loads run side by side instead of one after the other in the TMA thread. Pages of 64 keys or
-// more (at most 2 boxes per column block) measured 2-5% slower with it at batch 1 and keep one
-// thread. FP8 caches go through the in-kernel V transpose (kTransposeV), which keeps warps 2 and
+// more (at most 2 boxes per column block) gained nothing from it (0.99-1.01x at batch >= 8, same
+// call) and keep one thread. FP8 caches go through the in-kernel V transpose (kTransposeV), which keeps warps 2 and
 // 3 for itself; their V stays with the TMA thread.
 template <class Tr> __device__ __forceinline__ bool paged_v_thread(const FwdParams& p) {
     return !Tr::kFp8 && p.page_table != nullptr && p.page_box_rows < 64;
