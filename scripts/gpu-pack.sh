@@ -6,7 +6,10 @@
 # scripts/gpu_model_check.py, gpu_fp8_cache.py and gpu-serve-load.sh), stripped and xz-compressed.
 #
 #   scripts/gpu-pack.sh [--anchors] [--fp8] [--attn] [--baseline REV]
+#   scripts/gpu-pack.sh --multi
 #
+# --multi    only the multi-GPU binary: the train example built with `--features nccl`, as
+#            .device/train-nccl.xz, for scripts/gpu-multi.sh on a machine with several GPUs.
 # --attn     only the attention test and benchmark binaries (a few minutes instead of ~12 when the
 #            model crates are cold); gpu-run.sh then reports the model steps as not packed.
 # --baseline REV  also the benchmark binary of git revision REV, as .device-base/gpu-bench.xz for
@@ -27,14 +30,15 @@ set -euo pipefail
 log() { printf '[gpu-pack] %s\n' "$*" >&2; }
 die() { printf '[gpu-pack] error: %s\n' "$*" >&2; exit 1; }
 
-ANCHORS=0 FP8=0 ATTN_ONLY=0 BASELINE=
+ANCHORS=0 FP8=0 ATTN_ONLY=0 MULTI=0 BASELINE=
 while (($#)); do
     case $1 in
         --anchors) ANCHORS=1 ;;
         --fp8) FP8=1 ;;
         --attn) ATTN_ONLY=1 ;;
+        --multi) MULTI=1 ;;
         --baseline) BASELINE=${2:?--baseline needs a git revision}; shift ;;
-        -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,28p' "$0"; exit 0 ;;
         *) die "unknown argument: $1 (usage: $0 [--anchors] [--fp8] [--attn] [--baseline REV])" ;;
     esac
     shift
@@ -81,6 +85,22 @@ print(exes[-1] if exes else "")
     printf -v "$var" '%s' "$exe"
 }
 
+if ((MULTI)); then
+    build_exe TRAIN_NCCL_EXE train build --release -p flash-attn3-examples --features nccl --example train
+    mkdir -p "$DEV"
+    rm -f "$DEV"/*.xz "$DEV/manifest.txt"
+    cp -f "$TRAIN_NCCL_EXE" "$DEV/train-nccl.tmp"
+    strip --strip-debug "$DEV/train-nccl.tmp"
+    xz -T2 -6 -f -c "$DEV/train-nccl.tmp" >"$DEV/train-nccl.xz"
+    rm -f "$DEV/train-nccl.tmp"
+    {
+        echo "packed:  $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
+        echo "commit:  $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' (+ uncommitted changes)')"
+        echo "only:    multi-GPU (gpu-pack.sh --multi): train-nccl"
+    } >"$DEV/manifest.txt"
+    log "packed train-nccl.xz ($(du -h "$DEV/train-nccl.xz" | cut -f1)); run: bash scripts/gpu-multi.sh (carry .device)"
+    exit 0
+fi
 build_exe TEST_EXE gpu test --release -p flash-attn3-tests --features cuda --test gpu --no-run
 build_exe BENCH_EXE gpu_attention bench -p flash-attn3 --features cuda --bench gpu_attention --no-run
 if ((!ATTN_ONLY)); then

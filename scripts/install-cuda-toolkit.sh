@@ -13,6 +13,7 @@
 #   3. builds lib/stubs/libcuda.so (soname libcuda.so.1): a dummy for every driver entry point, so
 #      that candle's cudarc (feature dynamic-linking, `-lcuda`) links. It never runs: the GPU
 #      machine's real libcuda.so.1 is loaded at run time.
+#   4. the same for lib/stubs/libnccl.so (soname libnccl.so.2), for builds with `--features nccl`.
 # Progress goes to stderr; stdout carries only the `export ...` lines.
 set -euo pipefail
 
@@ -119,6 +120,36 @@ else
     rm -rf "$work"
     trap - EXIT
     log "built $stub with $n dummy entry points"
+fi
+
+# 4. The libnccl stub, for builds with the `nccl` feature (multi-GPU): cudarc links -lnccl. Like
+# the libcuda stub it never runs: the GPU machine's real libnccl.so.2 (PyTorch's nvidia-nccl
+# wheel) is found through LD_LIBRARY_PATH at run time (scripts/gpu-multi.sh sets it).
+nccl_stub=$lib/stubs/libnccl.so
+if [[ -f $nccl_stub ]] && readelf -d "$nccl_stub" 2>/dev/null | grep -q 'SONAME.*libnccl\.so\.2'; then
+    log "libnccl stub already present at $nccl_stub"
+else
+    shopt -s nullglob
+    nccl_srcs=("$HOME"/.cargo/registry/src/*/cudarc-*/src/nccl/sys)
+    shopt -u nullglob
+    if ((${#nccl_srcs[@]} == 0)); then
+        log "no cudarc NCCL sources in ~/.cargo/registry: no libnccl stub (only --features nccl needs it)"
+    else
+        work=$(mktemp -d)
+        trap 'rm -rf "$work"' EXIT
+        grep -rohE '\bfn[[:space:]]+nccl[A-Za-z0-9_]*[[:space:]]*[(<]' "${nccl_srcs[@]}" |
+            sed -E 's/^fn[[:space:]]+//; s/[[:space:]]*[(<]$//' | sort -u >"$work/symbols"
+        n=$(wc -l <"$work/symbols")
+        ((n > 10)) || die "only $n NCCL symbols found in ${nccl_srcs[*]}"
+        sed -E 's/.*/void &(void) {}/' "$work/symbols" >"$work/stub.c"
+        mkdir -p "$lib/stubs"
+        gcc -shared -fPIC -O0 -Wl,-soname,libnccl.so.2 -o "$work/libnccl.so" "$work/stub.c" ||
+            die "building the libnccl stub failed"
+        mv -f "$work/libnccl.so" "$nccl_stub"
+        rm -rf "$work"
+        trap - EXIT
+        log "built $nccl_stub with $n dummy entry points"
+    fi
 fi
 
 "$ROOT/bin/nvcc" --version >/dev/null 2>&1 || die "$ROOT/bin/nvcc does not run"

@@ -14,10 +14,18 @@ token plus causal attention, over --peak-tflops).
     pip install torch transformers
     python3 scripts/train_baseline.py                 # 5 warmup + 20 timed steps
     python3 scripts/train_baseline.py --compile       # also with torch.compile
+
+Data-parallel (PyTorch DDP, one process per GPU, NCCL): launched through torchrun, each step
+is the same global batch (--grad-accum micro-batches, a multiple of the GPUs, shared out as the
+Rust example's --data-parallel does); tokens/s counts all GPUs, MFU is against all their peaks.
+
+    python3 -m torch.distributed.run --nproc_per_node 4 scripts/train_baseline.py --grad-accum 4
 """
 
 import argparse
+import contextlib
 import json
+import os
 import time
 
 import torch
@@ -42,6 +50,13 @@ def main():
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 SXM / H200: 989)")
     a = p.parse_args()
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        if a.grad_accum % world:
+            p.error(f"--grad-accum {a.grad_accum} is not a multiple of the {world} GPUs")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group("nccl")
     torch.manual_seed(0)
     dev = torch.device("cuda")
     cfg = LlamaConfig(
@@ -79,18 +94,26 @@ def main():
         eps=1e-8,
         fused=True,
     )
+    if world > 1:
+        # Default buckets (25 MB), all-reduce overlapped with the backward of the last micro-batch.
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index or torch.cuda.current_device()])
     step_fn = torch.compile(model) if a.compile else model
+    torch.manual_seed(1 + rank)  # each rank's own batches
+    local_accum = a.grad_accum // world
 
     def step():
-        for _ in range(a.grad_accum):
+        for i in range(local_accum):
             x = torch.randint(0, 256, (a.batch_size, a.seq_len), device=dev)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = step_fn(input_ids=x).logits
-            # Next-token loss over seq_len - 1 positions, in f32.
-            loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].float().reshape(-1, a.vocab), x[:, 1:].reshape(-1)
-            )
-            (loss / a.grad_accum).backward()
+            # DDP: gradients are all-reduced in the backward of the last micro-batch only.
+            sync = world == 1 or i == local_accum - 1
+            with contextlib.nullcontext() if sync else model.no_sync():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    logits = step_fn(input_ids=x).logits
+                # Next-token loss over seq_len - 1 positions, in f32.
+                loss = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].float().reshape(-1, a.vocab), x[:, 1:].reshape(-1)
+                )
+                (loss / a.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -106,19 +129,25 @@ def main():
     secs = time.perf_counter() - t0
     tokens = a.steps * a.grad_accum * a.batch_size * a.seq_len
     tps = tokens / secs
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    if rank != 0:
+        return
     print(
         json.dumps(
             {
                 "impl": f"pytorch {torch.__version__} transformers LlamaForCausalLM attn={a.attn}"
-                + (" compiled" if a.compile else ""),
+                + (" compiled" if a.compile else "")
+                + (f" DDP x{world}" if world > 1 else ""),
                 "gpu": torch.cuda.get_device_name(),
+                "gpus": world,
                 "params": n_params,
                 "batch": a.batch_size,
                 "seq_len": a.seq_len,
                 "grad_accum": a.grad_accum,
                 "steps_timed": a.steps,
                 "tokens_per_s": round(tps, 1),
-                "mfu_percent": round(100 * tps * flops_per_token / (a.peak_tflops * 1e12), 2),
+                "mfu_percent": round(100 * tps * flops_per_token / (world * a.peak_tflops * 1e12), 2),
                 "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 "last_loss": round(loss.item(), 4),
             }

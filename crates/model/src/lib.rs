@@ -10,7 +10,8 @@
 //! - [`perplexity()`]: a text's perplexity through the KV cache (fp8 or the model's dtype).
 //! - [`Batcher`]: continuous batching (requests join and leave a running batch between steps).
 //! - [`generate()`]: batched sampling loop ([`Sampler`]: temperature, top-k, top-p, repeat penalty).
-//! - [`train`]: training from scratch (presets, AdamW, checkpoints that resume the same run).
+//! - [`train`]: training from scratch (presets, AdamW, checkpoints that resume the same run),
+//!   data-parallel over the ranks of a [`parallel::Communicator`] (threads, or GPUs through NCCL).
 
 pub mod batch;
 pub mod config;
@@ -23,6 +24,7 @@ pub mod kv_cache;
 pub mod loader;
 pub mod model;
 pub mod nn;
+pub mod parallel;
 pub mod sampling;
 pub mod spm;
 pub mod tokenizer;

@@ -5,6 +5,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
+use flash_llama::parallel::LocalGroup;
 use flash_llama::train::{self, cross_entropy, data, Corpus, Tokenization, TrainConfig, Trainer};
 
 /// Python-like text with some structure to learn, the same on every run.
@@ -77,6 +78,80 @@ fn bf16_compute_trains_f32_master_weights() {
         "bf16 train loss {} -> {last}: {losses:?}",
         losses[0]
     );
+}
+
+/// Data parallelism over 2 and 4 ranks (threads through `LocalGroup`, the stand-in for NCCL)
+/// takes the same steps as one rank over the same global batch: the same losses, evaluations
+/// and weights, up to the order of the f32 sums; and every replica ends with the same weights.
+#[test]
+fn data_parallel_ranks_take_the_single_rank_steps() {
+    let data = corpus();
+    let (model, cfg) = tiny(5, 4);
+    let dev = Device::Cpu;
+    let mut alone = Trainer::new(model.clone(), cfg.clone(), DType::F32, &dev).unwrap();
+    let expected: Vec<f32> = (0..5).map(|_| alone.train_step(&data).unwrap().loss).collect();
+    let expected_eval = alone.evaluate(&data).unwrap();
+    let weights = |t: &Trainer| -> Vec<Vec<f32>> {
+        t.parameters()
+            .map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .collect()
+    };
+    let expected_weights = weights(&alone);
+
+    for world in [2, 4] {
+        let groups = LocalGroup::new(world).unwrap();
+        let ranks: Vec<(Vec<f32>, f32, Vec<Vec<f32>>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|g| {
+                    let (model, cfg, data) = (model.clone(), cfg.clone(), &data);
+                    s.spawn(move || {
+                        let mut t = Trainer::new(model, cfg, DType::F32, &Device::Cpu).unwrap();
+                        t.set_data_parallel(Box::new(g)).unwrap();
+                        let losses: Vec<f32> = (0..5).map(|_| t.train_step(data).unwrap().loss).collect();
+                        let eval = t.evaluate(data).unwrap();
+                        (losses, eval, weights(&t))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (losses, eval, w)) in ranks.iter().enumerate() {
+            for (step, (a, b)) in expected.iter().zip(losses).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * a.abs(),
+                    "{world} ranks, rank {rank}, step {}: loss {b}, one rank {a}",
+                    step + 1
+                );
+            }
+            assert!(
+                (eval - expected_eval).abs() <= 1e-5 * expected_eval,
+                "{world} ranks: eval {eval} vs {expected_eval}"
+            );
+            let mut worst = 0f32;
+            for (x, y) in w.iter().flatten().zip(expected_weights.iter().flatten()) {
+                worst = worst.max((x - y).abs());
+            }
+            // Adam divides by the gradients' RMS, so a rounding difference in a near-zero
+            // gradient moves a weight by up to lr-ish amounts after 5 steps; 1e-4 leaves room for
+            // that and still fails on a wrong share (which moves weights by ~1e-3 per step).
+            assert!(worst < 1e-4, "{world} ranks, rank {rank}: weights differ by {worst}");
+            assert_eq!(
+                w, &ranks[0].2,
+                "{world} ranks: rank {rank}'s replica differs from rank 0's"
+            );
+        }
+    }
+}
+
+/// A step's micro-batches must split evenly over the ranks.
+#[test]
+fn data_parallel_needs_a_multiple_of_the_ranks_in_micro_batches() {
+    let (model, cfg) = tiny(5, 3);
+    let mut t = Trainer::new(model, cfg, DType::F32, &Device::Cpu).unwrap();
+    let group = LocalGroup::new(2).unwrap().remove(0);
+    let err = t.set_data_parallel(Box::new(group)).unwrap_err().to_string();
+    assert!(err.contains("multiple of 2 micro-batches"), "{err}");
 }
 
 #[test]

@@ -12,6 +12,13 @@
 //! ops with backward kernels ([`Kernels::Trainable`], [`crate::train_ops`]), the loss is a
 //! log-softmax written with basic ops, and attention is flash-attn3, whose backward the op
 //! provides.
+//!
+//! Data parallelism ([`Trainer::set_data_parallel`]): every rank holds a full replica and runs
+//! the same program. Each rank draws every micro-batch of a step (so the sampler's state stays
+//! the same everywhere) but computes the gradients of only its share, micro-batches `rank`,
+//! `rank + world`, ...; the summed gradients are all-reduced in large buckets, and every rank
+//! applies the same update to the same weights. A step of N ranks is therefore the step of one
+//! device over the same global batch, up to the order of the floating-point sums.
 
 pub mod data;
 pub mod optim;
@@ -29,6 +36,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::{Architecture, Config};
 use crate::model::Llama;
 use crate::nn::Kernels;
+use crate::parallel::{self, Communicator};
 pub use data::{Corpus, Rng, Tokenization};
 pub use optim::{AdamW, AdamWParams};
 
@@ -293,12 +301,17 @@ pub struct Trainer {
     dtype: DType,
     device: Device,
     history: History,
+    /// The data-parallel group this replica belongs to; `None` trains alone.
+    data_parallel: Option<Box<dyn Communicator>>,
 }
 
 /// Checkpoint format tag (safetensors metadata key `format`).
 const FORMAT: &str = "flash-llama-train/1";
 /// The batch sampler's seed differs from the weights' so the two streams are unrelated.
 const DATA_SEED_SALT: u64 = 0x5EED_DA7A;
+/// Gradients are all-reduced in buckets of this many bytes: large enough that each collective
+/// runs near the link's bandwidth, small enough that the packed copy costs little memory.
+const GRAD_BUCKET_BYTES: usize = 128 << 20;
 
 impl Trainer {
     /// A new run: weights drawn from `config.seed` (N(0, 0.02); the residual output projections
@@ -337,7 +350,33 @@ impl Trainer {
             dtype,
             device: device.clone(),
             history: History::default(),
+            data_parallel: None,
         })
+    }
+
+    /// Makes this trainer one replica of a data-parallel group: from the next step on it
+    /// computes the gradients of its share of each step's micro-batches and sums them with the
+    /// other ranks' (see the module docs). Every rank must start from the same state (the same
+    /// `new` arguments, or the same checkpoint) and call the same methods in the same order.
+    /// The micro-batches per step (`grad_accum`) must be a multiple of the ranks.
+    pub fn set_data_parallel(&mut self, comm: Box<dyn Communicator>) -> Result<()> {
+        let world = comm.world_size();
+        if self.config.grad_accum % world != 0 {
+            bail!(
+                "data-parallel training over {world} ranks needs a multiple of {world} micro-batches per step \
+                 (--grad-accum), not {}: each rank computes grad_accum / ranks of them",
+                self.config.grad_accum
+            )
+        }
+        self.data_parallel = Some(comm);
+        Ok(())
+    }
+
+    /// This replica's rank and the group's size ((0, 1) when training alone).
+    pub fn rank_and_world(&self) -> (usize, usize) {
+        self.data_parallel
+            .as_ref()
+            .map_or((0, 1), |c| (c.rank(), c.world_size()))
     }
 
     pub fn model_config(&self) -> &Config {
@@ -418,10 +457,15 @@ impl Trainer {
         let c = self.config.clone();
         data.check_fits(c.seq_len)?;
         let model = self.model()?;
+        let (rank, world) = self.rank_and_world();
         let mut sums: Vec<Option<Tensor>> = vec![None; self.vars.len()];
         let mut loss_sum = 0f64;
-        for _ in 0..c.grad_accum {
+        for micro_batch in 0..c.grad_accum {
+            // Every rank draws every micro-batch, so that the samplers stay in step.
             let (inputs, targets) = data.sample_batch(&mut self.rng, c.batch_size, c.seq_len);
+            if micro_batch % world != rank {
+                continue;
+            }
             let loss = self.batch_loss(&model, inputs, targets)?;
             // Dividing by the micro-batch count makes the summed gradient that of the mean loss.
             let grads = (&loss / c.grad_accum as f64)?.backward()?;
@@ -436,7 +480,11 @@ impl Trainer {
                 });
             }
         }
-        let grads: Vec<Tensor> = sums.into_iter().flatten().collect();
+        let mut grads: Vec<Tensor> = sums.into_iter().flatten().collect();
+        if let Some(comm) = &self.data_parallel {
+            grads = parallel::all_reduce_sum_bucketed(comm.as_ref(), &grads, GRAD_BUCKET_BYTES)?;
+            loss_sum = parallel::all_reduce_scalar(comm.as_ref(), loss_sum as f32, &grads[0])? as f64;
+        }
         let loss = (loss_sum / c.grad_accum as f64) as f32;
         if !loss.is_finite() {
             bail!(
@@ -470,10 +518,23 @@ impl Trainer {
         data.check_fits(c.seq_len)?;
         // Detached weights: no graph is recorded for a forward that is never differentiated.
         let model = self.inference_model()?;
+        let (rank, world) = self.rank_and_world();
         let mut sum = 0f64;
-        for i in 0..c.eval_batches {
+        let mut last = None;
+        // Data-parallel: the ranks share the batches, then sum.
+        for i in (rank..c.eval_batches).step_by(world) {
             let (inputs, targets) = data.eval_batch(i, c.eval_batches, c.batch_size, c.seq_len);
-            sum += self.batch_loss(&model, inputs, targets)?.to_scalar::<f32>()? as f64;
+            let loss = self.batch_loss(&model, inputs, targets)?;
+            sum += loss.to_scalar::<f32>()? as f64;
+            last = Some(loss);
+        }
+        if let Some(comm) = &self.data_parallel {
+            // A rank without a batch (more ranks than batches) still joins the sum.
+            let like = match last {
+                Some(l) => l,
+                None => Tensor::zeros(1, DType::F32, &self.device)?,
+            };
+            sum = parallel::all_reduce_scalar(comm.as_ref(), sum as f32, &like)? as f64;
         }
         let loss = (sum / c.eval_batches as f64) as f32;
         self.history.eval.push((self.step, loss));
@@ -584,6 +645,7 @@ impl Trainer {
             dtype,
             device: device.clone(),
             history,
+            data_parallel: None,
         })
     }
 }

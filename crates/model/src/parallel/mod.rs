@@ -1,0 +1,237 @@
+//! Collective communication between ranks (one model replica or shard per rank), for data-,
+//! tensor- and context-parallel runs.
+//!
+//! - [`Communicator`]: what the rest of the crate needs from a group of ranks: an all-reduce.
+//! - [`LocalGroup`]: ranks as threads of one process exchanging tensors through shared memory.
+//!   It is exact and deterministic, runs on every device (CPU included), and stands in for NCCL
+//!   in tests and CPU runs: the training loop cannot tell the two apart.
+//! - `NcclCommunicator` (feature `nccl`): one rank per GPU through NCCL (cudarc's bindings, as
+//!   candle's own multi-process example uses), on candle's stream of the rank's device.
+//! - [`all_reduce_sum_bucketed`]: many tensors (a model's gradients) reduced in a few large
+//!   collectives instead of one per tensor.
+
+use std::sync::{Arc, Barrier, Mutex};
+
+use candle_core::{bail, DType, Result, Tensor};
+
+#[cfg(feature = "nccl")]
+mod nccl;
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclCommunicator, NcclId};
+
+/// A group of `world_size` ranks; every rank holds one of these and calls the collectives in the
+/// same order as the others (a collective returns once every rank has joined it).
+pub trait Communicator {
+    /// This rank, from 0.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world_size(&self) -> usize;
+    /// The element-wise sum over all ranks of `t` (same shape and dtype on every rank). Every
+    /// rank receives the same values, bit for bit, so replicas that apply it stay identical.
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor>;
+}
+
+/// Sums `tensors` over all ranks, packed into buckets of at most `bucket_bytes` (each tensor
+/// whole, one collective per bucket): one large all-reduce runs near the link's bandwidth where
+/// hundreds of small ones would pay their latency each. Returns the sums in `tensors`' order and
+/// shapes. All tensors must have one dtype and device.
+pub fn all_reduce_sum_bucketed(
+    comm: &dyn Communicator,
+    tensors: &[Tensor],
+    bucket_bytes: usize,
+) -> Result<Vec<Tensor>> {
+    if comm.world_size() == 1 || tensors.is_empty() {
+        return Ok(tensors.to_vec());
+    }
+    let dtype = tensors[0].dtype();
+    if let Some(t) = tensors.iter().find(|t| t.dtype() != dtype) {
+        bail!(
+            "all_reduce_sum_bucketed: tensors of two dtypes ({dtype:?} and {:?})",
+            t.dtype()
+        )
+    }
+    let mut out = Vec::with_capacity(tensors.len());
+    let mut start = 0;
+    while start < tensors.len() {
+        // The bucket: tensors[start..end], at least one tensor, at most bucket_bytes unless one
+        // tensor alone is larger.
+        let mut end = start + 1;
+        let mut bytes = tensors[start].elem_count() * dtype.size_in_bytes();
+        while end < tensors.len() {
+            let next = tensors[end].elem_count() * dtype.size_in_bytes();
+            if bytes + next > bucket_bytes {
+                break;
+            }
+            bytes += next;
+            end += 1;
+        }
+        let flat: Vec<Tensor> = tensors[start..end]
+            .iter()
+            .map(|t| t.flatten_all())
+            .collect::<Result<_>>()?;
+        let summed = comm.all_reduce_sum(&Tensor::cat(&flat, 0)?)?;
+        let mut offset = 0;
+        for t in &tensors[start..end] {
+            let n = t.elem_count();
+            out.push(summed.narrow(0, offset, n)?.reshape(t.shape())?);
+            offset += n;
+        }
+        start = end;
+    }
+    Ok(out)
+}
+
+/// Sums one f32 value over all ranks (losses, counts), read back to the host.
+pub fn all_reduce_scalar(comm: &dyn Communicator, value: f32, like: &Tensor) -> Result<f32> {
+    if comm.world_size() == 1 {
+        return Ok(value);
+    }
+    let t = Tensor::new(&[value], like.device())?;
+    comm.all_reduce_sum(&t)?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()
+        .map(|v| v[0])
+}
+
+/// Ranks that are threads of one process, meeting in shared memory. [`LocalGroup::new`] makes
+/// the handles of all ranks; move one into each rank's thread.
+///
+/// An all-reduce deposits each rank's tensor, waits for all of them, and has every rank add the
+/// deposits in rank order, so each gets the same bits (the sum is computed once per rank:
+/// redundant work, nothing shared to race on).
+pub struct LocalGroup {
+    rank: usize,
+    shared: Arc<LocalShared>,
+}
+
+struct LocalShared {
+    world_size: usize,
+    barrier: Barrier,
+    slots: Mutex<Vec<Option<Tensor>>>,
+}
+
+impl LocalGroup {
+    /// The handles of a group of `world_size` ranks, rank 0 first.
+    pub fn new(world_size: usize) -> Result<Vec<LocalGroup>> {
+        if world_size == 0 {
+            bail!("a group needs at least one rank")
+        }
+        let shared = Arc::new(LocalShared {
+            world_size,
+            barrier: Barrier::new(world_size),
+            slots: Mutex::new(vec![None; world_size]),
+        });
+        Ok((0..world_size)
+            .map(|rank| LocalGroup {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect())
+    }
+}
+
+impl Communicator for LocalGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world_size
+    }
+
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        let s = &self.shared;
+        if s.world_size == 1 {
+            return Ok(t.clone());
+        }
+        s.slots.lock().unwrap()[self.rank] = Some(t.clone());
+        s.barrier.wait();
+        let parts: Vec<Tensor> = s.slots.lock().unwrap().iter().flatten().cloned().collect();
+        // Nobody deposits the next collective's tensor before every rank has taken this one's.
+        s.barrier.wait();
+        if let Some(p) = parts.iter().find(|p| p.shape() != t.shape() || p.dtype() != t.dtype()) {
+            bail!(
+                "all_reduce_sum: rank {} has {:?} {:?}, another rank {:?} {:?}",
+                self.rank,
+                t.dtype(),
+                t.shape(),
+                p.dtype(),
+                p.shape()
+            )
+        }
+        let mut sum = parts[0].to_device(t.device())?;
+        for p in &parts[1..] {
+            sum = (sum + p.to_device(t.device())?)?;
+        }
+        Ok(sum)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn run_ranks<T: Send>(world: usize, f: impl Fn(LocalGroup) -> T + Sync) -> Vec<T> {
+        let groups = LocalGroup::new(world).unwrap();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = groups.into_iter().map(|g| s.spawn(|| f(g))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn local_all_reduce_sums_and_every_rank_gets_the_same_bits() {
+        let out = run_ranks(3, |g| {
+            let r = g.rank() as f32;
+            let t = Tensor::new(&[[1.0f32 + r, 0.1 * r], [r * r, -r]], &Device::Cpu).unwrap();
+            // Two collectives in a row: the second must not see the first's deposits.
+            let a = g.all_reduce_sum(&t).unwrap().to_vec2::<f32>().unwrap();
+            let b = g.all_reduce_sum(&(t * 2.0).unwrap()).unwrap().to_vec2::<f32>().unwrap();
+            (a, b)
+        });
+        let expect = vec![vec![6.0f32, 0.1 + 0.2], vec![5.0, -3.0]];
+        for (a, b) in &out {
+            for (row, e) in a.iter().zip(&expect) {
+                for (x, y) in row.iter().zip(e) {
+                    assert!((x - y).abs() < 1e-6, "{a:?} vs {expect:?}");
+                }
+            }
+            assert_eq!(b[0][0], 12.0);
+            assert_eq!(a, &out[0].0, "ranks disagree");
+        }
+    }
+
+    #[test]
+    fn bucketed_all_reduce_keeps_order_and_shapes() {
+        let out = run_ranks(2, |g| {
+            let r = g.rank() as f32 + 1.0;
+            let ts = vec![
+                Tensor::full(r, (2, 3), &Device::Cpu).unwrap(),
+                Tensor::full(10.0 * r, 5, &Device::Cpu).unwrap(),
+                Tensor::full(100.0 * r, (1, 2, 2), &Device::Cpu).unwrap(),
+            ];
+            // 24 bytes per bucket: the 6-element tensor alone, then the 5 (a bucket each).
+            all_reduce_sum_bucketed(&g, &ts, 24).unwrap()
+        });
+        for sums in out {
+            assert_eq!(sums[0].dims(), &[2, 3]);
+            assert_eq!(sums[1].dims(), &[5]);
+            assert_eq!(sums[2].dims(), &[1, 2, 2]);
+            assert_eq!(sums[0].flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![3.0; 6]);
+            assert_eq!(sums[1].to_vec1::<f32>().unwrap(), vec![30.0; 5]);
+            assert_eq!(sums[2].flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![300.0; 4]);
+        }
+    }
+
+    #[test]
+    fn mismatched_shapes_are_an_error_on_every_rank() {
+        let out = run_ranks(2, |g| {
+            let t = Tensor::zeros(2 + g.rank(), DType::F32, &Device::Cpu).unwrap();
+            g.all_reduce_sum(&t).map(|_| ()).map_err(|e| e.to_string())
+        });
+        for r in out {
+            assert!(r.unwrap_err().contains("another rank"));
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! [`Communicator`] over NCCL: one rank per GPU, collectives on candle's stream of the rank's
+//! device, so they are ordered with the rank's kernels without any extra synchronisation.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
+use candle_core::cuda_backend::{cudarc, CudaDevice};
+use candle_core::{bail, CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+
+use super::Communicator;
+
+fn nccl_err(what: &str, e: cudarc::nccl::result::NcclError) -> candle_core::Error {
+    candle_core::Error::Msg(format!("NCCL {what} failed: {e:?}"))
+}
+
+/// The token that names one group: made once (by rank 0, or by the thread that spawns the
+/// ranks) and handed to every rank before [`NcclCommunicator::new`].
+#[derive(Debug, Clone, Copy)]
+pub struct NcclId(Id);
+
+impl NcclId {
+    pub fn new() -> Result<Self> {
+        Id::new().map(NcclId).map_err(|e| {
+            nccl_err(
+                "ncclGetUniqueId (is libnccl.so.2 on the library path? PyTorch's wheel nvidia-nccl has it)",
+                e,
+            )
+        })
+    }
+
+    /// The id as 256 hex digits, to hand to rank processes (environment, command line, file).
+    pub fn to_hex(&self) -> String {
+        self.0.internal().iter().map(|&b| format!("{:02x}", b as u8)).collect()
+    }
+
+    /// The id written by [`NcclId::to_hex`].
+    pub fn from_hex(hex: &str) -> Result<Self> {
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| hex.get(i..i + 2).and_then(|d| u8::from_str_radix(d, 16).ok()))
+            .collect::<Option<_>>()
+            .unwrap_or_default();
+        let Ok(internal) = <[u8; 128]>::try_from(bytes) else {
+            bail!("an NCCL id is 256 hex digits, got {hex:?}")
+        };
+        Ok(NcclId(Id::uninit(internal.map(|b| b as std::ffi::c_char))))
+    }
+}
+
+/// One rank of an NCCL group. Not `Send`: make it in the thread (or process) that uses it.
+pub struct NcclCommunicator {
+    comm: Comm,
+}
+
+impl NcclCommunicator {
+    /// Joins the group `id` as `rank` of `world_size` on `device` (a CUDA device). Blocks until
+    /// every rank has joined, so the ranks must call it concurrently.
+    pub fn new(device: &Device, rank: usize, world_size: usize, id: NcclId) -> Result<Self> {
+        let Device::Cuda(dev) = device else {
+            bail!("NcclCommunicator::new: {device:?} is not a CUDA device")
+        };
+        if rank >= world_size {
+            bail!("NcclCommunicator::new: rank {rank} of a group of {world_size}")
+        }
+        let comm =
+            Comm::from_rank(dev.cuda_stream(), rank, world_size, id.0).map_err(|e| nccl_err("ncclCommInitRank", e))?;
+        Ok(Self { comm })
+    }
+}
+
+impl Communicator for NcclCommunicator {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        t.contiguous()?.apply_op1_no_bwd(&AllReduceSum { comm: &self.comm })
+    }
+}
+
+/// ncclAllReduce(sum) of a contiguous tensor into a new one, as a candle op so that the result
+/// is an ordinary tensor on the same device.
+struct AllReduceSum<'a> {
+    comm: &'a Comm,
+}
+
+impl AllReduceSum<'_> {
+    fn reduce<T>(&self, storage: &CudaStorage, layout: &Layout) -> Result<CudaStorage>
+    where
+        T: candle_core::cuda_backend::CudaDType + cudarc::nccl::safe::NcclType + cudarc::driver::DeviceRepr,
+    {
+        let dev: CudaDevice = storage.device().clone();
+        let n = layout.shape().elem_count();
+        let start = layout.start_offset();
+        let src = storage.as_cuda_slice::<T>()?.slice(start..start + n);
+        // SAFETY: every element is written by the all-reduce before anything reads it.
+        let mut dst = unsafe { dev.alloc::<T>(n) }?;
+        self.comm
+            .all_reduce(&src, &mut dst, &ReduceOp::Sum)
+            .map_err(|e| nccl_err("ncclAllReduce", e))?;
+        Ok(CudaStorage::wrap_cuda_slice(dst, dev))
+    }
+}
+
+impl CustomOp1 for AllReduceSum<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-all-reduce-sum"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("NCCL all-reduce of a CPU tensor: move it to the rank's GPU (or use LocalGroup on the CPU)")
+    }
+
+    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
+        if !layout.is_contiguous() {
+            bail!("NCCL all-reduce: the tensor must be contiguous")
+        }
+        let out = match storage.dtype() {
+            DType::F32 => self.reduce::<f32>(storage, layout)?,
+            DType::BF16 => self.reduce::<half::bf16>(storage, layout)?,
+            DType::F16 => self.reduce::<half::f16>(storage, layout)?,
+            d => bail!("NCCL all-reduce: unsupported dtype {d:?} (f32, bf16 or f16)"),
+        };
+        Ok((out, layout.shape().clone()))
+    }
+}

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine with several GPUs (device kinds nvidia-h100-x2/-x4/-x8, nvidia-h200-x*):
+# data-parallel training of the train example's 125m preset through NCCL on 1, 2, 4, ... GPUs,
+# checked against one GPU (the same global batch, so the same losses within bf16 noise) and timed
+# next to PyTorch DDP (scripts/train_baseline.py under torchrun) in the same call. Short table last.
+#
+#   scripts/gpu-pack.sh --multi                      # here: .device/train-nccl.xz
+#   run  kind nvidia-h100-x4  carry [".device"]  command "bash scripts/gpu-multi.sh"
+#
+# Env: GPUS (counts to run, default "1 2 4 8" up to the GPUs present), STEPS (timed optimizer
+# steps, default 20), ACCUM (micro-batches of 8 x 2048 tokens per step, shared out over the GPUs;
+# default 4, raised to the GPU count where smaller), SKIP=ddp (no PyTorch runs).
+# Results and logs go to $OUT (the device tool's output folder) or /tmp/gpu-multi.
+set -uo pipefail
+
+# NVLink multicast stays off on these machines (the device tool's KINDS.md says why).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+OUT=${OUT:-/tmp/gpu-multi}
+mkdir -p "$OUT"
+STEPS=${STEPS:-20}
+ACCUM=${ACCUM:-4}
+SKIP=${SKIP:-}
+log() { printf '[gpu-multi %s] %s\n' "$(date +%T)" "$*" | tee -a "$OUT/progress.txt" >&2; }
+
+ngpus=$(nvidia-smi -L | grep -c '^GPU')
+nvidia-smi -L | tee "$OUT/gpus.txt"
+nvidia-smi topo -m >"$OUT/topology.txt" 2>&1 || true
+GPUS=${GPUS:-1 2 4 8}
+counts=()
+for n in $GPUS; do ((n <= ngpus)) && counts+=("$n"); done
+log "GPUs present: $ngpus; runs on: ${counts[*]}"
+
+# The real libnccl.so.2: PyTorch's nvidia-nccl wheel (the build linked a stub of it).
+nccl_lib=$(python3 - <<'PY'
+import glob, site
+for d in site.getsitepackages():
+    hits = sorted(glob.glob(f"{d}/nvidia/**/libnccl.so.2", recursive=True))
+    if hits:
+        print(hits[0].rsplit("/", 1)[0])
+        break
+PY
+)
+[[ -n $nccl_lib ]] || { log "no libnccl.so.2 in python3's site-packages"; exit 1; }
+export LD_LIBRARY_PATH=$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+log "libnccl: $nccl_lib"
+
+[[ -f .device/train-nccl.xz ]] || { log "no .device/train-nccl.xz: run scripts/gpu-pack.sh --multi and carry .device"; exit 1; }
+BIN=$(mktemp -d)
+xz -d -c .device/train-nccl.xz >"$BIN/train" && chmod +x "$BIN/train"
+
+declare -A OURS DDP
+for n in "${counts[@]}"; do
+    accum=$((ACCUM < n ? n : ACCUM))
+    accum=$(((accum + n - 1) / n * n))
+    log "ours: $n GPU(s), grad-accum $accum, $STEPS steps"
+    timeout 240 "$BIN/train" --preset 125m --data-parallel "$n" --grad-accum "$accum" --steps "$STEPS" \
+        --eval-every "$STEPS" --sample 0 --out "$OUT/ours-$n" >"$OUT/ours-$n.log" 2>&1
+    rc=$?
+    done_line=$(grep '^done:' "$OUT/ours-$n.log" | tail -n1)
+    if ((rc != 0)) || [[ -z $done_line ]]; then
+        log "ours on $n GPU(s) failed (exit $rc):"; tail -n5 "$OUT/ours-$n.log" | tee -a "$OUT/progress.txt" >&2
+        continue
+    fi
+    OURS[$n]=$(sed -E 's/.*: ([0-9]+) tokens\/s.*/\1/' <<<"$done_line")
+    log "ours $n: ${OURS[$n]} tokens/s"
+done
+
+if [[ ,$SKIP, != *,ddp,* ]]; then
+    for n in "${counts[@]}"; do
+        accum=$((ACCUM < n ? n : ACCUM))
+        accum=$(((accum + n - 1) / n * n))
+        log "PyTorch DDP: $n GPU(s), grad-accum $accum"
+        if ((n == 1)); then
+            timeout 240 python3 scripts/train_baseline.py --grad-accum "$accum" --steps "$STEPS" >"$OUT/ddp-$n.json" 2>"$OUT/ddp-$n.log"
+        else
+            timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node "$n" scripts/train_baseline.py \
+                --grad-accum "$accum" --steps "$STEPS" >"$OUT/ddp-$n.json" 2>"$OUT/ddp-$n.log"
+        fi
+        rc=$?
+        DDP[$n]=$(python3 -c 'import json,sys; print(round(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])["tokens_per_s"]))' "$OUT/ddp-$n.json" 2>/dev/null)
+        if ((rc != 0)) || [[ -z ${DDP[$n]} ]]; then
+            log "DDP on $n GPU(s) failed (exit $rc):"; tail -n5 "$OUT/ddp-$n.log" | tee -a "$OUT/progress.txt" >&2
+            DDP[$n]=
+            continue
+        fi
+        log "DDP $n: ${DDP[$n]} tokens/s"
+    done
+fi
+
+# The same global batches: each count's per-step losses against one GPU's (from the checkpoints'
+# histories; bf16 compute, so equal within rounding noise, not bit for bit).
+python3 - "$OUT" "${counts[@]}" >"$OUT/losses.txt" <<'PY'
+import json, sys
+from safetensors import safe_open
+out, counts = sys.argv[1], sys.argv[2:]
+hist = {}
+for n in counts:
+    try:
+        with safe_open(f"{out}/ours-{n}/checkpoint.safetensors", "np") as f:
+            md = f.metadata()
+            hist[n] = json.loads(md["history"])
+            hist[n]["accum"] = json.loads(md["train_config"])["grad_accum"]
+    except Exception as e:
+        print(f"{n}: no history ({e})")
+base = hist.get("1")
+for n, h in hist.items():
+    if n == "1" or base is None:
+        continue
+    if h["accum"] != base["accum"]:
+        print(f"{n} GPUs: grad-accum {h['accum']} against {base['accum']} on one GPU: other batches, not compared")
+        continue
+    if len(h["train"]) != len(base["train"]):
+        print(f"{n} GPUs: {len(h['train'])} steps against {len(base['train'])} on one GPU")
+        continue
+    rel = [abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(h["train"], base["train"])]
+    ev = [abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(h["eval"], base["eval"])]
+    print(f"{n} GPUs vs 1: train loss max rel diff {max(rel):.2e} over {len(rel)} steps "
+          f"(first {h['train'][0][1]:.4f} vs {base['train'][0][1]:.4f}, last {h['train'][-1][1]:.4f} vs {base['train'][-1][1]:.4f}); "
+          f"eval max rel diff {max(ev) if ev else float('nan'):.2e}")
+PY
+cat "$OUT/losses.txt"
+
+{
+    echo
+    echo "== data-parallel 125m (8 x 2048-token micro-batches, global grad-accum max($ACCUM, N), $STEPS steps; tokens/s over all GPUs)"
+    printf '%-5s %12s %9s %12s %9s %10s\n' GPUs ours scaling DDP scaling ours/DDP
+    for n in "${counts[@]}"; do
+        o=${OURS[$n]:-} d=${DDP[$n]:-}
+        eff() { [[ -n $1 && -n $2 ]] && awk -v a="$1" -v b="$2" -v n="$n" 'BEGIN { printf "%.3f", a / (n * b) }' || echo -; }
+        ratio=$([[ -n $o && -n $d ]] && awk -v a="$o" -v b="$d" 'BEGIN { printf "%.2f", a / b }' || echo -)
+        printf '%-5s %12s %9s %12s %9s %10s\n' "$n" "${o:--}" "$(eff "$o" "${OURS[1]:-}")" "${d:--}" "$(eff "$d" "${DDP[1]:-}")" "$ratio"
+    done
+} | tee "$OUT/table.txt"
