@@ -51,6 +51,14 @@ log "libnccl: $nccl_lib"
 BIN=$(mktemp -d)
 xz -d -c .device/train-nccl.xz >"$BIN/train" && chmod +x "$BIN/train"
 
+# The training ops' GPU tests first (the optimizer kernel among them), when packed.
+if [[ -f .device/train-gpu-test.xz ]]; then
+    xz -d -c .device/train-gpu-test.xz >"$BIN/train-gpu-test" && chmod +x "$BIN/train-gpu-test"
+    timeout 120 "$BIN/train-gpu-test" --test-threads=1 >"$OUT/train-gpu-test.log" 2>&1
+    log "train GPU tests (exit $?): $(grep -E '^test result' "$OUT/train-gpu-test.log" | tail -n1)"
+    grep -E 'FAILED|panicked' "$OUT/train-gpu-test.log" | head -n5 | tee -a "$OUT/progress.txt" >&2
+fi
+
 declare -A OURS DDP
 for n in "${counts[@]}"; do
     accum=$((ACCUM < n ? n : ACCUM))

@@ -8,8 +8,9 @@
 #   scripts/gpu-pack.sh [--anchors] [--fp8] [--attn] [--baseline REV]
 #   scripts/gpu-pack.sh --multi
 #
-# --multi    only the multi-GPU binary: the train example built with `--features nccl`, as
-#            .device/train-nccl.xz, for scripts/gpu-multi.sh on a machine with several GPUs.
+# --multi    only the multi-GPU binaries: the train example built with `--features nccl`
+#            (.device/train-nccl.xz) and the training ops' GPU tests (train-gpu-test.xz), for
+#            scripts/gpu-multi.sh on a machine with several GPUs.
 # --attn     only the attention test and benchmark binaries (a few minutes instead of ~12 when the
 #            model crates are cold); gpu-run.sh then reports the model steps as not packed.
 # --baseline REV  also the benchmark binary of git revision REV, as .device-base/gpu-bench.xz for
@@ -87,18 +88,22 @@ print(exes[-1] if exes else "")
 
 if ((MULTI)); then
     build_exe TRAIN_NCCL_EXE train build --release -p flash-attn3-examples --features nccl --example train
+    build_exe TRAIN_TEST_EXE gpu_train test --release -p flash-llama --features cuda --test gpu_train --no-run
     mkdir -p "$DEV"
     rm -f "$DEV"/*.xz "$DEV/manifest.txt"
-    cp -f "$TRAIN_NCCL_EXE" "$DEV/train-nccl.tmp"
-    strip --strip-debug "$DEV/train-nccl.tmp"
-    xz -T2 -6 -f -c "$DEV/train-nccl.tmp" >"$DEV/train-nccl.xz"
-    rm -f "$DEV/train-nccl.tmp"
+    for pair in "$TRAIN_NCCL_EXE:train-nccl" "$TRAIN_TEST_EXE:train-gpu-test"; do
+        cp -f "${pair%%:*}" "$DEV/${pair##*:}.tmp"
+        strip --strip-debug "$DEV/${pair##*:}.tmp"
+        xz -T2 -6 -f -c "$DEV/${pair##*:}.tmp" >"$DEV/${pair##*:}.xz"
+        rm -f "$DEV/${pair##*:}.tmp"
+        log "packed ${pair##*:}.xz ($(du -h "$DEV/${pair##*:}.xz" | cut -f1))"
+    done
     {
         echo "packed:  $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
         echo "commit:  $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' (+ uncommitted changes)')"
-        echo "only:    multi-GPU (gpu-pack.sh --multi): train-nccl"
+        echo "only:    multi-GPU (gpu-pack.sh --multi): train-nccl, train-gpu-test"
     } >"$DEV/manifest.txt"
-    log "packed train-nccl.xz ($(du -h "$DEV/train-nccl.xz" | cut -f1)); run: bash scripts/gpu-multi.sh (carry .device)"
+    log "run: bash scripts/gpu-multi.sh (carry .device/train-nccl.xz, .device/train-gpu-test.xz, .device/manifest.txt)"
     exit 0
 fi
 build_exe TEST_EXE gpu test --release -p flash-attn3-tests --features cuda --test gpu --no-run

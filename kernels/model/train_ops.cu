@@ -210,6 +210,25 @@ __device__ void embedding_bwd_rows(const float* __restrict__ partial, const uint
         swiglu_bwd<T>(g, u, dy, out, n);                                                                              \
     }
 
+// One AdamW update of n f32 master weights in place, with their moments m and v (decoupled
+// weight decay: p <- p * decay - lr * m_hat / (sqrt(v_hat) + eps)). The same arithmetic, in the
+// same order, as the composed candle ops of AdamW::update on the CPU; one pass over p, g, m, v
+// instead of about sixteen.
+extern "C" __global__ void adamw_f32(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                                     float* __restrict__ v, unsigned long long n, float grad_scale, float lr,
+                                     float beta1, float beta2, float eps, float decay, float correction1,
+                                     float correction2) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float gi = g[i] * grad_scale;
+        const float mi = m[i] * beta1 + gi * (1.f - beta1);
+        const float vi = v[i] * beta2 + gi * gi * (1.f - beta2);
+        m[i] = mi;
+        v[i] = vi;
+        const float update = (mi / correction1) / (sqrtf(vi / correction2) + eps);
+        p[i] = p[i] * decay - update * lr;
+    }
+}
+
 TRAIN_OPS(__nv_bfloat16, bf16)
 TRAIN_OPS(__half, f16)
 TRAIN_OPS(float, f32)

@@ -111,3 +111,102 @@ fn kernels_match_the_cpu_loops() -> Result<()> {
     }
     Ok(())
 }
+
+/// The fused AdamW kernel (one launch per tensor on the GPU) against an f64 reference of the
+/// update, three steps with fresh gradients, decayed (matrix) and undecayed (vector) parameters
+/// of odd sizes, clipping scale ≠ 1; the CPU's composed ops against the same reference.
+#[test]
+fn fused_adamw_matches_an_f64_reference() -> Result<()> {
+    use flash_llama::train::optim::{AdamW, AdamWParams};
+    let params = AdamWParams {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let shapes: [&[usize]; 2] = [&[37, 129], &[1001]];
+    let host = |t: &Tensor| -> Result<Vec<f64>> {
+        Ok(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f64::from).collect())
+    };
+    let init_p: Vec<Tensor> = shapes.iter().map(|s| randn(s, DType::F32, &Device::Cpu)).collect();
+    // Moments as after some steps: m of either sign, v positive.
+    let init_m: Vec<Tensor> = shapes
+        .iter()
+        .map(|s| (randn(s, DType::F32, &Device::Cpu) * 0.01).unwrap())
+        .collect();
+    let init_v: Vec<Tensor> = shapes
+        .iter()
+        .map(|s| (randn(s, DType::F32, &Device::Cpu).sqr().unwrap() * 1e-4).unwrap())
+        .collect();
+    let grads: Vec<Vec<Tensor>> = (0..3)
+        .map(|_| {
+            shapes
+                .iter()
+                .map(|s| (randn(s, DType::F32, &Device::Cpu) * 0.1).unwrap())
+                .collect()
+        })
+        .collect();
+    let (scale, lr) = (0.7, 3e-3);
+
+    // The f64 reference.
+    let mut rp: Vec<Vec<f64>> = init_p.iter().map(host).collect::<Result<_>>()?;
+    let mut rm: Vec<Vec<f64>> = init_m.iter().map(host).collect::<Result<_>>()?;
+    let mut rv: Vec<Vec<f64>> = init_v.iter().map(host).collect::<Result<_>>()?;
+    for (k, step_grads) in grads.iter().enumerate() {
+        let step = k + 4; // as if three steps had been taken before
+        let c1 = 1.0 - params.beta1.powi(step as i32);
+        let c2 = 1.0 - params.beta2.powi(step as i32);
+        for (i, g) in step_grads.iter().enumerate() {
+            let decay = if shapes[i].len() >= 2 {
+                1.0 - lr * params.weight_decay
+            } else {
+                1.0
+            };
+            for (j, gj) in host(g)?.into_iter().enumerate() {
+                let gj = gj * scale;
+                rm[i][j] = params.beta1 * rm[i][j] + (1.0 - params.beta1) * gj;
+                rv[i][j] = params.beta2 * rv[i][j] + (1.0 - params.beta2) * gj * gj;
+                let update = (rm[i][j] / c1) / ((rv[i][j] / c2).sqrt() + params.eps);
+                rp[i][j] = rp[i][j] * decay - lr * update;
+            }
+        }
+    }
+
+    for dev in [gpu(), Device::Cpu] {
+        let vars: Vec<Var> = init_p
+            .iter()
+            .map(|p| Var::from_tensor(&p.to_device(&dev)?))
+            .collect::<Result<_>>()?;
+        let mut opt = AdamW::new(&vars, params)?;
+        opt.m = init_m.iter().map(|t| t.to_device(&dev)).collect::<Result<_>>()?;
+        opt.v = init_v.iter().map(|t| t.to_device(&dev)).collect::<Result<_>>()?;
+        for (k, step_grads) in grads.iter().enumerate() {
+            let g: Vec<Tensor> = step_grads.iter().map(|t| t.to_device(&dev)).collect::<Result<_>>()?;
+            opt.update(&vars, &g, scale, lr, k + 4)?;
+        }
+        for i in 0..shapes.len() {
+            for (what, got, want) in [
+                ("parameter", vars[i].as_tensor(), &rp[i]),
+                ("m", &opt.m[i], &rm[i]),
+                ("v", &opt.v[i], &rv[i]),
+            ] {
+                let got = host(got)?;
+                let scale = want.iter().fold(0f64, |a, x| a.max(x.abs()));
+                let worst = got.iter().zip(want).fold(0f64, |a, (x, y)| {
+                    // NaN never passes: a NaN difference makes `worst` infinite.
+                    let d = (x - y).abs();
+                    if d.is_nan() {
+                        f64::INFINITY
+                    } else {
+                        a.max(d)
+                    }
+                });
+                assert!(
+                    worst <= 2e-6 * scale,
+                    "AdamW on {dev:?}, tensor {i} {what}: max abs error {worst:e} (max |reference| {scale:e})"
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -39,6 +39,29 @@ impl AdamW {
         let p = self.params;
         let correction1 = 1.0 - p.beta1.powi(step as i32);
         let correction2 = 1.0 - p.beta2.powi(step as i32);
+        #[cfg(feature = "cuda")]
+        if vars.first().is_some_and(|v| v.device().is_cuda()) {
+            // One fused kernel per tensor, the same arithmetic as the composed ops below.
+            for (i, (var, g)) in vars.iter().zip(grads).enumerate() {
+                let decayed = var.rank() >= 2 && p.weight_decay > 0.0;
+                let kernel_step = crate::train_ops::AdamWStep {
+                    grad_scale: grad_scale as f32,
+                    lr: lr as f32,
+                    beta1: p.beta1 as f32,
+                    beta2: p.beta2 as f32,
+                    eps: p.eps as f32,
+                    decay: if decayed {
+                        (1.0 - lr * p.weight_decay) as f32
+                    } else {
+                        1.0
+                    },
+                    correction1: correction1 as f32,
+                    correction2: correction2 as f32,
+                };
+                crate::train_ops::adamw_cuda(var.as_tensor(), g, &self.m[i], &self.v[i], kernel_step)?;
+            }
+            return Ok(());
+        }
         for (i, (var, g)) in vars.iter().zip(grads).enumerate() {
             let g = (g * grad_scale)?;
             self.m[i] = ((&self.m[i] * p.beta1)? + (&g * (1.0 - p.beta1))?)?;

@@ -316,3 +316,89 @@ fn embedding_bwd_t<T: CudaDType + DeviceRepr>(dy: Arg, index: &EmbeddingIndex) -
     }
     Ok(T::wrap_cuda_slice(dw, dev))
 }
+
+/// The scalars of one AdamW update ([`crate::train::optim::AdamW::update`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AdamWStep {
+    pub grad_scale: f32,
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// `1 - lr * weight_decay`, or 1 where the parameter is not decayed.
+    pub decay: f32,
+    pub correction1: f32,
+    pub correction2: f32,
+}
+
+/// One AdamW update of `param` (f32, updated in place) from `grad`, with the moments `m` and `v`
+/// (f32, updated in place): one kernel over the four tensors. All contiguous, of one size.
+pub(crate) fn adamw(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor, step: AdamWStep) -> Result<()> {
+    const OP: &str = "AdamW";
+    let n = param.elem_count();
+    for (what, t) in [("gradient", grad), ("m", m), ("v", v)] {
+        if t.elem_count() != n || t.dtype() != candle_core::DType::F32 || !t.device().same_device(param.device()) {
+            candle_core::bail!(
+                "flash-llama {OP}: the {what} is {:?} {:?}, the parameter F32 {:?} on its device",
+                t.dtype(),
+                t.shape(),
+                param.shape()
+            )
+        }
+    }
+    // The gradient and moments are read and written through their addresses, outside candle's
+    // locks (only the parameter's storage is locked, by `inplace_op1`): the moments are the
+    // optimizer's own tensors, touched by nothing else during the step, the tensors outlive the
+    // launch, and every access is ordered on candle's one stream. Holding read guards across
+    // `inplace_op1` instead could deadlock if a tensor shared the parameter's storage.
+    let address = |t: &Tensor, what: &str| -> Result<u64> {
+        let (s, l) = t.storage_and_layout();
+        match &*s {
+            candle_core::Storage::Cuda(c) => addr::<f32>(c, l, OP, what),
+            _ => candle_core::bail!("flash-llama {OP}: the {what} is not on the GPU"),
+        }
+    };
+    let pa = address(param, "parameter")?;
+    let (ga, ma, va) = (address(grad, "gradient")?, address(m, "m")?, address(v, "v")?);
+    let bytes = 4 * n as u64;
+    let disjoint = |a: u64, b: u64| a + bytes <= b || b + bytes <= a;
+    if n > 0 && !(disjoint(pa, ma) && disjoint(pa, va) && disjoint(ma, va) && disjoint(pa, ga)) {
+        candle_core::bail!("flash-llama {OP}: the parameter, gradient and moments must not overlap")
+    }
+    param.inplace_op1(&AdamWKernel { ga, ma, va, n, step })
+}
+
+struct AdamWKernel {
+    ga: u64,
+    ma: u64,
+    va: u64,
+    n: usize,
+    step: AdamWStep,
+}
+
+impl candle_core::InplaceOp1 for AdamWKernel {
+    fn name(&self) -> &'static str {
+        "flash-llama-adamw"
+    }
+
+    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> Result<()> {
+        candle_core::bail!("flash-llama AdamW: the fused update runs on the GPU only")
+    }
+
+    fn cuda_fwd(&self, p: &mut CudaStorage, l: &Layout) -> Result<()> {
+        let pa = addr::<f32>(p, l, "AdamW", "parameter")?;
+        if self.n == 0 {
+            return Ok(());
+        }
+        let dev = p.device.clone();
+        let func = function_in(CUBIN, &dev, "adamw_f32".to_string())?;
+        let stream = dev.cuda_stream();
+        let s = self.step;
+        let n = self.n as u64;
+        let mut b = stream.launch_builder(&func);
+        b.arg(&pa).arg(&self.ga).arg(&self.ma).arg(&self.va).arg(&n);
+        b.arg(&s.grad_scale).arg(&s.lr).arg(&s.beta1).arg(&s.beta2).arg(&s.eps);
+        b.arg(&s.decay).arg(&s.correction1).arg(&s.correction2);
+        launch(&mut b, grid(self.n), "adamw_f32")
+    }
+}
