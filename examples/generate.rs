@@ -125,6 +125,12 @@ struct Args {
     #[arg(long)]
     cpu: bool,
 
+    /// Tensor parallelism: split the model's heads and MLP over GPUs 0..N, one process each,
+    /// summing through NCCL (a build with `--features nccl`); for models too big for one GPU.
+    /// Every rank computes the same logits; rank 0 prints.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+
     /// Run the trainable form: RMSNorm and RoPE as compositions of candle ops and separate
     /// q/k/v and gate/up matmuls, instead of the inference form (candle-nn's fused forward-only
     /// kernels, weights concatenated at load), which is faster.
@@ -141,7 +147,21 @@ fn main() {
 }
 
 fn run(args: Args) -> Result<()> {
-    let device = common::device(args.cpu)?;
+    let (device, group) = match args.tp {
+        0 => bail!("--tp must be at least 1"),
+        1 => (common::device(args.cpu)?, None),
+        _ if args.cpu => bail!("--tp splits the model over GPUs; on the CPU drop --tp"),
+        world => match common::tensor_parallel_rank(world)? {
+            // This process was the launcher: the ranks have run and finished.
+            None => return Ok(()),
+            Some((device, group)) => (device, Some(group)),
+        },
+    };
+    // Rank processes other than 0 print only their errors.
+    let main_process = flash_llama::parallel::launch::is_main_process();
+    macro_rules! note {
+        ($($t:tt)*) => { if main_process { eprintln!($($t)*) } };
+    }
     let dtype = common::inference_dtype(args.dtype.as_deref(), &device)?;
     let kernels = if args.composed {
         Kernels::Composed
@@ -154,13 +174,22 @@ fn run(args: Args) -> Result<()> {
     }
 
     let t0 = std::time::Instant::now();
+    // The whole model, or with --tp this rank's shard of it.
+    let load_model = || match &group {
+        None => flash_llama::loader::load_model(&args.model, dtype, &device, kernels),
+        Some(g) => flash_llama::loader::load_model_tensor_parallel(&args.model, dtype, &device, kernels, g.clone()),
+    };
     let loaded = if ids_mode {
         // Token ids in, token ids out: the model alone, no tokenizer needed.
-        flash_llama::loader::load_model(&args.model, dtype, &device, kernels).map(|model| (model, None))
+        load_model().map(|model| (model, None))
     } else {
         match &args.tokenizer {
-            None => flash_llama::load(&args.model, dtype, &device, kernels).map(|l| (l.model, Some(l.tokenizer))),
-            Some(dir) => flash_llama::loader::load_model(&args.model, dtype, &device, kernels).and_then(|model| {
+            None => match &group {
+                None => flash_llama::load(&args.model, dtype, &device, kernels),
+                Some(g) => flash_llama::loader::load_tensor_parallel(&args.model, dtype, &device, kernels, g.clone()),
+            }
+            .map(|l| (l.model, Some(l.tokenizer))),
+            Some(dir) => load_model().and_then(|model| {
                 let cfg = model.config();
                 let tokenizer = TextTokenizer::from_hf_dir(dir, &cfg.eos_token_ids, cfg.bos_token_id)?;
                 Ok((model, Some(tokenizer)))
@@ -170,7 +199,7 @@ fn run(args: Args) -> Result<()> {
     .with_context(|| format!("loading {}", args.model.display()))?;
     let (model, tokenizer) = (&loaded.0, loaded.1.as_ref());
     let cfg = model.config();
-    eprintln!(
+    note!(
         "loaded {} ({:?}, {} layers, hidden {}, {} heads / {} kv heads) in {:.1}s on {:?} as {dtype:?}",
         args.model.display(),
         cfg.architecture,
@@ -247,8 +276,11 @@ fn run(args: Args) -> Result<()> {
         for t in &tokens {
             println!("{}", join_ids(t));
         }
-        write_npy_f32(path, &[steps.len(), prompts.len(), cfg.vocab_size], &steps.concat())?;
-        eprintln!("wrote the logits of {} steps to {}", steps.len(), path.display());
+        // Tensor-parallel ranks hold the same logits: rank 0 writes them.
+        if main_process {
+            write_npy_f32(path, &[steps.len(), prompts.len(), cfg.vocab_size], &steps.concat())?;
+        }
+        note!("wrote the logits of {} steps to {}", steps.len(), path.display());
         return Ok(());
     }
 
@@ -268,12 +300,13 @@ fn run(args: Args) -> Result<()> {
             (false, None) => cfg.eos_token_ids.clone(),
         },
         kv_cache_dtype: Some(kv_cache_dtype),
-        cuda_graphs: !args.no_cuda_graphs,
+        // Graph capture of the NCCL all-reduces is not tried: tensor-parallel steps run eagerly.
+        cuda_graphs: !args.no_cuda_graphs && group.is_none(),
     };
     if args.warmup {
         let t = std::time::Instant::now();
         generate(model, &prompts, &opts, |_, _| Ok(Flow::Continue))?;
-        eprintln!("warm-up generation: {:.2}s", t.elapsed().as_secs_f64());
+        note!("warm-up generation: {:.2}s", t.elapsed().as_secs_f64());
     }
 
     // One text prompt streams its text as it is produced; a batch prints each answer at the end.
@@ -319,7 +352,7 @@ fn run(args: Args) -> Result<()> {
             }
         }
     }
-    eprintln!(
+    note!(
         "\nprompt: {} tokens in {:.2}s ({:.1} tokens/s); generation: {} tokens in {:.2}s ({:.1} tokens/s)",
         generation.prompt_tokens,
         generation.prefill_secs,
@@ -329,7 +362,7 @@ fn run(args: Args) -> Result<()> {
         generation.decode_tokens_per_sec(),
     );
     if device.is_cuda() && generation.decode_secs > 0.0 {
-        eprintln!(
+        note!(
             "generation: {:.0}% of the time waiting for the device (less: the host's own work per step is the limit)",
             100.0 * generation.decode_wait_secs / generation.decode_secs
         );
@@ -338,7 +371,7 @@ fn run(args: Args) -> Result<()> {
         generation.inter_token_latency(0.5),
         generation.inter_token_latency(0.99),
     ) {
-        eprintln!("inter-token latency: p50 {:.2} ms, p99 {:.2} ms", 1e3 * p50, 1e3 * p99);
+        note!("inter-token latency: p50 {:.2} ms, p99 {:.2} ms", 1e3 * p50, 1e3 * p99);
     }
     Ok(())
 }

@@ -20,7 +20,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
-use flash_llama::parallel::{Communicator, LocalGroup};
+use flash_llama::parallel::{launch, Communicator, LocalGroup};
 use flash_llama::train::{self, data, Corpus, Tokenization, TrainConfig, Trainer};
 use flash_llama::{generate, Flow, GenerateOptions, SamplingParams, TextTokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -171,7 +171,7 @@ fn run(args: Args) -> Result<()> {
     }
     if world > 1 && device.is_cuda() {
         check_gpus(world)?;
-        if std::env::var_os(RANK_ENV).is_none() {
+        if launch::rank_from_env()?.is_none() {
             // The launcher: it only starts and watches the rank processes.
             return launch_gpu_ranks(world);
         }
@@ -206,7 +206,7 @@ fn run(args: Args) -> Result<()> {
     }
     let corpus = Corpus::from_files(&files, &tokenization, args.max_bytes)?;
     // Rank processes other than 0 print only their errors.
-    let quiet = std::env::var(RANK_ENV).is_ok_and(|r| r != "0");
+    let quiet = !launch::is_main_process();
     let held_out = if corpus.eval_docs > 0 {
         format!("every 20th of {} documents", corpus.train_docs + corpus.eval_docs)
     } else {
@@ -230,16 +230,9 @@ fn run(args: Args) -> Result<()> {
     }
     if device.is_cuda() {
         // A rank process started by launch_gpu_ranks: GPU `rank`, the group named in the env.
-        let (rank, comm) = join_gpu_group(world)?;
-        return train(
-            &args,
-            &corpus,
-            &tokenization,
-            dtype,
-            Device::new_cuda(rank)?,
-            Some(comm),
-        )
-        .with_context(|| format!("rank {rank} of {world}"));
+        let (rank, device, comm) = join_gpu_group(world)?;
+        return train(&args, &corpus, &tokenization, dtype, device, Some(comm))
+            .with_context(|| format!("rank {rank} of {world}"));
     }
     // On the CPU: one thread per rank, meeting in shared memory. A rank that fails ends the
     // process: the others would wait for it forever in their next collective.
@@ -259,59 +252,11 @@ fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// The environment that makes a process one rank of a GPU group: its rank, and the NCCL id of
-/// the group (hex), set by [`launch_gpu_ranks`].
-const RANK_ENV: &str = "FLASH_LLAMA_RANK";
-#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-const NCCL_ID_ENV: &str = "FLASH_LLAMA_NCCL_ID";
-
-/// Data parallelism on GPUs runs one process per GPU, as torchrun does: threads of one process
-/// would share the CUDA driver's locks while launching candle's many small kernels (measured:
-/// 4 H200s reached 0.61 of 4x one GPU's tokens/s as threads). This starts the same command
-/// once per rank with the group's NCCL id in the environment and waits for all of them; if one
-/// fails, the others are stopped (they would wait for it in their next collective).
+/// The launcher of `--data-parallel N` on GPUs: one process per GPU
+/// ([`flash_llama::parallel::launch`]).
 #[cfg(feature = "nccl")]
 fn launch_gpu_ranks(world: usize) -> Result<()> {
-    use std::process::Child;
-    let id = flash_llama::parallel::NcclId::new()?.to_hex();
-    let exe = std::env::current_exe().context("locating this executable to start the ranks")?;
-    let mut children: Vec<(usize, Child)> = Vec::new();
-    for rank in 0..world {
-        let child = Command::new(&exe)
-            .args(std::env::args_os().skip(1))
-            .env(RANK_ENV, rank.to_string())
-            .env(NCCL_ID_ENV, &id)
-            .spawn()
-            .with_context(|| format!("starting rank {rank} ({})", exe.display()));
-        match child {
-            Ok(c) => children.push((rank, c)),
-            Err(e) => {
-                children.iter_mut().for_each(|(_, c)| drop(c.kill()));
-                return Err(e);
-            }
-        }
-    }
-    let mut failed = None;
-    while !children.is_empty() {
-        let mut i = 0;
-        while i < children.len() {
-            match children[i].1.try_wait()? {
-                None => i += 1,
-                Some(status) => {
-                    let (rank, _) = children.swap_remove(i);
-                    if !status.success() && failed.is_none() {
-                        failed = Some((rank, status));
-                        children.iter_mut().for_each(|(_, c)| drop(c.kill()));
-                    }
-                }
-            }
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    match failed {
-        Some((rank, status)) => bail!("rank {rank} of {world} failed ({status}); the other ranks were stopped"),
-        None => Ok(()),
-    }
+    launch::launch_gpu_ranks(world)
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -319,19 +264,15 @@ fn launch_gpu_ranks(_: usize) -> Result<()> {
     unreachable!("check_gpus refuses GPU data parallelism without the nccl feature")
 }
 
-/// In a rank process: its rank and its handle of the NCCL group (joining blocks until every
-/// rank has joined).
+/// In a rank process: its rank, its GPU and its handle of the NCCL group.
 #[cfg(feature = "nccl")]
-fn join_gpu_group(world: usize) -> Result<(usize, Box<dyn Communicator>)> {
-    use flash_llama::parallel::{NcclCommunicator, NcclId};
-    let rank: usize = std::env::var(RANK_ENV)?.parse().context(RANK_ENV)?;
-    let id = NcclId::from_hex(&std::env::var(NCCL_ID_ENV).context(NCCL_ID_ENV)?)?;
-    let comm = NcclCommunicator::new(&Device::new_cuda(rank)?, rank, world, id)?;
-    Ok((rank, Box::new(comm)))
+fn join_gpu_group(world: usize) -> Result<(usize, Device, Box<dyn Communicator>)> {
+    let (rank, device, comm) = launch::join_gpu_group(world)?;
+    Ok((rank, device, Box::new(comm)))
 }
 
 #[cfg(not(feature = "nccl"))]
-fn join_gpu_group(_: usize) -> Result<(usize, Box<dyn Communicator>)> {
+fn join_gpu_group(_: usize) -> Result<(usize, Device, Box<dyn Communicator>)> {
     unreachable!("check_gpus refuses GPU data parallelism without the nccl feature")
 }
 

@@ -9,7 +9,8 @@
 #
 # Env: GPUS (counts to run, default "1 2 4 8" up to the GPUs present), STEPS (timed optimizer
 # steps, default 20), ACCUM (micro-batches of 8 x 2048 tokens per step, shared out over the GPUs;
-# default 4, raised to the GPU count where smaller), SKIP=ddp (no PyTorch runs).
+# default 4, raised to the GPU count where smaller), SKIP=ddp,tp,dp (no PyTorch runs, no
+# tensor-parallel generation, no data-parallel training), TP_SHAPES (default 1b,8b).
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/gpu-multi.
 set -uo pipefail
 
@@ -61,6 +62,7 @@ fi
 
 declare -A OURS DDP
 for n in "${counts[@]}"; do
+    [[ ,$SKIP, == *,dp,* ]] && break
     accum=$((ACCUM < n ? n : ACCUM))
     accum=$(((accum + n - 1) / n * n))
     log "ours: $n GPU(s), grad-accum $accum, $STEPS steps"
@@ -76,7 +78,7 @@ for n in "${counts[@]}"; do
     log "ours $n: ${OURS[$n]} tokens/s"
 done
 
-if [[ ,$SKIP, != *,ddp,* ]]; then
+if [[ ,$SKIP, != *,ddp,* && ,$SKIP, != *,dp,* ]]; then
     for n in "${counts[@]}"; do
         accum=$((ACCUM < n ? n : ACCUM))
         accum=$(((accum + n - 1) / n * n))
@@ -96,6 +98,17 @@ if [[ ,$SKIP, != *,ddp,* ]]; then
         fi
         log "DDP $n: ${DDP[$n]} tokens/s"
     done
+fi
+
+# Tensor-parallel generation (generate --tp N) of random 1B- and 8B-shaped models, when packed.
+if [[ ,$SKIP, != *,tp,* && -f .device/generate-nccl.xz ]]; then
+    xz -d -c .device/generate-nccl.xz >"$BIN/generate" && chmod +x "$BIN/generate"
+    tp_sizes=$(IFS=,; echo "${counts[*]}")
+    log "tensor parallel: tp $tp_sizes, shapes ${TP_SHAPES:-1b,8b}"
+    timeout "${TP_TIMEOUT:-300}" python3 scripts/gpu_tp.py --bin "$BIN/generate" --work "$BIN/tp" --tp "$tp_sizes" \
+        --shapes "${TP_SHAPES:-1b,8b}" >"$OUT/tp.txt" 2>"$OUT/tp.log"
+    log "tensor parallel done (exit $?)"
+    rm -rf "$BIN/tp"
 fi
 
 # The same global batches: each count's per-step losses against one GPU's (from the checkpoints'
@@ -142,3 +155,4 @@ cat "$OUT/losses.txt"
         printf '%-5s %12s %9s %12s %9s %10s\n' "$n" "${o:--}" "$(eff "$o" "${OURS[1]:-}")" "${d:--}" "$(eff "$d" "${DDP[1]:-}")" "$ratio"
     done
 } | tee "$OUT/table.txt"
+[[ -f $OUT/tp.txt ]] && sed -n '/^== tensor-parallel/,$p' "$OUT/tp.txt" | tee -a "$OUT/table.txt"

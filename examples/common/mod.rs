@@ -10,7 +10,11 @@ pub fn device(cpu: bool) -> Result<Device> {
         return Ok(Device::Cpu);
     }
     // Device::cuda_if_available is the CPU unless built with the cuda feature and a GPU exists.
-    let dev = Device::cuda_if_available(0)?;
+    without_event_tracking(Device::cuda_if_available(0)?)
+}
+
+/// `dev` with cudarc's per-allocation events off (see below).
+fn without_event_tracking(dev: Device) -> Result<Device> {
     // cudarc gives every allocation a read and a write event (created with it, destroyed with
     // it) to order its uses across streams: four driver calls per candle op that this program
     // never needs, since all of its work (candle's kernels and copies, cuBLAS, flash-attn3 and
@@ -46,4 +50,34 @@ pub fn kv_cache_dtype(arg: &str, model: DType) -> Result<DType> {
         "fp8" => DType::F8E4M3,
         other => bail!("unsupported --kv-cache-dtype {other}: use model or fp8"),
     })
+}
+
+/// `--tp N` (tensor parallelism over GPUs 0..N, one process each): in the launcher, starts the
+/// rank processes, waits for them and returns `None`; in a rank process, its GPU and its handle
+/// of the NCCL group.
+#[cfg(feature = "nccl")]
+#[allow(dead_code)] // generate's, not serve's
+pub fn tensor_parallel_rank(
+    world: usize,
+) -> Result<Option<(Device, flash_llama::parallel::tensor::TensorParallelGroup)>> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    use flash_llama::parallel::launch;
+    let count = CudaContext::device_count().map_err(|e| anyhow::anyhow!("counting the GPUs: {e:?}"))? as usize;
+    if count < world {
+        bail!("--tp {world}: this machine has {count} GPU(s)")
+    }
+    if launch::rank_from_env()?.is_none() {
+        launch::launch_gpu_ranks(world)?;
+        return Ok(None);
+    }
+    let (_, device, comm) = launch::join_gpu_group(world)?;
+    Ok(Some((without_event_tracking(device)?, std::sync::Arc::new(comm))))
+}
+
+#[cfg(not(feature = "nccl"))]
+#[allow(dead_code)] // generate's, not serve's
+pub fn tensor_parallel_rank(
+    world: usize,
+) -> Result<Option<(Device, flash_llama::parallel::tensor::TensorParallelGroup)>> {
+    bail!("--tp {world} needs NCCL: build with `--features nccl`")
 }

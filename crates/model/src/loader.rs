@@ -17,6 +17,7 @@ use candle_nn::VarBuilder;
 use crate::config::Config;
 use crate::model::Llama;
 use crate::nn::Kernels;
+use crate::parallel::tensor::TensorParallelGroup;
 use crate::tokenizer::TextTokenizer;
 
 /// A model ready to generate: the decoder and its tokenizer.
@@ -27,13 +28,35 @@ pub struct LoadedModel {
 
 /// Loads the model and tokenizer at `path`: an HF directory or a `.gguf` file.
 pub fn load(path: &Path, dtype: DType, device: &Device, kernels: Kernels) -> Result<LoadedModel> {
+    load_with(path, dtype, device, kernels, None)
+}
+
+/// [`load`] of this rank's shard for tensor-parallel inference over `group`
+/// ([`Llama::load_tensor_parallel`]): every rank reads the same files and keeps its slice.
+pub fn load_tensor_parallel(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    kernels: Kernels,
+    group: TensorParallelGroup,
+) -> Result<LoadedModel> {
+    load_with(path, dtype, device, kernels, Some(group))
+}
+
+fn load_with(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    kernels: Kernels,
+    tp: Option<TensorParallelGroup>,
+) -> Result<LoadedModel> {
     if path.is_dir() {
-        let model = load_hf_dir(path, dtype, device, kernels)?;
+        let model = load_hf_dir_with(path, dtype, device, kernels, tp)?;
         let cfg = model.config();
         let tokenizer = TextTokenizer::from_hf_dir(path, &cfg.eos_token_ids, cfg.bos_token_id)?;
         Ok(LoadedModel { model, tokenizer })
     } else if path.is_file() {
-        let (model, content) = load_gguf_with_content(path, dtype, device, kernels)?;
+        let (model, content) = load_gguf_with_content(path, dtype, device, kernels, tp)?;
         let tokenizer = TextTokenizer::from_gguf(&content)?;
         Ok(LoadedModel { model, tokenizer })
     } else {
@@ -47,10 +70,31 @@ pub fn load(path: &Path, dtype: DType, device: &Device, kernels: Kernels) -> Res
 /// The decoder alone at `path` (an HF directory or a `.gguf` file), for when the tokenizer comes
 /// from elsewhere (e.g. a GGUF whose SentencePiece vocabulary candle cannot rebuild).
 pub fn load_model(path: &Path, dtype: DType, device: &Device, kernels: Kernels) -> Result<Llama> {
+    load_model_with(path, dtype, device, kernels, None)
+}
+
+/// [`load_model`] of this rank's shard for tensor-parallel inference over `group`.
+pub fn load_model_tensor_parallel(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    kernels: Kernels,
+    group: TensorParallelGroup,
+) -> Result<Llama> {
+    load_model_with(path, dtype, device, kernels, Some(group))
+}
+
+fn load_model_with(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    kernels: Kernels,
+    tp: Option<TensorParallelGroup>,
+) -> Result<Llama> {
     if path.is_dir() {
-        load_hf_dir(path, dtype, device, kernels)
+        load_hf_dir_with(path, dtype, device, kernels, tp)
     } else if path.is_file() {
-        load_gguf(path, dtype, device, kernels)
+        Ok(load_gguf_with_content(path, dtype, device, kernels, tp)?.0)
     } else {
         bail!(
             "no model at {}: pass an HF model directory or a .gguf file",
@@ -62,15 +106,42 @@ pub fn load_model(path: &Path, dtype: DType, device: &Device, kernels: Kernels) 
 /// The decoder of an HF directory: `config.json` and `model.safetensors` or the shards listed by
 /// `model.safetensors.index.json`.
 pub fn load_hf_dir(dir: &Path, dtype: DType, device: &Device, kernels: Kernels) -> Result<Llama> {
+    load_hf_dir_with(dir, dtype, device, kernels, None)
+}
+
+/// The decoder on `device` (or, with `tp`, this rank's shard of it) from the full tensors in
+/// `vb`.
+fn build(
+    vb: VarBuilder,
+    cfg: &Config,
+    kernels: Kernels,
+    tp: Option<TensorParallelGroup>,
+    device: &Device,
+) -> candle_core::Result<Llama> {
+    match tp {
+        None => Llama::load(vb, cfg, kernels),
+        Some(group) => Llama::load_tensor_parallel(vb, cfg, kernels, group, device),
+    }
+}
+
+fn load_hf_dir_with(
+    dir: &Path,
+    dtype: DType,
+    device: &Device,
+    kernels: Kernels,
+    tp: Option<TensorParallelGroup>,
+) -> Result<Llama> {
     let config_path = dir.join("config.json");
     let json = std::fs::read_to_string(&config_path).with_context(|| format!("reading {}", config_path.display()))?;
     let cfg = Config::from_hf_json(&json).with_context(|| format!("in {}", config_path.display()))?;
     let files = safetensors_files(dir)?;
     // SAFETY: the files are memory-mapped read-only; like every mmap-based loader this assumes
     // nobody truncates or rewrites them while the model is loaded.
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device) }
+    // A shard reads its slices from the map on the CPU and copies only them to the device.
+    let map_device = if tp.is_some() { &Device::Cpu } else { device };
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, map_device) }
         .with_context(|| format!("reading the safetensors weights in {}", dir.display()))?;
-    Llama::load(vb, &cfg, kernels).with_context(|| format!("loading the weights in {}", dir.display()))
+    build(vb, &cfg, kernels, tp, device).with_context(|| format!("loading the weights in {}", dir.display()))
 }
 
 fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
@@ -137,7 +208,7 @@ pub fn gguf_to_hf_name(name: &str) -> Option<String> {
 
 /// The decoder of a GGUF file.
 pub fn load_gguf(path: &Path, dtype: DType, device: &Device, kernels: Kernels) -> Result<Llama> {
-    Ok(load_gguf_with_content(path, dtype, device, kernels)?.0)
+    Ok(load_gguf_with_content(path, dtype, device, kernels, None)?.0)
 }
 
 fn load_gguf_with_content(
@@ -145,6 +216,7 @@ fn load_gguf_with_content(
     dtype: DType,
     device: &Device,
     kernels: Kernels,
+    tp: Option<TensorParallelGroup>,
 ) -> Result<(Llama, gguf_file::Content)> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let file_len = file.metadata()?.len();
@@ -183,7 +255,7 @@ fn load_gguf_with_content(
     }
     cfg.validate().with_context(|| format!("in {}", path.display()))?;
     let vb = VarBuilder::from_tensors(tensors, dtype, device);
-    let model = Llama::load(vb, &cfg, kernels).with_context(|| {
+    let model = build(vb, &cfg, kernels, tp, device).with_context(|| {
         format!(
             "loading the weights of {} (named here by their HF names)",
             path.display()

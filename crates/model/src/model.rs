@@ -16,6 +16,7 @@ use crate::fused::{rope_store, silu_mul, CacheStore};
 use crate::kv_cache::{write_rows, CacheGroup, E4m3Scales, LayerKv};
 pub use crate::kv_cache::{KvCache, E4M3_HEADROOM};
 use crate::nn::{apply_rope, rope_angles, rope_angles_per_head, rope_per_head, Kernels, RmsNorm};
+use crate::parallel::tensor::{shard_config, sharded_var_builder, TensorParallelGroup};
 
 /// Where the keys of one forward call come from; shared by all layers of the call.
 enum KeySource {
@@ -571,6 +572,9 @@ pub struct Llama {
     dtype: DType,
     device: Device,
     kernels: Kernels,
+    /// Tensor parallelism: this model is one rank's shard, and each sub-block's output is
+    /// summed over the group ([`crate::parallel::tensor`]).
+    tensor_parallel: Option<TensorParallelGroup>,
 }
 
 impl Llama {
@@ -622,7 +626,35 @@ impl Llama {
             dtype: vb.dtype(),
             device,
             kernels,
+            tensor_parallel: None,
         })
+    }
+
+    /// This rank's shard, on `device`, of the model whose full tensors `vb` reads (on the CPU
+    /// is best: only the slices are copied) and whose full shape `cfg` describes, for
+    /// tensor-parallel inference over `group` ([`crate::parallel::tensor`]). Its
+    /// [`Llama::config`] is the shard's (heads and MLP width divided by the ranks). Every rank
+    /// must make the same calls; each returns the full model's logits.
+    pub fn load_tensor_parallel(
+        vb: VarBuilder,
+        cfg: &Config,
+        kernels: Kernels,
+        group: TensorParallelGroup,
+        device: &Device,
+    ) -> Result<Self> {
+        if kernels == Kernels::Trainable {
+            bail!("tensor parallelism is for inference: load with fused or composed kernels")
+        }
+        let (rank, world) = (group.rank(), group.world_size());
+        let shard = shard_config(cfg, world)?;
+        let mut model = Self::load(sharded_var_builder(vb, rank, world, device), &shard, kernels)?;
+        model.tensor_parallel = Some(group);
+        Ok(model)
+    }
+
+    /// The tensor-parallel group this model is a shard of, if any.
+    pub fn tensor_parallel(&self) -> Option<&TensorParallelGroup> {
+        self.tensor_parallel.as_ref()
     }
 
     pub fn config(&self) -> &Config {
@@ -956,6 +988,15 @@ impl Llama {
     /// residual add and the norm after it are one [`RmsNorm::add_forward`] (one kernel with
     /// fused kernels on the GPU), or part of the projection that reads the norm
     /// ([`Residual::project`]).
+    /// A sub-block's output summed over the tensor-parallel ranks (each holds a partial sum over
+    /// its heads or MLP columns); unchanged without tensor parallelism.
+    fn sum_over_shards(&self, h: Tensor) -> Result<Tensor> {
+        match &self.tensor_parallel {
+            Some(group) => group.all_reduce_sum(&h),
+            None => Ok(h),
+        }
+    }
+
     fn run_layers(&self, ids: &Tensor, plan: &Plan, cache: Option<&KvCache>) -> Result<Residual> {
         let x = match self.kernels {
             // Our lookup, whose backward is not candle's (slow) index_add.
@@ -968,10 +1009,14 @@ impl Llama {
             let (x, h) = block
                 .self_attn
                 .forward(&stream, &block.input_layernorm, plan, layer_cache)?;
+            let h = self.sum_over_shards(h)?;
             let (x, h) = block
                 .mlp
                 .forward(&Residual { x, h: Some(h) }, &block.post_attention_layernorm)?;
-            stream = Residual { x, h: Some(h) };
+            stream = Residual {
+                x,
+                h: Some(self.sum_over_shards(h)?),
+            };
         }
         Ok(stream)
     }

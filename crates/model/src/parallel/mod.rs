@@ -9,13 +9,17 @@
 //!   candle's own multi-process example uses), on candle's stream of the rank's device.
 //! - [`all_reduce_sum_bucketed`]: many tensors (a model's gradients) reduced in a few large
 //!   collectives instead of one per tensor.
+//! - [`tensor`]: tensor-parallel inference (each rank a slice of every layer).
+//! - [`launch`]: one process per GPU rank (the launcher side and the rank side).
 
 use std::sync::{Arc, Barrier, Mutex};
 
 use candle_core::{bail, DType, Result, Tensor};
 
+pub mod launch;
 #[cfg(feature = "nccl")]
 mod nccl;
+pub mod tensor;
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclCommunicator, NcclId};
 

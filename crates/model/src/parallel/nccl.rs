@@ -1,6 +1,8 @@
 //! [`Communicator`] over NCCL: one rank per GPU, collectives on candle's stream of the rank's
 //! device, so they are ordered with the rank's kernels without any extra synchronisation.
 
+use std::sync::Mutex;
+
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
 use candle_core::cuda_backend::{cudarc, CudaDevice};
@@ -46,10 +48,18 @@ impl NcclId {
     }
 }
 
-/// One rank of an NCCL group. Not `Send`: make it in the thread (or process) that uses it.
+/// One rank of an NCCL group, on candle's stream of its GPU.
 pub struct NcclCommunicator {
-    comm: Comm,
+    /// NCCL allows a communicator to be used from any thread but not from two at once: the
+    /// mutex serialises the calls, which makes the handle `Send + Sync` (a model holding it can
+    /// move between threads, as the server's models do).
+    comm: Mutex<Comm>,
 }
+
+// SAFETY: the raw communicator inside `Comm` is only used under the mutex, one call at a time,
+// which is what NCCL requires of multi-threaded use; the stream it holds is `Send + Sync`.
+unsafe impl Send for NcclCommunicator {}
+unsafe impl Sync for NcclCommunicator {}
 
 impl NcclCommunicator {
     /// Joins the group `id` as `rank` of `world_size` on `device` (a CUDA device). Blocks until
@@ -63,21 +73,22 @@ impl NcclCommunicator {
         }
         let comm =
             Comm::from_rank(dev.cuda_stream(), rank, world_size, id.0).map_err(|e| nccl_err("ncclCommInitRank", e))?;
-        Ok(Self { comm })
+        Ok(Self { comm: Mutex::new(comm) })
     }
 }
 
 impl Communicator for NcclCommunicator {
     fn rank(&self) -> usize {
-        self.comm.rank()
+        self.comm.lock().unwrap().rank()
     }
 
     fn world_size(&self) -> usize {
-        self.comm.world_size()
+        self.comm.lock().unwrap().world_size()
     }
 
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-        t.contiguous()?.apply_op1_no_bwd(&AllReduceSum { comm: &self.comm })
+        let comm = self.comm.lock().unwrap();
+        t.contiguous()?.apply_op1_no_bwd(&AllReduceSum { comm: &comm })
     }
 }
 
