@@ -14,7 +14,9 @@ MLP 14336, untied head), then for each tensor-parallel size:
     max |tp 1| at each step while both runs have taken the same greedy tokens (bf16 compute: the
     sums differ in order, so noise of about 1e-2, not 0; random weights give near-flat logits, so
     a near-tie can send the greedy paths apart, after which the logits are not comparable), and
-    how many of the 8 greedy tokens agree;
+    how many of the 8 greedy tokens agree; for the 1B shape also the prefill logits' error of
+    each tp size against the f32 forward on the CPU (the truth), to show that splitting adds no
+    error beyond bf16's own;
   * speed: batch 1, 128-token prompt, 128 new tokens greedy (--warmup --ignore-eos), decode
     tokens/s as generate prints it (eager steps: --tp runs without CUDA graphs, so tp 1 is run
     eagerly too for the ratio).
@@ -81,6 +83,11 @@ def main():
         speed_prompt = rng.integers(10, cfg["vocab_size"], size=128).tolist()
         base_logits = None
         base_speed = None
+        truth = None
+        if shape == "1b":
+            npy = os.path.join(a.work, f"{shape}-f32.npy")
+            generate(a, model_dir, 1, check_prompt, 1, ["--temperature", "0", "--cpu", "--dtype", "f32", "--dump-logits", npy])
+            truth = np.load(npy)[0, 0, :]
         for tp in sizes:
             row = {"shape": shape, "tp": tp}
             try:
@@ -96,6 +103,8 @@ def main():
                     np.abs(logits[:same] - base_logits[:same]).max() / np.abs(base_logits[:same]).max()
                 )
                 row["prefill_rel_diff"] = float(np.abs(logits[0] - base_logits[0]).max() / np.abs(base_logits[0]).max())
+                if truth is not None:
+                    row["prefill_error_vs_f32"] = float(np.abs(logits[0] - truth).max() / np.abs(truth).max())
                 row["greedy_tokens_equal"] = int(sum(logits[i].argmax() == base_logits[i].argmax() for i in range(len(logits))))
                 r = generate(a, model_dir, tp, speed_prompt, 128,
                              ["--temperature", "0", "--warmup", "--ignore-eos", "--no-cuda-graphs"])
@@ -110,12 +119,13 @@ def main():
             log(json.dumps(row))
             rows.append(row)
     log("\n== tensor-parallel decode, batch 1, 128-token prompt, 128 new tokens, bf16, eager steps")
-    log(f"{'shape':6} {'tp':>3} {'tokens/s':>10} {'vs tp 1':>8} {'logits vs tp 1':>15} {'greedy =':>9}")
+    log(f"{'shape':6} {'tp':>3} {'tokens/s':>10} {'vs tp 1':>8} {'logits vs tp 1':>15} {'greedy =':>9} {'prefill vs f32':>15}")
     for r in rows:
         tps = r.get("decode_tokens_per_s")
         diff = ('%.1e' % r['logit_rel_diff']) if 'logit_rel_diff' in r else r.get('error', '-')[:40]
         log(f"{r['shape']:6} {r['tp']:>3} {tps if tps else '-':>10} {r.get('speedup', '-'):>8} {diff:>15} "
-            f"{str(r.get('greedy_tokens_equal', '-')) + '/8':>9}")
+            f"{str(r.get('greedy_tokens_equal', '-')) + '/8':>9} "
+            f"{('%.1e' % r['prefill_error_vs_f32']) if 'prefill_error_vs_f32' in r else '-':>15}")
 
 
 if __name__ == "__main__":
