@@ -9,8 +9,9 @@
 #
 # Env: GPUS (counts to run, default "1 2 4 8" up to the GPUs present), STEPS (timed optimizer
 # steps, default 20), ACCUM (micro-batches of 8 x 2048 tokens per step, shared out over the GPUs;
-# default 4, raised to the GPU count where smaller), SKIP=ddp,tp,dp (no PyTorch runs, no
-# tensor-parallel generation, no data-parallel training), TP_SHAPES (default 1b,8b).
+# default 4, raised to the GPU count where smaller), SKIP=ddp,tp,dp,cp (no PyTorch runs, no
+# tensor-parallel generation, no data-parallel training, no ring attention), TP_SHAPES (default
+# 1b,8b), CP_SEQS (ring attention's whole-sequence lengths, default "16384 65536").
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/gpu-multi.
 set -uo pipefail
 
@@ -100,6 +101,18 @@ if [[ ,$SKIP, != *,ddp,* && ,$SKIP, != *,dp,* ]]; then
     done
 fi
 
+# Context-parallel (ring) attention through NCCL against one GPU's call, when packed.
+if [[ ,$SKIP, != *,cp,* && -f .device/ring-attention.xz ]]; then
+    xz -d -c .device/ring-attention.xz >"$BIN/ring-attention" && chmod +x "$BIN/ring-attention"
+    for n in "${counts[@]}"; do
+        ((n < 2)) && continue
+        for seq in ${CP_SEQS:-16384 65536}; do
+            timeout 120 "$BIN/ring-attention" --gpus "$n" --seq "$seq" >>"$OUT/cp.txt" 2>>"$OUT/cp.log"
+            log "ring attention, $n GPUs, seq $seq: exit $?"
+        done
+    done
+fi
+
 # Tensor-parallel generation (generate --tp N) of random 1B- and 8B-shaped models, when packed.
 if [[ ,$SKIP, != *,tp,* && -f .device/generate-nccl.xz ]]; then
     xz -d -c .device/generate-nccl.xz >"$BIN/generate" && chmod +x "$BIN/generate"
@@ -156,3 +169,4 @@ cat "$OUT/losses.txt"
     done
 } | tee "$OUT/table.txt"
 [[ -f $OUT/tp.txt ]] && sed -n '/^== tensor-parallel/,$p' "$OUT/tp.txt" | tee -a "$OUT/table.txt"
+[[ -f $OUT/cp.txt ]] && { echo "== context-parallel attention (ring, NCCL)"; cat "$OUT/cp.txt"; } | tee -a "$OUT/table.txt"

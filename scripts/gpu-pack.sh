@@ -8,9 +8,9 @@
 #   scripts/gpu-pack.sh [--anchors] [--fp8] [--attn] [--baseline REV]
 #   scripts/gpu-pack.sh --multi
 #
-# --multi    only the multi-GPU binaries: the train and generate examples built with
-#            `--features nccl` (.device/train-nccl.xz, generate-nccl.xz) and the training ops'
-#            GPU tests (train-gpu-test.xz), for
+# --multi    only the multi-GPU binaries: the train, generate and ring_attention examples built
+#            with `--features nccl` (.device/train-nccl.xz, generate-nccl.xz, ring-attention.xz)
+#            and the training ops' GPU tests (train-gpu-test.xz), for
 #            scripts/gpu-multi.sh on a machine with several GPUs.
 # --attn     only the attention test and benchmark binaries (a few minutes instead of ~12 when the
 #            model crates are cold); gpu-run.sh then reports the model steps as not packed.
@@ -90,10 +90,11 @@ print(exes[-1] if exes else "")
 if ((MULTI)); then
     build_exe TRAIN_NCCL_EXE train build --release -p flash-attn3-examples --features nccl --example train
     build_exe GENERATE_NCCL_EXE generate build --release -p flash-attn3-examples --features nccl --example generate
+    build_exe RING_EXE ring_attention build --release -p flash-attn3-examples --features nccl --example ring_attention
     build_exe TRAIN_TEST_EXE gpu_train test --release -p flash-llama --features cuda --test gpu_train --no-run
     mkdir -p "$DEV"
     rm -f "$DEV"/*.xz "$DEV/manifest.txt"
-    for pair in "$TRAIN_NCCL_EXE:train-nccl" "$GENERATE_NCCL_EXE:generate-nccl" "$TRAIN_TEST_EXE:train-gpu-test"; do
+    for pair in "$TRAIN_NCCL_EXE:train-nccl" "$GENERATE_NCCL_EXE:generate-nccl" "$RING_EXE:ring-attention" "$TRAIN_TEST_EXE:train-gpu-test"; do
         cp -f "${pair%%:*}" "$DEV/${pair##*:}.tmp"
         strip --strip-debug "$DEV/${pair##*:}.tmp"
         xz -T2 -6 -f -c "$DEV/${pair##*:}.tmp" >"$DEV/${pair##*:}.xz"
@@ -103,9 +104,9 @@ if ((MULTI)); then
     {
         echo "packed:  $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
         echo "commit:  $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' (+ uncommitted changes)')"
-        echo "only:    multi-GPU (gpu-pack.sh --multi): train-nccl, generate-nccl, train-gpu-test"
+        echo "only:    multi-GPU (gpu-pack.sh --multi): train-nccl, generate-nccl, ring-attention, train-gpu-test"
     } >"$DEV/manifest.txt"
-    log "run: bash scripts/gpu-multi.sh (carry .device/train-nccl.xz, .device/generate-nccl.xz, .device/train-gpu-test.xz, .device/manifest.txt)"
+    log "run: bash scripts/gpu-multi.sh (carry .device/{train-nccl,generate-nccl,ring-attention,train-gpu-test}.xz and .device/manifest.txt)"
     exit 0
 fi
 build_exe TEST_EXE gpu test --release -p flash-attn3-tests --features cuda --test gpu --no-run
@@ -113,6 +114,7 @@ build_exe BENCH_EXE gpu_attention bench -p flash-attn3 --features cuda --bench g
 if ((!ATTN_ONLY)); then
     build_exe MODEL_TEST_EXE gpu test --release -p flash-llama --features cuda --test gpu --no-run
     build_exe GENERATE_NCCL_EXE generate build --release -p flash-attn3-examples --features nccl --example generate
+    build_exe RING_EXE ring_attention build --release -p flash-attn3-examples --features nccl --example ring_attention
     build_exe TRAIN_TEST_EXE gpu_train test --release -p flash-llama --features cuda --test gpu_train --no-run
     build_exe HOST_BENCH_EXE decode_host bench -p flash-llama --features cuda --bench decode_host --no-run
     build_exe GENERATE_EXE generate build --release -p flash-attn3-examples --features cuda --example generate

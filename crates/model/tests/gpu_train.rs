@@ -210,3 +210,60 @@ fn fused_adamw_matches_an_f64_reference() -> Result<()> {
     }
     Ok(())
 }
+
+/// Context-parallel (ring) attention on the GPU, bf16: 2 and 3 ranks as threads on one GPU
+/// (`LocalGroup`; NCCL ranks run the same code on several GPUs), each rank's output and
+/// gradients against the rows of one flash-attn3 call over the whole sequence.
+#[test]
+fn ring_attention_matches_the_whole_sequence_on_the_gpu() -> Result<()> {
+    use flash_llama::parallel::context::RingAttention;
+    use flash_llama::parallel::{Communicator, LocalGroup};
+    let dev = gpu();
+    for (world, chunk, causal) in [(2, 200, true), (3, 131, true), (2, 97, false)] {
+        let (b, h, hk, d) = (2, 8, 2, 128);
+        let s = world * chunk;
+        let q = randn(&[b, s, h, d], DType::BF16, &dev);
+        let k = randn(&[b, s, hk, d], DType::BF16, &dev);
+        let v = randn(&[b, s, hk, d], DType::BF16, &dev);
+        let dout = randn(&[b, s, h, d], DType::BF16, &dev);
+        let scale = 1.0 / (d as f32).sqrt();
+        let attn = flash_attn3::FlashAttn::new(scale).causal(causal);
+        let (out, lse) = attn.forward_with_lse(&q, &k, &v)?;
+        let (dq, dk, dv) = attn.backward(&q, &k, &v, &out, &lse, &dout)?;
+        let rows = |t: &Tensor, r: usize| t.narrow(1, r * chunk, chunk).unwrap().contiguous().unwrap();
+        let groups = LocalGroup::new(world)?;
+        let ranks: Vec<_> = std::thread::scope(|sc| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|g| {
+                    let (q, k, v, dout) = (&q, &k, &v, &dout);
+                    sc.spawn(move || -> Result<_> {
+                        let r = g.rank();
+                        let ring = RingAttention::new(scale).causal(causal);
+                        let (qr, kr, vr) = (rows(q, r), rows(k, r), rows(v, r));
+                        let (o, l) = ring.forward_with_lse(&g, &qr, &kr, &vr)?;
+                        let grads = ring.backward(&g, &qr, &kr, &vr, &o, &l, &rows(dout, r))?;
+                        Ok((o, grads))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        });
+        for (r, res) in ranks.into_iter().enumerate() {
+            let (o, (gq, gk, gv)) = res?;
+            for (name, got, want) in [
+                ("out", o, rows(&out, r)),
+                ("dq", gq, rows(&dq, r)),
+                ("dk", gk, rows(&dk, r)),
+                ("dv", gv, rows(&dv, r)),
+            ] {
+                let e = rel_diff(&got, &want);
+                assert!(
+                    e < 3e-2,
+                    "{world} ranks, chunk {chunk}, causal {causal}, rank {r}: {name} rel diff {e}"
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -109,3 +109,60 @@ fn tensor_parallel_needs_divisible_heads() {
         assert!(e.contains("multiple of 4 key/value heads"), "{e}");
     }
 }
+
+/// Ring attention over 2 and 3 ranks (odd chunk lengths, GQA, causal and not) gives each rank
+/// the rows of the single-device call over the whole sequence: output, log-sum-exp and the
+/// gradients of its q, k and v chunks.
+#[test]
+fn ring_attention_equals_attention_over_the_whole_sequence() {
+    use flash_llama::parallel::context::RingAttention;
+    use flash_llama::parallel::Communicator;
+    let dev = Device::Cpu;
+    for (world, chunk, causal) in [(2, 7, true), (3, 5, true), (3, 6, false), (2, 9, false)] {
+        let (b, h, hk, d) = (2, 4, 2, 16);
+        let s = world * chunk;
+        let q = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (b, s, hk, d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (b, s, hk, d), &dev).unwrap();
+        let dout = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev).unwrap();
+        let scale = 1.0 / (d as f32).sqrt();
+        let attn = flash_attn3::FlashAttn::new(scale).causal(causal);
+        let (out, lse) = attn.forward_with_lse(&q, &k, &v).unwrap();
+        let (dq, dk, dv) = attn.backward(&q, &k, &v, &out, &lse, &dout).unwrap();
+        let rows = |t: &Tensor, r: usize| t.narrow(1, r * chunk, chunk).unwrap().contiguous().unwrap();
+        let lse_rows = |t: &Tensor, r: usize| t.narrow(2, r * chunk, chunk).unwrap().contiguous().unwrap();
+
+        let groups = LocalGroup::new(world).unwrap();
+        let ranks: Vec<_> = std::thread::scope(|sc| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|g| {
+                    let (q, k, v, dout) = (&q, &k, &v, &dout);
+                    sc.spawn(move || {
+                        let r = g.rank();
+                        let ring = RingAttention::new(scale).causal(causal);
+                        let (qr, kr, vr) = (rows(q, r), rows(k, r), rows(v, r));
+                        let (o, l) = ring.forward_with_lse(&g, &qr, &kr, &vr).unwrap();
+                        let grads = ring.backward(&g, &qr, &kr, &vr, &o, &l, &rows(dout, r)).unwrap();
+                        (o, l, grads)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, (o, l, (gq, gk, gv))) in ranks.iter().enumerate() {
+            let what = format!("{world} ranks, chunk {chunk}, causal {causal}, rank {r}");
+            for (name, got, want) in [
+                ("out", o, rows(&out, r)),
+                ("lse", l, lse_rows(&lse, r)),
+                ("dq", gq, rows(&dq, r)),
+                ("dk", gk, rows(&dk, r)),
+                ("dv", gv, rows(&dv, r)),
+            ] {
+                let scale = max_abs(&want).max(1e-3);
+                let diff = max_diff(got, &want);
+                assert!(diff <= 2e-5 * scale, "{what}: {name} differs by {diff} (max {scale})");
+            }
+        }
+    }
+}

@@ -10,12 +10,14 @@
 //! - [`all_reduce_sum_bucketed`]: many tensors (a model's gradients) reduced in a few large
 //!   collectives instead of one per tensor.
 //! - [`tensor`]: tensor-parallel inference (each rank a slice of every layer).
+//! - [`context`]: context-parallel (ring) attention (each rank a slice of the sequence).
 //! - [`launch`]: one process per GPU rank (the launcher side and the rank side).
 
 use std::sync::{Arc, Barrier, Mutex};
 
 use candle_core::{bail, DType, Result, Tensor};
 
+pub mod context;
 pub mod launch;
 #[cfg(feature = "nccl")]
 mod nccl;
@@ -33,6 +35,10 @@ pub trait Communicator {
     /// The element-wise sum over all ranks of `t` (same shape and dtype on every rank). Every
     /// rank receives the same values, bit for bit, so replicas that apply it stay identical.
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor>;
+    /// Passes tensors one step around the ring of ranks: sends `t` to rank `rank + 1` and
+    /// returns what rank `rank - 1` sent (modulo the group's size; same shape and dtype on every
+    /// rank). Context parallelism moves key/value blocks this way.
+    fn ring_shift(&self, t: &Tensor) -> Result<Tensor>;
 }
 
 /// Sums `tensors` over all ranks, packed into buckets of at most `bucket_bytes` (each tensor
@@ -169,6 +175,31 @@ impl Communicator for LocalGroup {
         }
         Ok(sum)
     }
+
+    fn ring_shift(&self, t: &Tensor) -> Result<Tensor> {
+        let s = &self.shared;
+        if s.world_size == 1 {
+            return Ok(t.clone());
+        }
+        s.slots.lock().unwrap()[self.rank] = Some(t.clone());
+        s.barrier.wait();
+        let from = (self.rank + s.world_size - 1) % s.world_size;
+        let received = s.slots.lock().unwrap()[from].clone();
+        s.barrier.wait();
+        let received = received.expect("every rank deposited before the barrier");
+        if received.shape() != t.shape() || received.dtype() != t.dtype() {
+            bail!(
+                "ring_shift: rank {} sends {:?} {:?}, rank {from} sent {:?} {:?}",
+                self.rank,
+                t.dtype(),
+                t.shape(),
+                received.dtype(),
+                received.shape()
+            )
+        }
+        // A copy: the sender may keep using its tensor.
+        received.to_device(t.device())?.copy()
+    }
 }
 
 #[cfg(test)]
@@ -226,6 +257,17 @@ mod tests {
             assert_eq!(sums[1].to_vec1::<f32>().unwrap(), vec![30.0; 5]);
             assert_eq!(sums[2].flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![300.0; 4]);
         }
+    }
+
+    #[test]
+    fn ring_shift_passes_to_the_next_rank() {
+        let out = run_ranks(3, |g| {
+            let t = Tensor::full(g.rank() as f32, 4, &Device::Cpu).unwrap();
+            let once = g.ring_shift(&t).unwrap();
+            let twice = g.ring_shift(&once).unwrap();
+            (once.to_vec1::<f32>().unwrap()[0], twice.to_vec1::<f32>().unwrap()[0])
+        });
+        assert_eq!(out, vec![(2.0, 1.0), (0.0, 2.0), (1.0, 0.0)]);
     }
 
     #[test]

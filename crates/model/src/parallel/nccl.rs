@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
+use candle_core::cuda_backend::cudarc::nccl::safe::{group_end, group_start, Comm, Id, ReduceOp};
 use candle_core::cuda_backend::{cudarc, CudaDevice};
 use candle_core::{bail, CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
 
@@ -89,6 +89,69 @@ impl Communicator for NcclCommunicator {
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
         let comm = self.comm.lock().unwrap();
         t.contiguous()?.apply_op1_no_bwd(&AllReduceSum { comm: &comm })
+    }
+
+    fn ring_shift(&self, t: &Tensor) -> Result<Tensor> {
+        let comm = self.comm.lock().unwrap();
+        if comm.world_size() == 1 {
+            return Ok(t.clone());
+        }
+        t.contiguous()?.apply_op1_no_bwd(&RingShift { comm: &comm })
+    }
+}
+
+/// ncclSend to the next rank and ncclRecv from the previous one, in one NCCL group (so that
+/// neither blocks the other), into a new tensor.
+struct RingShift<'a> {
+    comm: &'a Comm,
+}
+
+impl RingShift<'_> {
+    fn shift<T>(&self, storage: &CudaStorage, layout: &Layout) -> Result<CudaStorage>
+    where
+        T: candle_core::cuda_backend::CudaDType + cudarc::nccl::safe::NcclType + cudarc::driver::DeviceRepr,
+    {
+        let dev: CudaDevice = storage.device().clone();
+        let n = layout.shape().elem_count();
+        let start = layout.start_offset();
+        let src = storage.as_cuda_slice::<T>()?.slice(start..start + n);
+        // SAFETY: every element is written by the receive before anything reads it.
+        let mut dst = unsafe { dev.alloc::<T>(n) }?;
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+        group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+        let sent = self.comm.send(&src, next as i32).map_err(|e| nccl_err("ncclSend", e));
+        let received = self
+            .comm
+            .recv(&mut dst, prev as i32)
+            .map_err(|e| nccl_err("ncclRecv", e));
+        group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
+        sent?;
+        received?;
+        Ok(CudaStorage::wrap_cuda_slice(dst, dev))
+    }
+}
+
+impl CustomOp1 for RingShift<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-ring-shift"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("NCCL ring shift of a CPU tensor: move it to the rank's GPU (or use LocalGroup on the CPU)")
+    }
+
+    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
+        if !layout.is_contiguous() {
+            bail!("NCCL ring shift: the tensor must be contiguous")
+        }
+        let out = match storage.dtype() {
+            DType::F32 => self.shift::<f32>(storage, layout)?,
+            DType::BF16 => self.shift::<half::bf16>(storage, layout)?,
+            DType::F16 => self.shift::<half::f16>(storage, layout)?,
+            d => bail!("NCCL ring shift: unsupported dtype {d:?} (f32, bf16 or f16)"),
+        };
+        Ok((out, layout.shape().clone()))
     }
 }
 
