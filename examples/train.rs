@@ -6,6 +6,7 @@
 //! cargo run --release --features cuda --example train -- --preset 125m   # GPU, bf16
 //! cargo run --release --example train -- --resume runs/train/checkpoint.safetensors
 //! cargo run --release --features nccl --example train -- --preset 125m --data-parallel 8 --grad-accum 8
+//! cargo run --release --features nccl --example train -- --preset 125m --context-parallel 2 --seq-len 131072 --batch-size 1
 //! ```
 //!
 //! The corpus is the .py files of the local Python standard library (found through python3)
@@ -20,7 +21,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
-use flash_llama::parallel::{launch, Communicator, LocalGroup};
+use flash_llama::parallel::{launch, Communicator, Group, LocalGroup};
 use flash_llama::train::{self, data, Corpus, Tokenization, TrainConfig, Trainer};
 use flash_llama::{generate, Flow, GenerateOptions, SamplingParams, TextTokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -128,6 +129,12 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     data_parallel: usize,
 
+    /// Context-parallel ranks: every sequence cut into N consecutive chunks, one per GPU (or CPU
+    /// thread), attention as ring attention; for sequences too long for one device.
+    /// --seq-len must be a multiple of N.
+    #[arg(long, default_value_t = 1)]
+    context_parallel: usize,
+
     /// The device's peak TFLOP/s for the MFU figure (default on the GPU: 989, the dense bf16
     /// peak of H100 SXM and H200; H100 PCIe: 756). On the CPU no MFU is shown unless given.
     #[arg(long)]
@@ -165,10 +172,12 @@ fn run(args: Args) -> Result<()> {
     } else {
         Device::cuda_if_available(0)?
     };
-    let world = args.data_parallel;
-    if world == 0 {
-        bail!("--data-parallel must be at least 1")
-    }
+    let world = match (args.data_parallel, args.context_parallel) {
+        (0, _) | (_, 0) => bail!("--data-parallel and --context-parallel must be at least 1"),
+        (d, c) if d > 1 && c > 1 => bail!("--data-parallel and --context-parallel cannot be combined (yet)"),
+        (d, c) => d.max(c),
+    };
+    let context = args.context_parallel > 1;
     if world > 1 && device.is_cuda() {
         check_gpus(world)?;
         if launch::rank_from_env()?.is_none() {
@@ -231,7 +240,11 @@ fn run(args: Args) -> Result<()> {
     if device.is_cuda() {
         // A rank process started by launch_gpu_ranks: GPU `rank`, the group named in the env.
         let (rank, device, comm) = join_gpu_group(world)?;
-        return train(&args, &corpus, &tokenization, dtype, device, Some(comm))
+        let parallel = match context {
+            true => Parallel::Context(comm),
+            false => Parallel::Data(Box::new(comm)),
+        };
+        return train(&args, &corpus, &tokenization, dtype, device, Some(parallel))
             .with_context(|| format!("rank {rank} of {world}"));
     }
     // On the CPU: one thread per rank, meeting in shared memory. A rank that fails ends the
@@ -242,7 +255,11 @@ fn run(args: Args) -> Result<()> {
             let (args, corpus, tokenization) = (&args, &corpus, &tokenization);
             s.spawn(move || {
                 let rank = group.rank();
-                if let Err(e) = train(args, corpus, tokenization, dtype, Device::Cpu, Some(Box::new(group))) {
+                let parallel = match context {
+                    true => Parallel::Context(std::sync::Arc::new(group)),
+                    false => Parallel::Data(Box::new(group)),
+                };
+                if let Err(e) = train(args, corpus, tokenization, dtype, Device::Cpu, Some(parallel)) {
                     eprintln!("error (rank {rank} of {world}): {e:#}");
                     std::process::exit(1)
                 }
@@ -266,35 +283,50 @@ fn launch_gpu_ranks(_: usize) -> Result<()> {
 
 /// In a rank process: its rank, its GPU and its handle of the NCCL group.
 #[cfg(feature = "nccl")]
-fn join_gpu_group(world: usize) -> Result<(usize, Device, Box<dyn Communicator>)> {
+fn join_gpu_group(world: usize) -> Result<(usize, Device, Group)> {
     let (rank, device, comm) = launch::join_gpu_group(world)?;
-    Ok((rank, device, Box::new(comm)))
+    Ok((rank, device, std::sync::Arc::new(comm)))
 }
 
 #[cfg(not(feature = "nccl"))]
-fn join_gpu_group(_: usize) -> Result<(usize, Device, Box<dyn Communicator>)> {
+fn join_gpu_group(_: usize) -> Result<(usize, Device, Group)> {
     unreachable!("check_gpus refuses GPU data parallelism without the nccl feature")
 }
 
 /// `--data-parallel N` on GPUs: a build with NCCL and N visible GPUs.
 fn check_gpus(world: usize) -> Result<()> {
     if !cfg!(feature = "nccl") {
-        bail!(
-            "--data-parallel {world} on GPUs needs NCCL: build with `--features nccl` (or add --cpu for {world} CPU threads)"
-        )
+        bail!("{world} GPU ranks need NCCL: build with `--features nccl` (or add --cpu for {world} CPU threads)")
     }
     #[cfg(feature = "cuda")]
     {
         use candle_core::cuda_backend::cudarc::driver::CudaContext;
         let count = CudaContext::device_count().map_err(|e| anyhow!("counting the GPUs: {e:?}"))? as usize;
         if count < world {
-            bail!("--data-parallel {world}: this machine has {count} GPU(s)")
+            bail!("{world} GPU ranks: this machine has {count} GPU(s)")
         }
     }
     Ok(())
 }
 
-/// The training run of one rank (`comm`: its data-parallel group; `None`: training alone).
+/// How a rank shares the work with the others.
+enum Parallel {
+    /// Its share of each step's micro-batches (`--data-parallel`).
+    Data(Box<dyn Communicator>),
+    /// Its chunk of every sequence (`--context-parallel`).
+    Context(Group),
+}
+
+impl Parallel {
+    fn comm(&self) -> &dyn Communicator {
+        match self {
+            Parallel::Data(c) => c.as_ref(),
+            Parallel::Context(g) => g.as_ref(),
+        }
+    }
+}
+
+/// The training run of one rank (`parallel`: its group; `None`: training alone).
 /// Rank 0 prints, plots, checkpoints and samples; the other ranks only compute.
 fn train(
     args: &Args,
@@ -302,10 +334,11 @@ fn train(
     tokenization: &Tokenization,
     dtype: DType,
     device: Device,
-    comm: Option<Box<dyn Communicator>>,
+    parallel: Option<Parallel>,
 ) -> Result<()> {
-    let world = comm.as_ref().map_or(1, |c| c.world_size());
-    let main_rank = comm.as_ref().is_none_or(|c| c.rank() == 0);
+    let world = parallel.as_ref().map_or(1, |p| p.comm().world_size());
+    let main_rank = parallel.as_ref().is_none_or(|p| p.comm().rank() == 0);
+    let context = matches!(parallel, Some(Parallel::Context(_)));
     // Progress and results: printed by rank 0 only.
     macro_rules! say {
         ($($t:tt)*) => { if main_rank { eprintln!($($t)*) } };
@@ -330,8 +363,10 @@ fn train(
             Trainer::new(model_cfg, cfg, dtype, &device)?
         }
     };
-    if let Some(comm) = comm {
-        trainer.set_data_parallel(comm)?;
+    match parallel {
+        Some(Parallel::Data(comm)) => trainer.set_data_parallel(comm)?,
+        Some(Parallel::Context(group)) => trainer.set_context_parallel(group)?,
+        None => {}
     }
     let cfg = trainer.config().clone();
     let model_cfg = trainer.model_config().clone();
@@ -358,10 +393,16 @@ fn train(
         cfg.grad_accum,
         flops_per_token / 1e6
     );
-    if world > 1 {
+    let ranks = if device.is_cuda() { "GPUs (NCCL)" } else { "CPU threads" };
+    if world > 1 && context {
         say!(
-            "data-parallel over {world} {}: each computes {} of the {} micro-batches of a step",
-            if device.is_cuda() { "GPUs (NCCL)" } else { "CPU threads" },
+            "context-parallel over {world} {ranks}: each holds {} of the {} tokens of every sequence (ring attention)",
+            cfg.seq_len / world,
+            cfg.seq_len
+        );
+    } else if world > 1 {
+        say!(
+            "data-parallel over {world} {ranks}: each computes {} of the {} micro-batches of a step",
             cfg.grad_accum / world,
             cfg.grad_accum
         );

@@ -9,9 +9,11 @@
 #
 # Env: GPUS (counts to run, default "1 2 4 8" up to the GPUs present), STEPS (timed optimizer
 # steps, default 20), ACCUM (micro-batches of 8 x 2048 tokens per step, shared out over the GPUs;
-# default 4, raised to the GPU count where smaller), SKIP=ddp,tp,dp,cp (no PyTorch runs, no
-# tensor-parallel generation, no data-parallel training, no ring attention), TP_SHAPES (default
-# 1b,8b), CP_SEQS (ring attention's whole-sequence lengths, default "16384 65536").
+# default 4, raised to the GPU count where smaller), SKIP=ddp,tp,dp,cp,cptrain (no PyTorch runs,
+# no tensor-parallel generation, no data-parallel training, no ring attention, no
+# context-parallel training), TP_SHAPES (default 1b,8b), CP_SEQS (ring attention's
+# whole-sequence lengths, default "16384 65536"), CP_TRAIN_LENS (context-parallel training's
+# long sequence lengths, default "131072 262144").
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/gpu-multi.
 set -uo pipefail
 
@@ -113,6 +115,33 @@ if [[ ,$SKIP, != *,cp,* && -f .device/ring-attention.xz ]]; then
     done
 fi
 
+# Context-parallel training (train --context-parallel N): the same losses as one GPU at a length
+# that fits, then lengths where one GPU runs out of memory (batch 1, one micro-batch per step).
+if [[ ,$SKIP, != *,cptrain,* ]] && ((ngpus >= 2)); then
+    # A corpus whose held-out part is longer than the longest window.
+    site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+    cp_args=(--preset 125m --batch-size 1 --grad-accum 1 --eval-batches 1 --sample 0 --data "$site" --max-bytes 40000000)
+    timeout 200 "$BIN/train" "${cp_args[@]}" --seq-len 16384 --steps 5 --eval-every 5 --out "$OUT/cpeq-1" >"$OUT/cpeq-1.log" 2>&1
+    timeout 200 "$BIN/train" "${cp_args[@]}" --seq-len 16384 --steps 5 --eval-every 5 --context-parallel 2 --out "$OUT/cpeq-2" >"$OUT/cpeq-2.log" 2>&1
+    log "context-parallel equality runs: $(grep -c '^done' "$OUT/cpeq-1.log" "$OUT/cpeq-2.log" | tr '\n' ' ')"
+    for len in ${CP_TRAIN_LENS:-131072 262144}; do
+        for n in 1 2; do
+            extra=(); ((n > 1)) && extra=(--context-parallel "$n")
+            timeout 240 "$BIN/train" "${cp_args[@]}" --seq-len "$len" --steps 3 --eval-every 3 "${extra[@]}" \
+                --out "$OUT/cplong-$n-$len" >"$OUT/cplong-$n-$len.log" 2>&1
+            rc=$?
+            done_line=$(grep '^done:' "$OUT/cplong-$n-$len.log" | tail -n1)
+            if [[ -n $done_line ]]; then
+                echo "seq $len on $n GPU(s): $(sed -E 's/.*: ([0-9]+ tokens\/s.*); checkpoint.*/\1/' <<<"$done_line")" >>"$OUT/cptrain.txt"
+            else
+                echo "seq $len on $n GPU(s): failed (exit $rc): $(grep -m1 -oiE 'out of memory|error[^\n]{0,160}' "$OUT/cplong-$n-$len.log" | head -n1)" >>"$OUT/cptrain.txt"
+            fi
+            log "$(tail -n1 "$OUT/cptrain.txt")"
+            rm -f "$OUT/cplong-$n-$len/checkpoint.safetensors"
+        done
+    done
+fi
+
 # Tensor-parallel generation (generate --tp N) of random 1B- and 8B-shaped models, when packed.
 if [[ ,$SKIP, != *,tp,* && -f .device/generate-nccl.xz ]]; then
     xz -d -c .device/generate-nccl.xz >"$BIN/generate" && chmod +x "$BIN/generate"
@@ -170,3 +199,25 @@ cat "$OUT/losses.txt"
 } | tee "$OUT/table.txt"
 [[ -f $OUT/tp.txt ]] && sed -n '/^== tensor-parallel/,$p' "$OUT/tp.txt" | tee -a "$OUT/table.txt"
 [[ -f $OUT/cp.txt ]] && { echo "== context-parallel attention (ring, NCCL)"; cat "$OUT/cp.txt"; } | tee -a "$OUT/table.txt"
+if [[ -f $OUT/cptrain.txt ]]; then
+    {
+        echo "== context-parallel training, 125m preset, batch 1"
+        python3 - "$OUT" <<'PY'
+import json, sys
+from safetensors import safe_open
+out = sys.argv[1]
+h = {}
+for n in ("1", "2"):
+    try:
+        with safe_open(f"{out}/cpeq-{n}/checkpoint.safetensors", "np") as f:
+            h[n] = json.loads(f.metadata()["history"])
+    except Exception as e:
+        print(f"seq 16384 on {n} GPU(s): no history ({e})")
+if len(h) == 2:
+    rel = [abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(h["2"]["train"], h["1"]["train"])]
+    ev = [abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(h["2"]["eval"], h["1"]["eval"])]
+    print(f"seq 16384, 2 GPUs vs 1: train loss max rel diff {max(rel):.2e} over {len(rel)} steps, eval {max(ev):.2e}")
+PY
+        cat "$OUT/cptrain.txt"
+    } | tee -a "$OUT/table.txt"
+fi

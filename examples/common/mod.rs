@@ -57,9 +57,7 @@ pub fn kv_cache_dtype(arg: &str, model: DType) -> Result<DType> {
 /// of the NCCL group.
 #[cfg(feature = "nccl")]
 #[allow(dead_code)] // generate's, not serve's
-pub fn tensor_parallel_rank(
-    world: usize,
-) -> Result<Option<(Device, flash_llama::parallel::tensor::TensorParallelGroup)>> {
+pub fn tensor_parallel_rank(world: usize) -> Result<Option<(Device, flash_llama::parallel::Group)>> {
     use candle_core::cuda_backend::cudarc::driver::CudaContext;
     use flash_llama::parallel::launch;
     let count = CudaContext::device_count().map_err(|e| anyhow::anyhow!("counting the GPUs: {e:?}"))? as usize;
@@ -76,8 +74,6 @@ pub fn tensor_parallel_rank(
 
 #[cfg(not(feature = "nccl"))]
 #[allow(dead_code)] // generate's, not serve's
-pub fn tensor_parallel_rank(
-    world: usize,
-) -> Result<Option<(Device, flash_llama::parallel::tensor::TensorParallelGroup)>> {
+pub fn tensor_parallel_rank(world: usize) -> Result<Option<(Device, flash_llama::parallel::Group)>> {
     bail!("--tp {world} needs NCCL: build with `--features nccl`")
 }

@@ -17,7 +17,7 @@ use candle_nn::VarBuilder;
 use crate::config::Config;
 use crate::model::Llama;
 use crate::nn::Kernels;
-use crate::parallel::tensor::TensorParallelGroup;
+use crate::parallel::Group;
 use crate::tokenizer::TextTokenizer;
 
 /// A model ready to generate: the decoder and its tokenizer.
@@ -38,18 +38,12 @@ pub fn load_tensor_parallel(
     dtype: DType,
     device: &Device,
     kernels: Kernels,
-    group: TensorParallelGroup,
+    group: Group,
 ) -> Result<LoadedModel> {
     load_with(path, dtype, device, kernels, Some(group))
 }
 
-fn load_with(
-    path: &Path,
-    dtype: DType,
-    device: &Device,
-    kernels: Kernels,
-    tp: Option<TensorParallelGroup>,
-) -> Result<LoadedModel> {
+fn load_with(path: &Path, dtype: DType, device: &Device, kernels: Kernels, tp: Option<Group>) -> Result<LoadedModel> {
     if path.is_dir() {
         let model = load_hf_dir_with(path, dtype, device, kernels, tp)?;
         let cfg = model.config();
@@ -79,18 +73,12 @@ pub fn load_model_tensor_parallel(
     dtype: DType,
     device: &Device,
     kernels: Kernels,
-    group: TensorParallelGroup,
+    group: Group,
 ) -> Result<Llama> {
     load_model_with(path, dtype, device, kernels, Some(group))
 }
 
-fn load_model_with(
-    path: &Path,
-    dtype: DType,
-    device: &Device,
-    kernels: Kernels,
-    tp: Option<TensorParallelGroup>,
-) -> Result<Llama> {
+fn load_model_with(path: &Path, dtype: DType, device: &Device, kernels: Kernels, tp: Option<Group>) -> Result<Llama> {
     if path.is_dir() {
         load_hf_dir_with(path, dtype, device, kernels, tp)
     } else if path.is_file() {
@@ -115,7 +103,7 @@ fn build(
     vb: VarBuilder,
     cfg: &Config,
     kernels: Kernels,
-    tp: Option<TensorParallelGroup>,
+    tp: Option<Group>,
     device: &Device,
 ) -> candle_core::Result<Llama> {
     match tp {
@@ -124,13 +112,7 @@ fn build(
     }
 }
 
-fn load_hf_dir_with(
-    dir: &Path,
-    dtype: DType,
-    device: &Device,
-    kernels: Kernels,
-    tp: Option<TensorParallelGroup>,
-) -> Result<Llama> {
+fn load_hf_dir_with(dir: &Path, dtype: DType, device: &Device, kernels: Kernels, tp: Option<Group>) -> Result<Llama> {
     let config_path = dir.join("config.json");
     let json = std::fs::read_to_string(&config_path).with_context(|| format!("reading {}", config_path.display()))?;
     let cfg = Config::from_hf_json(&json).with_context(|| format!("in {}", config_path.display()))?;
@@ -216,7 +198,7 @@ fn load_gguf_with_content(
     dtype: DType,
     device: &Device,
     kernels: Kernels,
-    tp: Option<TensorParallelGroup>,
+    tp: Option<Group>,
 ) -> Result<(Llama, gguf_file::Content)> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let file_len = file.metadata()?.len();

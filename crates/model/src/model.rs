@@ -16,7 +16,9 @@ use crate::fused::{rope_store, silu_mul, CacheStore};
 use crate::kv_cache::{write_rows, CacheGroup, E4m3Scales, LayerKv};
 pub use crate::kv_cache::{KvCache, E4M3_HEADROOM};
 use crate::nn::{apply_rope, rope_angles, rope_angles_per_head, rope_per_head, Kernels, RmsNorm};
-use crate::parallel::tensor::{shard_config, sharded_var_builder, TensorParallelGroup};
+use crate::parallel::context::{ring_attention, RingAttention};
+use crate::parallel::tensor::{shard_config, sharded_var_builder};
+use crate::parallel::Group;
 
 /// Where the keys of one forward call come from; shared by all layers of the call.
 enum KeySource {
@@ -45,6 +47,9 @@ enum KeySource {
     /// `batch` sequences of `seq` fresh tokens each, through the textbook attention composite
     /// instead of flash-attn3 ([`Llama::forward_reference`]).
     Reference { batch: usize, seq: usize },
+    /// `batch` sequences whose `chunk` tokens here are this rank's consecutive slice of longer
+    /// ones, through ring attention over `group` ([`Llama::forward_context_parallel`]).
+    Ring { batch: usize, chunk: usize, group: Group },
 }
 
 /// The rotary angles of one call, in the run dtype.
@@ -311,6 +316,14 @@ impl Attention {
                 bail!("internal error: a cached plan without its kind of cache")
             }
             (KeySource::Reference { batch, seq }, _) => self.reference_attention(&q, &k, &v, *batch, *seq)?,
+            (KeySource::Ring { batch, chunk, group }, _) => {
+                let (b, c) = (*batch, *chunk);
+                let q = q.reshape((b, c, self.heads, self.head_dim))?;
+                let k = k.reshape((b, c, self.kv_heads, self.head_dim))?;
+                let v = v.reshape((b, c, self.kv_heads, self.head_dim))?;
+                let ring = RingAttention::new(self.scale as f32).causal(true);
+                ring_attention(ring, group, &q, &k, &v)?.reshape((b * c, self.heads, self.head_dim))?
+            }
         };
         project(
             &self.o_proj,
@@ -574,7 +587,7 @@ pub struct Llama {
     kernels: Kernels,
     /// Tensor parallelism: this model is one rank's shard, and each sub-block's output is
     /// summed over the group ([`crate::parallel::tensor`]).
-    tensor_parallel: Option<TensorParallelGroup>,
+    tensor_parallel: Option<Group>,
 }
 
 impl Llama {
@@ -639,7 +652,7 @@ impl Llama {
         vb: VarBuilder,
         cfg: &Config,
         kernels: Kernels,
-        group: TensorParallelGroup,
+        group: Group,
         device: &Device,
     ) -> Result<Self> {
         if kernels == Kernels::Trainable {
@@ -653,7 +666,7 @@ impl Llama {
     }
 
     /// The tensor-parallel group this model is a shard of, if any.
-    pub fn tensor_parallel(&self) -> Option<&TensorParallelGroup> {
+    pub fn tensor_parallel(&self) -> Option<&Group> {
         self.tensor_parallel.as_ref()
     }
 
@@ -732,11 +745,38 @@ impl Llama {
         self.forward_full(input_ids, KeySource::Reference { batch, seq })
     }
 
+    /// Context parallelism: the logits of this rank's chunk of `batch` sequences split into
+    /// equal consecutive chunks over the ranks of `group` (rank r holds positions r·chunk ..),
+    /// `input_ids` (batch, chunk). Attention runs as ring attention
+    /// ([`crate::parallel::context`]); everything else is per token. Differentiable like
+    /// [`Llama::forward`]; every rank must make the same calls (forward and backward).
+    pub fn forward_context_parallel(&self, input_ids: &Tensor, group: &Group) -> Result<Tensor> {
+        if self.cfg.sliding_window.is_some() {
+            bail!("context parallelism: sliding-window attention is not supported")
+        }
+        if self.tensor_parallel.is_some() {
+            bail!("context parallelism of a tensor-parallel shard is not supported")
+        }
+        let (batch, chunk) = input_ids.dims2()?;
+        let keys = KeySource::Ring {
+            batch,
+            chunk,
+            group: group.clone(),
+        };
+        self.forward_full_from(input_ids, keys, group.rank() * chunk)
+    }
+
     fn forward_full(&self, input_ids: &Tensor, keys: KeySource) -> Result<Tensor> {
+        self.forward_full_from(input_ids, keys, 0)
+    }
+
+    /// The full forward of sequences whose first token is at position `first_position`.
+    fn forward_full_from(&self, input_ids: &Tensor, keys: KeySource, first_position: usize) -> Result<Tensor> {
         let (b, s) = input_ids.dims2()?;
         let ids = input_ids.flatten_all()?;
         self.check_ids(&ids.to_vec1::<u32>()?)?;
-        let positions = Tensor::arange(0u32, s as u32, &self.device)?.repeat(b)?;
+        let first = first_position as u32;
+        let positions = Tensor::arange(first, first + s as u32, &self.device)?.repeat(b)?;
         let plan = Plan {
             rope: self.rope_tables(&positions)?,
             keys,

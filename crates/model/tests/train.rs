@@ -144,6 +144,66 @@ fn data_parallel_ranks_take_the_single_rank_steps() {
     }
 }
 
+/// Context parallelism over 2 and 4 ranks (each a consecutive quarter or half of every
+/// sequence, ring attention through `LocalGroup`) takes the single rank's steps: the same losses,
+/// evaluations and weights up to the order of the f32 sums.
+#[test]
+fn context_parallel_ranks_take_the_single_rank_steps() {
+    let data = corpus();
+    let (model, cfg) = tiny(4, 2);
+    let dev = Device::Cpu;
+    let mut alone = Trainer::new(model.clone(), cfg.clone(), DType::F32, &dev).unwrap();
+    let expected: Vec<f32> = (0..4).map(|_| alone.train_step(&data).unwrap().loss).collect();
+    let expected_eval = alone.evaluate(&data).unwrap();
+    let weights = |t: &Trainer| -> Vec<f32> {
+        t.parameters()
+            .flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .collect()
+    };
+    let expected_weights = weights(&alone);
+    for world in [2, 4] {
+        let groups = LocalGroup::new(world).unwrap();
+        let ranks: Vec<(Vec<f32>, f32, Vec<f32>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|g| {
+                    let (model, cfg, data) = (model.clone(), cfg.clone(), &data);
+                    s.spawn(move || {
+                        let mut t = Trainer::new(model, cfg, DType::F32, &Device::Cpu).unwrap();
+                        t.set_context_parallel(std::sync::Arc::new(g)).unwrap();
+                        let losses: Vec<f32> = (0..4).map(|_| t.train_step(data).unwrap().loss).collect();
+                        let eval = t.evaluate(data).unwrap();
+                        (losses, eval, weights(&t))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (losses, eval, w)) in ranks.iter().enumerate() {
+            for (step, (a, b)) in expected.iter().zip(losses).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * a.abs(),
+                    "{world} ranks, rank {rank}, step {}: loss {b}, one rank {a}",
+                    step + 1
+                );
+            }
+            assert!(
+                (eval - expected_eval).abs() <= 1e-5 * expected_eval,
+                "{world} ranks: eval {eval} vs {expected_eval}"
+            );
+            let worst = w
+                .iter()
+                .zip(&expected_weights)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(worst < 1e-4, "{world} ranks, rank {rank}: weights differ by {worst}");
+            assert_eq!(
+                w, &ranks[0].2,
+                "{world} ranks: rank {rank}'s replica differs from rank 0's"
+            );
+        }
+    }
+}
+
 /// A step's micro-batches must split evenly over the ranks.
 #[test]
 fn data_parallel_needs_a_multiple_of_the_ranks_in_micro_batches() {

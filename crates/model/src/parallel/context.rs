@@ -153,3 +153,95 @@ fn merge(out_a: &Tensor, lse_a: &Tensor, out_b: &Tensor, lse_b: &Tensor) -> Resu
     let out = (out_a.broadcast_mul(&weight(lse_a)?)? + out_b.broadcast_mul(&weight(lse_b)?)?)?;
     Ok((out, lse))
 }
+
+/// [`RingAttention`] as a differentiable op: `loss.backward()` through its output runs the
+/// ring backward (the group's ranks must all run their backward, as they ran the forward).
+/// q, k, v: this rank's chunks (batch, chunk, heads or kv_heads, head_dim).
+pub fn ring_attention(ring: RingAttention, group: &super::Group, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    // The forward runs here, on tensors (it needs flash-attn3's calls and the collectives); the
+    // custom op only hands its result to candle's graph and brings the backward.
+    let (out, lse) = ring.forward_with_lse(group.as_ref(), &q.detach(), &k.detach(), &v.detach())?;
+    q.apply_op3_arc(
+        &k,
+        &v,
+        std::sync::Arc::new(Box::new(RingOp {
+            ring,
+            group: group.clone(),
+            out,
+            lse,
+        })),
+    )
+}
+
+struct RingOp {
+    ring: RingAttention,
+    group: super::Group,
+    out: Tensor,
+    lse: Tensor,
+}
+
+impl RingOp {
+    /// A copy of the precomputed output's storage (the op's "forward").
+    fn output(&self) -> Result<(candle_core::Storage, candle_core::Shape)> {
+        let (storage, layout) = self.out.storage_and_layout();
+        Ok((storage.try_clone(layout)?, self.out.shape().clone()))
+    }
+}
+
+impl candle_core::CustomOp3 for RingOp {
+    fn name(&self) -> &'static str {
+        "ring-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        match self.output()? {
+            (candle_core::Storage::Cpu(s), shape) => Ok((s, shape)),
+            _ => bail!("ring attention: the output is not on the CPU"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        match self.output()? {
+            (candle_core::Storage::Cuda(s), shape) => Ok((s, shape)),
+            _ => bail!("ring attention: the output is not on the GPU"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dq, dk, dv) = self.ring.backward(
+            self.group.as_ref(),
+            q,
+            k,
+            v,
+            &self.out,
+            &self.lse,
+            &grad_res.contiguous()?,
+        )?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}

@@ -25,6 +25,10 @@ pub mod tensor;
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclCommunicator, NcclId};
 
+/// A group as a model holds it: shared by its clones and threads (tensor parallelism, ring
+/// attention).
+pub type Group = Arc<dyn Communicator + Send + Sync>;
+
 /// A group of `world_size` ranks; every rank holds one of these and calls the collectives in the
 /// same order as the others (a collective returns once every rank has joined it).
 pub trait Communicator {
@@ -39,6 +43,25 @@ pub trait Communicator {
     /// returns what rank `rank - 1` sent (modulo the group's size; same shape and dtype on every
     /// rank). Context parallelism moves key/value blocks this way.
     fn ring_shift(&self, t: &Tensor) -> Result<Tensor>;
+}
+
+/// A shared handle is the group it points to.
+impl<C: Communicator + ?Sized> Communicator for Arc<C> {
+    fn rank(&self) -> usize {
+        self.as_ref().rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.as_ref().world_size()
+    }
+
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        self.as_ref().all_reduce_sum(t)
+    }
+
+    fn ring_shift(&self, t: &Tensor) -> Result<Tensor> {
+        self.as_ref().ring_shift(t)
+    }
 }
 
 /// Sums `tensors` over all ranks, packed into buckets of at most `bucket_bytes` (each tensor

@@ -14,17 +14,11 @@
 //! out of the full one as it is read ([`sharded_var_builder`]); the layer loop adds the two
 //! all-reduces. Nothing else in the model knows about the split.
 
-use std::sync::Arc;
-
 use candle_core::{bail, DType, Device, Result, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 
-use super::Communicator;
 use crate::config::Config;
-
-/// A tensor-parallel group as the model holds it (shared by the model's clones and threads).
-pub type TensorParallelGroup = Arc<dyn Communicator + Send + Sync>;
 
 /// The config of one rank's shard of `cfg` over `world` ranks: heads, kv heads and the MLP width
 /// divided by `world` (head_dim and everything else unchanged). Errors unless all three divide.

@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::{Architecture, Config};
 use crate::model::Llama;
 use crate::nn::Kernels;
-use crate::parallel::{self, Communicator};
+use crate::parallel::{self, Communicator, Group};
 pub use data::{Corpus, Rng, Tokenization};
 pub use optim::{AdamW, AdamWParams};
 
@@ -303,6 +303,8 @@ pub struct Trainer {
     history: History,
     /// The data-parallel group this replica belongs to; `None` trains alone.
     data_parallel: Option<Box<dyn Communicator>>,
+    /// The context-parallel group: each rank holds a slice of every sequence.
+    context_parallel: Option<Group>,
 }
 
 /// Checkpoint format tag (safetensors metadata key `format`).
@@ -351,6 +353,7 @@ impl Trainer {
             device: device.clone(),
             history: History::default(),
             data_parallel: None,
+            context_parallel: None,
         })
     }
 
@@ -361,6 +364,9 @@ impl Trainer {
     /// The micro-batches per step (`grad_accum`) must be a multiple of the ranks.
     pub fn set_data_parallel(&mut self, comm: Box<dyn Communicator>) -> Result<()> {
         let world = comm.world_size();
+        if self.context_parallel.is_some() {
+            bail!("a trainer is data-parallel or context-parallel, not both")
+        }
         if self.config.grad_accum % world != 0 {
             bail!(
                 "data-parallel training over {world} ranks needs a multiple of {world} micro-batches per step \
@@ -370,6 +376,36 @@ impl Trainer {
         }
         self.data_parallel = Some(comm);
         Ok(())
+    }
+
+    /// Makes this trainer one rank of a context-parallel group: each micro-batch's sequences are
+    /// cut into equal consecutive chunks, rank r computes the loss of chunk r through ring
+    /// attention ([`Llama::forward_context_parallel`]) and the gradients are summed over the
+    /// ranks. Activation memory per rank falls with the ranks, so sequences too long for one
+    /// device train on several. Same rules as [`Trainer::set_data_parallel`]; `seq_len` must be
+    /// a multiple of the ranks.
+    pub fn set_context_parallel(&mut self, group: Group) -> Result<()> {
+        let world = group.world_size();
+        if self.config.seq_len % world != 0 {
+            bail!(
+                "context-parallel training over {world} ranks needs a sequence length that is a multiple of {world}, not {}",
+                self.config.seq_len
+            )
+        }
+        if self.data_parallel.is_some() {
+            bail!("a trainer is data-parallel or context-parallel, not both")
+        }
+        self.context_parallel = Some(group);
+        Ok(())
+    }
+
+    /// The group gradients and losses are summed over: the data- or context-parallel one.
+    fn reduce_group(&self) -> Option<&dyn Communicator> {
+        match (&self.data_parallel, &self.context_parallel) {
+            (Some(c), _) => Some(c.as_ref()),
+            (None, Some(g)) => Some(g.as_ref() as &dyn Communicator),
+            (None, None) => None,
+        }
     }
 
     /// This replica's rank and the group's size ((0, 1) when training alone).
@@ -439,16 +475,24 @@ impl Trainer {
         Ok(Llama::load(vb, &self.model_config, Kernels::Trainable)?)
     }
 
-    /// Mean loss of `model` on one batch; `inputs`/`targets` are batch × seq_len ids.
+    /// Mean loss of `model` on one batch; `inputs`/`targets` are batch × seq_len ids. With
+    /// context parallelism: this rank's share of it (the mean over its chunk of every sequence,
+    /// divided by the ranks), which the group sums.
     fn batch_loss(&self, model: &Llama, inputs: Vec<u32>, targets: Vec<u32>) -> Result<Tensor> {
         let (b, s) = (self.config.batch_size, self.config.seq_len);
         let x = Tensor::from_vec(inputs, (b, s), &self.device)?;
-        let y = Tensor::from_vec(targets, b * s, &self.device)?;
-        let logits = model.forward(&x)?;
-        Ok(cross_entropy(
-            &logits.reshape((b * s, self.model_config.vocab_size))?,
-            &y,
-        )?)
+        let y = Tensor::from_vec(targets, (b, s), &self.device)?;
+        let vocab = self.model_config.vocab_size;
+        let Some(group) = &self.context_parallel else {
+            let logits = model.forward(&x)?;
+            return Ok(cross_entropy(&logits.reshape((b * s, vocab))?, &y.flatten_all()?)?);
+        };
+        let world = group.world_size();
+        let chunk = s / world;
+        let slice = |t: &Tensor| t.narrow(1, group.rank() * chunk, chunk)?.contiguous();
+        let logits = model.forward_context_parallel(&slice(&x)?, group)?;
+        let loss = cross_entropy(&logits.reshape((b * chunk, vocab))?, &slice(&y)?.flatten_all()?)?;
+        Ok((loss / world as f64)?)
     }
 
     /// One update: `grad_accum` micro-batches drawn from the training part, gradients summed,
@@ -481,9 +525,9 @@ impl Trainer {
             }
         }
         let mut grads: Vec<Tensor> = sums.into_iter().flatten().collect();
-        if let Some(comm) = &self.data_parallel {
-            grads = parallel::all_reduce_sum_bucketed(comm.as_ref(), &grads, GRAD_BUCKET_BYTES)?;
-            loss_sum = parallel::all_reduce_scalar(comm.as_ref(), loss_sum as f32, &grads[0])? as f64;
+        if let Some(comm) = self.reduce_group() {
+            grads = parallel::all_reduce_sum_bucketed(comm, &grads, GRAD_BUCKET_BYTES)?;
+            loss_sum = parallel::all_reduce_scalar(comm, loss_sum as f32, &grads[0])? as f64;
         }
         let loss = (loss_sum / c.grad_accum as f64) as f32;
         if !loss.is_finite() {
@@ -528,13 +572,13 @@ impl Trainer {
             sum += loss.to_scalar::<f32>()? as f64;
             last = Some(loss);
         }
-        if let Some(comm) = &self.data_parallel {
+        if let Some(comm) = self.reduce_group() {
             // A rank without a batch (more ranks than batches) still joins the sum.
             let like = match last {
                 Some(l) => l,
                 None => Tensor::zeros(1, DType::F32, &self.device)?,
             };
-            sum = parallel::all_reduce_scalar(comm.as_ref(), sum as f32, &like)? as f64;
+            sum = parallel::all_reduce_scalar(comm, sum as f32, &like)? as f64;
         }
         let loss = (sum / c.eval_batches as f64) as f32;
         self.history.eval.push((self.step, loss));
@@ -646,6 +690,7 @@ impl Trainer {
             device: device.clone(),
             history,
             data_parallel: None,
+            context_parallel: None,
         })
     }
 }
