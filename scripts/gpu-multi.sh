@@ -13,7 +13,8 @@
 # no tensor-parallel generation, no data-parallel training, no ring attention, no
 # context-parallel training), TP_SHAPES (default 1b,8b), CP_SEQS (ring attention's
 # whole-sequence lengths, default "16384 65536"), CP_TRAIN_LENS (context-parallel training's
-# long sequence lengths, default "131072 262144").
+# long sequence lengths, default "131072 262144"), CP_TRAIN_STEPS (their steps, default 3),
+# SKIP=cpeq (no equality runs at 16k).
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/gpu-multi.
 set -uo pipefail
 
@@ -121,13 +122,16 @@ if [[ ,$SKIP, != *,cptrain,* ]] && ((ngpus >= 2)); then
     # A corpus whose held-out part is longer than the longest window.
     site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
     cp_args=(--preset 125m --batch-size 1 --grad-accum 1 --eval-batches 1 --sample 0 --data "$site" --max-bytes 40000000)
-    timeout 200 "$BIN/train" "${cp_args[@]}" --seq-len 16384 --steps 5 --eval-every 5 --out "$OUT/cpeq-1" >"$OUT/cpeq-1.log" 2>&1
-    timeout 200 "$BIN/train" "${cp_args[@]}" --seq-len 16384 --steps 5 --eval-every 5 --context-parallel 2 --out "$OUT/cpeq-2" >"$OUT/cpeq-2.log" 2>&1
-    log "context-parallel equality runs: $(grep -c '^done' "$OUT/cpeq-1.log" "$OUT/cpeq-2.log" | tr '\n' ' ')"
+    if [[ ,$SKIP, != *,cpeq,* ]]; then
+        timeout 200 "$BIN/train" "${cp_args[@]}" --seq-len 16384 --steps 5 --eval-every 5 --out "$OUT/cpeq-1" >"$OUT/cpeq-1.log" 2>&1
+        timeout 200 "$BIN/train" "${cp_args[@]}" --seq-len 16384 --steps 5 --eval-every 5 --context-parallel 2 --out "$OUT/cpeq-2" >"$OUT/cpeq-2.log" 2>&1
+        log "context-parallel equality runs: $(grep -c '^done' "$OUT/cpeq-1.log" "$OUT/cpeq-2.log" | tr '\n' ' ')"
+    fi
     for len in ${CP_TRAIN_LENS:-131072 262144}; do
         for n in 1 2; do
             extra=(); ((n > 1)) && extra=(--context-parallel "$n")
-            timeout 240 "$BIN/train" "${cp_args[@]}" --seq-len "$len" --steps 3 --eval-every 3 "${extra[@]}" \
+            steps=${CP_TRAIN_STEPS:-3}
+            timeout 240 "$BIN/train" "${cp_args[@]}" --seq-len "$len" --steps "$steps" --eval-every "$steps" "${extra[@]}" \
                 --out "$OUT/cplong-$n-$len" >"$OUT/cplong-$n-$len.log" 2>&1
             rc=$?
             done_line=$(grep '^done:' "$OUT/cplong-$n-$len.log" | tail -n1)
