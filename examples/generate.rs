@@ -300,8 +300,9 @@ fn run(args: Args) -> Result<()> {
             (false, None) => cfg.eos_token_ids.clone(),
         },
         kv_cache_dtype: Some(kv_cache_dtype),
-        // Graph capture of the NCCL all-reduces is not tried: tensor-parallel steps run eagerly.
-        cuda_graphs: !args.no_cuda_graphs && group.is_none(),
+        // Tensor-parallel steps are captured with their NCCL all-reduces (NCCL supports stream
+        // capture), like any other step.
+        cuda_graphs: !args.no_cuda_graphs,
     };
     if args.warmup {
         let t = std::time::Instant::now();

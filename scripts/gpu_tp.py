@@ -18,8 +18,8 @@ MLP 14336, untied head), then for each tensor-parallel size:
     each tp size against the f32 forward on the CPU (the truth), to show that splitting adds no
     error beyond bf16's own;
   * speed: batch 1, 128-token prompt, 128 new tokens greedy (--warmup --ignore-eos), decode
-    tokens/s as generate prints it (eager steps: --tp runs without CUDA graphs, so tp 1 is run
-    eagerly too for the ratio).
+    tokens/s as generate prints it, with eager steps (--no-cuda-graphs) and with the step
+    captured into a CUDA graph (the default; NCCL's all-reduces are captured too).
 
 Prints one JSON line per (shape, tp) and a table last.
 """
@@ -110,6 +110,16 @@ def main():
                              ["--temperature", "0", "--warmup", "--ignore-eos", "--no-cuda-graphs"])
                 m = re.search(r"generation: \d+ tokens in [\d.]+s \(([\d.]+) tokens/s\)", r.stderr)
                 row["decode_tokens_per_s"] = float(m.group(1)) if m else None
+                # The same with the step captured into a CUDA graph (NCCL calls included). Its
+                # greedy tokens are not compared with the eager run's: the graph's attention
+                # runs another kernel path, and random weights' near-flat logits turn rounding
+                # differences into other tokens (tp 1 too).
+                try:
+                    g = generate(a, model_dir, tp, speed_prompt, 128, ["--temperature", "0", "--warmup", "--ignore-eos"])
+                    m = re.search(r"generation: \d+ tokens in [\d.]+s \(([\d.]+) tokens/s\)", g.stderr)
+                    row["graph_tokens_per_s"] = float(m.group(1)) if m else None
+                except Exception as e:
+                    row["graph_error"] = str(e)[-300:]
                 if base_speed is None:
                     base_speed = row["decode_tokens_per_s"]
                 if row["decode_tokens_per_s"] and base_speed:
@@ -118,14 +128,15 @@ def main():
                 row["error"] = str(e)[-500:]
             log(json.dumps(row))
             rows.append(row)
-    log("\n== tensor-parallel decode, batch 1, 128-token prompt, 128 new tokens, bf16, eager steps")
-    log(f"{'shape':6} {'tp':>3} {'tokens/s':>10} {'vs tp 1':>8} {'logits vs tp 1':>15} {'greedy =':>9} {'prefill vs f32':>15}")
+    log("\n== tensor-parallel decode, batch 1, 128-token prompt, 128 new tokens, bf16 (tokens/s: eager steps)")
+    log(f"{'shape':6} {'tp':>3} {'tokens/s':>10} {'vs tp 1':>8} {'logits vs tp 1':>15} {'greedy =':>9} {'prefill vs f32':>15} {'graph tok/s':>12}")
     for r in rows:
         tps = r.get("decode_tokens_per_s")
         diff = ('%.1e' % r['logit_rel_diff']) if 'logit_rel_diff' in r else r.get('error', '-')[:40]
         log(f"{r['shape']:6} {r['tp']:>3} {tps if tps else '-':>10} {r.get('speedup', '-'):>8} {diff:>15} "
             f"{str(r.get('greedy_tokens_equal', '-')) + '/8':>9} "
-            f"{('%.1e' % r['prefill_error_vs_f32']) if 'prefill_error_vs_f32' in r else '-':>15}")
+            f"{('%.1e' % r['prefill_error_vs_f32']) if 'prefill_error_vs_f32' in r else '-':>15} "
+            f"{r.get('graph_tokens_per_s') or ('error' if 'graph_error' in r else '-'):>12}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 //! Collective communication between ranks (one model replica or shard per rank), for data-,
 //! tensor- and context-parallel runs.
 //!
-//! - [`Communicator`]: what the rest of the crate needs from a group of ranks: an all-reduce.
+//! - [`Communicator`]: what the rest of the crate needs from a group of ranks: an all-reduce and a
+//!   ring shift; [`Group`] is a shared handle of one.
 //! - [`LocalGroup`]: ranks as threads of one process exchanging tensors through shared memory.
 //!   It is exact and deterministic, runs on every device (CPU included), and stands in for NCCL
 //!   in tests and CPU runs: the training loop cannot tell the two apart.
