@@ -19,6 +19,10 @@
 //! `rank + world`, ...; the summed gradients are all-reduced in large buckets, and every rank
 //! applies the same update to the same weights. A step of N ranks is therefore the step of one
 //! device over the same global batch, up to the order of the floating-point sums.
+//!
+//! Context parallelism ([`Trainer::set_context_parallel`]): every rank computes every
+//! micro-batch, but only its consecutive chunk of each sequence, with ring attention between the
+//! ranks; its loss is its share of the mean, and gradients and losses are summed as above.
 
 pub mod data;
 pub mod optim;
@@ -408,7 +412,7 @@ impl Trainer {
         }
     }
 
-    /// This replica's rank and the group's size ((0, 1) when training alone).
+    /// This replica's data-parallel rank and group size ((0, 1) when not data-parallel).
     pub fn rank_and_world(&self) -> (usize, usize) {
         self.data_parallel
             .as_ref()
