@@ -131,6 +131,14 @@ if [[ -f $nccl_stub ]] && readelf -d "$nccl_stub" 2>/dev/null | grep -q 'SONAME.
 else
     shopt -s nullglob
     nccl_srcs=("$HOME"/.cargo/registry/src/*/cudarc-*/src/nccl/sys)
+    if ((${#nccl_srcs[@]} == 0)); then
+        script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+        if command -v cargo >/dev/null && [[ -f $script_dir/../Cargo.lock ]]; then
+            log "no cudarc sources in ~/.cargo/registry: running cargo fetch"
+            (cd "$script_dir/.." && cargo fetch >&2) || die "cargo fetch failed"
+            nccl_srcs=("$HOME"/.cargo/registry/src/*/cudarc-*/src/nccl/sys)
+        fi
+    fi
     shopt -u nullglob
     if ((${#nccl_srcs[@]} == 0)); then
         log "no cudarc NCCL sources in ~/.cargo/registry: no libnccl stub (only --features nccl needs it)"
