@@ -214,6 +214,24 @@ fn data_parallel_needs_a_multiple_of_the_ranks_in_micro_batches() {
     assert!(err.contains("multiple of 2 micro-batches"), "{err}");
 }
 
+/// Context parallelism needs the sequence to split evenly, and a trainer is data- or
+/// context-parallel, not both.
+#[test]
+fn context_parallel_errors() {
+    let (model, cfg) = tiny(5, 2);
+    let mut t = Trainer::new(model.clone(), cfg.clone(), DType::F32, &Device::Cpu).unwrap();
+    // seq_len 64 over 3 ranks.
+    let group = LocalGroup::new(3).unwrap().remove(0);
+    let err = t.set_context_parallel(std::sync::Arc::new(group)).unwrap_err().to_string();
+    assert!(err.contains("multiple of 3"), "{err}");
+
+    let mut t = Trainer::new(model, cfg, DType::F32, &Device::Cpu).unwrap();
+    t.set_data_parallel(Box::new(LocalGroup::new(2).unwrap().remove(0))).unwrap();
+    let group = LocalGroup::new(2).unwrap().remove(0);
+    let err = t.set_context_parallel(std::sync::Arc::new(group)).unwrap_err().to_string();
+    assert!(err.contains("not both"), "{err}");
+}
+
 #[test]
 fn resuming_repeats_the_uninterrupted_run() {
     let data = corpus();
