@@ -222,13 +222,20 @@ fn context_parallel_errors() {
     let mut t = Trainer::new(model.clone(), cfg.clone(), DType::F32, &Device::Cpu).unwrap();
     // seq_len 64 over 3 ranks.
     let group = LocalGroup::new(3).unwrap().remove(0);
-    let err = t.set_context_parallel(std::sync::Arc::new(group)).unwrap_err().to_string();
+    let err = t
+        .set_context_parallel(std::sync::Arc::new(group))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("multiple of 3"), "{err}");
 
     let mut t = Trainer::new(model, cfg, DType::F32, &Device::Cpu).unwrap();
-    t.set_data_parallel(Box::new(LocalGroup::new(2).unwrap().remove(0))).unwrap();
+    t.set_data_parallel(Box::new(LocalGroup::new(2).unwrap().remove(0)))
+        .unwrap();
     let group = LocalGroup::new(2).unwrap().remove(0);
-    let err = t.set_context_parallel(std::sync::Arc::new(group)).unwrap_err().to_string();
+    let err = t
+        .set_context_parallel(std::sync::Arc::new(group))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("not both"), "{err}");
 }
 
