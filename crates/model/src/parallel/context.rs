@@ -168,7 +168,7 @@ pub fn ring_attention(ring: RingAttention, group: &super::Group, q: &Tensor, k: 
         std::sync::Arc::new(Box::new(RingOp {
             ring,
             group: group.clone(),
-            out,
+            out: std::sync::Mutex::new(Some(out)),
             lse,
         })),
     )
@@ -177,15 +177,20 @@ pub fn ring_attention(ring: RingAttention, group: &super::Group, q: &Tensor, k: 
 struct RingOp {
     ring: RingAttention,
     group: super::Group,
-    out: Tensor,
+    /// The precomputed output until the op's forward hands a copy of it to the graph; then
+    /// dropped (the backward reads the graph's copy), so a layer holds its output once.
+    out: std::sync::Mutex<Option<Tensor>>,
     lse: Tensor,
 }
 
 impl RingOp {
-    /// A copy of the precomputed output's storage (the op's "forward").
+    /// A copy of the precomputed output's storage (the op's "forward", run once).
     fn output(&self) -> Result<(candle_core::Storage, candle_core::Shape)> {
-        let (storage, layout) = self.out.storage_and_layout();
-        Ok((storage.try_clone(layout)?, self.out.shape().clone()))
+        let Some(out) = self.out.lock().unwrap().take() else {
+            bail!("internal error: the ring attention op's forward ran twice")
+        };
+        let (storage, layout) = out.storage_and_layout();
+        Ok((storage.try_clone(layout)?, out.shape().clone()))
     }
 }
 
@@ -230,7 +235,7 @@ impl candle_core::CustomOp3 for RingOp {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dq, dk, dv) = self.ring.backward(
@@ -238,7 +243,7 @@ impl candle_core::CustomOp3 for RingOp {
             q,
             k,
             v,
-            &self.out,
+            &res.contiguous()?,
             &self.lse,
             &grad_res.contiguous()?,
         )?;
