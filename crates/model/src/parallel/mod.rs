@@ -174,25 +174,7 @@ impl Communicator for LocalGroup {
     }
 
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-        let s = &self.shared;
-        if s.world_size == 1 {
-            return Ok(t.clone());
-        }
-        s.slots.lock().unwrap()[self.rank] = Some(t.clone());
-        s.barrier.wait();
-        let parts: Vec<Tensor> = s.slots.lock().unwrap().iter().flatten().cloned().collect();
-        // Nobody deposits the next collective's tensor before every rank has taken this one's.
-        s.barrier.wait();
-        if let Some(p) = parts.iter().find(|p| p.shape() != t.shape() || p.dtype() != t.dtype()) {
-            bail!(
-                "all_reduce_sum: rank {} has {:?} {:?}, another rank {:?} {:?}",
-                self.rank,
-                t.dtype(),
-                t.shape(),
-                p.dtype(),
-                p.shape()
-            )
-        }
+        let parts = self.exchange(t, "all_reduce_sum")?;
         let mut sum = parts[0].to_device(t.device())?;
         for p in &parts[1..] {
             sum = (sum + p.to_device(t.device())?)?;
@@ -201,28 +183,37 @@ impl Communicator for LocalGroup {
     }
 
     fn ring_shift(&self, t: &Tensor) -> Result<Tensor> {
+        let world = self.shared.world_size;
+        let parts = self.exchange(t, "ring_shift")?;
+        // A copy: the sender may keep using its tensor.
+        parts[(self.rank + world - 1) % world].to_device(t.device())?.copy()
+    }
+}
+
+impl LocalGroup {
+    /// Deposits `t` and returns every rank's deposit, in rank order, once all have arrived;
+    /// an error on every rank if they differ in shape or dtype (`what` names the collective).
+    fn exchange(&self, t: &Tensor, what: &str) -> Result<Vec<Tensor>> {
         let s = &self.shared;
         if s.world_size == 1 {
-            return Ok(t.clone());
+            return Ok(vec![t.clone()]);
         }
         s.slots.lock().unwrap()[self.rank] = Some(t.clone());
         s.barrier.wait();
-        let from = (self.rank + s.world_size - 1) % s.world_size;
-        let received = s.slots.lock().unwrap()[from].clone();
+        let parts: Vec<Tensor> = s.slots.lock().unwrap().iter().flatten().cloned().collect();
+        // Nobody deposits the next collective's tensor before every rank has taken this one's.
         s.barrier.wait();
-        let received = received.expect("every rank deposited before the barrier");
-        if received.shape() != t.shape() || received.dtype() != t.dtype() {
+        if let Some(p) = parts.iter().find(|p| p.shape() != t.shape() || p.dtype() != t.dtype()) {
             bail!(
-                "ring_shift: rank {} sends {:?} {:?}, rank {from} sent {:?} {:?}",
+                "{what}: rank {} has {:?} {:?}, another rank {:?} {:?}",
                 self.rank,
                 t.dtype(),
                 t.shape(),
-                received.dtype(),
-                received.shape()
+                p.dtype(),
+                p.shape()
             )
         }
-        // A copy: the sender may keep using its tensor.
-        received.to_device(t.device())?.copy()
+        Ok(parts)
     }
 }
 

@@ -87,27 +87,52 @@ impl Communicator for NcclCommunicator {
     }
 
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-        let comm = self.comm.lock().unwrap();
-        t.contiguous()?.apply_op1_no_bwd(&AllReduceSum { comm: &comm })
+        self.run(t, Collective::AllReduceSum)
     }
 
     fn ring_shift(&self, t: &Tensor) -> Result<Tensor> {
+        self.run(t, Collective::RingShift)
+    }
+}
+
+impl NcclCommunicator {
+    fn run(&self, t: &Tensor, kind: Collective) -> Result<Tensor> {
         let comm = self.comm.lock().unwrap();
         if comm.world_size() == 1 {
             return Ok(t.clone());
         }
-        t.contiguous()?.apply_op1_no_bwd(&RingShift { comm: &comm })
+        t.contiguous()?.apply_op1_no_bwd(&CollectiveOp { comm: &comm, kind })
     }
 }
 
-/// ncclSend to the next rank and ncclRecv from the previous one, in one NCCL group (so that
-/// neither blocks the other), into a new tensor.
-struct RingShift<'a> {
-    comm: &'a Comm,
+/// What a [`CollectiveOp`] does.
+#[derive(Debug, Clone, Copy)]
+enum Collective {
+    /// ncclAllReduce(sum).
+    AllReduceSum,
+    /// ncclSend to the next rank and ncclRecv from the previous one, in one NCCL group (so that
+    /// neither blocks the other).
+    RingShift,
 }
 
-impl RingShift<'_> {
-    fn shift<T>(&self, storage: &CudaStorage, layout: &Layout) -> Result<CudaStorage>
+impl Collective {
+    fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduceSum => "NCCL all-reduce",
+            Collective::RingShift => "NCCL ring shift",
+        }
+    }
+}
+
+/// A collective of a contiguous tensor into a new one, as a candle op so that the result is an
+/// ordinary tensor on the same device.
+struct CollectiveOp<'a> {
+    comm: &'a Comm,
+    kind: Collective,
+}
+
+impl CollectiveOp<'_> {
+    fn run<T>(&self, storage: &CudaStorage, layout: &Layout) -> Result<CudaStorage>
     where
         T: candle_core::cuda_backend::CudaDType + cudarc::nccl::safe::NcclType + cudarc::driver::DeviceRepr,
     {
@@ -115,88 +140,57 @@ impl RingShift<'_> {
         let n = layout.shape().elem_count();
         let start = layout.start_offset();
         let src = storage.as_cuda_slice::<T>()?.slice(start..start + n);
-        // SAFETY: every element is written by the receive before anything reads it.
+        // SAFETY: every element is written by the collective before anything reads it.
         let mut dst = unsafe { dev.alloc::<T>(n) }?;
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
-        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
-        group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
-        let sent = self.comm.send(&src, next as i32).map_err(|e| nccl_err("ncclSend", e));
-        let received = self
-            .comm
-            .recv(&mut dst, prev as i32)
-            .map_err(|e| nccl_err("ncclRecv", e));
-        group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
-        sent?;
-        received?;
+        match self.kind {
+            Collective::AllReduceSum => {
+                self.comm
+                    .all_reduce(&src, &mut dst, &ReduceOp::Sum)
+                    .map_err(|e| nccl_err("ncclAllReduce", e))?;
+            }
+            Collective::RingShift => {
+                let (rank, world) = (self.comm.rank(), self.comm.world_size());
+                let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+                group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+                let sent = self.comm.send(&src, next as i32).map_err(|e| nccl_err("ncclSend", e));
+                let received = self
+                    .comm
+                    .recv(&mut dst, prev as i32)
+                    .map_err(|e| nccl_err("ncclRecv", e));
+                group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
+                sent?;
+                received?;
+            }
+        }
         Ok(CudaStorage::wrap_cuda_slice(dst, dev))
     }
 }
 
-impl CustomOp1 for RingShift<'_> {
+impl CustomOp1 for CollectiveOp<'_> {
     fn name(&self) -> &'static str {
-        "nccl-ring-shift"
+        match self.kind {
+            Collective::AllReduceSum => "nccl-all-reduce-sum",
+            Collective::RingShift => "nccl-ring-shift",
+        }
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        bail!("NCCL ring shift of a CPU tensor: move it to the rank's GPU (or use LocalGroup on the CPU)")
+        bail!(
+            "{} of a CPU tensor: move it to the rank's GPU (or use LocalGroup on the CPU)",
+            self.kind.name()
+        )
     }
 
     fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
+        let what = self.kind.name();
         if !layout.is_contiguous() {
-            bail!("NCCL ring shift: the tensor must be contiguous")
+            bail!("{what}: the tensor must be contiguous")
         }
         let out = match storage.dtype() {
-            DType::F32 => self.shift::<f32>(storage, layout)?,
-            DType::BF16 => self.shift::<half::bf16>(storage, layout)?,
-            DType::F16 => self.shift::<half::f16>(storage, layout)?,
-            d => bail!("NCCL ring shift: unsupported dtype {d:?} (f32, bf16 or f16)"),
-        };
-        Ok((out, layout.shape().clone()))
-    }
-}
-
-/// ncclAllReduce(sum) of a contiguous tensor into a new one, as a candle op so that the result
-/// is an ordinary tensor on the same device.
-struct AllReduceSum<'a> {
-    comm: &'a Comm,
-}
-
-impl AllReduceSum<'_> {
-    fn reduce<T>(&self, storage: &CudaStorage, layout: &Layout) -> Result<CudaStorage>
-    where
-        T: candle_core::cuda_backend::CudaDType + cudarc::nccl::safe::NcclType + cudarc::driver::DeviceRepr,
-    {
-        let dev: CudaDevice = storage.device().clone();
-        let n = layout.shape().elem_count();
-        let start = layout.start_offset();
-        let src = storage.as_cuda_slice::<T>()?.slice(start..start + n);
-        // SAFETY: every element is written by the all-reduce before anything reads it.
-        let mut dst = unsafe { dev.alloc::<T>(n) }?;
-        self.comm
-            .all_reduce(&src, &mut dst, &ReduceOp::Sum)
-            .map_err(|e| nccl_err("ncclAllReduce", e))?;
-        Ok(CudaStorage::wrap_cuda_slice(dst, dev))
-    }
-}
-
-impl CustomOp1 for AllReduceSum<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-all-reduce-sum"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        bail!("NCCL all-reduce of a CPU tensor: move it to the rank's GPU (or use LocalGroup on the CPU)")
-    }
-
-    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
-        if !layout.is_contiguous() {
-            bail!("NCCL all-reduce: the tensor must be contiguous")
-        }
-        let out = match storage.dtype() {
-            DType::F32 => self.reduce::<f32>(storage, layout)?,
-            DType::BF16 => self.reduce::<half::bf16>(storage, layout)?,
-            DType::F16 => self.reduce::<half::f16>(storage, layout)?,
-            d => bail!("NCCL all-reduce: unsupported dtype {d:?} (f32, bf16 or f16)"),
+            DType::F32 => self.run::<f32>(storage, layout)?,
+            DType::BF16 => self.run::<half::bf16>(storage, layout)?,
+            DType::F16 => self.run::<half::f16>(storage, layout)?,
+            d => bail!("{what}: unsupported dtype {d:?} (f32, bf16 or f16)"),
         };
         Ok((out, layout.shape().clone()))
     }
