@@ -83,9 +83,15 @@ pub fn launch_ranks(world: usize, group_id: &str) -> Result<()> {
     }
 }
 
-/// The launcher side on GPUs: a new NCCL group of `world` ranks, one process each.
+/// The launcher side on GPUs: a new NCCL group of `world` ranks, one process each (an error
+/// if the machine has fewer GPUs).
 #[cfg(feature = "nccl")]
 pub fn launch_gpu_ranks(world: usize) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    let count = CudaContext::device_count().map_err(|e| anyhow::anyhow!("counting the GPUs: {e:?}"))? as usize;
+    if count < world {
+        bail!("{world} GPU ranks: this machine has {count} GPU(s)")
+    }
     launch_ranks(world, &super::NcclId::new()?.to_hex())
 }
 
