@@ -85,63 +85,7 @@ fn bf16_compute_trains_f32_master_weights() {
 /// and weights, up to the order of the f32 sums; and every replica ends with the same weights.
 #[test]
 fn data_parallel_ranks_take_the_single_rank_steps() {
-    let data = corpus();
-    let (model, cfg) = tiny(5, 4);
-    let dev = Device::Cpu;
-    let mut alone = Trainer::new(model.clone(), cfg.clone(), DType::F32, &dev).unwrap();
-    let expected: Vec<f32> = (0..5).map(|_| alone.train_step(&data).unwrap().loss).collect();
-    let expected_eval = alone.evaluate(&data).unwrap();
-    let weights = |t: &Trainer| -> Vec<Vec<f32>> {
-        t.parameters()
-            .map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
-            .collect()
-    };
-    let expected_weights = weights(&alone);
-
-    for world in [2, 4] {
-        let groups = LocalGroup::new(world).unwrap();
-        let ranks: Vec<(Vec<f32>, f32, Vec<Vec<f32>>)> = std::thread::scope(|s| {
-            let handles: Vec<_> = groups
-                .into_iter()
-                .map(|g| {
-                    let (model, cfg, data) = (model.clone(), cfg.clone(), &data);
-                    s.spawn(move || {
-                        let mut t = Trainer::new(model, cfg, DType::F32, &Device::Cpu).unwrap();
-                        t.set_data_parallel(Box::new(g)).unwrap();
-                        let losses: Vec<f32> = (0..5).map(|_| t.train_step(data).unwrap().loss).collect();
-                        let eval = t.evaluate(data).unwrap();
-                        (losses, eval, weights(&t))
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for (rank, (losses, eval, w)) in ranks.iter().enumerate() {
-            for (step, (a, b)) in expected.iter().zip(losses).enumerate() {
-                assert!(
-                    (a - b).abs() <= 1e-5 * a.abs(),
-                    "{world} ranks, rank {rank}, step {}: loss {b}, one rank {a}",
-                    step + 1
-                );
-            }
-            assert!(
-                (eval - expected_eval).abs() <= 1e-5 * expected_eval,
-                "{world} ranks: eval {eval} vs {expected_eval}"
-            );
-            let mut worst = 0f32;
-            for (x, y) in w.iter().flatten().zip(expected_weights.iter().flatten()) {
-                worst = worst.max((x - y).abs());
-            }
-            // Adam divides by the gradients' RMS, so a rounding difference in a near-zero
-            // gradient moves a weight by up to lr-ish amounts after 5 steps; 1e-4 leaves room for
-            // that and still fails on a wrong share (which moves weights by ~1e-3 per step).
-            assert!(worst < 1e-4, "{world} ranks, rank {rank}: weights differ by {worst}");
-            assert_eq!(
-                w, &ranks[0].2,
-                "{world} ranks: rank {rank}'s replica differs from rank 0's"
-            );
-        }
-    }
+    ranks_take_the_single_rank_steps(5, 4, |t, g| t.set_data_parallel(Box::new(g)).unwrap());
 }
 
 /// Context parallelism over 2 and 4 ranks (each a consecutive quarter or half of every
@@ -149,11 +93,17 @@ fn data_parallel_ranks_take_the_single_rank_steps() {
 /// evaluations and weights up to the order of the f32 sums.
 #[test]
 fn context_parallel_ranks_take_the_single_rank_steps() {
+    ranks_take_the_single_rank_steps(4, 2, |t, g| t.set_context_parallel(std::sync::Arc::new(g)).unwrap());
+}
+
+/// `steps` tiny-preset steps of `grad_accum` micro-batches on one rank, then on 2 and 4 ranks
+/// joined by `join` (each a thread): every rank's losses, evaluation and weights must be the
+/// single rank's, and every rank's weights rank 0's.
+fn ranks_take_the_single_rank_steps(steps: usize, grad_accum: usize, join: impl Fn(&mut Trainer, LocalGroup) + Sync) {
     let data = corpus();
-    let (model, cfg) = tiny(4, 2);
-    let dev = Device::Cpu;
-    let mut alone = Trainer::new(model.clone(), cfg.clone(), DType::F32, &dev).unwrap();
-    let expected: Vec<f32> = (0..4).map(|_| alone.train_step(&data).unwrap().loss).collect();
+    let (model, cfg) = tiny(steps, grad_accum);
+    let mut alone = Trainer::new(model.clone(), cfg.clone(), DType::F32, &Device::Cpu).unwrap();
+    let expected: Vec<f32> = (0..steps).map(|_| alone.train_step(&data).unwrap().loss).collect();
     let expected_eval = alone.evaluate(&data).unwrap();
     let weights = |t: &Trainer| -> Vec<f32> {
         t.parameters()
@@ -161,17 +111,18 @@ fn context_parallel_ranks_take_the_single_rank_steps() {
             .collect()
     };
     let expected_weights = weights(&alone);
+
     for world in [2, 4] {
         let groups = LocalGroup::new(world).unwrap();
         let ranks: Vec<(Vec<f32>, f32, Vec<f32>)> = std::thread::scope(|s| {
             let handles: Vec<_> = groups
                 .into_iter()
                 .map(|g| {
-                    let (model, cfg, data) = (model.clone(), cfg.clone(), &data);
+                    let (model, cfg, data, join, weights) = (model.clone(), cfg.clone(), &data, &join, &weights);
                     s.spawn(move || {
                         let mut t = Trainer::new(model, cfg, DType::F32, &Device::Cpu).unwrap();
-                        t.set_context_parallel(std::sync::Arc::new(g)).unwrap();
-                        let losses: Vec<f32> = (0..4).map(|_| t.train_step(data).unwrap().loss).collect();
+                        join(&mut t, g);
+                        let losses: Vec<f32> = (0..steps).map(|_| t.train_step(data).unwrap().loss).collect();
                         let eval = t.evaluate(data).unwrap();
                         (losses, eval, weights(&t))
                     })
@@ -195,6 +146,9 @@ fn context_parallel_ranks_take_the_single_rank_steps() {
                 .iter()
                 .zip(&expected_weights)
                 .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            // Adam divides by the gradients' RMS, so a rounding difference in a near-zero
+            // gradient moves a weight by up to lr-ish amounts after 5 steps; 1e-4 leaves room for
+            // that and still fails on a wrong share (which moves weights by ~1e-3 per step).
             assert!(worst < 1e-4, "{world} ranks, rank {rank}: weights differ by {worst}");
             assert_eq!(
                 w, &ranks[0].2,
