@@ -14,7 +14,8 @@
 # context-parallel training), TP_SHAPES (default 1b,8b), CP_SEQS (ring attention's
 # whole-sequence lengths, default "16384 65536"), CP_TRAIN_LENS (context-parallel training's
 # long sequence lengths, default "131072 262144"), CP_TRAIN_STEPS (their steps, default 3),
-# SKIP=cpeq (no equality runs at 16k).
+# SKIP=cpeq (no equality runs at 16k). A baseline train build packed by hand as
+# .device/train-nccl-base.xz runs alternating with this one (the table's "base" columns).
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/gpu-multi.
 set -uo pipefail
 
@@ -64,22 +65,36 @@ if [[ -f .device/train-gpu-test.xz ]]; then
     grep -E 'FAILED|panicked' "$OUT/train-gpu-test.log" | head -n5 | tee -a "$OUT/progress.txt" >&2
 fi
 
-declare -A OURS DDP
+# A baseline build of the train example (.device/train-nccl-base.xz, packed by hand from an
+# earlier commit) runs alternating with this one: an A/B in the same call.
+if [[ -f .device/train-nccl-base.xz ]]; then
+    xz -d -c .device/train-nccl-base.xz >"$BIN/train-base" && chmod +x "$BIN/train-base"
+fi
+declare -A OURS DDP BASE
 for n in "${counts[@]}"; do
     [[ ,$SKIP, == *,dp,* ]] && break
     accum=$((ACCUM < n ? n : ACCUM))
     accum=$(((accum + n - 1) / n * n))
-    log "ours: $n GPU(s), grad-accum $accum, $STEPS steps"
-    timeout 240 "$BIN/train" --preset 125m --data-parallel "$n" --grad-accum "$accum" --steps "$STEPS" \
-        --eval-every "$STEPS" --sample 0 --out "$OUT/ours-$n" >"$OUT/ours-$n.log" 2>&1
-    rc=$?
-    done_line=$(grep '^done:' "$OUT/ours-$n.log" | tail -n1)
-    if ((rc != 0)) || [[ -z $done_line ]]; then
-        log "ours on $n GPU(s) failed (exit $rc):"; tail -n5 "$OUT/ours-$n.log" | tee -a "$OUT/progress.txt" >&2
-        continue
-    fi
-    OURS[$n]=$(sed -E 's/.*: ([0-9]+) tokens\/s.*/\1/' <<<"$done_line")
-    log "ours $n: ${OURS[$n]} tokens/s"
+    for build in ours base; do
+        bin=$BIN/train
+        if [[ $build == base ]]; then
+            [[ -x $BIN/train-base ]] || continue
+            bin=$BIN/train-base
+        fi
+        log "$build: $n GPU(s), grad-accum $accum, $STEPS steps"
+        timeout 240 "$bin" --preset 125m --data-parallel "$n" --grad-accum "$accum" --steps "$STEPS" \
+            --eval-every "$STEPS" --sample 0 --out "$OUT/$build-$n" >"$OUT/$build-$n.log" 2>&1
+        rc=$?
+        done_line=$(grep '^done:' "$OUT/$build-$n.log" | tail -n1)
+        if ((rc != 0)) || [[ -z $done_line ]]; then
+            log "$build on $n GPU(s) failed (exit $rc):"; tail -n5 "$OUT/$build-$n.log" | tee -a "$OUT/progress.txt" >&2
+            continue
+        fi
+        tps=$(sed -E 's/.*: ([0-9]+) tokens\/s.*/\1/' <<<"$done_line")
+        if [[ $build == ours ]]; then OURS[$n]=$tps; else BASE[$n]=$tps; fi
+        log "$build $n: $tps tokens/s"
+        rm -f "$OUT/base-$n/checkpoint.safetensors"
+    done
 done
 
 if [[ ,$SKIP, != *,ddp,* && ,$SKIP, != *,dp,* ]]; then
@@ -193,12 +208,13 @@ cat "$OUT/losses.txt"
 {
     echo
     echo "== data-parallel 125m (8 x 2048-token micro-batches, global grad-accum max($ACCUM, N), $STEPS steps; tokens/s over all GPUs)"
-    printf '%-5s %12s %9s %12s %9s %10s\n' GPUs ours scaling DDP scaling ours/DDP
+    printf '%-5s %12s %9s %12s %9s %10s %12s %9s %10s\n' GPUs ours scaling DDP scaling ours/DDP base scaling ours/base
     for n in "${counts[@]}"; do
-        o=${OURS[$n]:-} d=${DDP[$n]:-}
+        o=${OURS[$n]:-} d=${DDP[$n]:-} b=${BASE[$n]:-}
         eff() { [[ -n $1 && -n $2 ]] && awk -v a="$1" -v b="$2" -v n="$n" 'BEGIN { printf "%.3f", a / (n * b) }' || echo -; }
-        ratio=$([[ -n $o && -n $d ]] && awk -v a="$o" -v b="$d" 'BEGIN { printf "%.2f", a / b }' || echo -)
-        printf '%-5s %12s %9s %12s %9s %10s\n' "$n" "${o:--}" "$(eff "$o" "${OURS[1]:-}")" "${d:--}" "$(eff "$d" "${DDP[1]:-}")" "$ratio"
+        ratio() { [[ -n $1 && -n $2 ]] && awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", a / b }' || echo -; }
+        printf '%-5s %12s %9s %12s %9s %10s %12s %9s %10s\n' "$n" "${o:--}" "$(eff "$o" "${OURS[1]:-}")" "${d:--}" \
+            "$(eff "$d" "${DDP[1]:-}")" "$(ratio "$o" "$d")" "${b:--}" "$(eff "$b" "${BASE[1]:-}")" "$(ratio "$o" "$b")"
     done
 } | tee "$OUT/table.txt"
 [[ -f $OUT/tp.txt ]] && sed -n '/^== tensor-parallel/,$p' "$OUT/tp.txt" | tee -a "$OUT/table.txt"

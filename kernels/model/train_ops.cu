@@ -210,22 +210,84 @@ __device__ void embedding_bwd_rows(const float* __restrict__ partial, const uint
         swiglu_bwd<T>(g, u, dy, out, n);                                                                              \
     }
 
-// One AdamW update of n f32 master weights in place, with their moments m and v (decoupled
-// weight decay: p <- p * decay - lr * m_hat / (sqrt(v_hat) + eps)). The same arithmetic, in the
-// same order, as the composed candle ops of AdamW::update on the CPU; one pass over p, g, m, v
-// instead of about sixteen.
-extern "C" __global__ void adamw_f32(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                                     float* __restrict__ v, unsigned long long n, float grad_scale, float lr,
-                                     float beta1, float beta2, float eps, float decay, float correction1,
-                                     float correction2) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const float gi = g[i] * grad_scale;
-        const float mi = m[i] * beta1 + gi * (1.f - beta1);
-        const float vi = v[i] * beta2 + gi * gi * (1.f - beta2);
-        m[i] = mi;
-        v[i] = vi;
+// ---- The optimizer step on the GPU (train::optim::AdamW::update): three launches for the whole
+// model and no wait for the host. Every parameter tensor is cut into chunks of at most
+// kOptimChunk elements (one block each, listed in a table the host uploads), then:
+//   1. optim_grad_sq_sums: each chunk's sum of squared gradients;
+//   2. optim_clip: their total in a fixed order (so a step is deterministic and --resume
+//      bit-exact), the global norm, the clip scale, and whether to skip the step (a gradient or
+//      the loss not finite: the weights stay as they were and the host reports the divergence);
+//   3. optim_adamw: the update of every chunk, reading the scale written by step 2.
+
+// One chunk of one parameter tensor; the host writes the same layout (five u64 words,
+// crates/model/src/train_ops/cuda.rs: `OptimChunk`).
+struct OptimChunk {
+    float* p;
+    const float* g;
+    float* m;
+    float* v;
+    unsigned int len;
+    unsigned int decayed;  // a matrix: weight decay applies
+};
+
+// The block's sum of v (every thread gets it); deterministic: a fixed tree over fixed lanes.
+static __device__ float block_sum(float v) {
+    __shared__ float warp_sums[32];
+    v = warp_sum(v);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    __syncthreads();  // warp_sums may still be read by a previous call
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    v = lane < warps ? warp_sums[lane] : 0.f;
+    return warp_sum(v);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads)
+    optim_grad_sq_sums(const OptimChunk* __restrict__ chunks, float* __restrict__ partials) {
+    const OptimChunk c = chunks[blockIdx.x];
+    float s = 0.f;
+    for (unsigned int i = threadIdx.x; i < c.len; i += kThreads) {
+        const float g = c.g[i];
+        s += g * g;
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+
+// One block of kThreads. stats: [global norm, clip scale, 1 if the step is skipped].
+extern "C" __global__ void __launch_bounds__(kThreads)
+    optim_clip(const float* __restrict__ partials, unsigned int n, const float* __restrict__ loss, float clip,
+               float* __restrict__ stats) {
+    float s = 0.f;
+    for (unsigned int i = threadIdx.x; i < n; i += kThreads) s += partials[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) {
+        // The host's arithmetic: the norm and the scale in f64, the scale rounded once.
+        const double norm = sqrt((double)s);
+        const bool skip = !isfinite(s) || !isfinite(*loss);
+        stats[0] = (float)norm;
+        stats[1] = (clip > 0.f && norm > (double)clip) ? (float)((double)clip / norm) : 1.f;
+        stats[2] = skip ? 1.f : 0.f;
+    }
+}
+
+// AdamW with decoupled weight decay: p <- p * decay - lr * m_hat / (sqrt(v_hat) + eps), the same
+// arithmetic in the same order as the composed candle ops of AdamW::update on the CPU.
+extern "C" __global__ void __launch_bounds__(kThreads)
+    optim_adamw(const OptimChunk* __restrict__ chunks, const float* __restrict__ stats, float lr, float beta1,
+                float beta2, float eps, float matrix_decay, float correction1, float correction2) {
+    if (stats[2] != 0.f) return;
+    const float grad_scale = stats[1];
+    const OptimChunk c = chunks[blockIdx.x];
+    const float decay = c.decayed ? matrix_decay : 1.f;
+    for (unsigned int i = threadIdx.x; i < c.len; i += kThreads) {
+        const float gi = c.g[i] * grad_scale;
+        const float mi = c.m[i] * beta1 + gi * (1.f - beta1);
+        const float vi = c.v[i] * beta2 + gi * gi * (1.f - beta2);
+        c.m[i] = mi;
+        c.v[i] = vi;
         const float update = (mi / correction1) / (sqrtf(vi / correction2) + eps);
-        p[i] = p[i] * decay - update * lr;
+        c.p[i] = c.p[i] * decay - update * lr;
     }
 }
 

@@ -112,9 +112,11 @@ fn kernels_match_the_cpu_loops() -> Result<()> {
     Ok(())
 }
 
-/// The fused AdamW kernel (one launch per tensor on the GPU) against an f64 reference of the
-/// update, three steps with fresh gradients, decayed (matrix) and undecayed (vector) parameters
-/// of odd sizes, clipping scale ≠ 1; the CPU's composed ops against the same reference.
+/// The optimizer step on the GPU (global norm, clip scale and AdamW over every tensor in three
+/// multi-tensor launches) against an f64 reference: decayed (matrix) and undecayed (vector)
+/// parameters of odd sizes, one of several chunks; five steps with fresh gradients: clipped,
+/// a NaN gradient (skipped: nothing changes), unclipped (clip 0), an infinite loss (skipped),
+/// clipped again. The CPU's composed ops against the same reference.
 #[test]
 fn fused_adamw_matches_an_f64_reference() -> Result<()> {
     use flash_llama::train::optim::{AdamW, AdamWParams};
@@ -124,7 +126,8 @@ fn fused_adamw_matches_an_f64_reference() -> Result<()> {
         eps: 1e-8,
         weight_decay: 0.1,
     };
-    let shapes: [&[usize]; 2] = [&[37, 129], &[1001]];
+    // 77,100 elements: two whole chunks of the kernels (32,768) and a partial one.
+    let shapes: [&[usize]; 3] = [&[37, 129], &[1001], &[300, 257]];
     let host = |t: &Tensor| -> Result<Vec<f64>> {
         Ok(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f64::from).collect())
     };
@@ -138,31 +141,62 @@ fn fused_adamw_matches_an_f64_reference() -> Result<()> {
         .iter()
         .map(|s| (randn(s, DType::F32, &Device::Cpu).sqr().unwrap() * 1e-4).unwrap())
         .collect();
-    let grads: Vec<Vec<Tensor>> = (0..3)
-        .map(|_| {
+    // (clip, loss, a NaN in the gradients); gradient norms are about 0.1 * sqrt(82,874) ≈ 29.
+    let plan: [(f64, f32, bool); 5] = [
+        (10.0, 2.5, false),
+        (10.0, 2.4, true),
+        (0.0, 2.3, false),
+        (10.0, f32::INFINITY, false),
+        (20.0, 2.2, false),
+    ];
+    let grads: Vec<Vec<Tensor>> = plan
+        .iter()
+        .map(|&(_, _, nan)| {
             shapes
                 .iter()
-                .map(|s| (randn(s, DType::F32, &Device::Cpu) * 0.1).unwrap())
+                .enumerate()
+                .map(|(i, s)| {
+                    let g = (randn(s, DType::F32, &Device::Cpu) * 0.1).unwrap();
+                    if nan && i == 2 {
+                        let mut v = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                        v[40_000] = f32::NAN;
+                        Tensor::from_vec(v, *s, &Device::Cpu).unwrap()
+                    } else {
+                        g
+                    }
+                })
                 .collect()
         })
         .collect();
-    let (scale, lr) = (0.7, 3e-3);
+    let lr = 3e-3;
 
-    // The f64 reference.
+    // The f64 reference, with each step's expected norm and whether it applies.
     let mut rp: Vec<Vec<f64>> = init_p.iter().map(host).collect::<Result<_>>()?;
     let mut rm: Vec<Vec<f64>> = init_m.iter().map(host).collect::<Result<_>>()?;
     let mut rv: Vec<Vec<f64>> = init_v.iter().map(host).collect::<Result<_>>()?;
+    let mut want_stats = Vec::new();
+    let mut applied = 0usize;
     for (k, step_grads) in grads.iter().enumerate() {
-        let step = k + 4; // as if three steps had been taken before
+        let (clip, loss, _) = plan[k];
+        let g64: Vec<Vec<f64>> = step_grads.iter().map(host).collect::<Result<_>>()?;
+        let norm = g64.iter().flatten().map(|g| g * g).sum::<f64>().sqrt();
+        let skip = !norm.is_finite() || !loss.is_finite();
+        want_stats.push((norm, skip));
+        if skip {
+            continue;
+        }
+        applied += 1;
+        let step = applied + 3; // as if three steps had been taken before
+        let scale = if clip > 0.0 && norm > clip { clip / norm } else { 1.0 };
         let c1 = 1.0 - params.beta1.powi(step as i32);
         let c2 = 1.0 - params.beta2.powi(step as i32);
-        for (i, g) in step_grads.iter().enumerate() {
+        for (i, g) in g64.iter().enumerate() {
             let decay = if shapes[i].len() >= 2 {
                 1.0 - lr * params.weight_decay
             } else {
                 1.0
             };
-            for (j, gj) in host(g)?.into_iter().enumerate() {
+            for (j, gj) in g.iter().enumerate() {
                 let gj = gj * scale;
                 rm[i][j] = params.beta1 * rm[i][j] + (1.0 - params.beta1) * gj;
                 rv[i][j] = params.beta2 * rv[i][j] + (1.0 - params.beta2) * gj * gj;
@@ -171,6 +205,10 @@ fn fused_adamw_matches_an_f64_reference() -> Result<()> {
             }
         }
     }
+    assert!(
+        want_stats[0].0 > 10.0 && want_stats[4].0 > 20.0,
+        "the plan's clipped steps must clip"
+    );
 
     for dev in [gpu(), Device::Cpu] {
         let vars: Vec<Var> = init_p
@@ -180,9 +218,37 @@ fn fused_adamw_matches_an_f64_reference() -> Result<()> {
         let mut opt = AdamW::new(&vars, params)?;
         opt.m = init_m.iter().map(|t| t.to_device(&dev)).collect::<Result<_>>()?;
         opt.v = init_v.iter().map(|t| t.to_device(&dev)).collect::<Result<_>>()?;
+        let mut applied = 0;
         for (k, step_grads) in grads.iter().enumerate() {
             let g: Vec<Tensor> = step_grads.iter().map(|t| t.to_device(&dev)).collect::<Result<_>>()?;
-            opt.update(&vars, &g, scale, lr, k + 4)?;
+            let (clip, loss, _) = plan[k];
+            let loss = Tensor::new(loss, &dev)?;
+            // The trainer passes the number of the update about to be made (skipped ones do not count).
+            let stats = opt.update(&vars, &g, &loss, clip, lr, applied + 4)?.to_vec1::<f32>()?;
+            let (norm, skip) = want_stats[k];
+            assert_eq!(
+                stats[2] != 0.0,
+                skip,
+                "step {k} on {dev:?}: skipped {} (want {skip})",
+                stats[2]
+            );
+            if norm.is_finite() {
+                let rel = (f64::from(stats[0]) - norm).abs() / norm;
+                assert!(
+                    rel <= 1e-5,
+                    "step {k} on {dev:?}: norm {} against {norm} (relative {rel:e})",
+                    stats[0]
+                );
+            } else {
+                assert!(
+                    !stats[0].is_finite(),
+                    "step {k} on {dev:?}: norm {} of a NaN gradient",
+                    stats[0]
+                );
+            }
+            if !skip {
+                applied += 1;
+            }
         }
         for i in 0..shapes.len() {
             for (what, got, want) in [

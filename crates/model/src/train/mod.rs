@@ -507,7 +507,8 @@ impl Trainer {
         let model = self.model()?;
         let (rank, world) = self.rank_and_world();
         let mut sums: Vec<Option<Tensor>> = vec![None; self.vars.len()];
-        let mut loss_sum = 0f64;
+        // The losses stay on the device: the step waits for the GPU once, at its end.
+        let mut loss_sum: Option<Tensor> = None;
         for micro_batch in 0..c.grad_accum {
             // Every rank draws every micro-batch, so that the samplers stay in step.
             let (inputs, targets) = data.sample_batch(&mut self.rng, c.batch_size, c.seq_len);
@@ -516,8 +517,13 @@ impl Trainer {
             }
             let loss = self.batch_loss(&model, inputs, targets)?;
             // Dividing by the micro-batch count makes the summed gradient that of the mean loss.
-            let grads = (&loss / c.grad_accum as f64)?.backward()?;
-            loss_sum += loss.to_scalar::<f32>()? as f64;
+            let loss = (loss / c.grad_accum as f64)?;
+            let grads = loss.backward()?;
+            let loss = loss.detach().to_dtype(DType::F32)?;
+            loss_sum = Some(match loss_sum.take() {
+                None => loss,
+                Some(s) => (s + loss)?,
+            });
             for ((sum, var), name) in sums.iter_mut().zip(&self.vars).zip(&self.names) {
                 let g = grads
                     .get(var)
@@ -529,26 +535,31 @@ impl Trainer {
             }
         }
         let mut grads: Vec<Tensor> = sums.into_iter().flatten().collect();
+        let mut loss = match loss_sum {
+            Some(l) => l,
+            // A rank without a micro-batch (fewer micro-batches than ranks is refused, so never).
+            None => Tensor::zeros((), DType::F32, &self.device)?,
+        };
         if let Some(comm) = self.reduce_group() {
             grads = parallel::all_reduce_sum_bucketed(comm, &grads, GRAD_BUCKET_BYTES)?;
-            loss_sum = parallel::all_reduce_scalar(comm, loss_sum as f32, &grads[0])? as f64;
+            loss = comm.all_reduce_sum(&loss)?;
         }
-        let loss = (loss_sum / c.grad_accum as f64) as f32;
-        if !loss.is_finite() {
+        let lr = optim::learning_rate(self.step, c.warmup_steps, c.steps, c.lr, c.min_lr);
+        let stats = self
+            .optimizer
+            .update(&self.vars, &grads, &loss, c.grad_clip, lr, self.step + 1)?;
+        // The one wait of the step: the loss and the update's statistics.
+        let read = Tensor::cat(&[loss.reshape(1)?, stats], 0)?.to_vec1::<f32>()?;
+        let (loss, grad_norm, skipped) = (read[0], f64::from(read[1]), read[3] != 0.0);
+        if skipped || !loss.is_finite() {
             bail!(
-                "the training loss is {loss} at step {}: the run diverged (try a lower --lr)",
-                self.step + 1
+                "the training loss is {loss} (gradient norm {grad_norm}) at step {}: the run diverged (try a lower --lr); \
+                 the weights are those after step {}",
+                self.step + 1,
+                self.step
             )
         }
-        let grad_norm = optim::global_norm(&grads)?;
-        let scale = if c.grad_clip > 0.0 && grad_norm > c.grad_clip {
-            c.grad_clip / grad_norm
-        } else {
-            1.0
-        };
-        let lr = optim::learning_rate(self.step, c.warmup_steps, c.steps, c.lr, c.min_lr);
         self.step += 1;
-        self.optimizer.update(&self.vars, &grads, scale, lr, self.step)?;
         self.history.train.push((self.step, loss));
         Ok(StepStats {
             step: self.step,

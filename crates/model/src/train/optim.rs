@@ -32,35 +32,74 @@ impl AdamW {
         })
     }
 
-    /// One update of every var with its gradient times `grad_scale` (clipping), at learning rate
+    /// One update of every var: the gradients' global L2 norm, a clip scale of
+    /// `clip / norm` where the norm exceeds `clip` (0 never clips), then AdamW at learning rate
     /// `lr`. `step` counts updates from 1 (bias correction). Weight decay applies to matrices
-    /// only: decaying norm gains towards 0 would fight the normalisation they scale.
-    pub fn update(&mut self, vars: &[Var], grads: &[Tensor], grad_scale: f64, lr: f64, step: usize) -> Result<()> {
+    /// only: decaying norm gains towards 0 would fight the normalisation they scale. Nothing
+    /// changes when a gradient or `loss` (the step's loss, one value) is not finite: the caller
+    /// reports the divergence from the returned statistics.
+    ///
+    /// Returns [global norm, clip scale, 1 if the step was skipped else 0] as an f32 tensor on
+    /// the vars' device. On a GPU the whole step is three kernels queued without waiting for
+    /// them (kernels/model/train_ops.cu); reading the statistics waits.
+    pub fn update(
+        &mut self,
+        vars: &[Var],
+        grads: &[Tensor],
+        loss: &Tensor,
+        clip: f64,
+        lr: f64,
+        step: usize,
+    ) -> Result<Tensor> {
         let p = self.params;
         let correction1 = 1.0 - p.beta1.powi(step as i32);
         let correction2 = 1.0 - p.beta2.powi(step as i32);
+        if vars.len() != grads.len() || vars.len() != self.m.len() {
+            candle_core::bail!(
+                "AdamW: {} vars, {} gradients and {} moment pairs",
+                vars.len(),
+                grads.len(),
+                self.m.len()
+            )
+        }
         #[cfg(feature = "cuda")]
-        if vars.first().is_some_and(|v| v.device().is_cuda()) {
-            // One fused kernel per tensor, the same arithmetic as the composed ops below.
-            for (i, (var, g)) in vars.iter().zip(grads).enumerate() {
-                let decayed = var.rank() >= 2 && p.weight_decay > 0.0;
-                let kernel_step = crate::train_ops::AdamWStep {
-                    grad_scale: grad_scale as f32,
-                    lr: lr as f32,
-                    beta1: p.beta1 as f32,
-                    beta2: p.beta2 as f32,
-                    eps: p.eps as f32,
-                    decay: if decayed {
-                        (1.0 - lr * p.weight_decay) as f32
-                    } else {
-                        1.0
-                    },
-                    correction1: correction1 as f32,
-                    correction2: correction2 as f32,
-                };
-                crate::train_ops::adamw_cuda(var.as_tensor(), g, &self.m[i], &self.v[i], kernel_step)?;
-            }
-            return Ok(());
+        if loss.device().is_cuda() {
+            let tensors: Vec<crate::train_ops::OptimTensor> = (0..vars.len())
+                .map(|i| crate::train_ops::OptimTensor {
+                    param: vars[i].as_tensor(),
+                    grad: &grads[i],
+                    m: &self.m[i],
+                    v: &self.v[i],
+                    decayed: vars[i].rank() >= 2 && p.weight_decay > 0.0,
+                })
+                .collect();
+            let kernel_step = crate::train_ops::AdamWStep {
+                clip: clip as f32,
+                lr: lr as f32,
+                beta1: p.beta1 as f32,
+                beta2: p.beta2 as f32,
+                eps: p.eps as f32,
+                matrix_decay: (1.0 - lr * p.weight_decay) as f32,
+                correction1: correction1 as f32,
+                correction2: correction2 as f32,
+            };
+            return crate::train_ops::optimizer_step(&tensors, loss, kernel_step);
+        }
+        let norm = global_norm(grads)?;
+        let loss_value = loss
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let skip = !norm.is_finite() || loss_value.iter().any(|l| !l.is_finite());
+        let grad_scale = if clip > 0.0 && norm > clip { clip / norm } else { 1.0 };
+        let stats = |skipped: bool| {
+            Tensor::new(
+                &[norm as f32, grad_scale as f32, f32::from(u8::from(skipped))],
+                loss.device(),
+            )
+        };
+        if skip {
+            return stats(true);
         }
         for (i, (var, g)) in vars.iter().zip(grads).enumerate() {
             let g = (g * grad_scale)?;
@@ -78,7 +117,7 @@ impl AdamW {
             };
             var.set(&(theta - (update * lr)?)?)?;
         }
-        Ok(())
+        stats(false)
     }
 }
 
@@ -98,4 +137,60 @@ pub fn global_norm(grads: &[Tensor]) -> Result<f64> {
     let sums: Vec<Tensor> = grads.iter().map(|g| g.sqr()?.sum_all()).collect::<Result<_>>()?;
     let total = Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f32>()?;
     Ok((total as f64).sqrt())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn params() -> AdamWParams {
+        AdamWParams {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
+    }
+
+    /// A step with a NaN gradient or an infinite loss changes nothing and says so; a finite one
+    /// reports the global norm and the clip scale it used, and moves the weights.
+    #[test]
+    fn update_skips_non_finite_steps_and_reports_its_statistics() -> Result<()> {
+        let dev = Device::Cpu;
+        let vars = [
+            Var::new(&[[1f32, 2.], [3., 4.]], &dev)?,
+            Var::new(&[0.5f32, -0.5], &dev)?,
+        ];
+        let mut opt = AdamW::new(&vars, params())?;
+        let before: Vec<Vec<f32>> = vars.iter().map(|v| v.flatten_all()?.to_vec1()).collect::<Result<_>>()?;
+        let finite = [
+            Tensor::new(&[[3f32, 0.], [0., 0.]], &dev)?,
+            Tensor::new(&[0f32, 4.], &dev)?,
+        ];
+        let nan = [
+            Tensor::new(&[[3f32, f32::NAN], [0., 0.]], &dev)?,
+            Tensor::new(&[0f32, 4.], &dev)?,
+        ];
+        let loss = Tensor::new(1.5f32, &dev)?;
+
+        for (grads, loss) in [(&nan, &loss), (&finite, &Tensor::new(f32::INFINITY, &dev)?)] {
+            let stats = opt.update(&vars, grads, loss, 1.0, 1e-2, 1)?.to_vec1::<f32>()?;
+            assert_eq!(stats[2], 1.0, "a non-finite step must be skipped: {stats:?}");
+            let now: Vec<Vec<f32>> = vars.iter().map(|v| v.flatten_all()?.to_vec1()).collect::<Result<_>>()?;
+            assert_eq!(now, before, "a skipped step changed the weights");
+        }
+
+        // Norm 5, clipped to 1: scale 0.2.
+        let stats = opt.update(&vars, &finite, &loss, 1.0, 1e-2, 1)?.to_vec1::<f32>()?;
+        assert_eq!(stats, vec![5.0, 0.2, 0.0]);
+        let now: Vec<Vec<f32>> = vars.iter().map(|v| v.flatten_all()?.to_vec1()).collect::<Result<_>>()?;
+        // The first Adam step moves each weight with a gradient by about lr against its sign.
+        assert!((now[0][0] - (1.0 * (1.0 - 1e-3) - 1e-2)).abs() < 1e-5, "{now:?}");
+        assert!((now[1][1] - (-0.5 - 1e-2)).abs() < 1e-5, "{now:?}");
+        // No clipping: scale 1.
+        let stats = opt.update(&vars, &finite, &loss, 0.0, 1e-2, 2)?.to_vec1::<f32>()?;
+        assert_eq!(stats, vec![5.0, 1.0, 0.0]);
+        Ok(())
+    }
 }

@@ -1,7 +1,7 @@
 //! Launches of kernels/model/train_ops.cu (its own cubin, built by build.rs), through the loader
 //! and launch helpers of [`crate::fused`]'s CUDA module, on candle's stream.
 
-use candle_core::cuda_backend::cudarc::driver::{DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaDType;
 use candle_core::{backend::BackendStorage, CudaStorage, Layout, Result, Tensor};
 
@@ -317,88 +317,157 @@ fn embedding_bwd_t<T: CudaDType + DeviceRepr>(dy: Arg, index: &EmbeddingIndex) -
     Ok(T::wrap_cuda_slice(dw, dev))
 }
 
-/// The scalars of one AdamW update ([`crate::train::optim::AdamW::update`]).
+/// The scalars of one optimizer step ([`crate::train::optim::AdamW::update`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AdamWStep {
-    pub grad_scale: f32,
+    /// The global gradient norm's limit; 0 never clips.
+    pub clip: f32,
     pub lr: f32,
     pub beta1: f32,
     pub beta2: f32,
     pub eps: f32,
-    /// `1 - lr * weight_decay`, or 1 where the parameter is not decayed.
-    pub decay: f32,
+    /// `1 - lr * weight_decay` for the decayed parameters (matrices).
+    pub matrix_decay: f32,
     pub correction1: f32,
     pub correction2: f32,
 }
 
-/// One AdamW update of `param` (f32, updated in place) from `grad`, with the moments `m` and `v`
-/// (f32, updated in place): one kernel over the four tensors. All contiguous, of one size.
-pub(crate) fn adamw(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor, step: AdamWStep) -> Result<()> {
-    const OP: &str = "AdamW";
-    let n = param.elem_count();
-    for (what, t) in [("gradient", grad), ("m", m), ("v", v)] {
-        if t.elem_count() != n || t.dtype() != candle_core::DType::F32 || !t.device().same_device(param.device()) {
-            candle_core::bail!(
-                "flash-llama {OP}: the {what} is {:?} {:?}, the parameter F32 {:?} on its device",
-                t.dtype(),
-                t.shape(),
-                param.shape()
-            )
-        }
-    }
-    // The gradient and moments are read and written through their addresses, outside candle's
-    // locks (only the parameter's storage is locked, by `inplace_op1`): the moments are the
-    // optimizer's own tensors, touched by nothing else during the step, the tensors outlive the
-    // launch, and every access is ordered on candle's one stream. Holding read guards across
-    // `inplace_op1` instead could deadlock if a tensor shared the parameter's storage.
-    let address = |t: &Tensor, what: &str| -> Result<u64> {
-        let (s, l) = t.storage_and_layout();
-        match &*s {
-            candle_core::Storage::Cuda(c) => addr::<f32>(c, l, OP, what),
-            _ => candle_core::bail!("flash-llama {OP}: the {what} is not on the GPU"),
-        }
-    };
-    let pa = address(param, "parameter")?;
-    let (ga, ma, va) = (address(grad, "gradient")?, address(m, "m")?, address(v, "v")?);
-    let bytes = 4 * n as u64;
-    let disjoint = |a: u64, b: u64| a + bytes <= b || b + bytes <= a;
-    if n > 0 && !(disjoint(pa, ma) && disjoint(pa, va) && disjoint(ma, va) && disjoint(pa, ga)) {
-        candle_core::bail!("flash-llama {OP}: the parameter, gradient and moments must not overlap")
-    }
-    param.inplace_op1(&AdamWKernel { ga, ma, va, n, step })
+/// One tensor of the optimizer step: the f32 parameter (updated in place), its gradient, its
+/// moments (updated in place), and whether weight decay applies.
+pub(crate) struct OptimTensor<'a> {
+    pub param: &'a Tensor,
+    pub grad: &'a Tensor,
+    pub m: &'a Tensor,
+    pub v: &'a Tensor,
+    pub decayed: bool,
 }
 
-struct AdamWKernel {
-    ga: u64,
-    ma: u64,
-    va: u64,
-    n: usize,
+/// Elements per chunk of the multi-tensor kernels (`kOptimChunk`-sized blocks of work; one
+/// block each).
+const OPTIM_CHUNK: usize = 32 * 1024;
+
+/// The whole optimizer step on the GPU (kernels/model/train_ops.cu, "The optimizer step"): the
+/// global gradient norm, the clip scale and AdamW over every tensor in three launches, queued
+/// on candle's stream without waiting. Nothing changes when a gradient or `loss` (an f32 scalar)
+/// is not finite. Returns [norm, clip scale, 1 if skipped] (f32, on the GPU).
+pub(crate) fn optimizer_step(tensors: &[OptimTensor], loss: &Tensor, step: AdamWStep) -> Result<Tensor> {
+    const OP: &str = "AdamW";
+    // The table of chunks: five u64 words each, OptimChunk's layout (p, g, m, v, len | decayed << 32).
+    let mut table: Vec<u64> = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        let n = t.param.elem_count();
+        for (what, x) in [("gradient", t.grad), ("m", t.m), ("v", t.v)] {
+            if x.elem_count() != n || x.dtype() != candle_core::DType::F32 || !x.device().same_device(loss.device()) {
+                candle_core::bail!(
+                    "flash-llama {OP}: tensor {i}'s {what} is {:?} {:?}, the parameter F32 {:?} on the loss's GPU",
+                    x.dtype(),
+                    x.shape(),
+                    t.param.shape()
+                )
+            }
+        }
+        if t.param.dtype() != candle_core::DType::F32 || !t.param.device().same_device(loss.device()) {
+            candle_core::bail!(
+                "flash-llama {OP}: parameter {i} must be F32 on the loss's GPU, got {:?}",
+                t.param.dtype()
+            )
+        }
+        // The tensors are read and written through their addresses, outside candle's locks: the
+        // parameters and moments are the optimizer's own, touched by nothing else during the
+        // step, every tensor outlives the launches (the table is uploaded, and the kernels are
+        // ordered on candle's one stream after every kernel that read them).
+        let address = |x: &Tensor, what: &str| -> Result<u64> {
+            let (s, l) = x.storage_and_layout();
+            match &*s {
+                candle_core::Storage::Cuda(c) => addr::<f32>(c, l, OP, what),
+                _ => candle_core::bail!("flash-llama {OP}: the {what} is not on the GPU"),
+            }
+        };
+        let (pa, ga) = (address(t.param, "parameter")?, address(t.grad, "gradient")?);
+        let (ma, va) = (address(t.m, "m")?, address(t.v, "v")?);
+        let bytes = 4 * n as u64;
+        let disjoint = |a: u64, b: u64| a + bytes <= b || b + bytes <= a;
+        if n > 0 && !(disjoint(pa, ma) && disjoint(pa, va) && disjoint(ma, va) && disjoint(pa, ga)) {
+            candle_core::bail!("flash-llama {OP}: tensor {i}'s parameter, gradient and moments must not overlap")
+        }
+        for start in (0..n).step_by(OPTIM_CHUNK) {
+            let len = OPTIM_CHUNK.min(n - start) as u64;
+            let off = 4 * start as u64;
+            table.extend([
+                pa + off,
+                ga + off,
+                ma + off,
+                va + off,
+                len | (u64::from(t.decayed) << 32),
+            ]);
+        }
+    }
+    let loss = loss.to_dtype(candle_core::DType::F32)?;
+    if loss.elem_count() != 1 {
+        candle_core::bail!("flash-llama {OP}: the loss must be one value, got {:?}", loss.shape())
+    }
+    loss.apply_op1_no_bwd(&OptimizerStep { table, step })
+}
+
+/// [`optimizer_step`]'s launches, as an op on the loss (which the clip kernel reads) whose
+/// output is the step's statistics.
+struct OptimizerStep {
+    table: Vec<u64>,
     step: AdamWStep,
 }
 
-impl candle_core::InplaceOp1 for AdamWKernel {
+impl candle_core::CustomOp1 for OptimizerStep {
     fn name(&self) -> &'static str {
         "flash-llama-adamw"
     }
 
-    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> Result<()> {
-        candle_core::bail!("flash-llama AdamW: the fused update runs on the GPU only")
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("flash-llama AdamW: the fused step runs on the GPU only")
     }
 
-    fn cuda_fwd(&self, p: &mut CudaStorage, l: &Layout) -> Result<()> {
-        let pa = addr::<f32>(p, l, "AdamW", "parameter")?;
-        if self.n == 0 {
-            return Ok(());
-        }
-        let dev = p.device.clone();
-        let func = function_in(CUBIN, &dev, "adamw_f32".to_string())?;
+    fn cuda_fwd(&self, loss: &CudaStorage, l: &Layout) -> Result<(CudaStorage, candle_core::Shape)> {
+        let dev = loss.device.clone();
         let stream = dev.cuda_stream();
-        let s = self.step;
-        let n = self.n as u64;
+        let loss_a = addr::<f32>(loss, l, "AdamW", "loss")?;
+        let chunks = self.table.len() / 5;
+        let chunks_u = chunks as u32;
+        // SAFETY: the kernels write every element (partials: one per chunk, stats: 3).
+        let mut partials = unsafe { dev.alloc::<f32>(chunks.max(1))? };
+        let mut stats = unsafe { dev.alloc::<f32>(3)? };
+        let table = stream
+            .clone_htod(&self.table)
+            .map_err(|e| err("AdamW chunk table", e))?;
+        let (ta, _t) = table.device_ptr(&stream);
+        let (pa, _p) = partials.device_ptr_mut(&stream);
+        let (sa, _s) = stats.device_ptr_mut(&stream);
+        let cfg = |blocks: usize| LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if chunks > 0 {
+            let func = function_in(CUBIN, &dev, "optim_grad_sq_sums".to_string())?;
+            let mut b = stream.launch_builder(&func);
+            b.arg(&ta).arg(&pa);
+            launch(&mut b, cfg(chunks), "optim_grad_sq_sums")?;
+        }
+        let func = function_in(CUBIN, &dev, "optim_clip".to_string())?;
         let mut b = stream.launch_builder(&func);
-        b.arg(&pa).arg(&self.ga).arg(&self.ma).arg(&self.va).arg(&n);
-        b.arg(&s.grad_scale).arg(&s.lr).arg(&s.beta1).arg(&s.beta2).arg(&s.eps);
-        b.arg(&s.decay).arg(&s.correction1).arg(&s.correction2);
-        launch(&mut b, grid(self.n), "adamw_f32")
+        b.arg(&pa).arg(&chunks_u).arg(&loss_a).arg(&self.step.clip).arg(&sa);
+        launch(&mut b, cfg(1), "optim_clip")?;
+        if chunks > 0 {
+            let s = self.step;
+            let func = function_in(CUBIN, &dev, "optim_adamw".to_string())?;
+            let mut b = stream.launch_builder(&func);
+            b.arg(&ta).arg(&sa).arg(&s.lr).arg(&s.beta1).arg(&s.beta2).arg(&s.eps);
+            b.arg(&s.matrix_decay).arg(&s.correction1).arg(&s.correction2);
+            launch(&mut b, cfg(chunks), "optim_adamw")?;
+        }
+        drop((_t, _p, _s));
+        Ok((f32::wrap_cuda_slice(stats, dev), candle_core::Shape::from(3)))
     }
 }

@@ -25,7 +25,7 @@ use half::{bf16, f16};
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::{adamw as adamw_cuda, AdamWStep};
+pub(crate) use cuda::{optimizer_step, AdamWStep, OptimTensor};
 
 /// RMSNorm over the last dimension of `x` (.., dim) with gain `w` (dim), in f32 inside.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
