@@ -34,7 +34,7 @@ ap.add_argument("--batches", default="1,32,128")
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--new", type=int, default=128)
-ap.add_argument("--modes", default="graph,eager", help="graph (the default decode), eager (--no-cuda-graphs)")
+ap.add_argument("--modes", default="graph,eager", help="graph (the default decode), eager (--no-cuda-graphs), sampled (temperature 0.8, top-p 0.95: tokens drawn on the device), sampled-host (the same drawn on the host)")
 ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which no run starts")
 args = ap.parse_args()
 start = time.time()
@@ -78,6 +78,12 @@ for name in args.models.split(","):
                     cmd += ["--token-ids", "@" + path]
                 if mode == "eager":
                     cmd.append("--no-cuda-graphs")
+                elif mode == "sampled":
+                    # Temperature / top-p sampling, drawn on the device (eager steps).
+                    cmd += ["--temperature", "0.8", "--top-p", "0.95"]
+                elif mode == "sampled-host":
+                    # The same with a (negligible) repeat penalty, which keeps the draw on the host.
+                    cmd += ["--temperature", "0.8", "--top-p", "0.95", "--repeat-penalty", "1.0001"]
                 r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
                 m, itl = PAT.search(r.stderr), ITL.search(r.stderr)
                 if r.returncode != 0 or not m:

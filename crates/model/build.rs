@@ -1,5 +1,5 @@
 //! Compiles flash-llama's kernels (kernels/model/ at the workspace root: fused.cu, the inference
-//! path; train_ops.cu, the training path) into one sm_90a cubin each when the `cuda` feature is
+//! path; train_ops.cu, the training path; sampling.cu, token sampling on the device) into one sm_90a cubin each when the `cuda` feature is
 //! on, as crates/flash-attn/build.rs does for the attention: embedded with `include_bytes!`,
 //! loaded at run time through candle's cudarc.
 
@@ -23,7 +23,7 @@ fn main() {
     watch(&kernels);
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     // Each kernels/model/NAME.cu becomes $OUT_DIR/NAME.cubin.
-    let jobs = ["fused", "train_ops"].map(|name| {
+    let jobs = ["fused", "train_ops", "sampling"].map(|name| {
         (
             kernels.join(format!("{name}.cu")),
             out_dir.join(format!("{name}.cubin")),

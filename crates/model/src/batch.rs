@@ -13,7 +13,7 @@
 use candle_core::{bail, DType, Device, Result};
 
 use crate::model::{KvCache, Llama};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{sample_rows, RowSampling, Sampler, SamplingParams};
 
 /// What one sequence asks for.
 #[derive(Debug, Clone)]
@@ -45,6 +45,13 @@ pub struct Emitted {
 
 /// A sequence in a slot.
 #[derive(Debug)]
+/// A step's tokens: chosen on the device, one per slot row, or the logits for the host's
+/// samplers.
+enum Picked {
+    Tokens(Vec<u32>),
+    Logits(candle_core::Tensor),
+}
+
 struct Sequence {
     id: u64,
     sampler: Sampler,
@@ -289,24 +296,42 @@ impl<'m> Batcher<'m> {
                 }
             })
             .collect();
-        let logits = match self
-            .model
-            .step(&inputs, &mut self.cache)
-            .and_then(|l| l.to_device(&Device::Cpu))
-        {
-            Ok(l) => l,
+        let picked = match self.model.step(&inputs, &mut self.cache).and_then(|l| self.pick(&l)) {
+            Ok(p) => p,
             Err(e) => {
                 self.slots.iter_mut().for_each(|s| *s = None);
                 self.cache.reset();
                 return Err(e);
             }
         };
-        self.take_tokens(&logits)
+        self.take_tokens(&picked)
     }
 
-    /// Samples each decoding sequence's token from its row of the step's `logits` (on the host)
-    /// and retires the sequences it ends.
-    fn take_tokens(&mut self, logits: &candle_core::Tensor) -> Result<Vec<Emitted>> {
+    /// The step's tokens from its `logits` (a row per slot): chosen on the GPU
+    /// ([`sample_rows`]: one u32 per row comes to the host) when every decoding sequence's
+    /// sampling allows it (no repeat penalty), otherwise the logits to the host for each
+    /// sequence's [`Sampler`].
+    fn pick(&self, logits: &candle_core::Tensor) -> Result<Picked> {
+        if logits.device().is_cuda() {
+            let rows: Option<Vec<RowSampling>> = self
+                .slots
+                .iter()
+                .take(logits.dim(0)?)
+                .map(|slot| match slot {
+                    Some(seq) if seq.pending.is_empty() => RowSampling::new(seq.sampler.params(), seq.generated as u64),
+                    _ => Some(RowSampling::greedy()),
+                })
+                .collect();
+            if let Some(rows) = rows {
+                return Ok(Picked::Tokens(sample_rows(logits, &rows)?.to_vec1::<u32>()?));
+            }
+        }
+        Ok(Picked::Logits(logits.to_device(&Device::Cpu)?))
+    }
+
+    /// Takes each decoding sequence's token ([`Batcher::pick`]) and retires the sequences it
+    /// ends.
+    fn take_tokens(&mut self, picked: &Picked) -> Result<Vec<Emitted>> {
         let mut out = Vec::with_capacity(self.running());
         let mut finished = Vec::new();
         for (i, slot) in self.slots.iter_mut().enumerate() {
@@ -315,7 +340,10 @@ impl<'m> Batcher<'m> {
                 // A chunk of its prompt went in; the rest comes next step.
                 continue;
             }
-            let token = seq.sampler.sample(&logits.get(i)?, &seq.history)?;
+            let token = match picked {
+                Picked::Tokens(tokens) => tokens[i],
+                Picked::Logits(logits) => seq.sampler.sample(&logits.get(i)?, &seq.history)?,
+            };
             seq.history.push(token);
             seq.generated += 1;
             let finish = if seq.stop_tokens.contains(&token) {
@@ -392,12 +420,13 @@ impl<'m> Batcher<'m> {
                 )?)
             }
         };
-        let logits = graph.logits()?.to_device(&Device::Cpu)?;
+        let logits = graph.logits()?.clone();
+        let picked = self.pick(&logits)?;
         for (i, slot) in self.slots[..rows].iter().enumerate() {
             if slot.is_some() {
                 self.cache.lens[i] += 1;
             }
         }
-        self.take_tokens(&logits).map(Some)
+        self.take_tokens(&picked).map(Some)
     }
 }

@@ -6,6 +6,8 @@ use std::time::Instant;
 use candle_core::{bail, DType, Device, Result};
 
 use crate::model::{KvCache, Llama};
+#[cfg(feature = "cuda")]
+use crate::sampling::{sample_rows, RowSampling};
 use crate::sampling::{Sampler, SamplingParams};
 
 /// What to generate.
@@ -111,16 +113,16 @@ pub fn generate(
     }
     let mut cache = model.new_cache_of(prompts.len(), max_seq, opts.kv_cache_dtype.unwrap_or(model.dtype()))?;
     #[cfg(feature = "cuda")]
-    if let (true, Device::Cuda(dev)) = (opts.sampling.is_greedy(), model.device()) {
+    if let (Some(_), Device::Cuda(dev)) = (RowSampling::new(&opts.sampling, 0), model.device()) {
         // Allocated, like the cache, before the clock starts: page-locked memory takes a system
         // call (up to a millisecond), which is set-up, not prefill.
         let readback = crate::fused::cuda::TokenReadback::new(dev, prompts.len())?;
         let mut run = Progress::new(prompts, opts, on_token);
-        greedy_on_device(model, readback, prompts, &mut cache, &mut run)?;
+        choose_on_device(model, readback, prompts, &mut cache, &mut run)?;
         return Ok(run.finish(prompts));
     }
     let mut run = Progress::new(prompts, opts, on_token);
-    sample_on_host(model, prompts, &mut cache, &mut run)?;
+    sample_each_step(model, prompts, &mut cache, &mut run)?;
     Ok(run.finish(prompts))
 }
 
@@ -199,8 +201,9 @@ impl<'a, F: FnMut(usize, u32) -> Result<Flow>> Progress<'a, F> {
     }
 }
 
-/// One step at a time: the logits come to the host, each sequence's sampler picks its token.
-fn sample_on_host<F: FnMut(usize, u32) -> Result<Flow>>(
+/// One step at a time: the logits come to the host, each sequence's sampler picks its token
+/// (the CPU, and a repeat penalty, which needs each sequence's history).
+fn sample_each_step<F: FnMut(usize, u32) -> Result<Flow>>(
     model: &Llama,
     prompts: &[Vec<u32>],
     cache: &mut KvCache,
@@ -239,15 +242,16 @@ fn sample_on_host<F: FnMut(usize, u32) -> Result<Flow>>(
     Ok(())
 }
 
-/// Greedy decoding on the GPU with the tokens chosen there ([`Llama::step_greedy`]). A step's
-/// chosen tokens stay on the device as the next step's input, and that next step is queued
-/// *before* the host waits for its copy of them: the host prepares step t + 1 (a few hundred
-/// launches) while the device runs step t, instead of the two taking turns. The queued step
-/// guesses that no sequence stops at step t; the rows of one that does are dropped (its cache
-/// gets one key it never reads). Nothing is queued behind the prefill, so that its time is the
-/// prompt's alone.
+/// Decoding on the GPU with each token chosen there: greedy ([`crate::fused::argmax_rows`]) or
+/// sampled ([`sample_rows`], no repeat penalty). A step's chosen tokens stay on the device as
+/// the next step's input, and that next step is queued *before* the host waits for its copy of
+/// them: the host prepares step t + 1 (a few hundred launches) while the device runs step t,
+/// instead of the two taking turns. The queued step guesses that no sequence stops at step t;
+/// the rows of one that does are dropped (its cache gets one key it never reads). Nothing is
+/// queued behind the prefill, so that its time is the prompt's alone. Greedy decoding replays
+/// a CUDA graph where it applies ([`graph_decode`]).
 #[cfg(feature = "cuda")]
-fn greedy_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
+fn choose_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
     model: &Llama,
     mut readback: crate::fused::cuda::TokenReadback,
     prompts: &[Vec<u32>],
@@ -261,9 +265,35 @@ fn greedy_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
     if running.is_empty() {
         return Ok(());
     }
+    let sampling = &run.opts.sampling;
+    let greedy = sampling.is_greedy();
+    // Sequence i samples with seed + i (as on the host), drawing token number `counter`.
+    let rows: Vec<RowSampling> = (0..batch)
+        .map(|i| {
+            let params = SamplingParams {
+                seed: sampling.seed.wrapping_add(i as u64),
+                ..sampling.clone()
+            };
+            RowSampling::new(&params, 0)
+        })
+        .collect::<Option<_>>()
+        .ok_or_else(|| candle_core::Error::Msg("generate: a repeat penalty cannot be sampled on the device".into()))?;
+    let choose = |logits: Tensor, running: &[usize], counter: usize| -> Result<Tensor> {
+        if greedy {
+            return crate::fused::argmax_rows(&logits);
+        }
+        let of_running: Vec<RowSampling> = running
+            .iter()
+            .map(|&i| RowSampling {
+                counter: counter as u64,
+                ..rows[i]
+            })
+            .collect();
+        sample_rows(&logits, &of_running)
+    };
     let (ids, new) = model.upload_ids(prompts)?;
-    let mut chosen = model.step_greedy(&ids, &new, cache)?;
-    if run.opts.cuda_graphs && crate::decode_graph::DecodeGraph::fits(model, cache) {
+    let mut chosen = choose(model.step_logits(&ids, &new, cache)?, &running, 0)?;
+    if greedy && run.opts.cuda_graphs && crate::decode_graph::DecodeGraph::fits(model, cache) {
         return graph_decode(model, readback, chosen, cache, run);
     }
     let one_each = |running: &[usize]| -> Vec<usize> { (0..batch).map(|i| running.contains(&i) as usize).collect() };
@@ -273,7 +303,11 @@ fn greedy_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
         // if, with these, they may produce another.
         let produced = run.out[running[0]].len() + 1;
         let next = match run.prefill_secs.is_some() && produced < run.opts.max_tokens {
-            true => Some(model.step_greedy(&chosen, &one_each(&running), cache)?),
+            true => Some(choose(
+                model.step_logits(&chosen, &one_each(&running), cache)?,
+                &running,
+                produced,
+            )?),
             false => None,
         };
         let wait = Instant::now();
@@ -300,13 +334,17 @@ fn greedy_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
         chosen = match next {
             Some(next) => rows(next)?,
             // After the prefill: the step for these tokens is queued only now.
-            None => model.step_greedy(&rows(chosen)?, &one_each(&kept), cache)?,
+            None => choose(
+                model.step_logits(&rows(chosen)?, &one_each(&kept), cache)?,
+                &kept,
+                run.out[kept[0]].len(),
+            )?,
         };
         running = kept;
     }
 }
 
-/// [`greedy_on_device`]'s decode steps as replays of one CUDA graph ([`crate::decode_graph`]):
+/// [`choose_on_device`]'s greedy decode steps as replays of one CUDA graph ([`crate::decode_graph`]):
 /// `first` holds the prefill's tokens, one per sequence. As there, step t + 1 is queued before
 /// the host waits for step t's tokens. Every sequence stays in the graph's batch to the end (its
 /// slot has room: no sequence runs more than max_tokens - 1 decode steps); the tokens of one

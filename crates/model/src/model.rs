@@ -809,21 +809,11 @@ impl Llama {
     }
 
     /// The tokens of `inputs` packed one sequence after the other, checked against the vocabulary
-    /// and uploaded, with each sequence's count: the input of [`Llama::step_greedy`].
+    /// and uploaded, with each sequence's count: the input of [`Llama::step_logits`].
     pub(crate) fn upload_ids(&self, inputs: &[Vec<u32>]) -> Result<(Tensor, Vec<usize>)> {
         let flat: Vec<u32> = inputs.iter().flatten().copied().collect();
         self.check_ids(&flat)?;
         Ok((Tensor::new(flat, &self.device)?, inputs.iter().map(Vec::len).collect()))
-    }
-
-    /// [`Llama::step`] with the greedy choice made where the model runs: the next token of each
-    /// sequence given tokens, (sequences with `new[i] > 0`,) u32, without the logits leaving the
-    /// device. `ids` (packed, `new[i]` for sequence `i`) must lie inside the vocabulary: they
-    /// come from [`Llama::upload_ids`] or from an earlier `step_greedy` (not checked here, which
-    /// would cost a copy to the host).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn step_greedy(&self, ids: &Tensor, new: &[usize], cache: &mut KvCache) -> Result<Tensor> {
-        crate::fused::argmax_rows(&self.step_logits(ids, new, cache)?)
     }
 
     /// Whether [`Llama::decode_on_device`] can run over `cache`: a GPU model with the fused
@@ -878,10 +868,13 @@ impl Llama {
         Ok(stream.project(&self.norm, &self.lm_head, self.kernels)?.1)
     }
 
-    /// The common part of [`Llama::step`] and [`Llama::step_greedy`]: appends `new[i]` tokens of
-    /// the packed `ids` to sequence `i` of `cache` and returns the logits after each sequence's
-    /// last new token, one row per sequence with `new[i] > 0`, in the run dtype.
-    fn step_logits(&self, ids: &Tensor, new: &[usize], cache: &mut KvCache) -> Result<Tensor> {
+    /// [`Llama::step`] with the tokens already on the device: appends `new[i]` tokens of the
+    /// packed `ids` to sequence `i` of `cache` and returns the logits after each sequence's last
+    /// new token, one row per sequence with `new[i] > 0`, in the run dtype, where the model runs
+    /// (for a token chosen there, which can be the next step's `ids`). `ids` must lie inside the
+    /// vocabulary: they come from [`Llama::upload_ids`] or from a choice over earlier logits
+    /// (not checked here, which would cost a copy to the host).
+    pub(crate) fn step_logits(&self, ids: &Tensor, new: &[usize], cache: &mut KvCache) -> Result<Tensor> {
         if new.len() != cache.batch() {
             bail!(
                 "step: {} input sequences for a cache of batch {}",

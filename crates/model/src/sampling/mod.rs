@@ -3,6 +3,9 @@
 
 use candle_core::{Result, Tensor};
 
+mod device;
+pub use device::{sample_rows, RowSampling};
+
 /// How to pick tokens. `temperature <= 0` is greedy (argmax); `top_k = 0` and `top_p >= 1`
 /// disable those filters; `repeat_penalty = 1` disables the penalty.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,6 +51,10 @@ impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         let state = params.seed;
         Self { params, state }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
     }
 
     /// SplitMix64: tiny, fast and good enough to draw one uniform number per token.
