@@ -15,6 +15,7 @@
 #          command "SLOTS=32 bash scripts/gpu-serve-load.sh"
 #
 # Env: SLOTS (default 32, comma-separated for several runs), REQUESTS (200), CLIENTS (32),
+# SERVE_XZS (packed serve binaries to run in turn, e.g. this build's and an older one's),
 # MAX_TOKENS (16), KV (model or fp8; default model), SERVE_ARGS (more flags for `serve`, e.g.
 # "--page-size 16 --pages 256" for the paged KV cache). HF=1 then runs scripts/hf_serve_baseline.py
 # (transformers' static batches of 32 on the same requests), installing the `gguf` wheel that
@@ -46,28 +47,42 @@ if [[ ! -f $MODEL ]]; then
         exit 1
     fi
 fi
-XZ=.device/serve.xz
-[[ -f $XZ ]] || XZ=.device-serve/serve.xz
-[[ -f $XZ ]] || { echo "gpu-serve-load: no serve.xz in .device/ or .device-serve/" >&2; exit 1; }
-xz -dc "$XZ" >/tmp/serve && chmod +x /tmp/serve || exit 1
+# SERVE_XZS: several packed serve binaries (space-separated), run in turn for each slot count:
+# an A/B of two builds in one call.
+XZS=${SERVE_XZS:-}
+if [[ -z $XZS ]]; then
+    XZS=.device/serve.xz
+    [[ -f $XZS ]] || XZS=.device-serve/serve.xz
+fi
+i=0
+BINS=()
+for xz in $XZS; do
+    [[ -f $xz ]] || { echo "gpu-serve-load: no $xz (carry .device/ or .device-serve/)" >&2; exit 1; }
+    xz -dc "$xz" >/tmp/serve-$i && chmod +x /tmp/serve-$i || exit 1
+    BINS+=("/tmp/serve-$i:$xz")
+    i=$((i + 1))
+done
 
 STATUS=0
 for slots in ${SLOTS:-32}; do
     for s in ${slots//,/ }; do
-        # shellcheck disable=SC2086 # SERVE_ARGS is a word list
-        /tmp/serve --model "$MODEL" --port 8095 --slots "$s" --kv-cache-dtype "${KV:-model}" ${SERVE_ARGS:-} >/tmp/serve.log 2>&1 &
-        PID=$!
-        for _ in $(seq 1 120); do
-            curl -sf http://127.0.0.1:8095/health >/dev/null && break
-            kill -0 $PID 2>/dev/null || break
-            sleep 0.5
+        for entry in "${BINS[@]}"; do
+            bin=${entry%%:*}
+            # shellcheck disable=SC2086 # SERVE_ARGS is a word list
+            "$bin" --model "$MODEL" --port 8095 --slots "$s" --kv-cache-dtype "${KV:-model}" ${SERVE_ARGS:-} >/tmp/serve.log 2>&1 &
+            PID=$!
+            for _ in $(seq 1 120); do
+                curl -sf http://127.0.0.1:8095/health >/dev/null && break
+                kill -0 $PID 2>/dev/null || break
+                sleep 0.5
+            done
+            head -3 /tmp/serve.log
+            echo "== slots $s, KV cache ${KV:-model} ${SERVE_ARGS:-}, ${entry#*:}"
+            python3 scripts/serve-load.py --url http://127.0.0.1:8095 --clients "${CLIENTS:-32}" \
+                --requests "${REQUESTS:-200}" --max-tokens "${MAX_TOKENS:-16}" || STATUS=1
+            kill $PID 2>/dev/null
+            wait $PID 2>/dev/null
         done
-        head -3 /tmp/serve.log
-        echo "== slots $s, KV cache ${KV:-model} ${SERVE_ARGS:-}"
-        python3 scripts/serve-load.py --url http://127.0.0.1:8095 --clients "${CLIENTS:-32}" \
-            --requests "${REQUESTS:-200}" --max-tokens "${MAX_TOKENS:-16}" || STATUS=1
-        kill $PID 2>/dev/null
-        wait $PID 2>/dev/null
     done
 done
 if [[ ${HF:-0} == 1 ]]; then
