@@ -133,18 +133,20 @@ __device__ void sample_rows(const T* __restrict__ logits, const RowSampling* __r
         if (threadIdx.x == 0) out[blockIdx.x] = first;
         return;
     }
-    const float max_logit = best, temperature = ps.temperature;
+    const float max_logit = best, inv_temperature = 1.f / ps.temperature;
     auto weight = [&](int i) -> float {
         const float v = to_f(x[i]);
-        return isnan(v) ? 0.f : expf((v - max_logit) / temperature);
+        return isnan(v) ? 0.f : expf((v - max_logit) * inv_temperature);
     };
 
     // The top-k mass: the k-th weight in walk order by a radix select over the weights' bits
     // (non-negative floats order as their bit patterns), 8 bits a pass.
     const uint32_t k = ps.top_k;
-    double total = 0.0;
-    FOR_OWN(i) total += weight(i);
-    total = block_sum(total, fscratch);
+    // Each thread's sum is also its candidates' mass in the first round (every token).
+    double own = 0.0;
+    FOR_OWN(i) own += weight(i);
+    thread_sums[threadIdx.x] = own;
+    const double total = block_sum(own, fscratch);
     double kept_total = total;
     if (k > 0 && k < (uint32_t)vocab && ps.top_p < 1.f) {
         uint32_t prefix = 0, remaining = k;
@@ -190,13 +192,8 @@ __device__ void sample_rows(const T* __restrict__ logits, const RowSampling* __r
     uint32_t pivot_i = 0;
     auto candidate = [&](float w, int i) { return w > 0.f && (!pivoted || ahead(w, i, pivot_w, pivot_i)); };
     for (int round = 0; round < kMaxRounds; ++round) {
-        // The draw: a target in the candidates' mass, found by the threads' sums in draw order.
-        double s = 0.0;
-        FOR_OWN(i) {
-            const float w = weight(i);
-            if (candidate(w, i)) s += w;
-        }
-        thread_sums[threadIdx.x] = s;
+        // The draw: a target in the candidates' mass, found by the threads' sums of their
+        // candidates in draw order (written by the pass before).
         __syncthreads();
         if (threadIdx.x == 0) {
             // One thread walks the sums in order: 512 adds, the same order every time.
@@ -232,7 +229,8 @@ __device__ void sample_rows(const T* __restrict__ logits, const RowSampling* __r
         if (owner == 0xffffffffu || picked == 0xffffffffu) break;  // no candidate left
         const uint32_t j = picked;
         const float wj = weight(j);
-        // The tokens ahead of j: how many, and their mass.
+        // The tokens ahead of j: how many, and their mass; each thread's share of that mass is
+        // its candidates' mass in the next round, if there is one.
         uint32_t count = 0;
         double mass = 0.0;
         FOR_OWN(i) {
@@ -242,6 +240,7 @@ __device__ void sample_rows(const T* __restrict__ logits, const RowSampling* __r
                 mass += w;
             }
         }
+        thread_sums[threadIdx.x] = mass;
         count = block_sum_u(count, uscratch);
         mass = block_sum(mass, fscratch);
         if ((k == 0 || count < k) && mass < mass_limit) {

@@ -131,13 +131,15 @@ fn sample_row(logits: &[f32], r: &RowSampling) -> u32 {
         return first;
     }
     let max = logits[first as usize];
+    // The kernel's arithmetic: times the f32 reciprocal of the temperature.
+    let inv_temperature = 1.0 / r.temperature;
     let w: Vec<f32> = logits
         .iter()
         .map(|&l| {
             if l.is_nan() {
                 0.0
             } else {
-                ((l - max) / r.temperature).exp()
+                ((l - max) * inv_temperature).exp()
             }
         })
         .collect();
