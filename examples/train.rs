@@ -135,6 +135,12 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     context_parallel: usize,
 
+    /// Compute the gradients with `loss.backward()` through candle's autograd instead of the
+    /// decoder's explicit backward (the default; docs/train.md, "The backward"). Slower; for
+    /// comparing the two.
+    #[arg(long)]
+    autograd: bool,
+
     /// The device's peak TFLOP/s for the MFU figure (default on the GPU: 989, the dense bf16
     /// peak of H100 SXM and H200; H100 PCIe: 756). On the CPU no MFU is shown unless given.
     #[arg(long)]
@@ -361,6 +367,9 @@ fn train(
         Some(Parallel::Context(group)) => trainer.set_context_parallel(group)?,
         None => {}
     }
+    if args.autograd {
+        trainer.set_backward(train::Backward::Autograd);
+    }
     let cfg = trainer.config().clone();
     let model_cfg = trainer.model_config().clone();
     let flops_per_token = train::flops_per_token(&model_cfg, cfg.seq_len)?;
@@ -370,7 +379,7 @@ fn train(
         .or(device.is_cuda().then_some(989.0))
         .map(|p| p * world as f64);
     say!(
-        "model: {} parameters ({} layers, hidden {}, {} heads / {} kv heads, vocab {}), {:?} compute on {:?}; \
+        "model: {} parameters ({} layers, hidden {}, {} heads / {} kv heads, vocab {}), {:?} compute on {:?}, {:?} backward; \
          {} tokens per step ({} × {} × {} accumulated), {:.1} MFLOP per token",
         trainer.num_parameters(),
         model_cfg.num_hidden_layers,
@@ -380,6 +389,7 @@ fn train(
         model_cfg.vocab_size,
         dtype,
         device.location(),
+        trainer.backward(),
         cfg.tokens_per_step(),
         cfg.batch_size,
         cfg.seq_len,

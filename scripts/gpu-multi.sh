@@ -66,24 +66,32 @@ if [[ -f .device/train-gpu-test.xz ]]; then
 fi
 
 # A baseline build of the train example (.device/train-nccl-base.xz, packed by hand from an
-# earlier commit) runs alternating with this one: an A/B in the same call.
+# earlier commit) runs alternating with this one: an A/B in the same call. Or BASE_ARGS: the
+# "base" runs are this build with these extra flags (BASE_ARGS=--autograd: candle's autograd
+# against the explicit backward). ROUNDS (default 1) repeats each pair, alternating.
 if [[ -f .device/train-nccl-base.xz ]]; then
     xz -d -c .device/train-nccl-base.xz >"$BIN/train-base" && chmod +x "$BIN/train-base"
+elif [[ -n ${BASE_ARGS:-} ]]; then
+    ln -s "$BIN/train" "$BIN/train-base"
 fi
+read -r -a base_args <<<"${BASE_ARGS:-}"
 declare -A OURS DDP BASE
 for n in "${counts[@]}"; do
     [[ ,$SKIP, == *,dp,* ]] && break
     accum=$((ACCUM < n ? n : ACCUM))
     accum=$(((accum + n - 1) / n * n))
+    for round in $(seq "${ROUNDS:-1}"); do
     for build in ours base; do
         bin=$BIN/train
+        extra=()
         if [[ $build == base ]]; then
             [[ -x $BIN/train-base ]] || continue
             bin=$BIN/train-base
+            extra=("${base_args[@]}")
         fi
-        log "$build: $n GPU(s), grad-accum $accum, $STEPS steps"
+        log "$build (round $round): $n GPU(s), grad-accum $accum, $STEPS steps ${extra[*]}"
         timeout 240 "$bin" --preset 125m --data-parallel "$n" --grad-accum "$accum" --steps "$STEPS" \
-            --eval-every "$STEPS" --sample 0 --out "$OUT/$build-$n" >"$OUT/$build-$n.log" 2>&1
+            --eval-every "$STEPS" --sample 0 --out "$OUT/$build-$n" "${extra[@]}" >"$OUT/$build-$n.log" 2>&1
         rc=$?
         done_line=$(grep '^done:' "$OUT/$build-$n.log" | tail -n1)
         if ((rc != 0)) || [[ -z $done_line ]]; then
@@ -92,8 +100,9 @@ for n in "${counts[@]}"; do
         fi
         tps=$(sed -E 's/.*: ([0-9]+) tokens\/s.*/\1/' <<<"$done_line")
         if [[ $build == ours ]]; then OURS[$n]=$tps; else BASE[$n]=$tps; fi
-        log "$build $n: $tps tokens/s"
+        log "$build $n (round $round): $tps tokens/s"
         rm -f "$OUT/base-$n/checkpoint.safetensors"
+    done
     done
 done
 

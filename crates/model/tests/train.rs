@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use flash_llama::parallel::LocalGroup;
-use flash_llama::train::{self, cross_entropy, data, Corpus, Tokenization, TrainConfig, Trainer};
+use flash_llama::train::{self, cross_entropy, data, Backward, Corpus, Tokenization, TrainConfig, Trainer};
 
 /// Python-like text with some structure to learn, the same on every run.
 fn corpus() -> Corpus {
@@ -322,6 +322,59 @@ fn model_gradients_match_reference_attention() {
             assert!(
                 diff <= 1e-4 * scale + 1e-7,
                 "window {window:?}, {name}: max |ours - reference| = {diff}, max |reference| = {scale}"
+            );
+        }
+    }
+}
+
+/// The explicit backward (the trainer's default) against `loss.backward()` through the model:
+/// the same loss and, for every weight, the same gradient up to f32 rounding. GQA, a sliding
+/// window, a tied output head, a sequence length off every tile size.
+#[test]
+fn explicit_backward_matches_autograd() {
+    let dev = Device::Cpu;
+    for (window, tied) in [(None, false), (Some(9), false), (None, true)] {
+        let mut model_cfg = train::llama_config(data::BYTE_VOCAB_SIZE, 64, 96, 2, 4, 2, 64);
+        model_cfg.sliding_window = window;
+        model_cfg.tie_word_embeddings = tied;
+        let (_, cfg) = tiny(1, 1);
+        let cfg = TrainConfig {
+            batch_size: 2,
+            seq_len: 37,
+            ..cfg
+        };
+        let t = Trainer::new(model_cfg, cfg, DType::F32, &dev).unwrap();
+        assert_eq!(t.backward(), Backward::Explicit);
+        let mut rng = data::Rng(11);
+        let ids: Vec<u32> = (0..2 * 37 + 1).map(|_| rng.below(256) as u32).collect();
+        let (inputs, targets) = (ids[..74].to_vec(), ids[1..].to_vec());
+        let (loss, grads) = t
+            .gradients(inputs.clone(), targets.clone(), Backward::Explicit)
+            .unwrap();
+        let (loss_ref, grads_ref) = t.gradients(inputs, targets, Backward::Autograd).unwrap();
+        let case = format!("window {window:?}, tied {tied}");
+        assert!(
+            loss.is_finite() && (loss - loss_ref).abs() <= 1e-6 * loss_ref,
+            "{case}: loss {loss} vs {loss_ref}"
+        );
+        assert_eq!(grads.len(), t.parameters().count());
+        for (((name, _), g), r) in t.parameters().zip(&grads).zip(&grads_ref) {
+            assert_eq!(g.dims(), r.dims(), "{case}, {name}");
+            assert_eq!(g.dtype(), DType::F32, "{case}, {name}");
+            let scale = r.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            let diff = (g - r)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(scale > 0.0, "{case}, {name}: zero gradient");
+            // NaN fails both comparisons.
+            assert!(
+                diff <= 1e-5 * scale,
+                "{case}, {name}: max |explicit - autograd| = {diff}, max |autograd| = {scale}"
             );
         }
     }

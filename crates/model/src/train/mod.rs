@@ -25,6 +25,7 @@
 //! ranks; its loss is its share of the mean, and gradients and losses are summed as above.
 
 pub mod data;
+mod explicit;
 pub mod optim;
 
 use std::collections::HashMap;
@@ -42,7 +43,23 @@ use crate::model::Llama;
 use crate::nn::Kernels;
 use crate::parallel::{self, Communicator, Group};
 pub use data::{Corpus, Rng, Tokenization};
+use explicit::ExplicitModel;
 pub use optim::{AdamW, AdamWParams};
+
+/// How a training step computes its gradients. Both give the same gradients up to the order of
+/// floating-point sums (the tests compare them); they differ in speed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backward {
+    /// The decoder's backward written out (module `explicit`): each gradient computed once
+    /// where it is produced, none of candle's per-tensor gradient bookkeeping. Covers the
+    /// models the trainer builds (plain Llama blocks) without context parallelism; other
+    /// runs use [`Backward::Autograd`] whatever is asked.
+    #[default]
+    Explicit,
+    /// `loss.backward()` through [`Llama::forward`] (or its context-parallel form), the way a
+    /// user composing their own model trains through flash-attn3.
+    Autograd,
+}
 
 /// The optimisation side of a run: everything but the model's shape. Stored in checkpoints.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -309,6 +326,7 @@ pub struct Trainer {
     data_parallel: Option<Box<dyn Communicator>>,
     /// The context-parallel group: each rank holds a slice of every sequence.
     context_parallel: Option<Group>,
+    backward: Backward,
 }
 
 /// Checkpoint format tag (safetensors metadata key `format`).
@@ -358,6 +376,7 @@ impl Trainer {
             history: History::default(),
             data_parallel: None,
             context_parallel: None,
+            backward: Backward::default(),
         })
     }
 
@@ -417,6 +436,46 @@ impl Trainer {
         self.data_parallel
             .as_ref()
             .map_or((0, 1), |c| (c.rank(), c.world_size()))
+    }
+
+    /// Chooses how the next steps compute their gradients (default [`Backward::Explicit`]).
+    pub fn set_backward(&mut self, backward: Backward) {
+        self.backward = backward;
+    }
+
+    /// How steps compute their gradients: the choice of [`Trainer::set_backward`] where it
+    /// applies, otherwise [`Backward::Autograd`].
+    pub fn backward(&self) -> Backward {
+        match self.backward {
+            Backward::Explicit if self.context_parallel.is_none() && ExplicitModel::supports(&self.model_config) => {
+                Backward::Explicit
+            }
+            _ => Backward::Autograd,
+        }
+    }
+
+    /// The loss of one micro-batch (`inputs` → `targets`, batch_size × seq_len ids each) and its
+    /// gradient with respect to every master weight (f32, in [`Trainer::parameters`] order),
+    /// computed as `backward` says; no update. For checking the two ways against each other.
+    pub fn gradients(&self, inputs: Vec<u32>, targets: Vec<u32>, backward: Backward) -> Result<(f32, Vec<Tensor>)> {
+        let (loss, grads) = self
+            .gradient_model(backward)?
+            .loss_and_grads(self, inputs, targets, 1.0)?;
+        Ok((loss.to_scalar::<f32>()?, grads))
+    }
+
+    fn gradient_model(&self, backward: Backward) -> Result<GradientModel> {
+        Ok(match backward {
+            Backward::Explicit if self.context_parallel.is_none() && ExplicitModel::supports(&self.model_config) => {
+                GradientModel::Explicit(ExplicitModel::new(
+                    &self.model_config,
+                    &self.names,
+                    &self.vars,
+                    self.dtype,
+                )?)
+            }
+            _ => GradientModel::Autograd(self.model()?),
+        })
     }
 
     pub fn model_config(&self) -> &Config {
@@ -504,7 +563,7 @@ impl Trainer {
     pub fn train_step(&mut self, data: &Corpus) -> Result<StepStats> {
         let c = self.config.clone();
         data.check_fits(c.seq_len)?;
-        let model = self.model()?;
+        let model = self.gradient_model(self.backward)?;
         let (rank, world) = self.rank_and_world();
         let mut sums: Vec<Option<Tensor>> = vec![None; self.vars.len()];
         // The losses stay on the device: the step waits for the GPU once, at its end.
@@ -515,21 +574,15 @@ impl Trainer {
             if micro_batch % world != rank {
                 continue;
             }
-            let loss = self.batch_loss(&model, inputs, targets)?;
             // Dividing by the micro-batch count makes the summed gradient that of the mean loss.
-            let loss = (loss / c.grad_accum as f64)?;
-            let grads = loss.backward()?;
-            let loss = loss.detach().to_dtype(DType::F32)?;
+            let (loss, grads) = model.loss_and_grads(self, inputs, targets, 1.0 / c.grad_accum as f64)?;
             loss_sum = Some(match loss_sum.take() {
                 None => loss,
                 Some(s) => (s + loss)?,
             });
-            for ((sum, var), name) in sums.iter_mut().zip(&self.vars).zip(&self.names) {
-                let g = grads
-                    .get(var)
-                    .with_context(|| format!("internal error: the loss does not depend on `{name}`"))?;
+            for (sum, g) in sums.iter_mut().zip(grads) {
                 *sum = Some(match sum.take() {
-                    None => g.clone(),
+                    None => g,
                     Some(s) => (s + g)?,
                 });
             }
@@ -706,6 +759,7 @@ impl Trainer {
             history,
             data_parallel: None,
             context_parallel: None,
+            backward: Backward::default(),
         })
     }
 }
@@ -716,5 +770,46 @@ fn adamw_params(c: &TrainConfig) -> AdamWParams {
         beta2: c.beta2,
         eps: c.eps,
         weight_decay: c.weight_decay,
+    }
+}
+
+/// What computes a micro-batch's gradients in a step ([`Backward`]).
+enum GradientModel {
+    Explicit(ExplicitModel),
+    Autograd(Llama),
+}
+
+impl GradientModel {
+    /// The micro-batch's loss times `loss_scale` (an f32 scalar on the device) and its gradient
+    /// with respect to each of `trainer`'s master weights (f32, in their order).
+    fn loss_and_grads(
+        &self,
+        trainer: &Trainer,
+        inputs: Vec<u32>,
+        targets: Vec<u32>,
+        loss_scale: f64,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let c = &trainer.config;
+        match self {
+            Self::Explicit(model) => {
+                Ok(model.loss_and_grads(&inputs, &targets, c.batch_size, c.seq_len, loss_scale)?)
+            }
+            Self::Autograd(model) => {
+                let loss = (trainer.batch_loss(model, inputs, targets)? * loss_scale)?;
+                let grads = loss.backward()?;
+                let grads = trainer
+                    .vars
+                    .iter()
+                    .zip(&trainer.names)
+                    .map(|(var, name)| {
+                        grads
+                            .get(var)
+                            .cloned()
+                            .with_context(|| format!("internal error: the loss does not depend on `{name}`"))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((loss.detach().to_dtype(DType::F32)?, grads))
+            }
+        }
     }
 }

@@ -80,6 +80,59 @@ pub fn embedding(weight: &Tensor, ids: &[u32]) -> Result<Tensor> {
     weight.contiguous()?.apply_op1(Embedding { index })
 }
 
+/// The embedding lookup of [`embedding`] without a graph node, and the handle that computes its
+/// backward: for training loops that differentiate by hand ([`crate::train::explicit`]).
+pub(crate) fn embedding_with_backward(weight: &Tensor, ids: &[u32]) -> Result<(Tensor, EmbeddingBackward)> {
+    let (vocab, _) = weight.dims2()?;
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+        bail!("flash-llama embedding: token id {bad} is outside the vocabulary (size {vocab})")
+    }
+    let index = Arc::new(EmbeddingIndex::new(ids, vocab, weight.device())?);
+    let rows = weight
+        .contiguous()?
+        .apply_op1_no_bwd(&Embedding { index: index.clone() })?;
+    Ok((rows, EmbeddingBackward(EmbeddingBwd { index })))
+}
+
+/// The backward of one embedding lookup ([`embedding_with_backward`]).
+pub(crate) struct EmbeddingBackward(EmbeddingBwd);
+
+impl EmbeddingBackward {
+    /// dy (tokens, dim) → the gradient of the whole weight (vocab, dim).
+    pub(crate) fn backward(&self, dy: &Tensor) -> Result<Tensor> {
+        dy.contiguous()?.apply_op1_no_bwd(&self.0)
+    }
+}
+
+/// The backward of [`rms_norm`]: (dx, dw) from its input `x`, gain `w` and the gradient `dy` of
+/// its output. dw is summed over the rows in a fixed order.
+pub(crate) fn rms_norm_backward(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let dim = w.dim(0)?;
+    let rows = x.elem_count() / dim;
+    let both = x
+        .contiguous()?
+        .apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: eps as f32 })?;
+    Ok((both.narrow(0, 0, rows)?.reshape(x.shape())?, both.get(rows)?))
+}
+
+/// The backward of [`rope`]: the rotation of `dy` by the opposite angles.
+pub(crate) fn rope_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+    let inverse = Rope {
+        interleaved,
+        inverse: true,
+    };
+    dy.contiguous()?
+        .apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &inverse)
+}
+
+/// The backward of [`swiglu`]: (dgate, dup).
+pub(crate) fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let both = gate
+        .contiguous()?
+        .apply_op3_no_bwd(&up.contiguous()?, &dy.contiguous()?, &SwigluBwd)?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
 /// Tokens per chunk of the embedding backward's partial sums.
 const EMBEDDING_CHUNK: usize = 32;
 
@@ -258,11 +311,7 @@ impl CustomOp2 for RmsNorm {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dim = w.dim(0)?;
-        let rows = x.elem_count() / dim;
-        let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: self.eps })?;
-        let dx = both.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let dw = both.get(rows)?;
+        let (dx, dw) = rms_norm_backward(x, w, dy, self.eps as f64)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -426,8 +475,8 @@ impl CustomOp2 for Swiglu {
     }
 
     fn bwd(&self, g: &Tensor, u: &Tensor, _: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let both = g.apply_op3_no_bwd(u, &dy.contiguous()?, &SwigluBwd)?;
-        Ok((Some(both.get(0)?), Some(both.get(1)?)))
+        let (dg, du) = swiglu_backward(g, u, dy)?;
+        Ok((Some(dg), Some(du)))
     }
 }
 
