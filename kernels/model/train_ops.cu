@@ -15,51 +15,120 @@ constexpr int kRowWarps = 8;
 // Threads per block of the column and elementwise kernels.
 constexpr int kThreads = 256;
 
+// V values of T moved as one load or store (V · sizeof(T) ≤ 16 bytes, aligned to its size).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+    T v[V];
+};
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
-// y = x * rsqrt(mean(x²) + eps) * w over rows of `dim` contiguous elements; x, y (rows, dim).
-template <typename T>
-__device__ void rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, size_t rows,
-                             int dim, float eps) {
+template <typename T, int V>
+__device__ __forceinline__ Pack<T, V> load(const T* p) {
+    return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store(T* p, const Pack<T, V>& v) {
+    *reinterpret_cast<Pack<T, V>*>(p) = v;
+}
+
+// y = v * rsqrt(mean(v²) + eps) * w over rows of `dim` contiguous elements, v = x, or with a
+// residual h (not null) v = x + h rounded to T, also stored in `sum` (the next residual stream):
+// the add and the norm of a pre-norm block in one pass, bit for bit the two launches'. One warp
+// per row, V values per load (16 bytes where the host found dim and the addresses aligned).
+template <typename T, int V>
+__device__ void rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ h, const T* __restrict__ w,
+                             T* __restrict__ sum, T* __restrict__ y, size_t rows, int dim, float eps) {
     const size_t row = (size_t)blockIdx.x * kRowWarps + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
     x += row * dim;
     y += row * dim;
+    if (h != nullptr) {
+        h += row * dim;
+        sum += row * dim;
+    }
+    // The row's values (x + h rounded to T), V at a time.
+    auto values = [&](int c, float* v) {
+        const Pack<T, V> xv = load<T, V>(x + c);
+        if (h == nullptr) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) v[k] = to_f(xv.v[k]);
+            return;
+        }
+        const Pack<T, V> hv = load<T, V>(h + c);
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[k] = to_f(from_f<T>(to_f(xv.v[k]) + to_f(hv.v[k])));
+    };
     float ss = 0.f;
-    for (int c = lane; c < dim; c += 32) {
-        const float v = to_f(x[c]);
-        ss += v * v;
+    for (int c = lane * V; c < dim; c += 32 * V) {
+        float v[V];
+        values(c, v);
+        Pack<T, V> s;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            ss += v[k] * v[k];
+            s.v[k] = from_f<T>(v[k]);
+        }
+        if (h != nullptr) store<T, V>(sum + c, s);
     }
     const float r = rsqrtf(warp_sum(ss) / dim + eps);
-    for (int c = lane; c < dim; c += 32) y[c] = from_f<T>(to_f(x[c]) * r * to_f(w[c]));
+    for (int c = lane * V; c < dim; c += 32 * V) {
+        float v[V];
+        values(c, v);
+        const Pack<T, V> wv = load<T, V>(w + c);
+        Pack<T, V> o;
+#pragma unroll
+        for (int k = 0; k < V; ++k) o.v[k] = from_f<T>(v[k] * r * to_f(wv.v[k]));
+        store<T, V>(y + c, o);
+    }
 }
 
 // dx of RMSNorm: with r = rsqrt(mean(x²) + eps), g = dy * w,
-// dx = r * g - x * r³ * mean(g * x). Also stores r per row (for dw).
-template <typename T>
+// dx = r * g - x * r³ * mean(g * x), plus `dres` where not null (the gradient that reaches x
+// through the residual stream, added here instead of by another launch). Also stores r per row
+// (for dw). V values per load as in rms_norm_fwd.
+template <typename T, int V>
 __device__ void rms_norm_bwd_dx(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
-                                T* __restrict__ dx, float* __restrict__ rstd, size_t rows, int dim, float eps) {
+                                const T* __restrict__ dres, T* __restrict__ dx, float* __restrict__ rstd, size_t rows,
+                                int dim, float eps) {
     const size_t row = (size_t)blockIdx.x * kRowWarps + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
     x += row * dim;
     dy += row * dim;
     dx += row * dim;
+    if (dres != nullptr) dres += row * dim;
     float ss = 0.f, dot = 0.f;
-    for (int c = lane; c < dim; c += 32) {
-        const float v = to_f(x[c]);
-        ss += v * v;
-        dot += to_f(dy[c]) * to_f(w[c]) * v;
+    for (int c = lane * V; c < dim; c += 32 * V) {
+        const Pack<T, V> xv = load<T, V>(x + c), dv = load<T, V>(dy + c), wv = load<T, V>(w + c);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float v = to_f(xv.v[k]);
+            ss += v * v;
+            dot += to_f(dv.v[k]) * to_f(wv.v[k]) * v;
+        }
     }
     ss = warp_sum(ss);
     dot = warp_sum(dot);
     const float r = rsqrtf(ss / dim + eps);
     const float k = r * r * r * dot / dim;
-    for (int c = lane; c < dim; c += 32) dx[c] = from_f<T>(r * to_f(dy[c]) * to_f(w[c]) - k * to_f(x[c]));
+    for (int c = lane * V; c < dim; c += 32 * V) {
+        const Pack<T, V> xv = load<T, V>(x + c), dv = load<T, V>(dy + c), wv = load<T, V>(w + c);
+        Pack<T, V> rv;
+        if (dres != nullptr) rv = load<T, V>(dres + c);
+        Pack<T, V> o;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float res = dres == nullptr ? 0.f : to_f(rv.v[j]);
+            o.v[j] = from_f<T>(r * to_f(dv.v[j]) * to_f(wv.v[j]) - k * to_f(xv.v[j]) + res);
+        }
+        store<T, V>(dx + c, o);
+    }
     if (lane == 0) rstd[row] = r;
 }
 
@@ -87,45 +156,111 @@ __device__ void column_sum(const float* __restrict__ partial, T* __restrict__ ou
     out[c] = from_f<T>(acc);
 }
 
-// Rotary embedding of x (tokens, heads, d) into y, every head of token t by the angles of row t
-// of cos/sin (tokens, d / 2), sin times `sign` (-1: the inverse rotation, i.e. the backward).
-// Pairs (x[i], x[i + d/2]), or (x[2i], x[2i+1]) if interleaved.
-template <typename T>
-__device__ void rope(const T* __restrict__ x, const T* __restrict__ cos, const T* __restrict__ sin,
-                     T* __restrict__ y, int tokens, int heads, int d, int interleaved, float sign) {
+// Rotary embedding of `heads` heads of d values per token: token t's heads at x + t · x_stride,
+// written to y + t · y_stride (rows of a packed q/k/v projection in, or one slice of a packed
+// gradient out), every head of token t by the angles of row t of cos/sin (tokens, d / 2), sin
+// times `sign` (-1: the inverse rotation, i.e. the backward); sign 0 copies the heads unchanged.
+// Pairs (x[i], x[i + d/2]), or (x[2i], x[2i+1]) if interleaved. Each thread takes V pairs: V = 1,
+// or (not interleaved, strides and addresses aligned: the host checks) 16 bytes' worth of
+// first halves and of second halves per load.
+template <typename T, int V>
+__device__ void rope(const T* __restrict__ x, size_t x_stride, const T* __restrict__ cos, const T* __restrict__ sin,
+                     T* __restrict__ y, size_t y_stride, int tokens, int heads, int d, int interleaved, float sign) {
     const int half = d / 2;
-    const size_t n = (size_t)tokens * heads * half;
+    const int groups = half / V;
+    const size_t n = (size_t)tokens * heads * groups;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const size_t th = i / half;  // token * heads + head
-        const int p = i % half;
+        const size_t th = i / groups;  // token * heads + head
+        const int p = (int)(i % groups) * V;
         const size_t t = th / heads;
-        const int c1 = interleaved ? 2 * p : p;
-        const int c2 = interleaved ? 2 * p + 1 : p + half;
-        const float a = to_f(x[th * d + c1]), b = to_f(x[th * d + c2]);
-        const float c = to_f(cos[t * half + p]), s = sign * to_f(sin[t * half + p]);
-        y[th * d + c1] = from_f<T>(a * c - b * s);
-        y[th * d + c2] = from_f<T>(a * s + b * c);
+        const int head = th % heads;
+        const T* xr = x + t * x_stride + head * d;
+        T* yr = y + t * y_stride + head * d;
+        if constexpr (V == 1) {
+            const int c1 = interleaved ? 2 * p : p;
+            const int c2 = interleaved ? 2 * p + 1 : p + half;
+            if (sign == 0.f) {
+                yr[c1] = xr[c1];
+                yr[c2] = xr[c2];
+                continue;
+            }
+            const float a = to_f(xr[c1]), b = to_f(xr[c2]);
+            const float c = to_f(cos[t * half + p]), s = sign * to_f(sin[t * half + p]);
+            yr[c1] = from_f<T>(a * c - b * s);
+            yr[c2] = from_f<T>(a * s + b * c);
+        } else {
+            const Pack<T, V> a = load<T, V>(xr + p), b = load<T, V>(xr + p + half);
+            if (sign == 0.f) {
+                store<T, V>(yr + p, a);
+                store<T, V>(yr + p + half, b);
+                continue;
+            }
+            const Pack<T, V> cv = load<T, V>(cos + t * half + p), sv = load<T, V>(sin + t * half + p);
+            Pack<T, V> o1, o2;
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                const float av = to_f(a.v[k]), bv = to_f(b.v[k]);
+                const float c = to_f(cv.v[k]), s = sign * to_f(sv.v[k]);
+                o1.v[k] = from_f<T>(av * c - bv * s);
+                o2.v[k] = from_f<T>(av * s + bv * c);
+            }
+            store<T, V>(yr + p, o1);
+            store<T, V>(yr + p + half, o2);
+        }
     }
 }
 
-// out = silu(g) * u, elementwise over n.
-template <typename T>
-__device__ void swiglu_fwd(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, size_t n) {
+// SiLU(gate) × up over `rows` rows of `cols` values. Row r of the gate is at g + r · in_stride and
+// of up at u + r · in_stride: two tensors (in_stride = cols), or the two halves of one packed
+// gate/up row (u = g + cols, in_stride = 2 · cols). out is (rows, cols). Each thread moves V
+// values per load (V = 16 bytes' worth where the host found the columns, strides and addresses
+// aligned to it, else 1).
+template <typename T, int V>
+__device__ void swiglu_fwd(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, size_t rows,
+                           int cols, size_t in_stride) {
+    const int vcols = cols / V;
+    const size_t n = rows * vcols;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const float gv = to_f(g[i]);
-        out[i] = from_f<T>(gv / (1.f + __expf(-gv)) * to_f(u[i]));
+        const size_t r = i / vcols;
+        const int c = (int)(i % vcols) * V;
+        const Pack<T, V> gv = *reinterpret_cast<const Pack<T, V>*>(g + r * in_stride + c);
+        const Pack<T, V> uv = *reinterpret_cast<const Pack<T, V>*>(u + r * in_stride + c);
+        Pack<T, V> o;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float x = to_f(gv.v[k]);
+            o.v[k] = from_f<T>(x / (1.f + __expf(-x)) * to_f(uv.v[k]));
+        }
+        *reinterpret_cast<Pack<T, V>*>(out + r * cols + c) = o;
     }
 }
 
-// With s = sigmoid(g): dg = dy * u * s * (1 + g * (1 - s)), du = dy * g * s; out = [dg; du].
-template <typename T>
+// With s = sigmoid(g): dg = dy * u * s * (1 + g * (1 - s)), du = dy * g * s. Gate and up rows as
+// in swiglu_fwd, dy (rows, cols); row r of dg at dg + r · out_stride and of du at du + r ·
+// out_stride: [dg; du] stacked (du = dg + rows · cols, out_stride = cols) or one packed
+// gradient row (du = dg + cols, out_stride = 2 · cols).
+template <typename T, int V>
 __device__ void swiglu_bwd(const T* __restrict__ g, const T* __restrict__ u, const T* __restrict__ dy,
-                           T* __restrict__ out, size_t n) {
+                           T* __restrict__ dg, T* __restrict__ du, size_t rows, int cols, size_t in_stride,
+                           size_t out_stride) {
+    const int vcols = cols / V;
+    const size_t n = rows * vcols;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const float gv = to_f(g[i]), uv = to_f(u[i]), d = to_f(dy[i]);
-        const float s = 1.f / (1.f + __expf(-gv));
-        out[i] = from_f<T>(d * uv * s * (1.f + gv * (1.f - s)));
-        out[n + i] = from_f<T>(d * gv * s);
+        const size_t r = i / vcols;
+        const int c = (int)(i % vcols) * V;
+        const Pack<T, V> gv = *reinterpret_cast<const Pack<T, V>*>(g + r * in_stride + c);
+        const Pack<T, V> uv = *reinterpret_cast<const Pack<T, V>*>(u + r * in_stride + c);
+        const Pack<T, V> dv = *reinterpret_cast<const Pack<T, V>*>(dy + r * cols + c);
+        Pack<T, V> dgv, duv;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float x = to_f(gv.v[k]), up = to_f(uv.v[k]), d = to_f(dv.v[k]);
+            const float s = 1.f / (1.f + __expf(-x));
+            dgv.v[k] = from_f<T>(d * up * s * (1.f + x * (1.f - s)));
+            duv.v[k] = from_f<T>(d * x * s);
+        }
+        *reinterpret_cast<Pack<T, V>*>(dg + r * out_stride + c) = dgv;
+        *reinterpret_cast<Pack<T, V>*>(du + r * out_stride + c) = duv;
     }
 }
 
@@ -170,12 +305,15 @@ __device__ void embedding_bwd_rows(const float* __restrict__ partial, const uint
 
 #define TRAIN_OPS(T, SUFFIX)                                                                                         \
     extern "C" __global__ void __launch_bounds__(kRowWarps * 32) rms_norm_fwd_##SUFFIX(                               \
-        const T* x, const T* w, T* y, unsigned long long rows, int dim, float eps) {                                  \
-        rms_norm_fwd<T>(x, w, y, rows, dim, eps);                                                                     \
+        const T* x, const T* h, const T* w, T* sum, T* y, unsigned long long rows, int dim, float eps, int vectors) {  \
+        if (vectors) rms_norm_fwd<T, 16 / sizeof(T)>(x, h, w, sum, y, rows, dim, eps);                               \
+        else rms_norm_fwd<T, 1>(x, h, w, sum, y, rows, dim, eps);                                                     \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(kRowWarps * 32) rms_norm_bwd_dx_##SUFFIX(                            \
-        const T* x, const T* w, const T* dy, T* dx, float* rstd, unsigned long long rows, int dim, float eps) {       \
-        rms_norm_bwd_dx<T>(x, w, dy, dx, rstd, rows, dim, eps);                                                       \
+        const T* x, const T* w, const T* dy, const T* dres, T* dx, float* rstd, unsigned long long rows, int dim,     \
+        float eps, int vectors) {                                                                                     \
+        if (vectors) rms_norm_bwd_dx<T, 16 / sizeof(T)>(x, w, dy, dres, dx, rstd, rows, dim, eps);                   \
+        else rms_norm_bwd_dx<T, 1>(x, w, dy, dres, dx, rstd, rows, dim, eps);                                         \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(kThreads) rms_norm_bwd_dw_##SUFFIX(                                  \
         const T* x, const T* dy, const float* rstd, float* partial, unsigned long long rows, int dim,                 \
@@ -186,12 +324,16 @@ __device__ void embedding_bwd_rows(const float* __restrict__ partial, const uint
                                                                               int chunks, int dim) {                 \
         column_sum<T>(partial, out, chunks, dim);                                                                     \
     }                                                                                                                 \
-    extern "C" __global__ void rope_##SUFFIX(const T* x, const T* cos, const T* sin, T* y, int tokens, int heads,    \
-                                             int d, int interleaved, float sign) {                                   \
-        rope<T>(x, cos, sin, y, tokens, heads, d, interleaved, sign);                                                 \
+    extern "C" __global__ void rope_##SUFFIX(const T* x, unsigned long long x_stride, const T* cos, const T* sin,   \
+                                             T* y, unsigned long long y_stride, int tokens, int heads, int d,        \
+                                             int interleaved, float sign, int vectors) {                             \
+        if (vectors) rope<T, 16 / sizeof(T)>(x, x_stride, cos, sin, y, y_stride, tokens, heads, d, 0, sign);         \
+        else rope<T, 1>(x, x_stride, cos, sin, y, y_stride, tokens, heads, d, interleaved, sign);                     \
     }                                                                                                                 \
-    extern "C" __global__ void swiglu_fwd_##SUFFIX(const T* g, const T* u, T* out, unsigned long long n) {            \
-        swiglu_fwd<T>(g, u, out, n);                                                                                  \
+    extern "C" __global__ void swiglu_fwd_##SUFFIX(const T* g, const T* u, T* out, unsigned long long rows, int cols, \
+                                                   unsigned long long in_stride, int vectors) {                      \
+        if (vectors) swiglu_fwd<T, 16 / sizeof(T)>(g, u, out, rows, cols, in_stride);                                \
+        else swiglu_fwd<T, 1>(g, u, out, rows, cols, in_stride);                                                      \
     }                                                                                                                 \
     extern "C" __global__ void embedding_fwd_##SUFFIX(const T* w, const uint32_t* ids, T* out,                      \
                                                       unsigned long long tokens, int dim) {                          \
@@ -205,9 +347,11 @@ __device__ void embedding_bwd_rows(const float* __restrict__ partial, const uint
         const float* partial, const uint32_t* row_chunks, T* dw, int dim) {                                           \
         embedding_bwd_rows<T>(partial, row_chunks, dw, dim);                                                          \
     }                                                                                                                 \
-    extern "C" __global__ void swiglu_bwd_##SUFFIX(const T* g, const T* u, const T* dy, T* out,                       \
-                                                   unsigned long long n) {                                           \
-        swiglu_bwd<T>(g, u, dy, out, n);                                                                              \
+    extern "C" __global__ void swiglu_bwd_##SUFFIX(const T* g, const T* u, const T* dy, T* dg, T* du,                 \
+                                                   unsigned long long rows, int cols, unsigned long long in_stride,  \
+                                                   unsigned long long out_stride, int vectors) {                     \
+        if (vectors) swiglu_bwd<T, 16 / sizeof(T)>(g, u, dy, dg, du, rows, cols, in_stride, out_stride);             \
+        else swiglu_bwd<T, 1>(g, u, dy, dg, du, rows, cols, in_stride, out_stride);                                   \
     }
 
 // ---- The optimizer step on the GPU (train::optim::AdamW::update): three launches for the whole

@@ -397,3 +397,144 @@ fn explicit_backward_matches_autograd_on_the_gpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// The building blocks of the explicit backward (train_ops' graph-free and packed ops) on CUDA
+/// against their CPU loops on the same values, bf16/f16/f32, with shapes that take the 16-byte
+/// vector path of the SiLU × up kernels (columns a multiple of 8) and shapes that do not; the
+/// in-place f32 weight-gradient GEMM against the CPU's f32 matmul of the same 16-bit values.
+#[test]
+fn explicit_ops_match_the_cpu_loops() -> Result<()> {
+    let cpu = Device::Cpu;
+    let both = |t: &Tensor| -> Result<(Tensor, Tensor)> { Ok((t.to_device(&gpu())?, t.clone())) };
+    let check = |what: &str, got: &Tensor, want: &Tensor, tol: f32| {
+        let e = rel_diff(&got.to_device(&Device::Cpu).unwrap(), want);
+        eprintln!("{what}: CUDA vs CPU {e:.2e}");
+        assert!(e <= tol, "{what}: CUDA and CPU differ by {e}");
+    };
+    for (dtype, tol) in CASES {
+        // add + RMSNorm, and the backward with a residual gradient.
+        let (x, h, w, dy, dres) = (
+            randn(&[131, 768], dtype, &cpu),
+            randn(&[131, 768], dtype, &cpu),
+            randn(&[768], dtype, &cpu),
+            randn(&[131, 768], dtype, &cpu),
+            randn(&[131, 768], dtype, &cpu),
+        );
+        let [(xg, x), (hg, h), (wg, w), (dyg, dy), (dresg, dres)] = [&x, &h, &w, &dy, &dres].map(|t| both(t).unwrap());
+        let (sum_g, y_g) = train_ops::rms_norm_add(&xg, &hg, &wg, 1e-5)?;
+        let (sum_c, y_c) = train_ops::rms_norm_add(&x, &h, &w, 1e-5)?;
+        check(&format!("add + RMSNorm sum {dtype:?}"), &sum_g, &sum_c, 0.0);
+        check(&format!("add + RMSNorm {dtype:?}"), &y_g, &y_c, tol);
+        let (dx_g, dw_g) = train_ops::rms_norm_backward(&xg, &wg, &dyg, 1e-5, Some(&dresg))?;
+        let (dx_c, dw_c) = train_ops::rms_norm_backward(&x, &w, &dy, 1e-5, Some(&dres))?;
+        check(&format!("RMSNorm backward + residual dx {dtype:?}"), &dx_g, &dx_c, tol);
+        check(&format!("RMSNorm backward dw {dtype:?}"), &dw_g, &dw_c, tol);
+
+        // RoPE of the q and k heads of a packed q/k/v row (4 q, 2 k, 2 v heads of 64), and the
+        // packed backward.
+        let (tokens, d) = (97, 64);
+        let qkv = randn(&[tokens, 8 * d], dtype, &cpu);
+        let angles = Tensor::rand(0f32, 6.3, (tokens, d / 2), &cpu)?;
+        let (cos, sin) = (angles.cos()?.to_dtype(dtype)?, angles.sin()?.to_dtype(dtype)?);
+        let [(qkvg, qkv), (cosg, cos), (sing, sin)] = [&qkv, &cos, &sin].map(|t| both(t).unwrap());
+        for interleaved in [false, true] {
+            let got = train_ops::rope_unpack(&qkvg, [4, 2, 2], d, &cosg, &sing, interleaved)?;
+            let want = train_ops::rope_unpack(&qkv, [4, 2, 2], d, &cos, &sin, interleaved)?;
+            for (name, g, w) in [("q", &got.0, &want.0), ("k", &got.1, &want.1)] {
+                check(
+                    &format!("RoPE unpack {name}, interleaved {interleaved} {dtype:?}"),
+                    g,
+                    w,
+                    tol,
+                );
+            }
+            // v is copied bit for bit.
+            check(
+                &format!("RoPE unpack v {dtype:?}"),
+                &got.2,
+                &qkv.narrow(1, 6 * d, 2 * d)?.contiguous()?.reshape((tokens, 2, d))?,
+                0.0,
+            );
+            let (dq, dk, dv) = (
+                randn(&[tokens, 4, d], dtype, &cpu),
+                randn(&[tokens, 2, d], dtype, &cpu),
+                randn(&[tokens, 2, d], dtype, &cpu),
+            );
+            let [(dqg, dq), (dkg, dk), (dvg, dv)] = [&dq, &dk, &dv].map(|t| both(t).unwrap());
+            let got = train_ops::rope_pack_backward(&dqg, &dkg, &dvg, &cosg, &sing, interleaved)?;
+            let want = train_ops::rope_pack_backward(&dq, &dk, &dv, &cos, &sin, interleaved)?;
+            assert_eq!(got.dims(), [tokens, 8 * d]);
+            check(
+                &format!("RoPE packed backward interleaved {interleaved} {dtype:?}"),
+                &got,
+                &want,
+                tol,
+            );
+            // dv is copied bit for bit.
+            check(
+                &format!("RoPE packed backward's dv {dtype:?}"),
+                &got.narrow(1, 6 * d, 2 * d)?.contiguous()?,
+                &dv.reshape((tokens, 2 * d))?,
+                0.0,
+            );
+        }
+
+        // SiLU × up of a packed gate/up tensor: 344 columns (vectors of 16 bytes) and 345 (none).
+        for cols in [344, 345] {
+            let (gu, dy) = (randn(&[67, 2 * cols], dtype, &cpu), randn(&[67, cols], dtype, &cpu));
+            let [(gug, gu), (dyg, dy)] = [&gu, &dy].map(|t| both(t).unwrap());
+            let what = format!("SiLU × up packed, {cols} columns {dtype:?}");
+            check(
+                &what,
+                &train_ops::swiglu_packed(&gug)?,
+                &train_ops::swiglu_packed(&gu)?,
+                tol,
+            );
+            let got = train_ops::swiglu_packed_backward(&gug, &dyg)?;
+            check(
+                &format!("{what} backward"),
+                &got,
+                &train_ops::swiglu_packed_backward(&gu, &dy)?,
+                tol,
+            );
+            // The unpacked backward (stacked [dgate; dup]) through the same kernel.
+            let (g, u) = (
+                gu.narrow(1, 0, cols)?.contiguous()?,
+                gu.narrow(1, cols, cols)?.contiguous()?,
+            );
+            let (dg, du) = train_ops::swiglu_backward(&g.to_device(&gpu())?, &u.to_device(&gpu())?, &dyg)?;
+            let got = got.to_device(&cpu)?;
+            check(
+                &format!("{what} backward, unpacked dgate"),
+                &dg,
+                &got.narrow(1, 0, cols)?,
+                0.0,
+            );
+            check(
+                &format!("{what} backward, unpacked dup"),
+                &du,
+                &got.narrow(1, cols, cols)?,
+                0.0,
+            );
+        }
+
+        // The weight gradient, accumulated twice into f32 (16-bit inputs only on the GPU path);
+        // the second dy a column slice of a wider tensor (a row stride of its own).
+        if dtype != DType::F32 {
+            let (x, dy, wide) = (
+                randn(&[300, 96], dtype, &cpu),
+                randn(&[300, 40], dtype, &cpu),
+                randn(&[300, 100], dtype, &cpu),
+            );
+            let slice = |t: &Tensor| t.narrow(1, 30, 40).unwrap();
+            let [(xg, x), (dyg, dy), (wideg, wide)] = [&x, &dy, &wide].map(|t| both(t).unwrap());
+            let acc = train_ops::accumulate_weight_grad(None, &dyg, &xg)?;
+            let acc = train_ops::accumulate_weight_grad(Some(acc), &slice(&wideg), &xg)?;
+            let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let want = (f32s(&dy).t()?.matmul(&f32s(&x))? + f32s(&slice(&wide)).t()?.matmul(&f32s(&x))?)?;
+            assert_eq!(acc.dtype(), DType::F32);
+            check(&format!("weight gradient {dtype:?}"), &acc, &want, 1e-5);
+        }
+    }
+    Ok(())
+}

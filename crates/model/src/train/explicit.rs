@@ -25,48 +25,77 @@ use flash_attn3::FlashAttn;
 use crate::config::Config;
 use crate::nn::rope_angles;
 use crate::train_ops::{
-    embedding_with_backward, rms_norm, rms_norm_backward, rope, rope_backward, swiglu, swiglu_backward,
+    accumulate_weight_grad, embedding_with_backward, rms_norm, rms_norm_add, rms_norm_backward, rope_pack_backward,
+    rope_unpack, swiglu_packed, swiglu_packed_backward,
 };
 
-/// One trainable weight: its index among the trainer's master variables and its value in the
-/// compute dtype (detached: nothing records a graph through it).
+/// One weight that is not a matmul's: its index among the trainer's master variables and its
+/// value in the compute dtype (detached: nothing records a graph through it).
 struct Param {
     index: usize,
     value: Tensor,
 }
 
-impl Param {
-    /// `x · valueᵀ`: the linear layer's forward, x (tokens, in) → (tokens, out).
+/// The weight of one matmul: one trainable weight, or several stacked along the output rows (q,
+/// k and v; gate and up), cast to the compute dtype and concatenated once per step, so that one
+/// matmul computes them all forward and one their input's gradient backward.
+struct Linear {
+    value: Tensor,
+    /// Each part's master variable and its rows of `value`, in order.
+    parts: Vec<(usize, usize)>,
+}
+
+impl Linear {
+    /// `x · valueᵀ`: x (tokens, in) → (tokens, out).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.matmul(&self.value.t()?)
     }
 
-    /// The linear layer's backward for the gradient `dy` (tokens, out) of its output:
-    /// `(index, dyᵀ · x)` for the weight, and `dy · value` for the input.
-    fn backward(&self, x: &Tensor, dy: &Tensor) -> Result<((usize, Tensor), Tensor)> {
-        Ok(((self.index, dy.t()?.matmul(x)?), dy.matmul(&self.value)?))
+    /// The backward for the gradient `dy` (tokens, out) of the output: each part's weight
+    /// gradient `dyᵀ · x` (its columns of dy) added to its f32 accumulator in `grads`; returns
+    /// `dy · value`, the input's gradient.
+    fn backward(&self, x: &Tensor, dy: &Tensor, grads: &mut [Option<Tensor>]) -> Result<Tensor> {
+        let mut row = 0;
+        for &(index, rows) in &self.parts {
+            let part = match self.parts.len() {
+                1 => dy.clone(),
+                _ => dy.narrow(1, row, rows)?,
+            };
+            grads[index] = Some(accumulate_weight_grad(grads[index].take(), &part, x)?);
+            row += rows;
+        }
+        dy.matmul(&self.value)
     }
+}
+
+/// `grads[index] += g` in f32.
+fn add_grad(grads: &mut [Option<Tensor>], index: usize, g: &Tensor) -> Result<()> {
+    let g = g.to_dtype(DType::F32)?;
+    grads[index] = Some(match grads[index].take() {
+        None => g,
+        Some(sum) => (sum + g)?,
+    });
+    Ok(())
 }
 
 struct LayerParams {
     attn_norm: Param,
-    q: Param,
-    k: Param,
-    v: Param,
-    o: Param,
+    /// q, k and v stacked: (heads + 2 · kv_heads) · head_dim rows.
+    qkv: Linear,
+    o: Linear,
     mlp_norm: Param,
-    gate: Param,
-    up: Param,
-    down: Param,
+    /// gate and up stacked: 2 · intermediate rows.
+    gate_up: Linear,
+    down: Linear,
 }
 
 /// What one layer's backward reads, kept by the forward (all (tokens, ..) in the compute dtype
 /// but the LSE).
 struct LayerActivations {
-    /// The residual stream into the layer, and its norm (the q/k/v projections' input).
+    /// The residual stream into the layer, and its norm (the q/k/v projection's input).
     x_in: Tensor,
     h1: Tensor,
-    /// Attention's inputs after RoPE, (batch, seq, heads, head_dim), its output and LSE.
+    /// Attention's inputs, (batch, seq, heads, head_dim): q and k after RoPE; its output and LSE.
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -75,9 +104,8 @@ struct LayerActivations {
     /// The stream after the attention sub-block, and its norm (the MLP's input).
     x_mid: Tensor,
     h2: Tensor,
-    /// The MLP's gate and up projections and silu(gate) · up.
-    gate: Tensor,
-    up: Tensor,
+    /// The gate/up projection (gate then up in each row) and silu(gate) · up.
+    gate_up: Tensor,
     act: Tensor,
 }
 
@@ -86,8 +114,8 @@ pub(crate) struct ExplicitModel {
     embed: Param,
     layers: Vec<LayerParams>,
     norm: Param,
-    /// `None` when the output head is the embedding matrix (tied).
-    head: Option<Param>,
+    /// The output head: its own weight, or the embedding matrix (tied).
+    head: Linear,
     inv_freq: Tensor,
     attn: FlashAttn,
     heads: usize,
@@ -97,8 +125,6 @@ pub(crate) struct ExplicitModel {
     rope_interleaved: bool,
     vocab: usize,
     dtype: DType,
-    /// How many master variables the gradients are for.
-    params: usize,
 }
 
 impl ExplicitModel {
@@ -113,32 +139,59 @@ impl ExplicitModel {
         if !Self::supports(cfg) {
             candle_core::bail!("internal error: the explicit backward does not cover biases or q/k norms")
         }
+        let index = |name: &str| -> Result<usize> {
+            match names.iter().position(|n| n == name) {
+                Some(i) => Ok(i),
+                None => candle_core::bail!("internal error: the trainer has no weight `{name}`"),
+            }
+        };
+        let cast = |i: usize| vars[i].as_tensor().detach().to_dtype(dtype);
         let param = |name: &str| -> Result<Param> {
-            let Some(index) = names.iter().position(|n| n == name) else {
-                candle_core::bail!("internal error: the trainer has no weight `{name}`")
-            };
+            let index = index(name)?;
             Ok(Param {
                 index,
-                value: vars[index].as_tensor().detach().to_dtype(dtype)?,
+                value: cast(index)?,
             })
+        };
+        let linear = |names: &[String]| -> Result<Linear> {
+            let indices = names.iter().map(|n| index(n)).collect::<Result<Vec<_>>>()?;
+            let values = indices.iter().map(|&i| cast(i)).collect::<Result<Vec<_>>>()?;
+            let parts = indices
+                .iter()
+                .zip(&values)
+                .map(|(&i, v)| Ok((i, v.dim(0)?)))
+                .collect::<Result<_>>()?;
+            let value = match values.len() {
+                1 => values[0].clone(),
+                _ => Tensor::cat(&values, 0)?,
+            };
+            Ok(Linear { value, parts })
         };
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
-                let p = |name: &str| param(&format!("model.layers.{i}.{name}.weight"));
+                let name = |n: &str| format!("model.layers.{i}.{n}.weight");
                 Ok(LayerParams {
-                    attn_norm: p("input_layernorm")?,
-                    q: p("self_attn.q_proj")?,
-                    k: p("self_attn.k_proj")?,
-                    v: p("self_attn.v_proj")?,
-                    o: p("self_attn.o_proj")?,
-                    mlp_norm: p("post_attention_layernorm")?,
-                    gate: p("mlp.gate_proj")?,
-                    up: p("mlp.up_proj")?,
-                    down: p("mlp.down_proj")?,
+                    attn_norm: param(&name("input_layernorm"))?,
+                    qkv: linear(&[
+                        name("self_attn.q_proj"),
+                        name("self_attn.k_proj"),
+                        name("self_attn.v_proj"),
+                    ])?,
+                    o: linear(&[name("self_attn.o_proj")])?,
+                    mlp_norm: param(&name("post_attention_layernorm"))?,
+                    gate_up: linear(&[name("mlp.gate_proj"), name("mlp.up_proj")])?,
+                    down: linear(&[name("mlp.down_proj")])?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let embed = param("model.embed_tokens.weight")?;
+        let head = match cfg.tie_word_embeddings {
+            true => Linear {
+                value: embed.value.clone(),
+                parts: vec![(embed.index, cfg.vocab_size)],
+            },
+            false => linear(&["lm_head.weight".to_string()])?,
+        };
         let device = embed.value.device().clone();
         // As the model's attention: causal, and a window of w sees itself and w - 1 keys back.
         let mut attn = FlashAttn::new(1.0 / (cfg.head_dim as f32).sqrt()).causal(true);
@@ -149,10 +202,7 @@ impl ExplicitModel {
             embed,
             layers,
             norm: param("model.norm.weight")?,
-            head: match cfg.tie_word_embeddings {
-                true => None,
-                false => Some(param("lm_head.weight")?),
-            },
+            head,
             inv_freq: Tensor::new(cfg.rope_inv_freq(), &device)?,
             attn,
             heads: cfg.num_attention_heads,
@@ -162,21 +212,23 @@ impl ExplicitModel {
             rope_interleaved: cfg.rope_interleaved,
             vocab: cfg.vocab_size,
             dtype,
-            params: vars.len(),
         })
     }
 
     /// The mean cross-entropy of `batch` sequences of `seq` tokens (`inputs` → `targets`, both
-    /// batch · seq ids) times `loss_scale`, as an f32 scalar on the device, and its gradient with
-    /// respect to every master variable (f32, in the trainer's order).
-    pub(crate) fn loss_and_grads(
+    /// batch · seq ids) times `loss_scale`, returned as an f32 scalar on the device; its gradient
+    /// with respect to each master variable is added to that variable's f32 accumulator in
+    /// `grads` (in the trainer's order; `None` is zero).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn accumulate(
         &self,
         inputs: &[u32],
         targets: &[u32],
         batch: usize,
         seq: usize,
         loss_scale: f64,
-    ) -> Result<(Tensor, Vec<Tensor>)> {
+        grads: &mut [Option<Tensor>],
+    ) -> Result<Tensor> {
         let tokens = batch * seq;
         if inputs.len() != tokens || targets.len() != tokens {
             candle_core::bail!(
@@ -191,31 +243,35 @@ impl ExplicitModel {
         let positions = Tensor::arange(0, seq as u32, device)?.repeat(batch)?;
         let (cos, sin) = rope_angles(&positions, &self.inv_freq)?;
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
+        let il = self.rope_interleaved;
 
-        // Forward, keeping each layer's activations.
-        let mut x = x0;
+        // Forward, keeping each layer's activations. Each sub-block's output joins the residual
+        // stream inside the next norm's launch (`rms_norm_add`).
+        let mut stream = (x0, None::<Tensor>);
         let mut saved = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
-            let h1 = rms_norm(&x, &l.attn_norm.value, self.eps)?;
-            let rotated = |p: &Param, heads: usize| {
-                rope(
-                    &p.forward(&h1)?.reshape((tokens, heads, d))?,
-                    &cos,
-                    &sin,
-                    self.rope_interleaved,
-                )
+            let (x_in, h1) = match stream {
+                (x, None) => {
+                    let h1 = rms_norm(&x, &l.attn_norm.value, self.eps)?;
+                    (x, h1)
+                }
+                (x, Some(sub)) => rms_norm_add(&x, &sub, &l.attn_norm.value, self.eps)?,
             };
-            let q = rotated(&l.q, h)?.reshape((batch, seq, h, d))?;
-            let k = rotated(&l.k, hk)?.reshape((batch, seq, hk, d))?;
-            let v = l.v.forward(&h1)?.reshape((batch, seq, hk, d))?;
+            let (q, k, v) = rope_unpack(&l.qkv.forward(&h1)?, [h, hk, hk], d, &cos, &sin, il)?;
+            let (q, k, v) = (
+                q.reshape((batch, seq, h, d))?,
+                k.reshape((batch, seq, hk, d))?,
+                v.reshape((batch, seq, hk, d))?,
+            );
             let (out, lse) = self.attn.forward_with_lse(&q, &k, &v)?;
-            let x_mid = (&x + l.o.forward(&out.reshape((tokens, h * d))?)?)?;
-            let h2 = rms_norm(&x_mid, &l.mlp_norm.value, self.eps)?;
-            let (gate, up) = (l.gate.forward(&h2)?, l.up.forward(&h2)?);
-            let act = swiglu(&gate, &up)?;
-            let x_out = (&x_mid + l.down.forward(&act)?)?;
+            let o = l.o.forward(&out.reshape((tokens, h * d))?)?;
+            let (x_mid, h2) = rms_norm_add(&x_in, &o, &l.mlp_norm.value, self.eps)?;
+            let gate_up = l.gate_up.forward(&h2)?;
+            let act = swiglu_packed(&gate_up)?;
+            let down = l.down.forward(&act)?;
+            stream = (x_mid.clone(), Some(down));
             saved.push(LayerActivations {
-                x_in: x,
+                x_in,
                 h1,
                 q,
                 k,
@@ -224,79 +280,50 @@ impl ExplicitModel {
                 lse,
                 x_mid,
                 h2,
-                gate,
-                up,
+                gate_up,
                 act,
             });
-            x = x_out;
         }
-        let xf = rms_norm(&x, &self.norm.value, self.eps)?;
-        let head = self.head.as_ref().unwrap_or(&self.embed);
-        let logits = head.forward(&xf)?;
+        let (x_last, xf) = match stream {
+            (x, None) => {
+                let xf = rms_norm(&x, &self.norm.value, self.eps)?;
+                (x, xf)
+            }
+            (x, Some(sub)) => rms_norm_add(&x, &sub, &self.norm.value, self.eps)?,
+        };
+        let logits = self.head.forward(&xf)?;
 
         // The loss and its gradient with respect to the logits, in f32: for each row,
         // softmax(logits) minus the target's one-hot, over the rows.
         let (loss, dlogits) = cross_entropy_with_grad(&logits, targets, self.vocab, loss_scale)?;
         let dlogits = dlogits.to_dtype(self.dtype)?;
 
-        // Backward.
-        let mut grads: Vec<(usize, Tensor)> = Vec::with_capacity(self.params + 1);
-        let (g, dxf) = head.backward(&xf, &dlogits)?;
-        grads.push(g);
-        let (mut dx, dw) = rms_norm_backward(&x, &self.norm.value, &dxf, self.eps)?;
-        grads.push((self.norm.index, dw));
+        // Backward. `dx` is the gradient of the residual stream after the layer in hand, which
+        // reaches both the layer's last sub-block output and the stream before it.
+        let dxf = self.head.backward(&xf, &dlogits, grads)?;
+        let (mut dx, dw) = rms_norm_backward(&x_last, &self.norm.value, &dxf, self.eps, None)?;
+        add_grad(grads, self.norm.index, &dw)?;
         for (l, a) in self.layers.iter().zip(saved).rev() {
             // MLP: x_out = x_mid + down(silu(gate(h2)) · up(h2)), h2 = norm(x_mid).
-            let (g, dact) = l.down.backward(&a.act, &dx)?;
-            grads.push(g);
-            let (dgate, dup) = swiglu_backward(&a.gate, &a.up, &dact)?;
-            let (g, dh2_gate) = l.gate.backward(&a.h2, &dgate)?;
-            grads.push(g);
-            let (g, dh2_up) = l.up.backward(&a.h2, &dup)?;
-            grads.push(g);
-            let (dnorm, dw) = rms_norm_backward(&a.x_mid, &l.mlp_norm.value, &(dh2_gate + dh2_up)?, self.eps)?;
-            grads.push((l.mlp_norm.index, dw));
-            let dx_mid = (dx + dnorm)?;
+            let dact = l.down.backward(&a.act, &dx, grads)?;
+            let dgate_up = swiglu_packed_backward(&a.gate_up, &dact)?;
+            let dh2 = l.gate_up.backward(&a.h2, &dgate_up, grads)?;
+            let (dx_mid, dw) = rms_norm_backward(&a.x_mid, &l.mlp_norm.value, &dh2, self.eps, Some(&dx))?;
+            add_grad(grads, l.mlp_norm.index, &dw)?;
 
-            // Attention: x_mid = x_in + o(attention(rope(q(h1)), rope(k(h1)), v(h1))), h1 = norm(x_in).
-            let (g, dout) = l.o.backward(&a.out.reshape((tokens, h * d))?, &dx_mid)?;
-            grads.push(g);
+            // Attention: x_mid = x_in + o(attention(rope(q), rope(k), v)), [q k v] = qkv(h1),
+            // h1 = norm(x_in).
+            let dout = l.o.backward(&a.out.reshape((tokens, h * d))?, &dx_mid, grads)?;
             let dout = dout.reshape((batch, seq, h, d))?;
             let (dq, dk, dv) = self.attn.backward(&a.q, &a.k, &a.v, &a.out, &a.lse, &dout)?;
-            let unrotated = |dy: Tensor, heads: usize| -> Result<Tensor> {
-                rope_backward(&dy.reshape((tokens, heads, d))?, &cos, &sin, self.rope_interleaved)?
-                    .reshape((tokens, heads * d))
-            };
-            let (g, dh1_q) = l.q.backward(&a.h1, &unrotated(dq, h)?)?;
-            grads.push(g);
-            let (g, dh1_k) = l.k.backward(&a.h1, &unrotated(dk, hk)?)?;
-            grads.push(g);
-            let (g, dh1_v) = l.v.backward(&a.h1, &dv.reshape((tokens, hk * d))?)?;
-            grads.push(g);
-            let dh1 = ((dh1_q + dh1_k)? + dh1_v)?;
-            let (dnorm, dw) = rms_norm_backward(&a.x_in, &l.attn_norm.value, &dh1, self.eps)?;
-            grads.push((l.attn_norm.index, dw));
-            dx = (dx_mid + dnorm)?;
+            let dqkv = rope_pack_backward(&dq, &dk, &dv, &cos, &sin, il)?;
+            let dh1 = l.qkv.backward(&a.h1, &dqkv, grads)?;
+            let (dx_in, dw) = rms_norm_backward(&a.x_in, &l.attn_norm.value, &dh1, self.eps, Some(&dx_mid))?;
+            add_grad(grads, l.attn_norm.index, &dw)?;
+            dx = dx_in;
         }
-        grads.push((self.embed.index, embedding.backward(&dx)?));
-
-        // Into the masters' order, in f32; a tied head's gradient joins the embedding's.
-        let mut by_var: Vec<Option<Tensor>> = vec![None; self.params];
-        for (index, g) in grads {
-            let g = g.to_dtype(DType::F32)?;
-            by_var[index] = Some(match by_var[index].take() {
-                None => g,
-                Some(sum) => (sum + g)?,
-            });
-        }
-        let grads = by_var
-            .into_iter()
-            .enumerate()
-            .map(|(i, g)| {
-                g.ok_or_else(|| candle_core::Error::Msg(format!("internal error: no gradient for weight {i}")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok((loss, grads))
+        add_grad(grads, self.embed.index, &embedding.backward(&dx)?)?;
+        Ok(loss)
     }
 }
 

@@ -458,10 +458,11 @@ impl Trainer {
     /// gradient with respect to every master weight (f32, in [`Trainer::parameters`] order),
     /// computed as `backward` says; no update. For checking the two ways against each other.
     pub fn gradients(&self, inputs: Vec<u32>, targets: Vec<u32>, backward: Backward) -> Result<(f32, Vec<Tensor>)> {
-        let (loss, grads) = self
+        let mut grads = vec![None; self.vars.len()];
+        let loss = self
             .gradient_model(backward)?
-            .loss_and_grads(self, inputs, targets, 1.0)?;
-        Ok((loss.to_scalar::<f32>()?, grads))
+            .accumulate(self, inputs, targets, 1.0, &mut grads)?;
+        Ok((loss.to_scalar::<f32>()?, collect_grads(grads, &self.names)?))
     }
 
     fn gradient_model(&self, backward: Backward) -> Result<GradientModel> {
@@ -575,19 +576,16 @@ impl Trainer {
                 continue;
             }
             // Dividing by the micro-batch count makes the summed gradient that of the mean loss.
-            let (loss, grads) = model.loss_and_grads(self, inputs, targets, 1.0 / c.grad_accum as f64)?;
+            let loss = model.accumulate(self, inputs, targets, 1.0 / c.grad_accum as f64, &mut sums)?;
             loss_sum = Some(match loss_sum.take() {
                 None => loss,
                 Some(s) => (s + loss)?,
             });
-            for (sum, g) in sums.iter_mut().zip(grads) {
-                *sum = Some(match sum.take() {
-                    None => g,
-                    Some(s) => (s + g)?,
-                });
-            }
         }
-        let mut grads: Vec<Tensor> = sums.into_iter().flatten().collect();
+        let mut grads = match loss_sum {
+            Some(_) => collect_grads(sums, &self.names)?,
+            None => Vec::new(),
+        };
         let mut loss = match loss_sum {
             Some(l) => l,
             // A rank without a micro-batch (fewer micro-batches than ranks is refused, so never).
@@ -780,36 +778,45 @@ enum GradientModel {
 }
 
 impl GradientModel {
-    /// The micro-batch's loss times `loss_scale` (an f32 scalar on the device) and its gradient
-    /// with respect to each of `trainer`'s master weights (f32, in their order).
-    fn loss_and_grads(
+    /// The micro-batch's loss times `loss_scale` (an f32 scalar on the device); its gradient
+    /// with respect to each of `trainer`'s master weights is added to that weight's f32
+    /// accumulator in `grads` (`None`: zero).
+    fn accumulate(
         &self,
         trainer: &Trainer,
         inputs: Vec<u32>,
         targets: Vec<u32>,
         loss_scale: f64,
-    ) -> Result<(Tensor, Vec<Tensor>)> {
+        grads: &mut [Option<Tensor>],
+    ) -> Result<Tensor> {
         let c = &trainer.config;
         match self {
             Self::Explicit(model) => {
-                Ok(model.loss_and_grads(&inputs, &targets, c.batch_size, c.seq_len, loss_scale)?)
+                Ok(model.accumulate(&inputs, &targets, c.batch_size, c.seq_len, loss_scale, grads)?)
             }
             Self::Autograd(model) => {
                 let loss = (trainer.batch_loss(model, inputs, targets)? * loss_scale)?;
-                let grads = loss.backward()?;
-                let grads = trainer
-                    .vars
-                    .iter()
-                    .zip(&trainer.names)
-                    .map(|(var, name)| {
-                        grads
-                            .get(var)
-                            .cloned()
-                            .with_context(|| format!("internal error: the loss does not depend on `{name}`"))
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                Ok((loss.detach().to_dtype(DType::F32)?, grads))
+                let store = loss.backward()?;
+                for ((sum, var), name) in grads.iter_mut().zip(&trainer.vars).zip(&trainer.names) {
+                    let g = store
+                        .get(var)
+                        .with_context(|| format!("internal error: the loss does not depend on `{name}`"))?;
+                    *sum = Some(match sum.take() {
+                        None => g.clone(),
+                        Some(s) => (s + g)?,
+                    });
+                }
+                Ok(loss.detach().to_dtype(DType::F32)?)
             }
         }
     }
+}
+
+/// The accumulated gradients, one per weight: an error naming a weight that got none.
+fn collect_grads(grads: Vec<Option<Tensor>>, names: &[String]) -> Result<Vec<Tensor>> {
+    grads
+        .into_iter()
+        .zip(names)
+        .map(|(g, name)| g.with_context(|| format!("internal error: the loss does not depend on `{name}`")))
+        .collect()
 }

@@ -35,39 +35,79 @@ fn rows_cfg(rows: usize) -> LaunchConfig {
 
 pub(super) fn rms_norm(x: Arg, w: Arg, eps: f32) -> Result<CudaStorage> {
     same_dtype("RMSNorm", x.0.dtype(), &[("the weight", w.0.dtype())])?;
-    by_dtype!("RMSNorm", x.0.dtype(), rms_norm_t(x, w, eps))
+    by_dtype!("RMSNorm", x.0.dtype(), rms_norm_t(x, None, w, eps))
 }
 
-fn rms_norm_t<T: CudaDType + DeviceRepr>(x: Arg, w: Arg, eps: f32) -> Result<CudaStorage> {
+/// (2, rows, dim): x + h, then RMSNorm(x + h).
+pub(super) fn rms_norm_add(x: Arg, h: Arg, w: Arg, eps: f32) -> Result<CudaStorage> {
+    let op = "add + RMSNorm";
+    same_dtype(
+        op,
+        x.0.dtype(),
+        &[("the weight", w.0.dtype()), ("the residual", h.0.dtype())],
+    )?;
+    by_dtype!(op, x.0.dtype(), rms_norm_t(x, Some(h), w, eps))
+}
+
+/// RMSNorm(x) (rows, dim), or with `h` the sum x + h and its norm, (2, rows, dim).
+fn rms_norm_t<T: CudaDType + DeviceRepr>(x: Arg, h: Option<Arg>, w: Arg, eps: f32) -> Result<CudaStorage> {
     const OP: &str = "RMSNorm";
     let dev = x.0.device.clone();
     let dim = w.1.shape().elem_count();
     let n = x.1.shape().elem_count();
     let rows = n / dim;
     let (xa, wa) = (addr::<T>(x.0, x.1, OP, "x")?, addr::<T>(w.0, w.1, OP, "w")?);
-    // SAFETY: the kernel writes all n elements.
-    let mut y = unsafe { dev.alloc::<T>(n.max(1))? };
+    let ha = match h {
+        Some(h) => addr::<T>(h.0, h.1, OP, "the residual")?,
+        None => 0,
+    };
+    let outputs = if h.is_some() { 2 } else { 1 };
+    // SAFETY: the kernel writes all n elements of y (and of the sum).
+    let mut out = unsafe { dev.alloc::<T>((outputs * n).max(1))? };
     if rows > 0 {
         let func = function_in(CUBIN, &dev, format!("rms_norm_fwd_{}", suffix(x.0.dtype(), OP)?))?;
         let stream = dev.cuda_stream();
-        let (ya, _guard) = y.device_ptr_mut(&stream);
+        let (oa, _guard) = out.device_ptr_mut(&stream);
+        // [sum; y] with a residual, else y alone (the sum pointer unused).
+        let (suma, ya) = match h {
+            Some(_) => (oa, oa + (n * std::mem::size_of::<T>()) as u64),
+            None => (0, oa),
+        };
         let (rows_u, dim_i) = (rows as u64, dim as i32);
+        let vec = vectors::<T>(&[dim], &[xa, ha, wa, suma, ya]);
         let mut b = stream.launch_builder(&func);
-        b.arg(&xa).arg(&wa).arg(&ya).arg(&rows_u).arg(&dim_i).arg(&eps);
+        b.arg(&xa)
+            .arg(&ha)
+            .arg(&wa)
+            .arg(&suma)
+            .arg(&ya)
+            .arg(&rows_u)
+            .arg(&dim_i)
+            .arg(&eps)
+            .arg(&vec);
         launch(&mut b, rows_cfg(rows), "rms_norm_fwd")?;
     }
-    Ok(T::wrap_cuda_slice(y, dev))
+    Ok(T::wrap_cuda_slice(out, dev))
 }
 
-pub(super) fn rms_norm_bwd(x: Arg, w: Arg, dy: Arg, eps: f32) -> Result<CudaStorage> {
+pub(super) fn rms_norm_bwd(x: Arg, w: Arg, dy: Arg, dres: Option<Arg>, eps: f32) -> Result<CudaStorage> {
     let op = "RMSNorm backward";
     same_dtype(op, x.0.dtype(), &[("the weight", w.0.dtype()), ("dy", dy.0.dtype())])?;
-    by_dtype!(op, x.0.dtype(), rms_norm_bwd_t(x, w, dy, eps))
+    if let Some(d) = dres {
+        same_dtype(op, x.0.dtype(), &[("the residual gradient", d.0.dtype())])?;
+    }
+    by_dtype!(op, x.0.dtype(), rms_norm_bwd_t(x, w, dy, dres, eps))
 }
 
-/// (rows + 1, dim): dx, then dw. dx and each row's rstd in one kernel; dw as per-chunk partial
-/// sums (f32) and their column sum, a fixed order.
-fn rms_norm_bwd_t<T: CudaDType + DeviceRepr>(x: Arg, w: Arg, dy: Arg, eps: f32) -> Result<CudaStorage> {
+/// (rows + 1, dim): dx (plus `dres`), then dw. dx and each row's rstd in one kernel; dw as
+/// per-chunk partial sums (f32) and their column sum, a fixed order.
+fn rms_norm_bwd_t<T: CudaDType + DeviceRepr>(
+    x: Arg,
+    w: Arg,
+    dy: Arg,
+    dres: Option<Arg>,
+    eps: f32,
+) -> Result<CudaStorage> {
     const OP: &str = "RMSNorm backward";
     let dev = x.0.device.clone();
     let dim = w.1.shape().elem_count();
@@ -78,6 +118,10 @@ fn rms_norm_bwd_t<T: CudaDType + DeviceRepr>(x: Arg, w: Arg, dy: Arg, eps: f32) 
         addr::<T>(w.0, w.1, OP, "w")?,
         addr::<T>(dy.0, dy.1, OP, "dy")?,
     );
+    let dresa = match dres {
+        Some(d) => addr::<T>(d.0, d.1, OP, "the residual gradient")?,
+        None => 0,
+    };
     let sfx = suffix(x.0.dtype(), OP)?;
     let col_blocks = dim.div_ceil(THREADS);
     let chunks = (DW_BLOCKS / col_blocks).clamp(1, rows.max(1));
@@ -96,16 +140,19 @@ fn rms_norm_bwd_t<T: CudaDType + DeviceRepr>(x: Arg, w: Arg, dy: Arg, eps: f32) 
         let dwa = outa + (n * std::mem::size_of::<T>()) as u64;
         let (rows_u, dim_i, rpc, chunks_i) = (rows as u64, dim as i32, rows_per_chunk as i32, chunks as i32);
         if rows > 0 {
+            let vec = vectors::<T>(&[dim], &[xa, wa, dya, dresa, outa]);
             let func = function_in(CUBIN, &dev, format!("rms_norm_bwd_dx_{sfx}"))?;
             let mut b = stream.launch_builder(&func);
             b.arg(&xa)
                 .arg(&wa)
                 .arg(&dya)
+                .arg(&dresa)
                 .arg(&outa)
                 .arg(&ra)
                 .arg(&rows_u)
                 .arg(&dim_i)
-                .arg(&eps);
+                .arg(&eps)
+                .arg(&vec);
             launch(&mut b, rows_cfg(rows), "rms_norm_bwd_dx")?;
         }
         let func = function_in(CUBIN, &dev, format!("rms_norm_bwd_dw_{sfx}"))?;
@@ -138,68 +185,260 @@ fn rms_norm_bwd_t<T: CudaDType + DeviceRepr>(x: Arg, w: Arg, dy: Arg, eps: f32) 
 
 pub(super) fn rope(x: Arg, cos: Arg, sin: Arg, interleaved: bool, inverse: bool) -> Result<CudaStorage> {
     same_dtype("RoPE", x.0.dtype(), &[("cos", cos.0.dtype()), ("sin", sin.0.dtype())])?;
-    by_dtype!("RoPE", x.0.dtype(), rope_t(x, cos, sin, interleaved, inverse))
+    let (_, heads, d) = x.1.shape().dims3()?;
+    let sign = if inverse { -1.0 } else { 1.0 };
+    by_dtype!("RoPE", x.0.dtype(), rope_t(x, heads, d, cos, sin, interleaved, sign))
 }
 
-fn rope_t<T: CudaDType + DeviceRepr>(
+/// q, k and v of a packed q/k/v projection's output x (tokens, (hq + hk + hv) · d): q and k
+/// rotated, v copied, each into its own contiguous (tokens, heads, d) block of one buffer.
+pub(super) fn rope_unpack(
     x: Arg,
+    heads: [usize; 3],
+    d: usize,
     cos: Arg,
     sin: Arg,
     interleaved: bool,
-    inverse: bool,
+) -> Result<CudaStorage> {
+    same_dtype("RoPE", x.0.dtype(), &[("cos", cos.0.dtype()), ("sin", sin.0.dtype())])?;
+    by_dtype!("RoPE", x.0.dtype(), rope_unpack_t(x, heads, d, cos, sin, interleaved))
+}
+
+fn rope_unpack_t<T: CudaDType + DeviceRepr>(
+    x: Arg,
+    heads: [usize; 3],
+    d: usize,
+    cos: Arg,
+    sin: Arg,
+    interleaved: bool,
 ) -> Result<CudaStorage> {
     const OP: &str = "RoPE";
     let dev = x.0.device.clone();
-    let (tokens, heads, d) = x.1.shape().dims3()?;
-    let n = tokens * heads * d;
-    let (xa, ca, sa) = (
-        addr::<T>(x.0, x.1, OP, "x")?,
-        addr::<T>(cos.0, cos.1, OP, "cos")?,
-        addr::<T>(sin.0, sin.1, OP, "sin")?,
-    );
-    // SAFETY: the kernel writes every pair, so all n elements (d is even).
+    let (tokens, width) = x.1.shape().dims2()?;
+    let xa = addr::<T>(x.0, x.1, OP, "x")?;
+    let (ca, sa) = (addr::<T>(cos.0, cos.1, OP, "cos")?, addr::<T>(sin.0, sin.1, OP, "sin")?);
+    let n = tokens * width;
+    // SAFETY: the three launches write every element of the three blocks (d is even).
     let mut y = unsafe { dev.alloc::<T>(n.max(1))? };
-    if n > 0 {
-        let func = function_in(CUBIN, &dev, format!("rope_{}", suffix(x.0.dtype(), OP)?))?;
-        let stream = dev.cuda_stream();
-        let (ya, _guard) = y.device_ptr_mut(&stream);
-        let (t, h, d, il) = (tokens as i32, heads as i32, d as i32, interleaved as i32);
-        let sign: f32 = if inverse { -1.0 } else { 1.0 };
-        let mut b = stream.launch_builder(&func);
-        b.arg(&xa)
-            .arg(&ca)
-            .arg(&sa)
-            .arg(&ya)
-            .arg(&t)
-            .arg(&h)
-            .arg(&d)
-            .arg(&il)
-            .arg(&sign);
-        launch(&mut b, grid(n / 2), "rope")?;
+    let stream = dev.cuda_stream();
+    let (ya, _guard) = y.device_ptr_mut(&stream);
+    let size = std::mem::size_of::<T>() as u64;
+    let (mut column, mut block) = (0, 0);
+    for (h, sign) in heads.into_iter().zip([1.0, 1.0, 0.0]) {
+        let from = (xa + (column * d) as u64 * size, width);
+        let to = (ya + block as u64 * size, h * d);
+        rope_launch(&dev, x.0.dtype(), from, (ca, sa), to, tokens, h, d, interleaved, sign)?;
+        column += h;
+        block += tokens * h * d;
     }
+    drop(_guard);
     Ok(T::wrap_cuda_slice(y, dev))
+}
+
+/// RoPE of x (tokens, heads, d), contiguous, by `sign` times the angles.
+fn rope_t<T: CudaDType + DeviceRepr>(
+    x: Arg,
+    heads: usize,
+    d: usize,
+    cos: Arg,
+    sin: Arg,
+    interleaved: bool,
+    sign: f32,
+) -> Result<CudaStorage> {
+    const OP: &str = "RoPE";
+    let dev = x.0.device.clone();
+    let tokens = x.1.shape().dims().first().copied().unwrap_or(0);
+    let xa = addr::<T>(x.0, x.1, OP, "x")?;
+    let (ca, sa) = (addr::<T>(cos.0, cos.1, OP, "cos")?, addr::<T>(sin.0, sin.1, OP, "sin")?);
+    let n = tokens * heads * d;
+    // SAFETY: the kernel writes every pair of every head, so all n elements (d is even).
+    let mut y = unsafe { dev.alloc::<T>(n.max(1))? };
+    let stream = dev.cuda_stream();
+    let (ya, _guard) = y.device_ptr_mut(&stream);
+    let (from, to) = ((xa, heads * d), (ya, heads * d));
+    rope_launch(
+        &dev,
+        x.0.dtype(),
+        from,
+        (ca, sa),
+        to,
+        tokens,
+        heads,
+        d,
+        interleaved,
+        sign,
+    )?;
+    drop(_guard);
+    Ok(T::wrap_cuda_slice(y, dev))
+}
+
+/// The gradient of a packed q/k/v projection's output (tokens, (hq + hk + hv) · d) from
+/// attention's dq, dk, dv ((.., heads, d) each, contiguous): dq and dk rotated back, dv copied,
+/// each into its columns of every row.
+pub(super) fn rope_pack_bwd(dq: Arg, dk: Arg, dv: Arg, cos: Arg, sin: Arg, interleaved: bool) -> Result<CudaStorage> {
+    let op = "RoPE backward";
+    same_dtype(
+        op,
+        dq.0.dtype(),
+        &[
+            ("dk", dk.0.dtype()),
+            ("dv", dv.0.dtype()),
+            ("cos", cos.0.dtype()),
+            ("sin", sin.0.dtype()),
+        ],
+    )?;
+    by_dtype!(op, dq.0.dtype(), rope_pack_bwd_t(dq, dk, dv, cos, sin, interleaved))
+}
+
+fn rope_pack_bwd_t<T: CudaDType + DeviceRepr>(
+    dq: Arg,
+    dk: Arg,
+    dv: Arg,
+    cos: Arg,
+    sin: Arg,
+    interleaved: bool,
+) -> Result<CudaStorage> {
+    const OP: &str = "RoPE backward";
+    let dev = dq.0.device.clone();
+    let dims = dq.1.shape().dims();
+    let d = dims.last().copied().unwrap_or(0);
+    let heads_of = |l: &Layout| l.shape().elem_count() / (d.max(1) * cos.1.shape().dims()[0].max(1));
+    let tokens = cos.1.shape().dims()[0];
+    let (hq, hk, hv) = (heads_of(dq.1), heads_of(dk.1), heads_of(dv.1));
+    let width = (hq + hk + hv) * d;
+    let (ca, sa) = (addr::<T>(cos.0, cos.1, OP, "cos")?, addr::<T>(sin.0, sin.1, OP, "sin")?);
+    let n = tokens * width;
+    // SAFETY: the three launches write every column of every row.
+    let mut y = unsafe { dev.alloc::<T>(n.max(1))? };
+    let stream = dev.cuda_stream();
+    let (ya, _guard) = y.device_ptr_mut(&stream);
+    let size = std::mem::size_of::<T>() as u64;
+    let mut column = 0;
+    for (x, heads, sign, what) in [(dq, hq, -1.0, "dq"), (dk, hk, -1.0, "dk"), (dv, hv, 0.0, "dv")] {
+        let xa = addr::<T>(x.0, x.1, OP, what)?;
+        let at = ya + (column * d) as u64 * size;
+        rope_launch(
+            &dev,
+            dq.0.dtype(),
+            (xa, heads * d),
+            (ca, sa),
+            (at, width),
+            tokens,
+            heads,
+            d,
+            interleaved,
+            sign,
+        )?;
+        column += heads;
+    }
+    drop(_guard);
+    Ok(T::wrap_cuda_slice(y, dev))
+}
+
+/// One launch of the rope kernel: `heads` heads of `d` per token from (address, row stride) to
+/// (address, row stride), strides in elements; sign 1, -1 (inverse) or 0 (copy).
+#[allow(clippy::too_many_arguments)]
+fn rope_launch(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    dtype: candle_core::DType,
+    (xa, x_stride): (u64, usize),
+    (ca, sa): (u64, u64),
+    (ya, y_stride): (u64, usize),
+    tokens: usize,
+    heads: usize,
+    d: usize,
+    interleaved: bool,
+    sign: f32,
+) -> Result<()> {
+    let n = tokens * heads * d;
+    if n == 0 {
+        return Ok(());
+    }
+    let func = function_in(CUBIN, dev, format!("rope_{}", suffix(dtype, "RoPE")?))?;
+    let stream = dev.cuda_stream();
+    // 16 bytes of first halves and of second halves per load: not interleaved, every stride,
+    // half row and address aligned to it.
+    let per_vector = 16 / dtype.size_in_bytes();
+    let aligned =
+        [d / 2, x_stride, y_stride].iter().all(|c| c % per_vector == 0) && [xa, ya, ca, sa].iter().all(|a| a % 16 == 0);
+    let vec = (!interleaved && aligned) as i32;
+    let (xs, ys) = (x_stride as u64, y_stride as u64);
+    let (t, h, d, il) = (tokens as i32, heads as i32, d as i32, interleaved as i32);
+    let mut b = stream.launch_builder(&func);
+    b.arg(&xa)
+        .arg(&xs)
+        .arg(&ca)
+        .arg(&sa)
+        .arg(&ya)
+        .arg(&ys)
+        .arg(&t)
+        .arg(&h)
+        .arg(&d)
+        .arg(&il)
+        .arg(&sign)
+        .arg(&vec);
+    let per_thread = if vec != 0 { per_vector } else { 1 };
+    launch(&mut b, grid(n / 2 / per_thread), "rope")
 }
 
 pub(super) fn swiglu(g: Arg, u: Arg) -> Result<CudaStorage> {
     same_dtype("SiLU × up", g.0.dtype(), &[("up", u.0.dtype())])?;
-    by_dtype!("SiLU × up", g.0.dtype(), swiglu_t(g, u))
+    by_dtype!("SiLU × up", g.0.dtype(), swiglu_t(g, Some(u)))
 }
 
-fn swiglu_t<T: CudaDType + DeviceRepr>(g: Arg, u: Arg) -> Result<CudaStorage> {
+/// SiLU × up of a packed gate/up tensor (.., 2 · cols): (.., cols).
+pub(super) fn swiglu_packed(gu: Arg) -> Result<CudaStorage> {
+    by_dtype!("SiLU × up", gu.0.dtype(), swiglu_t(gu, None))
+}
+
+/// Row pointers of the gate and up values: `g` and `u` (rows of their last dim), or with `u`
+/// `None` the two halves of each row of `g`. Returns (gate, up, rows, cols, row stride).
+fn gate_up_rows<T: CudaDType>(g: Arg, u: Option<Arg>, op: &str) -> Result<(u64, u64, usize, usize, usize)> {
+    let last = g.1.shape().dims().last().copied().unwrap_or(1).max(1);
+    let rows = g.1.shape().elem_count() / last;
+    let ga = addr::<T>(g.0, g.1, op, "gate")?;
+    Ok(match u {
+        Some(u) => (ga, addr::<T>(u.0, u.1, op, "up")?, rows, last, last),
+        None => (
+            ga,
+            ga + (last / 2 * std::mem::size_of::<T>()) as u64,
+            rows,
+            last / 2,
+            last,
+        ),
+    })
+}
+
+/// Whether 16-byte loads fit: every count of elements a multiple of a vector, every address
+/// 16-byte aligned.
+fn vectors<T>(counts: &[usize], addrs: &[u64]) -> i32 {
+    let v = 16 / std::mem::size_of::<T>();
+    (counts.iter().all(|c| c % v == 0) && addrs.iter().all(|a| a % 16 == 0)) as i32
+}
+
+fn swiglu_t<T: CudaDType + DeviceRepr>(g: Arg, u: Option<Arg>) -> Result<CudaStorage> {
     const OP: &str = "SiLU × up";
     let dev = g.0.device.clone();
-    let n = g.1.shape().elem_count();
-    let (ga, ua) = (addr::<T>(g.0, g.1, OP, "gate")?, addr::<T>(u.0, u.1, OP, "up")?);
+    let (ga, ua, rows, cols, stride) = gate_up_rows::<T>(g, u, OP)?;
+    let n = rows * cols;
     // SAFETY: the kernel writes all n elements.
     let mut y = unsafe { dev.alloc::<T>(n.max(1))? };
     if n > 0 {
         let func = function_in(CUBIN, &dev, format!("swiglu_fwd_{}", suffix(g.0.dtype(), OP)?))?;
         let stream = dev.cuda_stream();
         let (ya, _guard) = y.device_ptr_mut(&stream);
-        let n_u = n as u64;
+        let vec = vectors::<T>(&[cols, stride], &[ga, ua, ya]);
+        let (rows_u, cols_i, stride_u) = (rows as u64, cols as i32, stride as u64);
         let mut b = stream.launch_builder(&func);
-        b.arg(&ga).arg(&ua).arg(&ya).arg(&n_u);
-        launch(&mut b, grid(n), "swiglu_fwd")?;
+        b.arg(&ga)
+            .arg(&ua)
+            .arg(&ya)
+            .arg(&rows_u)
+            .arg(&cols_i)
+            .arg(&stride_u)
+            .arg(&vec);
+        let per_thread = if vec != 0 { 16 / std::mem::size_of::<T>() } else { 1 };
+        launch(&mut b, grid(n / per_thread), "swiglu_fwd")?;
     }
     Ok(T::wrap_cuda_slice(y, dev))
 }
@@ -207,28 +446,51 @@ fn swiglu_t<T: CudaDType + DeviceRepr>(g: Arg, u: Arg) -> Result<CudaStorage> {
 pub(super) fn swiglu_bwd(g: Arg, u: Arg, dy: Arg) -> Result<CudaStorage> {
     let op = "SiLU × up backward";
     same_dtype(op, g.0.dtype(), &[("up", u.0.dtype()), ("dy", dy.0.dtype())])?;
-    by_dtype!(op, g.0.dtype(), swiglu_bwd_t(g, u, dy))
+    by_dtype!(op, g.0.dtype(), swiglu_bwd_t(g, Some(u), dy))
 }
 
-fn swiglu_bwd_t<T: CudaDType + DeviceRepr>(g: Arg, u: Arg, dy: Arg) -> Result<CudaStorage> {
+/// The gradient of a packed gate/up tensor (.., 2 · cols) from dy (.., cols), packed the same way.
+pub(super) fn swiglu_packed_bwd(gu: Arg, dy: Arg) -> Result<CudaStorage> {
+    let op = "SiLU × up backward";
+    same_dtype(op, gu.0.dtype(), &[("dy", dy.0.dtype())])?;
+    by_dtype!(op, gu.0.dtype(), swiglu_bwd_t(gu, None, dy))
+}
+
+/// [dgate; dup] stacked (2, ..) for separate gate and up, or one packed gradient like `g` when
+/// `u` is `None`.
+fn swiglu_bwd_t<T: CudaDType + DeviceRepr>(g: Arg, u: Option<Arg>, dy: Arg) -> Result<CudaStorage> {
     const OP: &str = "SiLU × up backward";
     let dev = g.0.device.clone();
-    let n = g.1.shape().elem_count();
-    let (ga, ua, da) = (
-        addr::<T>(g.0, g.1, OP, "gate")?,
-        addr::<T>(u.0, u.1, OP, "up")?,
-        addr::<T>(dy.0, dy.1, OP, "dy")?,
-    );
-    // SAFETY: the kernel writes all 2n elements (dgate, then dup).
+    let (ga, ua, rows, cols, in_stride) = gate_up_rows::<T>(g, u, OP)?;
+    let n = rows * cols;
+    let da = addr::<T>(dy.0, dy.1, OP, "dy")?;
+    // SAFETY: the kernel writes all 2n elements (dgate and dup).
     let mut out = unsafe { dev.alloc::<T>(2 * n.max(1))? };
     if n > 0 {
         let func = function_in(CUBIN, &dev, format!("swiglu_bwd_{}", suffix(g.0.dtype(), OP)?))?;
         let stream = dev.cuda_stream();
         let (oa, _guard) = out.device_ptr_mut(&stream);
-        let n_u = n as u64;
+        let size = std::mem::size_of::<T>() as u64;
+        // Stacked: dup after all of dgate; packed: each row's dup after its dgate.
+        let (dua, out_stride) = match u {
+            Some(_) => (oa + n as u64 * size, cols),
+            None => (oa + cols as u64 * size, 2 * cols),
+        };
+        let vec = vectors::<T>(&[cols, in_stride, out_stride], &[ga, ua, da, oa, dua]);
+        let (rows_u, cols_i, in_u, out_u) = (rows as u64, cols as i32, in_stride as u64, out_stride as u64);
         let mut b = stream.launch_builder(&func);
-        b.arg(&ga).arg(&ua).arg(&da).arg(&oa).arg(&n_u);
-        launch(&mut b, grid(n), "swiglu_bwd")?;
+        b.arg(&ga)
+            .arg(&ua)
+            .arg(&da)
+            .arg(&oa)
+            .arg(&dua)
+            .arg(&rows_u)
+            .arg(&cols_i)
+            .arg(&in_u)
+            .arg(&out_u)
+            .arg(&vec);
+        let per_thread = if vec != 0 { 16 / std::mem::size_of::<T>() } else { 1 };
+        launch(&mut b, grid(n / per_thread), "swiglu_bwd")?;
     }
     Ok(T::wrap_cuda_slice(out, dev))
 }
@@ -470,4 +732,96 @@ impl candle_core::CustomOp1 for OptimizerStep {
         drop((_t, _p, _s));
         Ok((f32::wrap_cuda_slice(stats, dev), candle_core::Shape::from(3)))
     }
+}
+
+/// `acc += dyᵀ · x` in place: acc (n, k) f32, dy (t, n) and x (t, k) in one 16-bit dtype with
+/// contiguous rows (any row stride: the halves of a packed gradient are fine). One cuBLAS GEMM
+/// on candle's handle (so on its stream), bf16/f16 products summed in f32 and added to acc in f32:
+/// a linear layer's weight gradient accumulated over the micro-batches of a step without a 16-bit
+/// copy of it or a cast.
+pub(crate) fn weight_grad_into(acc: &Tensor, dy: &Tensor, x: &Tensor) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::cublas::{result::gemm_ex, sys};
+    const OP: &str = "weight gradient";
+    let (t, n) = dy.dims2()?;
+    let (tx, k) = x.dims2()?;
+    if tx != t || acc.dims() != [n, k] || acc.dtype() != candle_core::DType::F32 || x.dtype() != dy.dtype() {
+        candle_core::bail!(
+            "flash-llama {OP}: acc {:?} {:?} += dyᵀ {:?} {:?} · x {:?} {:?}",
+            acc.dtype(),
+            acc.shape(),
+            dy.dtype(),
+            dy.shape(),
+            x.dtype(),
+            x.shape()
+        )
+    }
+    let data_type = match dy.dtype() {
+        candle_core::DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        candle_core::DType::F16 => sys::cudaDataType::CUDA_R_16F,
+        other => candle_core::bail!("flash-llama {OP}: 16-bit inputs only, got {other:?}"),
+    };
+    // Row-major operands with unit column stride; the row stride becomes cuBLAS's leading dim.
+    let rows = |t: &Tensor, what: &str| -> Result<(u64, i32, candle_core::cuda_backend::CudaDevice)> {
+        let (s, l) = t.storage_and_layout();
+        let candle_core::Storage::Cuda(c) = &*s else {
+            candle_core::bail!("flash-llama {OP}: {what} is not on the GPU")
+        };
+        let stride = l.stride();
+        if stride.len() != 2 || (stride[1] != 1 && l.dims()[1] > 1) {
+            candle_core::bail!("flash-llama {OP}: {what} needs contiguous rows, got strides {stride:?}")
+        }
+        let stream = c.device.cuda_stream();
+        let size = t.dtype().size_in_bytes() as u64;
+        let base = match t.dtype() {
+            candle_core::DType::F32 => c.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+            candle_core::DType::BF16 => c.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
+            _ => c.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
+        };
+        Ok((
+            base + l.start_offset() as u64 * size,
+            stride[0].max(1) as i32,
+            c.device.clone(),
+        ))
+    };
+    let (acca, ldc, dev) = rows(acc, "acc")?;
+    if ldc as usize != k {
+        candle_core::bail!("flash-llama {OP}: acc must be contiguous")
+    }
+    let (dya, ldb, _) = rows(dy, "dy")?;
+    let (xa, lda, _) = rows(x, "x")?;
+    if t == 0 || n == 0 || k == 0 {
+        return Ok(());
+    }
+    // Column-major: accᵀ (k × n) += xᵀ (k × t) · dy (t × n), i.e. A = x as stored (op N),
+    // B = dy as stored transposed (op T).
+    let blas = dev.cublas_handle();
+    let (alpha, beta) = (1f32, 1f32);
+    // SAFETY: the three addresses are live allocations of candle's (held through the tensors
+    // for the call; the GEMM is queued on candle's stream after every kernel that wrote them),
+    // with the shapes and leading dims checked above; acc is the caller's own accumulator, read
+    // and written by nothing else meanwhile.
+    unsafe {
+        gemm_ex(
+            *blas.handle(),
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            sys::cublasOperation_t::CUBLAS_OP_T,
+            k as i32,
+            n as i32,
+            t as i32,
+            &alpha as *const f32 as *const _,
+            xa as *const _,
+            data_type,
+            lda,
+            dya as *const _,
+            data_type,
+            ldb,
+            &beta as *const f32 as *const _,
+            acca as *mut _,
+            sys::cudaDataType::CUDA_R_32F,
+            ldc,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+        )
+    }
+    .map_err(|e| candle_core::Error::Msg(format!("flash-llama {OP}: cuBLAS: {e:?}")))
 }

@@ -8,6 +8,19 @@
 //!   tokens of its id in a fixed order (candle's `index_add` backward of `Embedding` took 8 ms
 //!   per micro-batch of the 125m preset on an H100).
 //!
+//! For training loops that differentiate by hand (the trainer's explicit backward,
+//! [`crate::train::Backward::Explicit`]), the same kernels without graph nodes, and the packed
+//! forms that let one matmul serve several weights:
+//!
+//! - [`rms_norm_add`]: a residual add and the next norm in one pass; [`rms_norm_backward`] with
+//!   the residual stream's gradient added in the same pass;
+//! - [`rope_heads`]: RoPE of some heads of a packed q/k/v projection's rows, read in place;
+//!   [`rope_pack_backward`]: dq and dk rotated back and dv, packed into one gradient;
+//! - [`swiglu_packed`] / [`swiglu_packed_backward`]: SiLU × up of a packed gate/up output;
+//!   [`swiglu_backward`]; [`embedding_with_backward`];
+//! - [`accumulate_weight_grad`]: a weight gradient added to an f32 accumulator, on the GPU by
+//!   one cuBLAS GEMM writing f32 in place.
+//!
 //! Each is a candle custom op whose `bwd` applies another op of this module, so a graph through
 //! them differentiates like one of plain candle ops, with one or two launches per op instead of
 //! the five to ten (each with its own backward) of the composed forms in [`crate::nn`]. Math in
@@ -82,7 +95,7 @@ pub fn embedding(weight: &Tensor, ids: &[u32]) -> Result<Tensor> {
 
 /// The embedding lookup of [`embedding`] without a graph node, and the handle that computes its
 /// backward: for training loops that differentiate by hand ([`crate::train::explicit`]).
-pub(crate) fn embedding_with_backward(weight: &Tensor, ids: &[u32]) -> Result<(Tensor, EmbeddingBackward)> {
+pub fn embedding_with_backward(weight: &Tensor, ids: &[u32]) -> Result<(Tensor, EmbeddingBackward)> {
     let (vocab, _) = weight.dims2()?;
     if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
         bail!("flash-llama embedding: token id {bad} is outside the vocabulary (size {vocab})")
@@ -95,38 +108,192 @@ pub(crate) fn embedding_with_backward(weight: &Tensor, ids: &[u32]) -> Result<(T
 }
 
 /// The backward of one embedding lookup ([`embedding_with_backward`]).
-pub(crate) struct EmbeddingBackward(EmbeddingBwd);
+pub struct EmbeddingBackward(EmbeddingBwd);
 
 impl EmbeddingBackward {
     /// dy (tokens, dim) → the gradient of the whole weight (vocab, dim).
-    pub(crate) fn backward(&self, dy: &Tensor) -> Result<Tensor> {
+    pub fn backward(&self, dy: &Tensor) -> Result<Tensor> {
         dy.contiguous()?.apply_op1_no_bwd(&self.0)
     }
 }
 
-/// The backward of [`rms_norm`]: (dx, dw) from its input `x`, gain `w` and the gradient `dy` of
-/// its output. dw is summed over the rows in a fixed order.
-pub(crate) fn rms_norm_backward(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
-    let dim = w.dim(0)?;
-    let rows = x.elem_count() / dim;
+/// `(x + h, rms_norm(x + h, w))` in one pass (the sum rounded to the dtype first, as two ops
+/// would): a residual add and the norm of the next sub-block. No graph node (for the explicit
+/// backward, [`crate::train::explicit`]).
+pub fn rms_norm_add(x: &Tensor, h: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let dim = x.dims().last().copied().unwrap_or(0);
+    if w.dims() != [dim] || dim == 0 || h.shape() != x.shape() {
+        bail!(
+            "flash-llama add + RMSNorm: x {:?}, residual {:?} and weight {:?}",
+            x.shape(),
+            h.shape(),
+            w.shape()
+        )
+    }
     let both = x
         .contiguous()?
-        .apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: eps as f32 })?;
+        .apply_op3_no_bwd(&h.contiguous()?, &w.contiguous()?, &RmsNormAdd { eps: eps as f32 })?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
+/// The backward of [`rms_norm`]: (dx, dw) from its input `x`, gain `w` and the gradient `dy` of
+/// its output; with `residual`, dx also gets that gradient added (x's gradient through the
+/// residual stream, in the same pass). dw is summed over the rows in a fixed order.
+pub fn rms_norm_backward(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    eps: f64,
+    residual: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let dim = w.dim(0)?;
+    let rows = x.elem_count() / dim;
+    if let Some(r) = residual {
+        if r.shape() != x.shape() || r.dtype() != x.dtype() {
+            bail!(
+                "flash-llama RMSNorm backward: residual gradient {:?} {:?} for x {:?} {:?}",
+                r.dtype(),
+                r.shape(),
+                x.dtype(),
+                x.shape()
+            )
+        }
+    }
+    let op = RmsNormBwd {
+        eps: eps as f32,
+        residual: residual.map(Tensor::contiguous).transpose()?,
+    };
+    let both = x.contiguous()?.apply_op3_no_bwd(w, &dy.contiguous()?, &op)?;
     Ok((both.narrow(0, 0, rows)?.reshape(x.shape())?, both.get(rows)?))
 }
 
-/// The backward of [`rope`]: the rotation of `dy` by the opposite angles.
-pub(crate) fn rope_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
-    let inverse = Rope {
-        interleaved,
-        inverse: true,
+/// `acc + dyᵀ · x` in f32: a linear layer's weight gradient (dy (tokens, out), x (tokens, in))
+/// added to an f32 accumulator (out, in), `None` meaning zeros. On the GPU with 16-bit inputs,
+/// one cuBLAS GEMM writes f32 straight into the accumulator (in place: the accumulator must be
+/// the caller's own tensor); elsewhere a matmul, a cast and an add.
+pub fn accumulate_weight_grad(acc: Option<Tensor>, dy: &Tensor, x: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if dy.device().is_cuda() && matches!(dy.dtype(), DType::BF16 | DType::F16) {
+        let acc = match acc {
+            Some(acc) => acc,
+            None => Tensor::zeros((dy.dim(1)?, x.dim(1)?), DType::F32, dy.device())?,
+        };
+        cuda::weight_grad_into(&acc, dy, x)?;
+        return Ok(acc);
+    }
+    let g = dy.t()?.matmul(x)?.to_dtype(DType::F32)?;
+    match acc {
+        Some(acc) => acc + g,
+        None => Ok(g),
+    }
+}
+
+/// q, k and v of a packed q/k/v projection's output `x` (tokens, (hq + hk + hv) · d), `heads`
+/// = [hq, hk, hv]: q and k rotated by RoPE, v copied, in one op: (q, k, v), each (tokens,
+/// heads, d) and contiguous (views of one buffer). No graph node.
+pub fn rope_unpack(
+    x: &Tensor,
+    heads: [usize; 3],
+    d: usize,
+    cos: &Tensor,
+    sin: &Tensor,
+    interleaved: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (tokens, width) = x.dims2()?;
+    if d % 2 != 0
+        || heads.iter().sum::<usize>() * d != width
+        || cos.dims() != [tokens, d / 2]
+        || sin.dims() != cos.dims()
+    {
+        bail!(
+            "flash-llama RoPE: q/k/v heads {heads:?} of {d} in rows {:?}, cos/sin {:?}",
+            x.shape(),
+            cos.shape()
+        )
+    }
+    let op = RopeUnpack { heads, d, interleaved };
+    let all = x
+        .contiguous()?
+        .apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &op)?;
+    let block = |start: usize, h: usize| {
+        all.narrow(0, start * tokens * d, tokens * h * d)?
+            .reshape((tokens, h, d))
     };
-    dy.contiguous()?
-        .apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &inverse)
+    let [hq, hk, hv] = heads;
+    Ok((block(0, hq)?, block(hq, hk)?, block(hq + hk, hv)?))
+}
+
+/// The backward of RoPE over a packed q/k/v projection ([`rope_heads`] of its q and k heads,
+/// v used as it is): the gradient of the projection's output, (tokens, (hq + hk + hv) · d), from
+/// attention's dq, dk, dv (tokens · heads · d values each, token-major): dq and dk rotated back,
+/// dv copied, into one packed tensor for one matmul.
+pub fn rope_pack_backward(
+    dq: &Tensor,
+    dk: &Tensor,
+    dv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    interleaved: bool,
+) -> Result<Tensor> {
+    let d = dq.dims().last().copied().unwrap_or(0);
+    let tokens = cos.dim(0)?;
+    let whole = |t: &Tensor| d > 0 && t.dims().last() == Some(&d) && t.elem_count() % (tokens * d).max(1) == 0;
+    if d % 2 != 0 || !whole(dq) || !whole(dk) || !whole(dv) || cos.dims() != [tokens, d / 2] || sin.dims() != cos.dims()
+    {
+        bail!(
+            "flash-llama RoPE backward: dq {:?}, dk {:?}, dv {:?} for cos/sin {:?}",
+            dq.shape(),
+            dk.shape(),
+            dv.shape(),
+            cos.shape()
+        )
+    }
+    let op = RopePackBwd {
+        cos: cos.contiguous()?,
+        sin: sin.contiguous()?,
+        d,
+        interleaved,
+    };
+    dq.contiguous()?
+        .apply_op3_no_bwd(&dk.contiguous()?, &dv.contiguous()?, &op)
+}
+
+/// `silu(gate) · up` of a packed gate/up tensor (.., 2 · cols), each row gate then up (one
+/// matmul's output over the two weights side by side): (.., cols). No graph node.
+pub fn swiglu_packed(gate_up: &Tensor) -> Result<Tensor> {
+    check_packed(gate_up)?;
+    gate_up.contiguous()?.apply_op1_no_bwd(&SwigluPacked)
+}
+
+/// The backward of [`swiglu_packed`]: the gradient of the packed gate/up tensor, packed the same way.
+pub fn swiglu_packed_backward(gate_up: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    check_packed(gate_up)?;
+    let (mut want, last) = (gate_up.dims().to_vec(), gate_up.dims().last().copied().unwrap_or(0));
+    *want.last_mut().unwrap() = last / 2;
+    if dy.dims() != want.as_slice() {
+        bail!(
+            "flash-llama SiLU × up backward: dy {:?} for a packed gate/up of {:?}",
+            dy.shape(),
+            gate_up.shape()
+        )
+    }
+    gate_up
+        .contiguous()?
+        .apply_op2_no_bwd(&dy.contiguous()?, &SwigluPackedBwd)
+}
+
+fn check_packed(gate_up: &Tensor) -> Result<()> {
+    match gate_up.dims().last() {
+        Some(&last) if last % 2 == 0 && last > 0 => Ok(()),
+        _ => bail!(
+            "flash-llama SiLU × up: a packed gate/up tensor needs an even last dim, got {:?}",
+            gate_up.shape()
+        ),
+    }
 }
 
 /// The backward of [`swiglu`]: (dgate, dup).
-pub(crate) fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
     let both = gate
         .contiguous()?
         .apply_op3_no_bwd(&up.contiguous()?, &dy.contiguous()?, &SwigluBwd)?;
@@ -263,10 +430,22 @@ struct RmsNorm {
     eps: f32,
 }
 
-/// (x, w, dy) → (rows + 1, dim): dx's rows, then dw.
-struct RmsNormBwd {
+/// (x, h, w) → (2, rows, dim): x + h, then its RMSNorm.
+struct RmsNormAdd {
     eps: f32,
 }
+
+/// (x, w, dy) → (rows + 1, dim): dx's rows (plus `residual`'s, where given), then dw.
+struct RmsNormBwd {
+    eps: f32,
+    residual: Option<Tensor>,
+}
+
+/// (.., 2 · cols) packed gate/up → (.., cols).
+struct SwigluPacked;
+
+/// (packed gate/up, dy) → the packed gate/up gradient.
+struct SwigluPackedBwd;
 
 struct Rope {
     interleaved: bool,
@@ -311,7 +490,7 @@ impl CustomOp2 for RmsNorm {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw) = rms_norm_backward(x, w, dy, self.eps as f64)?;
+        let (dx, dw) = rms_norm_backward(x, w, dy, self.eps as f64, None)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -335,10 +514,25 @@ impl CustomOp3 for RmsNormBwd {
         let (x, w, dy) = (f32s(x, xl, OP)?, f32s(w, wl, OP)?, f32s(dy, dyl, OP)?);
         let dim = w.len();
         let rows = x.len() / dim;
+        let residual = match &self.residual {
+            Some(r) => {
+                let (s, l) = r.storage_and_layout();
+                match &*s {
+                    candle_core::Storage::Cpu(c) => f32s(c, l, OP)?,
+                    _ => bail!("flash-llama {OP}: the residual gradient is not on the CPU"),
+                }
+            }
+            None => vec![0f32; x.len()],
+        };
         // dx rows, then dw; dw summed in f64 in row order.
         let mut out = vec![0f32; x.len() + dim];
         let mut dw = vec![0f64; dim];
-        for ((xr, dyr), dxr) in x.chunks(dim).zip(dy.chunks(dim)).zip(out.chunks_mut(dim)) {
+        for (((xr, dyr), dxr), res) in x
+            .chunks(dim)
+            .zip(dy.chunks(dim))
+            .zip(out.chunks_mut(dim))
+            .zip(residual.chunks(dim))
+        {
             let r = rstd(xr, self.eps);
             // dx = r·g − x·r³·mean(g·x), g = dy·w.
             let dot: f64 = xr
@@ -349,7 +543,7 @@ impl CustomOp3 for RmsNormBwd {
                 .sum();
             let k = r * r * r * (dot / dim as f64) as f32;
             for c in 0..dim {
-                dxr[c] = r * dyr[c] * w[c] - k * xr[c];
+                dxr[c] = r * dyr[c] * w[c] - k * xr[c] + res[c];
                 dw[c] += (dyr[c] * xr[c] * r) as f64;
             }
         }
@@ -371,7 +565,15 @@ impl CustomOp3 for RmsNormBwd {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dim = wl.shape().elem_count();
         let rows = xl.shape().elem_count() / dim;
-        let out = cuda::rms_norm_bwd((x, xl), (w, wl), (dy, dyl), self.eps)?;
+        let residual = self.residual.as_ref().map(|r| r.storage_and_layout());
+        let residual = match &residual {
+            Some((s, l)) => match &**s {
+                candle_core::Storage::Cuda(c) => Some((c, *l)),
+                _ => bail!("flash-llama RMSNorm backward: the residual gradient is not on the GPU"),
+            },
+            None => None,
+        };
+        let out = cuda::rms_norm_bwd((x, xl), (w, wl), (dy, dyl), residual, self.eps)?;
         Ok((out, Shape::from((rows + 1, dim))))
     }
 }
@@ -394,24 +596,16 @@ impl CustomOp3 for Rope {
         let dtype = same_dtypes(OP, &[x, cos, sin])?;
         let (tokens, heads, d) = xl.shape().dims3()?;
         let (x, cos, sin) = (f32s(x, xl, OP)?, f32s(cos, cl, OP)?, f32s(sin, sl, OP)?);
-        let half = d / 2;
         let sign = if self.inverse { -1.0 } else { 1.0 };
         let mut y = vec![0f32; x.len()];
-        for t in 0..tokens {
-            for h in 0..heads {
-                let row = (t * heads + h) * d;
-                for p in 0..half {
-                    let (c1, c2) = match self.interleaved {
-                        true => (2 * p, 2 * p + 1),
-                        false => (p, p + half),
-                    };
-                    let (a, b) = (x[row + c1], x[row + c2]);
-                    let (c, s) = (cos[t * half + p], sign * sin[t * half + p]);
-                    y[row + c1] = a * c - b * s;
-                    y[row + c2] = a * s + b * c;
-                }
-            }
-        }
+        let rows = RopeRows {
+            tokens,
+            heads,
+            d,
+            interleaved: self.interleaved,
+            sign,
+        };
+        rows.run((&x, heads * d), (&mut y, heads * d), &cos, &sin);
         Ok((storage(dtype, y), xl.shape().clone()))
     }
 
@@ -443,6 +637,293 @@ impl CustomOp3 for Rope {
         };
         let dx = dy.contiguous()?.apply_op3_no_bwd(cos, sin, &inverse)?;
         Ok((Some(dx), None, None))
+    }
+}
+
+impl CustomOp3 for RmsNormAdd {
+    fn name(&self) -> &'static str {
+        "train-add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        h: &CpuStorage,
+        hl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "add + RMSNorm";
+        let dtype = same_dtypes(OP, &[x, h, w])?;
+        let (x, h, w) = (f32s(x, xl, OP)?, f32s(h, hl, OP)?, f32s(w, wl, OP)?);
+        let dim = w.len();
+        // The sum rounded to the dtype, as a separate add would store it.
+        let sum = round_to(dtype, x.iter().zip(&h).map(|(a, b)| a + b).collect());
+        let mut out = sum.clone();
+        out.resize(2 * sum.len(), 0.0);
+        for (xr, yr) in sum.chunks(dim).zip(out[sum.len()..].chunks_mut(dim)) {
+            let r = rstd(xr, self.eps);
+            for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(&w) {
+                *y = x * r * w;
+            }
+        }
+        let mut dims = vec![2];
+        dims.extend_from_slice(xl.dims());
+        Ok((storage(dtype, out), Shape::from(dims)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        h: &candle_core::CudaStorage,
+        hl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = cuda::rms_norm_add((x, xl), (h, hl), (w, wl), self.eps)?;
+        let mut dims = vec![2];
+        dims.extend_from_slice(xl.dims());
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+/// The CPU loop of the RoPE kernel: `heads` heads of `d` per token, read from rows of a given
+/// stride and written to rows of another, rotated by `sign` times the angles (0: copied).
+struct RopeRows {
+    tokens: usize,
+    heads: usize,
+    d: usize,
+    interleaved: bool,
+    sign: f32,
+}
+
+impl RopeRows {
+    fn run(&self, (x, x_stride): (&[f32], usize), (y, y_stride): (&mut [f32], usize), cos: &[f32], sin: &[f32]) {
+        let (half, d) = (self.d / 2, self.d);
+        for t in 0..self.tokens {
+            for h in 0..self.heads {
+                let (xr, yr) = (t * x_stride + h * d, t * y_stride + h * d);
+                for p in 0..half {
+                    let (c1, c2) = match self.interleaved {
+                        true => (2 * p, 2 * p + 1),
+                        false => (p, p + half),
+                    };
+                    let (a, b) = (x[xr + c1], x[xr + c2]);
+                    if self.sign == 0.0 {
+                        (y[yr + c1], y[yr + c2]) = (a, b);
+                        continue;
+                    }
+                    let (c, s) = (cos[t * half + p], self.sign * sin[t * half + p]);
+                    y[yr + c1] = a * c - b * s;
+                    y[yr + c2] = a * s + b * c;
+                }
+            }
+        }
+    }
+}
+
+/// (x (tokens, (hq + hk + hv) · d), cos, sin) → q and k rotated, v copied, each a contiguous
+/// (tokens, heads, d) block, one after the other (flat).
+struct RopeUnpack {
+    heads: [usize; 3],
+    d: usize,
+    interleaved: bool,
+}
+
+impl CustomOp3 for RopeUnpack {
+    fn name(&self) -> &'static str {
+        "train-rope-unpack"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        cos: &CpuStorage,
+        cl: &Layout,
+        sin: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "RoPE";
+        let dtype = same_dtypes(OP, &[x, cos, sin])?;
+        let (tokens, width) = xl.shape().dims2()?;
+        let (x, cos, sin) = (f32s(x, xl, OP)?, f32s(cos, cl, OP)?, f32s(sin, sl, OP)?);
+        let d = self.d;
+        let mut y = vec![0f32; x.len()];
+        let (mut column, mut block) = (0, 0);
+        for (heads, sign) in self.heads.into_iter().zip([1.0, 1.0, 0.0]) {
+            let rows = RopeRows {
+                tokens,
+                heads,
+                d,
+                interleaved: self.interleaved,
+                sign,
+            };
+            rows.run((&x[column * d..], width), (&mut y[block..], heads * d), &cos, &sin);
+            column += heads;
+            block += tokens * heads * d;
+        }
+        Ok((storage(dtype, y), Shape::from(x.len())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        cos: &candle_core::CudaStorage,
+        cl: &Layout,
+        sin: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = cuda::rope_unpack((x, xl), self.heads, self.d, (cos, cl), (sin, sl), self.interleaved)?;
+        Ok((y, Shape::from(xl.shape().elem_count())))
+    }
+}
+
+/// (dq, dk, dv) → the packed q/k/v gradient (tokens, (hq + hk + hv) · d): dq and dk rotated back
+/// by `cos`/`sin`, dv copied.
+struct RopePackBwd {
+    cos: Tensor,
+    sin: Tensor,
+    d: usize,
+    interleaved: bool,
+}
+
+impl CustomOp3 for RopePackBwd {
+    fn name(&self) -> &'static str {
+        "train-rope-pack-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dq: &CpuStorage,
+        ql: &Layout,
+        dk: &CpuStorage,
+        kl: &Layout,
+        dv: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "RoPE backward";
+        let dtype = same_dtypes(OP, &[dq, dk, dv])?;
+        let host = |t: &Tensor| -> Result<Vec<f32>> {
+            let (s, l) = t.storage_and_layout();
+            match &*s {
+                candle_core::Storage::Cpu(c) => f32s(c, l, OP),
+                _ => bail!("flash-llama {OP}: cos/sin are not on the CPU"),
+            }
+        };
+        let (cos, sin) = (host(&self.cos)?, host(&self.sin)?);
+        let (tokens, d) = (self.cos.dim(0)?, self.d);
+        let parts = [
+            (f32s(dq, ql, OP)?, -1.0),
+            (f32s(dk, kl, OP)?, -1.0),
+            (f32s(dv, vl, OP)?, 0.0),
+        ];
+        let width: usize = parts.iter().map(|(x, _)| x.len()).sum::<usize>() / tokens.max(1);
+        let mut y = vec![0f32; tokens * width];
+        let mut column = 0;
+        for (x, sign) in &parts {
+            let heads = x.len() / (tokens * d).max(1);
+            let rows = RopeRows {
+                tokens,
+                heads,
+                d,
+                interleaved: self.interleaved,
+                sign: *sign,
+            };
+            rows.run((x, heads * d), (&mut y[column..], width), &cos, &sin);
+            column += heads * d;
+        }
+        Ok((storage(dtype, y), Shape::from((tokens, width))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dq: &candle_core::CudaStorage,
+        ql: &Layout,
+        dk: &candle_core::CudaStorage,
+        kl: &Layout,
+        dv: &candle_core::CudaStorage,
+        vl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (cs, cl) = self.cos.storage_and_layout();
+        let (ss, sl) = self.sin.storage_and_layout();
+        let (candle_core::Storage::Cuda(c), candle_core::Storage::Cuda(s)) = (&*cs, &*ss) else {
+            bail!("flash-llama RoPE backward: cos/sin are not on the GPU")
+        };
+        let y = cuda::rope_pack_bwd((dq, ql), (dk, kl), (dv, vl), (c, cl), (s, sl), self.interleaved)?;
+        let tokens = cl.dims()[0];
+        let width = (ql.shape().elem_count() + kl.shape().elem_count() + vl.shape().elem_count()) / tokens.max(1);
+        Ok((y, Shape::from((tokens, width))))
+    }
+}
+
+/// `dims` with the last one halved (a packed gate/up shape → its SiLU × up's).
+fn half_last(dims: &[usize]) -> Shape {
+    let mut dims = dims.to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last /= 2;
+    }
+    Shape::from(dims)
+}
+
+impl CustomOp1 for SwigluPacked {
+    fn name(&self) -> &'static str {
+        "train-swiglu-packed"
+    }
+
+    fn cpu_fwd(&self, gu: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let gu32 = f32s(gu, l, "SiLU × up")?;
+        let cols = l.dims().last().copied().unwrap_or(0) / 2;
+        let y = gu32
+            .chunks(2 * cols)
+            .flat_map(|row| row[..cols].iter().zip(&row[cols..]).map(|(&g, &u)| silu(g) * u))
+            .collect();
+        Ok((storage(gu.dtype(), y), half_last(l.dims())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, gu: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((cuda::swiglu_packed((gu, l))?, half_last(l.dims())))
+    }
+}
+
+impl CustomOp2 for SwigluPackedBwd {
+    fn name(&self) -> &'static str {
+        "train-swiglu-packed-bwd"
+    }
+
+    fn cpu_fwd(&self, gu: &CpuStorage, gl: &Layout, dy: &CpuStorage, dyl: &Layout) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "SiLU × up backward";
+        let dtype = same_dtypes(OP, &[gu, dy])?;
+        let (gu, dy) = (f32s(gu, gl, OP)?, f32s(dy, dyl, OP)?);
+        let cols = gl.dims().last().copied().unwrap_or(0) / 2;
+        let mut out = vec![0f32; gu.len()];
+        for ((row, dyr), outr) in gu.chunks(2 * cols).zip(dy.chunks(cols)).zip(out.chunks_mut(2 * cols)) {
+            for c in 0..cols {
+                let (g, u, d) = (row[c], row[cols + c], dyr[c]);
+                let s = 1.0 / (1.0 + (-g).exp());
+                outr[c] = d * u * s * (1.0 + g * (1.0 - s));
+                outr[cols + c] = d * g * s;
+            }
+        }
+        Ok((storage(dtype, out), gl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        gu: &candle_core::CudaStorage,
+        gl: &Layout,
+        dy: &candle_core::CudaStorage,
+        dyl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((cuda::swiglu_packed_bwd((gu, gl), (dy, dyl))?, gl.shape().clone()))
     }
 }
 
@@ -560,6 +1041,15 @@ fn f32s(s: &CpuStorage, l: &Layout, op: &str) -> Result<Vec<f32>> {
 }
 
 /// f32 values rounded once to `dtype`.
+/// `v` rounded to `dtype` and back (what storing it in that dtype keeps).
+fn round_to(dtype: DType, v: Vec<f32>) -> Vec<f32> {
+    match dtype {
+        DType::BF16 => v.into_iter().map(|x| bf16::from_f32(x).to_f32()).collect(),
+        DType::F16 => v.into_iter().map(|x| f16::from_f32(x).to_f32()).collect(),
+        _ => v,
+    }
+}
+
 fn storage(dtype: DType, v: Vec<f32>) -> CpuStorage {
     match dtype {
         DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
