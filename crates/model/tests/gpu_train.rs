@@ -533,7 +533,8 @@ fn explicit_ops_match_the_cpu_loops() -> Result<()> {
             let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
             let want = (f32s(&dy).t()?.matmul(&f32s(&x))? + f32s(&slice(&wide)).t()?.matmul(&f32s(&x))?)?;
             assert_eq!(acc.dtype(), DType::F32);
-            check(&format!("weight gradient {dtype:?}"), &acc, &want, 1e-5);
+            // Sums of 600 exact products in f32, in another order than the CPU's.
+            check(&format!("weight gradient {dtype:?}"), &acc, &want, 1e-4);
         }
     }
     Ok(())

@@ -19,14 +19,14 @@
 //! windows and GQA are fine). [`ExplicitModel::supports`] says which; the others train through
 //! autograd.
 
-use candle_core::{DType, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var};
 use flash_attn3::FlashAttn;
 
 use crate::config::Config;
 use crate::nn::rope_angles;
 use crate::train_ops::{
-    accumulate_weight_grad, embedding_with_backward, rms_norm, rms_norm_add, rms_norm_backward, rope_pack_backward,
-    rope_unpack, swiglu_packed, swiglu_packed_backward,
+    accumulate_weight_grad, rms_norm, rms_norm_add, rms_norm_backward, rope_pack_backward, rope_unpack, swiglu_packed,
+    swiglu_packed_backward, TokenIndex,
 };
 
 /// One weight that is not a matmul's: its index among the trainer's master variables and its
@@ -109,6 +109,40 @@ struct LayerActivations {
     act: Tensor,
 }
 
+/// One micro-batch's token ids, uploaded before any of its kernels are queued: `batch`
+/// sequences of `seq` tokens, the inputs with the embedding backward's index, and the targets.
+pub(crate) struct MicroBatch {
+    inputs: TokenIndex,
+    targets: Tensor,
+    batch: usize,
+    seq: usize,
+}
+
+impl MicroBatch {
+    pub(crate) fn new(
+        inputs: &[u32],
+        targets: &[u32],
+        batch: usize,
+        seq: usize,
+        vocab: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        if inputs.len() != batch * seq || targets.len() != batch * seq {
+            candle_core::bail!(
+                "internal error: {} inputs and {} targets for {batch} × {seq} tokens",
+                inputs.len(),
+                targets.len()
+            )
+        }
+        Ok(Self {
+            inputs: TokenIndex::new(inputs, vocab, device)?,
+            targets: Tensor::new(targets, device)?,
+            batch,
+            seq,
+        })
+    }
+}
+
 /// The model's weights by role, in the compute dtype, for one optimizer step.
 pub(crate) struct ExplicitModel {
     embed: Param,
@@ -116,14 +150,17 @@ pub(crate) struct ExplicitModel {
     norm: Param,
     /// The output head: its own weight, or the embedding matrix (tied).
     head: Linear,
-    inv_freq: Tensor,
+    /// RoPE's cos and sin of every token of a micro-batch, (batch · seq, head_dim / 2).
+    cos: Tensor,
+    sin: Tensor,
+    /// 0..vocab (u32), to compare the targets with.
+    classes: Tensor,
     attn: FlashAttn,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
     eps: f64,
     rope_interleaved: bool,
-    vocab: usize,
     dtype: DType,
 }
 
@@ -134,8 +171,16 @@ impl ExplicitModel {
     }
 
     /// The weights named `names` (HF names, as [`crate::train::parameter_shapes`] lists them),
-    /// whose f32 masters are `vars`, cast to `dtype`.
-    pub(crate) fn new(cfg: &Config, names: &[String], vars: &[Var], dtype: DType) -> Result<Self> {
+    /// whose f32 masters are `vars`, cast to `dtype`, for micro-batches of `batch` sequences of
+    /// `seq` tokens. Everything a step uploads is uploaded here, at its start (an upload waits
+    /// for the GPU's queue to drain).
+    pub(crate) fn new(
+        cfg: &Config,
+        names: &[String],
+        vars: &[Var],
+        dtype: DType,
+        (batch, seq): (usize, usize),
+    ) -> Result<Self> {
         if !Self::supports(cfg) {
             candle_core::bail!("internal error: the explicit backward does not cover biases or q/k norms")
         }
@@ -198,51 +243,41 @@ impl ExplicitModel {
         if let Some(w) = cfg.sliding_window {
             attn = attn.window(Some(w.saturating_sub(1)), Some(0));
         }
+        let positions = Tensor::arange(0, seq as u32, &device)?.repeat(batch)?;
+        let (cos, sin) = rope_angles(&positions, &Tensor::new(cfg.rope_inv_freq(), &device)?)?;
         Ok(Self {
             embed,
             layers,
             norm: param("model.norm.weight")?,
             head,
-            inv_freq: Tensor::new(cfg.rope_inv_freq(), &device)?,
+            cos: cos.to_dtype(dtype)?,
+            sin: sin.to_dtype(dtype)?,
+            classes: Tensor::arange(0, cfg.vocab_size as u32, &device)?,
             attn,
             heads: cfg.num_attention_heads,
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
             eps: cfg.rms_norm_eps,
             rope_interleaved: cfg.rope_interleaved,
-            vocab: cfg.vocab_size,
             dtype,
         })
     }
 
-    /// The mean cross-entropy of `batch` sequences of `seq` tokens (`inputs` → `targets`, both
-    /// batch · seq ids) times `loss_scale`, returned as an f32 scalar on the device; its gradient
-    /// with respect to each master variable is added to that variable's f32 accumulator in
-    /// `grads` (in the trainer's order; `None` is zero).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn accumulate(
-        &self,
-        inputs: &[u32],
-        targets: &[u32],
-        batch: usize,
-        seq: usize,
-        loss_scale: f64,
-        grads: &mut [Option<Tensor>],
-    ) -> Result<Tensor> {
+    /// The mean cross-entropy of `mb` times `loss_scale`, returned as an f32 scalar on the
+    /// device; its gradient with respect to each master variable is added to that variable's f32
+    /// accumulator in `grads` (in the trainer's order; `None` is zero).
+    pub(crate) fn accumulate(&self, mb: &MicroBatch, loss_scale: f64, grads: &mut [Option<Tensor>]) -> Result<Tensor> {
+        let (batch, seq) = (mb.batch, mb.seq);
         let tokens = batch * seq;
-        if inputs.len() != tokens || targets.len() != tokens {
+        if self.cos.dim(0)? != tokens {
             candle_core::bail!(
-                "internal error: {} inputs and {} targets for {batch} × {seq} tokens",
-                inputs.len(),
-                targets.len()
+                "internal error: a micro-batch of {tokens} tokens for a model prepared for {}",
+                self.cos.dim(0)?
             )
         }
         let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
-        let device = self.embed.value.device();
-        let (x0, embedding) = embedding_with_backward(&self.embed.value, inputs)?;
-        let positions = Tensor::arange(0, seq as u32, device)?.repeat(batch)?;
-        let (cos, sin) = rope_angles(&positions, &self.inv_freq)?;
-        let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
+        let (x0, embedding) = mb.inputs.embed(&self.embed.value)?;
+        let (cos, sin) = (&self.cos, &self.sin);
         let il = self.rope_interleaved;
 
         // Forward, keeping each layer's activations. Each sub-block's output joins the residual
@@ -257,7 +292,7 @@ impl ExplicitModel {
                 }
                 (x, Some(sub)) => rms_norm_add(&x, &sub, &l.attn_norm.value, self.eps)?,
             };
-            let (q, k, v) = rope_unpack(&l.qkv.forward(&h1)?, [h, hk, hk], d, &cos, &sin, il)?;
+            let (q, k, v) = rope_unpack(&l.qkv.forward(&h1)?, [h, hk, hk], d, cos, sin, il)?;
             let (q, k, v) = (
                 q.reshape((batch, seq, h, d))?,
                 k.reshape((batch, seq, hk, d))?,
@@ -295,7 +330,7 @@ impl ExplicitModel {
 
         // The loss and its gradient with respect to the logits, in f32: for each row,
         // softmax(logits) minus the target's one-hot, over the rows.
-        let (loss, dlogits) = cross_entropy_with_grad(&logits, targets, self.vocab, loss_scale)?;
+        let (loss, dlogits) = cross_entropy_with_grad(&logits, &mb.targets, &self.classes, loss_scale)?;
         let dlogits = dlogits.to_dtype(self.dtype)?;
 
         // Backward. `dx` is the gradient of the residual stream after the layer in hand, which
@@ -316,7 +351,7 @@ impl ExplicitModel {
             let dout = l.o.backward(&a.out.reshape((tokens, h * d))?, &dx_mid, grads)?;
             let dout = dout.reshape((batch, seq, h, d))?;
             let (dq, dk, dv) = self.attn.backward(&a.q, &a.k, &a.v, &a.out, &a.lse, &dout)?;
-            let dqkv = rope_pack_backward(&dq, &dk, &dv, &cos, &sin, il)?;
+            let dqkv = rope_pack_backward(&dq, &dk, &dv, cos, sin, il)?;
             let dh1 = l.qkv.backward(&a.h1, &dqkv, grads)?;
             let (dx_in, dw) = rms_norm_backward(&a.x_in, &l.attn_norm.value, &dh1, self.eps, Some(&dx_mid))?;
             add_grad(grads, l.attn_norm.index, &dw)?;
@@ -327,23 +362,26 @@ impl ExplicitModel {
     }
 }
 
-/// The mean over the rows of `logits` (tokens, vocab) of the cross-entropy against `targets`,
+/// The mean over the rows of `logits` (tokens, vocab) of the cross-entropy against `targets`
+/// ((tokens,) u32 on the device),
 /// times `scale`, as an f32 scalar, and its gradient with respect to the logits (f32, same
 /// shape): `scale / tokens · (softmax(row) − one_hot(target))`. The same operations as
 /// [`crate::train::cross_entropy`] for the loss.
-fn cross_entropy_with_grad(logits: &Tensor, targets: &[u32], vocab: usize, scale: f64) -> Result<(Tensor, Tensor)> {
-    let device = logits.device();
-    let tokens = targets.len();
+fn cross_entropy_with_grad(
+    logits: &Tensor,
+    targets: &Tensor,
+    classes: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    let tokens = targets.elem_count();
     let logits = logits.to_dtype(DType::F32)?;
-    let targets = Tensor::new(targets, device)?.unsqueeze(1)?;
+    let targets = targets.unsqueeze(1)?;
     let shifted = logits.broadcast_sub(&logits.max_keepdim(1)?)?;
     let exp = shifted.exp()?;
     let sum = exp.sum_keepdim(1)?;
     let picked = shifted.gather(&targets, 1)?;
     let loss = ((sum.log()? - picked)?.mean_all()? * scale)?;
-    let one_hot = targets
-        .broadcast_eq(&Tensor::arange(0, vocab as u32, device)?.unsqueeze(0)?)?
-        .to_dtype(DType::F32)?;
+    let one_hot = targets.broadcast_eq(&classes.unsqueeze(0)?)?.to_dtype(DType::F32)?;
     let dlogits = ((exp.broadcast_div(&sum)? - one_hot)? * (scale / tokens as f64))?;
     Ok((loss, dlogits))
 }

@@ -43,7 +43,7 @@ use crate::model::Llama;
 use crate::nn::Kernels;
 use crate::parallel::{self, Communicator, Group};
 pub use data::{Corpus, Rng, Tokenization};
-use explicit::ExplicitModel;
+use explicit::{ExplicitModel, MicroBatch};
 pub use optim::{AdamW, AdamWParams};
 
 /// How a training step computes its gradients. Both give the same gradients up to the order of
@@ -459,24 +459,30 @@ impl Trainer {
     /// computed as `backward` says; no update. For checking the two ways against each other.
     pub fn gradients(&self, inputs: Vec<u32>, targets: Vec<u32>, backward: Backward) -> Result<(f32, Vec<Tensor>)> {
         let mut grads = vec![None; self.vars.len()];
-        let loss = self
-            .gradient_model(backward)?
-            .accumulate(self, inputs, targets, 1.0, &mut grads)?;
+        let model = self.gradient_model(backward)?;
+        let batch = model.prepare(self, inputs, targets)?;
+        let loss = model.accumulate(self, &batch, 1.0, &mut grads)?;
         Ok((loss.to_scalar::<f32>()?, collect_grads(grads, &self.names)?))
     }
 
     fn gradient_model(&self, backward: Backward) -> Result<GradientModel> {
         Ok(match backward {
             Backward::Explicit if self.context_parallel.is_none() && ExplicitModel::supports(&self.model_config) => {
-                GradientModel::Explicit(ExplicitModel::new(
-                    &self.model_config,
-                    &self.names,
-                    &self.vars,
-                    self.dtype,
-                )?)
+                GradientModel::Explicit(self.explicit_model()?)
             }
             _ => GradientModel::Autograd(self.model()?),
         })
+    }
+
+    fn explicit_model(&self) -> Result<ExplicitModel> {
+        ExplicitModel::new(
+            &self.model_config,
+            &self.names,
+            &self.vars,
+            self.dtype,
+            (self.config.batch_size, self.config.seq_len),
+        )
+        .map_err(Into::into)
     }
 
     pub fn model_config(&self) -> &Config {
@@ -566,17 +572,23 @@ impl Trainer {
         data.check_fits(c.seq_len)?;
         let model = self.gradient_model(self.backward)?;
         let (rank, world) = self.rank_and_world();
+        // This rank's micro-batches, uploaded before any of their kernels is queued: an upload
+        // from host memory waits for the GPU's queue to drain, which in the middle of the step
+        // would leave the GPU idle until the host queued the next kernels. Every rank draws
+        // every micro-batch, so that the samplers stay in step.
+        let mut batches = Vec::new();
+        for micro_batch in 0..c.grad_accum {
+            let (inputs, targets) = data.sample_batch(&mut self.rng, c.batch_size, c.seq_len);
+            if micro_batch % world == rank {
+                batches.push(model.prepare(self, inputs, targets)?);
+            }
+        }
         let mut sums: Vec<Option<Tensor>> = vec![None; self.vars.len()];
         // The losses stay on the device: the step waits for the GPU once, at its end.
         let mut loss_sum: Option<Tensor> = None;
-        for micro_batch in 0..c.grad_accum {
-            // Every rank draws every micro-batch, so that the samplers stay in step.
-            let (inputs, targets) = data.sample_batch(&mut self.rng, c.batch_size, c.seq_len);
-            if micro_batch % world != rank {
-                continue;
-            }
+        for batch in &batches {
             // Dividing by the micro-batch count makes the summed gradient that of the mean loss.
-            let loss = model.accumulate(self, inputs, targets, 1.0 / c.grad_accum as f64, &mut sums)?;
+            let loss = model.accumulate(self, batch, 1.0 / c.grad_accum as f64, &mut sums)?;
             loss_sum = Some(match loss_sum.take() {
                 None => loss,
                 Some(s) => (s + loss)?,
@@ -777,25 +789,44 @@ enum GradientModel {
     Autograd(Llama),
 }
 
+/// A micro-batch ready for [`GradientModel::accumulate`]: uploaded (explicit), or the host's ids
+/// (autograd, whose model uploads them itself).
+enum PreparedBatch {
+    Explicit(MicroBatch),
+    Autograd { inputs: Vec<u32>, targets: Vec<u32> },
+}
+
 impl GradientModel {
+    fn prepare(&self, trainer: &Trainer, inputs: Vec<u32>, targets: Vec<u32>) -> Result<PreparedBatch> {
+        let c = &trainer.config;
+        let vocab = trainer.model_config.vocab_size;
+        Ok(match self {
+            Self::Explicit(_) => PreparedBatch::Explicit(MicroBatch::new(
+                &inputs,
+                &targets,
+                c.batch_size,
+                c.seq_len,
+                vocab,
+                &trainer.device,
+            )?),
+            Self::Autograd(_) => PreparedBatch::Autograd { inputs, targets },
+        })
+    }
+
     /// The micro-batch's loss times `loss_scale` (an f32 scalar on the device); its gradient
     /// with respect to each of `trainer`'s master weights is added to that weight's f32
     /// accumulator in `grads` (`None`: zero).
     fn accumulate(
         &self,
         trainer: &Trainer,
-        inputs: Vec<u32>,
-        targets: Vec<u32>,
+        batch: &PreparedBatch,
         loss_scale: f64,
         grads: &mut [Option<Tensor>],
     ) -> Result<Tensor> {
-        let c = &trainer.config;
-        match self {
-            Self::Explicit(model) => {
-                Ok(model.accumulate(&inputs, &targets, c.batch_size, c.seq_len, loss_scale, grads)?)
-            }
-            Self::Autograd(model) => {
-                let loss = (trainer.batch_loss(model, inputs, targets)? * loss_scale)?;
+        match (self, batch) {
+            (Self::Explicit(model), PreparedBatch::Explicit(mb)) => Ok(model.accumulate(mb, loss_scale, grads)?),
+            (Self::Autograd(model), PreparedBatch::Autograd { inputs, targets }) => {
+                let loss = (trainer.batch_loss(model, inputs.clone(), targets.clone())? * loss_scale)?;
                 let store = loss.backward()?;
                 for ((sum, var), name) in grads.iter_mut().zip(&trainer.vars).zip(&trainer.names) {
                     let g = store
@@ -808,6 +839,7 @@ impl GradientModel {
                 }
                 Ok(loss.detach().to_dtype(DType::F32)?)
             }
+            _ => bail!("internal error: a micro-batch prepared for the other backward"),
         }
     }
 }

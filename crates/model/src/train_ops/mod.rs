@@ -17,7 +17,7 @@
 //! - [`rope_heads`]: RoPE of some heads of a packed q/k/v projection's rows, read in place;
 //!   [`rope_pack_backward`]: dq and dk rotated back and dv, packed into one gradient;
 //! - [`swiglu_packed`] / [`swiglu_packed_backward`]: SiLU × up of a packed gate/up output;
-//!   [`swiglu_backward`]; [`embedding_with_backward`];
+//!   [`swiglu_backward`]; [`TokenIndex`], the embedding lookup with its index made ahead;
 //! - [`accumulate_weight_grad`]: a weight gradient added to an f32 accumulator, on the GPU by
 //!   one cuBLAS GEMM writing f32 in place.
 //!
@@ -93,21 +93,39 @@ pub fn embedding(weight: &Tensor, ids: &[u32]) -> Result<Tensor> {
     weight.contiguous()?.apply_op1(Embedding { index })
 }
 
-/// The embedding lookup of [`embedding`] without a graph node, and the handle that computes its
-/// backward: for training loops that differentiate by hand ([`crate::train::explicit`]).
-pub fn embedding_with_backward(weight: &Tensor, ids: &[u32]) -> Result<(Tensor, EmbeddingBackward)> {
-    let (vocab, _) = weight.dims2()?;
-    if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-        bail!("flash-llama embedding: token id {bad} is outside the vocabulary (size {vocab})")
+/// Token ids on the device with the index of the embedding backward (the tokens grouped by id),
+/// made ahead of the lookup ([`TokenIndex::embed`]): a training loop that differentiates by
+/// hand ([`crate::train::Backward::Explicit`]) prepares its micro-batches before it queues their
+/// kernels, so that no upload in the middle of a step waits for the GPU to drain.
+pub struct TokenIndex(Arc<EmbeddingIndex>);
+
+impl TokenIndex {
+    /// The index of `ids`, each below `vocab`, on `device`.
+    pub fn new(ids: &[u32], vocab: usize, device: &Device) -> Result<Self> {
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            bail!("flash-llama embedding: token id {bad} is outside the vocabulary (size {vocab})")
+        }
+        Ok(Self(Arc::new(EmbeddingIndex::new(ids, vocab, device)?)))
     }
-    let index = Arc::new(EmbeddingIndex::new(ids, vocab, weight.device())?);
-    let rows = weight
-        .contiguous()?
-        .apply_op1_no_bwd(&Embedding { index: index.clone() })?;
-    Ok((rows, EmbeddingBackward(EmbeddingBwd { index })))
+
+    /// The rows of `weight` (vocab, dim) at the ids, (tokens, dim), without a graph node, and
+    /// the handle that computes the backward.
+    pub fn embed(&self, weight: &Tensor) -> Result<(Tensor, EmbeddingBackward)> {
+        let (vocab, _) = weight.dims2()?;
+        if vocab != self.0.vocab {
+            bail!(
+                "flash-llama embedding: a weight of {vocab} rows for token ids indexed over {}",
+                self.0.vocab
+            )
+        }
+        let rows = weight
+            .contiguous()?
+            .apply_op1_no_bwd(&Embedding { index: self.0.clone() })?;
+        Ok((rows, EmbeddingBackward(EmbeddingBwd { index: self.0.clone() })))
+    }
 }
 
-/// The backward of one embedding lookup ([`embedding_with_backward`]).
+/// The backward of one embedding lookup ([`TokenIndex::embed`]).
 pub struct EmbeddingBackward(EmbeddingBwd);
 
 impl EmbeddingBackward {
