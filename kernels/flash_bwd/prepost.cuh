@@ -11,46 +11,53 @@ namespace fa3 {
 
 constexpr int kPrepRows = kRowPad;  // query rows per preprocess CTA (8 warps, 16 rows each)
 
-// Grid (ceil(max seqlen_q / 128), heads, batch), 256 threads; a warp per row, 8 columns per lane.
+// Grid (ceil(max seqlen_q / 128), heads, batch), 256 threads. A row is read by a group of G
+// lanes, 8 columns (16 bytes) each per load: G the largest power of two with 8 · G ≤ head_dim_v,
+// at most 32 (d64 and d96: 8 lanes, four rows per warp at a time; d256: a whole warp), so that no
+// lane idles on narrow heads.
 template <int kDtype> __device__ void bwd_preprocess(const BwdParams& p) {
     const int head = blockIdx.y, b = blockIdx.z;
     const SeqInfo seq = seq_info(p, b);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (blockIdx.x * kPrepRows >= seq.seqlen_q) return;  // the whole block lies past this sequence (varlen)
+    const int group = p.head_dim_v >= 256 ? 32 : p.head_dim_v >= 128 ? 16 : p.head_dim_v >= 64 ? 8 : p.head_dim_v >= 32 ? 4 : p.head_dim_v >= 16 ? 2 : 1;
+    const int rows_per_warp = 32 / group, g = lane / group, gl = lane % group;
     const int64_t lse_row0 = p.cu_q != nullptr ? (int64_t)head * p.lse_head_stride + seq.q_tok0
                                                : (int64_t)b * p.lse_batch_stride + (int64_t)head * p.lse_head_stride;
-    for (int r = warp; r < kPrepRows; r += 8) {
+    for (int r0 = warp * rows_per_warp; r0 < kPrepRows; r0 += 8 * rows_per_warp) {
+        const int r = r0 + g;
         const int i = blockIdx.x * kPrepRows + r;
-        if (i - r >= seq.seqlen_q) return;  // the whole block lies past this sequence (varlen)
         const int64_t slot = (int64_t)head * p.padded_rows + seq.pad0 + i;
-        if (i >= seq.seqlen_q) {
-            if (lane == 0) {
+        const bool live = i < seq.seqlen_q;
+        float acc = 0.f;
+        if (live) {
+            const int64_t tok = seq.q_tok0 + i;
+            const uint16_t* o = p.out + (tok * p.heads + head) * p.head_dim_v;
+            const uint16_t* d_o = p.dout + (tok * p.heads + head) * p.head_dim_v;
+            for (int c = gl * 8; c < p.head_dim_v; c += 8 * group) {
+                // head_dim_v is a multiple of 8 and rows are contiguous: 16-byte aligned vectors.
+                const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+                const uint4 dv = *reinterpret_cast<const uint4*>(d_o + c);
+                const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float2 a = unpack16x2<kDtype>(ow[k]), bb = unpack16x2<kDtype>(dw[k]);
+                    acc += a.x * bb.x + a.y * bb.y;
+                }
+            }
+        }
+        // Within each group of lanes (every lane of the warp takes part).
+        for (int off = group / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (gl == 0) {
+            if (!live) {
                 p.dpsum[slot] = 0.f;
                 p.lse_log2[slot] = INFINITY;
+            } else {
+                p.dpsum[slot] = acc;
+                const float lse = p.lse[lse_row0 + i];
+                // A row that saw no key has LSE -inf and P = 0 everywhere: +inf gives exp2(s - inf) = 0.
+                p.lse_log2[slot] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
             }
-            continue;
-        }
-        const int64_t tok = seq.q_tok0 + i;
-        const uint16_t* o = p.out + (tok * p.heads + head) * p.head_dim_v;
-        const uint16_t* d_o = p.dout + (tok * p.heads + head) * p.head_dim_v;
-        float acc = 0.f;
-        for (int c = lane * 8; c < p.head_dim_v; c += 256) {
-            // head_dim_v is a multiple of 8 and rows are contiguous: 16-byte aligned vectors.
-            const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-            const uint4 dv = *reinterpret_cast<const uint4*>(d_o + c);
-            const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const float2 a = unpack16x2<kDtype>(ow[k]), bb = unpack16x2<kDtype>(dw[k]);
-                acc += a.x * bb.x + a.y * bb.y;
-            }
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        if (lane == 0) {
-            p.dpsum[slot] = acc;
-            const float lse = p.lse[lse_row0 + i];
-            // A row that saw no key has LSE -inf and P = 0 everywhere: +inf gives exp2(s - inf) = 0.
-            p.lse_log2[slot] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
         }
     }
 }

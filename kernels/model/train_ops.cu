@@ -88,21 +88,15 @@ __device__ void rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ h, c
     }
 }
 
-// dx of RMSNorm: with r = rsqrt(mean(x²) + eps), g = dy * w,
+// dx of one row of RMSNorm: with r = rsqrt(mean(x²) + eps), g = dy * w,
 // dx = r * g - x * r³ * mean(g * x), plus `dres` where not null (the gradient that reaches x
-// through the residual stream, added here instead of by another launch). Also stores r per row
-// (for dw). V values per load as in rms_norm_fwd.
+// through the residual stream, added here instead of by another launch). With `dw` (not null:
+// the warp's own slice of dim floats) also adds dy * x * r of the row into it, each lane into its
+// own columns. Called by the 32 lanes of a warp; returns r. V values per load as in rms_norm_fwd.
 template <typename T, int V>
-__device__ void rms_norm_bwd_dx(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
-                                const T* __restrict__ dres, T* __restrict__ dx, float* __restrict__ rstd, size_t rows,
-                                int dim, float eps) {
-    const size_t row = (size_t)blockIdx.x * kRowWarps + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    x += row * dim;
-    dy += row * dim;
-    dx += row * dim;
-    if (dres != nullptr) dres += row * dim;
+__device__ __forceinline__ float rms_norm_bwd_row(const T* __restrict__ x, const T* __restrict__ w,
+                                                  const T* __restrict__ dy, const T* __restrict__ dres,
+                                                  T* __restrict__ dx, float* dw, int dim, float eps, int lane) {
     float ss = 0.f, dot = 0.f;
     for (int c = lane * V; c < dim; c += 32 * V) {
         const Pack<T, V> xv = load<T, V>(x + c), dv = load<T, V>(dy + c), wv = load<T, V>(w + c);
@@ -126,10 +120,60 @@ __device__ void rms_norm_bwd_dx(const T* __restrict__ x, const T* __restrict__ w
         for (int j = 0; j < V; ++j) {
             const float res = dres == nullptr ? 0.f : to_f(rv.v[j]);
             o.v[j] = from_f<T>(r * to_f(dv.v[j]) * to_f(wv.v[j]) - k * to_f(xv.v[j]) + res);
+            if (dw != nullptr) dw[c + j] += to_f(dv.v[j]) * to_f(xv.v[j]) * r;
         }
         store<T, V>(dx + c, o);
     }
+    return r;
+}
+
+// dx of RMSNorm, one warp per row; stores r per row for the separate dw kernel (rows wider than
+// the fused kernel's shared memory allows).
+template <typename T, int V>
+__device__ void rms_norm_bwd_dx(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
+                                const T* __restrict__ dres, T* __restrict__ dx, float* __restrict__ rstd, size_t rows,
+                                int dim, float eps) {
+    const size_t row = (size_t)blockIdx.x * kRowWarps + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const size_t off = row * dim;
+    const float r = rms_norm_bwd_row<T, V>(x + off, w, dy + off, dres == nullptr ? nullptr : dres + off, dx + off,
+                                           nullptr, dim, eps, lane);
     if (lane == 0) rstd[row] = r;
+}
+
+// Rows at most this wide take rms_norm_bwd_fused (kRowWarps slices of dim floats: 48 KiB).
+constexpr int kFusedDwMaxDim = 1536;
+
+// dx of RMSNorm and, in the same pass, dw's partial sum over the block's rows [blockIdx.x ·
+// rows_per_block, ..): warp w takes rows w, w + kRowWarps, ... and adds dy * x * r into its own
+// shared-memory slice; then the block adds the slices in warp order into partial[blockIdx.x].
+// A fixed order (deterministic), and x and dy are read once.
+template <typename T, int V>
+__device__ void rms_norm_bwd_fused(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
+                                   const T* __restrict__ dres, T* __restrict__ dx, float* __restrict__ partial,
+                                   size_t rows, int dim, float eps, int rows_per_block) {
+    __shared__ float slices[kRowWarps * kFusedDwMaxDim];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float* mine = slices + warp * dim;
+    // Zeroed in the pattern each lane adds in: its own columns, no other thread's.
+    for (int c = lane * V; c < dim; c += 32 * V) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) mine[c + j] = 0.f;
+    }
+    const size_t r0 = (size_t)blockIdx.x * rows_per_block;
+    const size_t r1 = min(rows, r0 + rows_per_block);
+    for (size_t row = r0 + warp; row < r1; row += kRowWarps) {
+        const size_t off = row * dim;
+        rms_norm_bwd_row<T, V>(x + off, w, dy + off, dres == nullptr ? nullptr : dres + off, dx + off, mine, dim, eps,
+                               lane);
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        float acc = 0.f;
+        for (int k = 0; k < kRowWarps; ++k) acc += slices[k * dim + c];
+        partial[(size_t)blockIdx.x * dim + c] = acc;
+    }
 }
 
 // partial[chunk][c] = sum over the chunk's rows of dy * x * rstd (column c). Grid (column
@@ -146,14 +190,24 @@ __device__ void rms_norm_bwd_dw(const T* __restrict__ x, const T* __restrict__ d
     partial[(size_t)blockIdx.y * dim + c] = acc;
 }
 
-// out[c] = sum over chunks of partial[chunk][c], in chunk order.
+// out[c] = sum over chunks of partial[chunk][c]. Block: 32 columns × 8 lanes of chunks; lane
+// group g sums chunks g, g + 8, ... in order, then the 8 sums are added in order: a fixed order.
 template <typename T>
 __device__ void column_sum(const float* __restrict__ partial, T* __restrict__ out, int chunks, int dim) {
-    const int c = blockIdx.x * kThreads + threadIdx.x;
-    if (c >= dim) return;
+    __shared__ float sums[8][32];
+    const int g = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int c = blockIdx.x * 32 + lane;
     float acc = 0.f;
-    for (int k = 0; k < chunks; ++k) acc += partial[(size_t)k * dim + c];
-    out[c] = from_f<T>(acc);
+    if (c < dim) {
+        for (int k = g; k < chunks; k += 8) acc += partial[(size_t)k * dim + c];
+    }
+    sums[g][lane] = acc;
+    __syncthreads();
+    if (g == 0 && c < dim) {
+        float total = 0.f;
+        for (int k = 0; k < 8; ++k) total += sums[k][lane];
+        out[c] = from_f<T>(total);
+    }
 }
 
 // Rotary embedding of `heads` heads of d values per token: token t's heads at x + t · x_stride,
@@ -314,6 +368,12 @@ __device__ void embedding_bwd_rows(const float* __restrict__ partial, const uint
         float eps, int vectors) {                                                                                     \
         if (vectors) rms_norm_bwd_dx<T, 16 / sizeof(T)>(x, w, dy, dres, dx, rstd, rows, dim, eps);                   \
         else rms_norm_bwd_dx<T, 1>(x, w, dy, dres, dx, rstd, rows, dim, eps);                                         \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(kRowWarps * 32) rms_norm_bwd_fused_##SUFFIX(                         \
+        const T* x, const T* w, const T* dy, const T* dres, T* dx, float* partial, unsigned long long rows, int dim,  \
+        float eps, int rows_per_block, int vectors) {                                                                 \
+        if (vectors) rms_norm_bwd_fused<T, 16 / sizeof(T)>(x, w, dy, dres, dx, partial, rows, dim, eps, rows_per_block); \
+        else rms_norm_bwd_fused<T, 1>(x, w, dy, dres, dx, partial, rows, dim, eps, rows_per_block);                   \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(kThreads) rms_norm_bwd_dw_##SUFFIX(                                  \
         const T* x, const T* dy, const float* rstd, float* partial, unsigned long long rows, int dim,                 \

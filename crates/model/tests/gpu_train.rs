@@ -412,23 +412,44 @@ fn explicit_ops_match_the_cpu_loops() -> Result<()> {
         assert!(e <= tol, "{what}: CUDA and CPU differ by {e}");
     };
     for (dtype, tol) in CASES {
-        // add + RMSNorm, and the backward with a residual gradient.
-        let (x, h, w, dy, dres) = (
-            randn(&[131, 768], dtype, &cpu),
-            randn(&[131, 768], dtype, &cpu),
-            randn(&[768], dtype, &cpu),
-            randn(&[131, 768], dtype, &cpu),
-            randn(&[131, 768], dtype, &cpu),
-        );
-        let [(xg, x), (hg, h), (wg, w), (dyg, dy), (dresg, dres)] = [&x, &h, &w, &dy, &dres].map(|t| both(t).unwrap());
-        let (sum_g, y_g) = train_ops::rms_norm_add(&xg, &hg, &wg, 1e-5)?;
-        let (sum_c, y_c) = train_ops::rms_norm_add(&x, &h, &w, 1e-5)?;
-        check(&format!("add + RMSNorm sum {dtype:?}"), &sum_g, &sum_c, 0.0);
-        check(&format!("add + RMSNorm {dtype:?}"), &y_g, &y_c, tol);
-        let (dx_g, dw_g) = train_ops::rms_norm_backward(&xg, &wg, &dyg, 1e-5, Some(&dresg))?;
-        let (dx_c, dw_c) = train_ops::rms_norm_backward(&x, &w, &dy, 1e-5, Some(&dres))?;
-        check(&format!("RMSNorm backward + residual dx {dtype:?}"), &dx_g, &dx_c, tol);
-        check(&format!("RMSNorm backward dw {dtype:?}"), &dw_g, &dw_c, tol);
+        // add + RMSNorm, and the backward with a residual gradient: rows the fused backward
+        // takes (768) and wider ones it leaves to the two-kernel path (2050, no 16-byte vectors).
+        for (rows, dim) in [(1031, 768), (131, 2050)] {
+            let (x, h, w, dy, dres) = (
+                randn(&[rows, dim], dtype, &cpu),
+                randn(&[rows, dim], dtype, &cpu),
+                randn(&[dim], dtype, &cpu),
+                randn(&[rows, dim], dtype, &cpu),
+                randn(&[rows, dim], dtype, &cpu),
+            );
+            let [(xg, x), (hg, h), (wg, w), (dyg, dy), (dresg, dres)] =
+                [&x, &h, &w, &dy, &dres].map(|t| both(t).unwrap());
+            let (sum_g, y_g) = train_ops::rms_norm_add(&xg, &hg, &wg, 1e-5)?;
+            let (sum_c, y_c) = train_ops::rms_norm_add(&x, &h, &w, 1e-5)?;
+            check(&format!("add + RMSNorm sum {dim} {dtype:?}"), &sum_g, &sum_c, 0.0);
+            check(&format!("add + RMSNorm {dim} {dtype:?}"), &y_g, &y_c, tol);
+            for residual in [true, false] {
+                let (dx_g, dw_g) = train_ops::rms_norm_backward(&xg, &wg, &dyg, 1e-5, residual.then_some(&dresg))?;
+                let (dx_c, dw_c) = train_ops::rms_norm_backward(&x, &w, &dy, 1e-5, residual.then_some(&dres))?;
+                check(
+                    &format!("RMSNorm backward dx {dim}, residual {residual} {dtype:?}"),
+                    &dx_g,
+                    &dx_c,
+                    tol,
+                );
+                // dw sums a product per row: relative to its own size.
+                let scale = common::max_abs(&dw_c.to_dtype(DType::F32)?);
+                let e = common::max_diff(
+                    &dw_g.to_device(&cpu)?.to_dtype(DType::F32)?,
+                    &dw_c.to_dtype(DType::F32)?,
+                ) / scale;
+                eprintln!("RMSNorm backward dw {dim} {dtype:?}: {e:.2e}");
+                assert!(
+                    e <= tol,
+                    "RMSNorm backward dw {dim} {dtype:?}: CUDA and CPU differ by {e}"
+                );
+            }
+        }
 
         // RoPE of the q and k heads of a packed q/k/v row (4 q, 2 k, 2 v heads of 64), and the
         // packed backward.

@@ -16,6 +16,12 @@ const ROW_WARPS: usize = 8;
 const THREADS: usize = 256;
 /// About how many blocks the dw partial sums are spread over (a few per SM).
 const DW_BLOCKS: usize = 1024;
+/// Rows at most this wide take the fused RMSNorm backward (`kFusedDwMaxDim`: a shared-memory
+/// slice of the row per warp).
+const FUSED_DW_MAX_DIM: usize = 1536;
+/// About how many blocks the fused RMSNorm backward spreads its rows over (two per SM: each
+/// holds 48 KiB of shared memory).
+const FUSED_DW_BLOCKS: usize = 256;
 
 type Arg<'a> = (&'a CudaStorage, &'a Layout);
 
@@ -123,14 +129,20 @@ fn rms_norm_bwd_t<T: CudaDType + DeviceRepr>(
         None => 0,
     };
     let sfx = suffix(x.0.dtype(), OP)?;
-    let col_blocks = dim.div_ceil(THREADS);
-    let chunks = (DW_BLOCKS / col_blocks).clamp(1, rows.max(1));
-    let rows_per_chunk = rows.max(1).div_ceil(chunks);
+    // Rows up to FUSED_DW_MAX_DIM wide: dx and per-block dw partials in one kernel (x and dy read
+    // once); wider: dx and each row's rstd, then the dw partials per chunk of rows.
+    let fused = dim <= FUSED_DW_MAX_DIM;
+    let rows_per_chunk = match fused {
+        true => ROW_WARPS * rows.div_ceil(ROW_WARPS * FUSED_DW_BLOCKS).max(1),
+        false => rows
+            .max(1)
+            .div_ceil((DW_BLOCKS / dim.div_ceil(THREADS)).clamp(1, rows.max(1))),
+    };
     let chunks = rows.max(1).div_ceil(rows_per_chunk);
     // SAFETY: the kernels write all n + dim elements (dx by rows, dw by the column sum), every
     // rstd and every partial sum before they are read.
     let mut out = unsafe { dev.alloc::<T>(n + dim)? };
-    let mut rstd = unsafe { dev.alloc::<f32>(rows.max(1))? };
+    let mut rstd = unsafe { dev.alloc::<f32>(if fused { 1 } else { rows.max(1) })? };
     let mut partial = unsafe { dev.alloc::<f32>(chunks * dim)? };
     let stream = dev.cuda_stream();
     {
@@ -139,42 +151,65 @@ fn rms_norm_bwd_t<T: CudaDType + DeviceRepr>(
         let (pa, _g3) = partial.device_ptr_mut(&stream);
         let dwa = outa + (n * std::mem::size_of::<T>()) as u64;
         let (rows_u, dim_i, rpc, chunks_i) = (rows as u64, dim as i32, rows_per_chunk as i32, chunks as i32);
-        if rows > 0 {
-            let vec = vectors::<T>(&[dim], &[xa, wa, dya, dresa, outa]);
-            let func = function_in(CUBIN, &dev, format!("rms_norm_bwd_dx_{sfx}"))?;
+        let vec = vectors::<T>(&[dim], &[xa, wa, dya, dresa, outa]);
+        if fused {
+            // With no rows, the blocks only zero their partial rows.
+            let func = function_in(CUBIN, &dev, format!("rms_norm_bwd_fused_{sfx}"))?;
             let mut b = stream.launch_builder(&func);
             b.arg(&xa)
                 .arg(&wa)
                 .arg(&dya)
                 .arg(&dresa)
                 .arg(&outa)
-                .arg(&ra)
+                .arg(&pa)
                 .arg(&rows_u)
                 .arg(&dim_i)
                 .arg(&eps)
+                .arg(&rpc)
                 .arg(&vec);
-            launch(&mut b, rows_cfg(rows), "rms_norm_bwd_dx")?;
+            let cfg = LaunchConfig {
+                grid_dim: (chunks as u32, 1, 1),
+                block_dim: ((ROW_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch(&mut b, cfg, "rms_norm_bwd_fused")?;
+        } else {
+            if rows > 0 {
+                let func = function_in(CUBIN, &dev, format!("rms_norm_bwd_dx_{sfx}"))?;
+                let mut b = stream.launch_builder(&func);
+                b.arg(&xa)
+                    .arg(&wa)
+                    .arg(&dya)
+                    .arg(&dresa)
+                    .arg(&outa)
+                    .arg(&ra)
+                    .arg(&rows_u)
+                    .arg(&dim_i)
+                    .arg(&eps)
+                    .arg(&vec);
+                launch(&mut b, rows_cfg(rows), "rms_norm_bwd_dx")?;
+            }
+            let func = function_in(CUBIN, &dev, format!("rms_norm_bwd_dw_{sfx}"))?;
+            let mut b = stream.launch_builder(&func);
+            b.arg(&xa)
+                .arg(&dya)
+                .arg(&ra)
+                .arg(&pa)
+                .arg(&rows_u)
+                .arg(&dim_i)
+                .arg(&rpc);
+            let cfg = LaunchConfig {
+                grid_dim: (dim.div_ceil(THREADS) as u32, chunks as u32, 1),
+                block_dim: (THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch(&mut b, cfg, "rms_norm_bwd_dw")?;
         }
-        let func = function_in(CUBIN, &dev, format!("rms_norm_bwd_dw_{sfx}"))?;
-        let mut b = stream.launch_builder(&func);
-        b.arg(&xa)
-            .arg(&dya)
-            .arg(&ra)
-            .arg(&pa)
-            .arg(&rows_u)
-            .arg(&dim_i)
-            .arg(&rpc);
-        let cfg = LaunchConfig {
-            grid_dim: (col_blocks as u32, chunks as u32, 1),
-            block_dim: (THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch(&mut b, cfg, "rms_norm_bwd_dw")?;
         let func = function_in(CUBIN, &dev, format!("column_sum_{sfx}"))?;
         let mut b = stream.launch_builder(&func);
         b.arg(&pa).arg(&dwa).arg(&chunks_i).arg(&dim_i);
         let cfg = LaunchConfig {
-            grid_dim: (col_blocks as u32, 1, 1),
+            grid_dim: (dim.div_ceil(32) as u32, 1, 1),
             block_dim: (THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
