@@ -141,6 +141,12 @@ struct Args {
     #[arg(long)]
     autograd: bool,
 
+    /// Activation checkpointing: keep only each layer's input through the forward and compute
+    /// the rest again in the backward (about a third more compute, much less memory: longer
+    /// --seq-len fits). Needs the explicit backward.
+    #[arg(long)]
+    checkpoint_activations: bool,
+
     /// The device's peak TFLOP/s for the MFU figure (default on the GPU: 989, the dense bf16
     /// peak of H100 SXM and H200; H100 PCIe: 756). On the CPU no MFU is shown unless given.
     #[arg(long)]
@@ -370,6 +376,7 @@ fn train(
     if args.autograd {
         trainer.set_backward(train::Backward::Autograd);
     }
+    trainer.set_activation_checkpointing(args.checkpoint_activations);
     let cfg = trainer.config().clone();
     let model_cfg = trainer.model_config().clone();
     let flops_per_token = train::flops_per_token(&model_cfg, cfg.seq_len)?;

@@ -379,3 +379,42 @@ fn explicit_backward_matches_autograd() {
         }
     }
 }
+
+/// Activation checkpointing recomputes each layer's forward in the backward from the layer's
+/// input: the same loss and the same gradients bit for bit. Under autograd it is an error.
+#[test]
+fn activation_checkpointing_gives_the_same_gradients() {
+    let dev = Device::Cpu;
+    let model_cfg = train::llama_config(data::BYTE_VOCAB_SIZE, 64, 96, 3, 4, 2, 64);
+    let (_, cfg) = tiny(1, 1);
+    let cfg = TrainConfig {
+        batch_size: 2,
+        seq_len: 37,
+        ..cfg
+    };
+    let mut t = Trainer::new(model_cfg, cfg, DType::F32, &dev).unwrap();
+    let mut rng = data::Rng(13);
+    let ids: Vec<u32> = (0..2 * 37 + 1).map(|_| rng.below(256) as u32).collect();
+    let (inputs, targets) = (ids[..74].to_vec(), ids[1..].to_vec());
+    let (loss, grads) = t
+        .gradients(inputs.clone(), targets.clone(), Backward::Explicit)
+        .unwrap();
+    t.set_activation_checkpointing(true);
+    let (loss_ckpt, grads_ckpt) = t
+        .gradients(inputs.clone(), targets.clone(), Backward::Explicit)
+        .unwrap();
+    assert_eq!(loss.to_bits(), loss_ckpt.to_bits());
+    for (((name, _), g), c) in t.parameters().zip(&grads).zip(&grads_ckpt) {
+        let (g, c) = (
+            g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            c.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert!(g.iter().any(|&v| v != 0.0), "{name}: zero gradient");
+        assert_eq!(g, c, "{name}: checkpointed gradient differs");
+    }
+    let err = t.gradients(inputs, targets, Backward::Autograd).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("activation checkpointing needs the explicit backward"),
+        "{err:#}"
+    );
+}

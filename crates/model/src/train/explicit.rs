@@ -143,6 +143,14 @@ impl MicroBatch {
     }
 }
 
+/// What the forward keeps of a layer for the backward.
+enum Saved {
+    All(LayerActivations),
+    /// Activation checkpointing: the input stream only; the backward runs the layer's forward
+    /// again from it.
+    Input(Tensor),
+}
+
 /// The model's weights by role, in the compute dtype, for one optimizer step.
 pub(crate) struct ExplicitModel {
     embed: Param,
@@ -156,6 +164,9 @@ pub(crate) struct ExplicitModel {
     /// 0..vocab (u32), to compare the targets with.
     classes: Tensor,
     attn: FlashAttn,
+    /// Keep only each layer's input through the forward and recompute the rest in the backward
+    /// (activation checkpointing): activation memory of one layer plus a stream per layer.
+    checkpoint_activations: bool,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -180,6 +191,7 @@ impl ExplicitModel {
         vars: &[Var],
         dtype: DType,
         (batch, seq): (usize, usize),
+        checkpoint_activations: bool,
     ) -> Result<Self> {
         if !Self::supports(cfg) {
             candle_core::bail!("internal error: the explicit backward does not cover biases or q/k norms")
@@ -254,6 +266,7 @@ impl ExplicitModel {
             sin: sin.to_dtype(dtype)?,
             classes: Tensor::arange(0, cfg.vocab_size as u32, &device)?,
             attn,
+            checkpoint_activations,
             heads: cfg.num_attention_heads,
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
@@ -261,6 +274,46 @@ impl ExplicitModel {
             rope_interleaved: cfg.rope_interleaved,
             dtype,
         })
+    }
+
+    /// One layer's forward from its input stream `x_in` and its norm `h1`: the activations its
+    /// backward reads, and the MLP's output (not yet added to the stream).
+    fn layer_forward(
+        &self,
+        l: &LayerParams,
+        x_in: Tensor,
+        h1: Tensor,
+        (batch, seq): (usize, usize),
+    ) -> Result<(LayerActivations, Tensor)> {
+        let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
+        let tokens = batch * seq;
+        let il = self.rope_interleaved;
+        let (q, k, v) = rope_unpack(&l.qkv.forward(&h1)?, [h, hk, hk], d, &self.cos, &self.sin, il)?;
+        let (q, k, v) = (
+            q.reshape((batch, seq, h, d))?,
+            k.reshape((batch, seq, hk, d))?,
+            v.reshape((batch, seq, hk, d))?,
+        );
+        let (out, lse) = self.attn.forward_with_lse(&q, &k, &v)?;
+        let o = l.o.forward(&out.reshape((tokens, h * d))?)?;
+        let (x_mid, h2) = rms_norm_add(&x_in, &o, &l.mlp_norm.value, self.eps)?;
+        let gate_up = l.gate_up.forward(&h2)?;
+        let act = swiglu_packed(&gate_up)?;
+        let down = l.down.forward(&act)?;
+        let a = LayerActivations {
+            x_in,
+            h1,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            x_mid,
+            h2,
+            gate_up,
+            act,
+        };
+        Ok((a, down))
     }
 
     /// The mean cross-entropy of `mb` times `loss_scale`, returned as an f32 scalar on the
@@ -275,13 +328,14 @@ impl ExplicitModel {
                 self.cos.dim(0)?
             )
         }
-        let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
+        let (h, d) = (self.heads, self.head_dim);
         let (x0, embedding) = mb.inputs.embed(&self.embed.value)?;
         let (cos, sin) = (&self.cos, &self.sin);
         let il = self.rope_interleaved;
 
-        // Forward, keeping each layer's activations. Each sub-block's output joins the residual
-        // stream inside the next norm's launch (`rms_norm_add`).
+        // Forward, keeping each layer's activations (or, checkpointing, only its input). Each
+        // sub-block's output joins the residual stream inside the next norm's launch
+        // (`rms_norm_add`).
         let mut stream = (x0, None::<Tensor>);
         let mut saved = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
@@ -292,31 +346,11 @@ impl ExplicitModel {
                 }
                 (x, Some(sub)) => rms_norm_add(&x, &sub, &l.attn_norm.value, self.eps)?,
             };
-            let (q, k, v) = rope_unpack(&l.qkv.forward(&h1)?, [h, hk, hk], d, cos, sin, il)?;
-            let (q, k, v) = (
-                q.reshape((batch, seq, h, d))?,
-                k.reshape((batch, seq, hk, d))?,
-                v.reshape((batch, seq, hk, d))?,
-            );
-            let (out, lse) = self.attn.forward_with_lse(&q, &k, &v)?;
-            let o = l.o.forward(&out.reshape((tokens, h * d))?)?;
-            let (x_mid, h2) = rms_norm_add(&x_in, &o, &l.mlp_norm.value, self.eps)?;
-            let gate_up = l.gate_up.forward(&h2)?;
-            let act = swiglu_packed(&gate_up)?;
-            let down = l.down.forward(&act)?;
-            stream = (x_mid.clone(), Some(down));
-            saved.push(LayerActivations {
-                x_in,
-                h1,
-                q,
-                k,
-                v,
-                out,
-                lse,
-                x_mid,
-                h2,
-                gate_up,
-                act,
+            let (a, down) = self.layer_forward(l, x_in, h1, (batch, seq))?;
+            stream = (a.x_mid.clone(), Some(down));
+            saved.push(match self.checkpoint_activations {
+                true => Saved::Input(a.x_in),
+                false => Saved::All(a),
             });
         }
         let (x_last, xf) = match stream {
@@ -339,6 +373,16 @@ impl ExplicitModel {
         let (mut dx, dw) = rms_norm_backward(&x_last, &self.norm.value, &dxf, self.eps, None)?;
         add_grad(grads, self.norm.index, &dw)?;
         for (l, a) in self.layers.iter().zip(saved).rev() {
+            let a = match a {
+                Saved::All(a) => a,
+                // The layer's forward again from its input: the same kernels on the same
+                // values, so the same activations bit for bit (x_in is the rounded sum whose
+                // norm the forward took).
+                Saved::Input(x_in) => {
+                    let h1 = rms_norm(&x_in, &l.attn_norm.value, self.eps)?;
+                    self.layer_forward(l, x_in, h1, (batch, seq))?.0
+                }
+            };
             // MLP: x_out = x_mid + down(silu(gate(h2)) · up(h2)), h2 = norm(x_mid).
             let dact = l.down.backward(&a.act, &dx, grads)?;
             let dgate_up = swiglu_packed_backward(&a.gate_up, &dact)?;
