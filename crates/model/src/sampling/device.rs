@@ -216,7 +216,7 @@ mod cuda {
     use candle_core::{CudaStorage, Layout, Result, Shape, Tensor};
 
     use super::RowSampling;
-    use crate::fused::cuda::{addr, err, function_in, suffix};
+    use crate::fused::cuda::{addr, by_dtype, err, function_in, suffix};
 
     static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sampling.cubin"));
     /// Threads per row (`kSampleThreads`).
@@ -240,52 +240,53 @@ mod cuda {
         }
 
         fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-            const OP: &str = "sample_rows";
-            let dev = s.device.clone();
-            let (rows, vocab) = l.shape().dims2()?;
-            let la = match s.dtype() {
-                candle_core::DType::F32 => addr::<f32>(s, l, OP, "the logits")?,
-                candle_core::DType::F16 => addr::<half::f16>(s, l, OP, "the logits")?,
-                candle_core::DType::BF16 => addr::<half::bf16>(s, l, OP, "the logits")?,
-                d => candle_core::bail!("sample_rows: logits must be f32, f16 or bf16, got {d:?}"),
-            };
-            let stream = dev.cuda_stream();
-            // SAFETY: the kernel writes one token per row.
-            let mut out = unsafe { dev.alloc::<u32>(rows.max(1))? };
-            if rows > 0 {
-                // The parameters as the kernel's 32-byte structs (four u64 words each).
-                let words: Vec<u64> = self
-                    .rows
-                    .iter()
-                    .flat_map(|r| {
-                        [
-                            u64::from(r.temperature.to_bits()) | (u64::from(r.top_k) << 32),
-                            u64::from(r.top_p.to_bits()),
-                            r.seed,
-                            r.counter,
-                        ]
-                    })
-                    .collect();
-                let params = stream
-                    .clone_htod(&words)
-                    .map_err(|e| err("sample_rows parameters", e))?;
-                let func = function_in(CUBIN, &dev, format!("sample_rows_{}", suffix(s.dtype(), OP)?))?;
-                let (pa, _p) = params.device_ptr(&stream);
-                let (oa, _o) = out.device_ptr_mut(&stream);
-                let vocab = vocab as i32;
-                let cfg = LaunchConfig {
-                    grid_dim: (rows as u32, 1, 1),
-                    block_dim: (THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut b = stream.launch_builder(&func);
-                b.arg(&la).arg(&pa).arg(&oa).arg(&vocab);
-                // SAFETY: contiguous logits of rows x vocab elements, one parameter struct and one
-                // output per row.
-                unsafe { b.launch(cfg) }.map_err(|e| err("sample_rows launch", e))?;
-            }
-            Ok((u32::wrap_cuda_slice(out, dev), Shape::from(rows)))
+            by_dtype!(OP, s.dtype(), launch(self, s, l))
         }
+    }
+
+    const OP: &str = "sample_rows";
+
+    /// One block per row of the logits (T: their element type).
+    fn launch<T: CudaDType>(op: &SampleRows, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device.clone();
+        let (rows, vocab) = l.shape().dims2()?;
+        let la = addr::<T>(s, l, OP, "the logits")?;
+        let stream = dev.cuda_stream();
+        // SAFETY: the kernel writes one token per row.
+        let mut out = unsafe { dev.alloc::<u32>(rows.max(1))? };
+        if rows > 0 {
+            // The parameters as the kernel's 32-byte structs (four u64 words each).
+            let words: Vec<u64> = op
+                .rows
+                .iter()
+                .flat_map(|r| {
+                    [
+                        u64::from(r.temperature.to_bits()) | (u64::from(r.top_k) << 32),
+                        u64::from(r.top_p.to_bits()),
+                        r.seed,
+                        r.counter,
+                    ]
+                })
+                .collect();
+            let params = stream
+                .clone_htod(&words)
+                .map_err(|e| err("sample_rows parameters", e))?;
+            let func = function_in(CUBIN, &dev, format!("sample_rows_{}", suffix(s.dtype(), OP)?))?;
+            let (pa, _p) = params.device_ptr(&stream);
+            let (oa, _o) = out.device_ptr_mut(&stream);
+            let vocab = vocab as i32;
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(&func);
+            b.arg(&la).arg(&pa).arg(&oa).arg(&vocab);
+            // SAFETY: contiguous logits of rows x vocab elements, one parameter struct and one
+            // output per row.
+            unsafe { b.launch(cfg) }.map_err(|e| err("sample_rows launch", e))?;
+        }
+        Ok((u32::wrap_cuda_slice(out, dev), Shape::from(rows)))
     }
 }
 
