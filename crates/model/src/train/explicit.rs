@@ -5,15 +5,19 @@
 //! zeros tensor and adds each contribution into it, even the first and only one: a memset and an
 //! add the size of every activation, about 40% of the GPU time of a 125m micro-batch
 //! (docs/benchmarks-history.md, "Training, GPU"). Here the forward keeps what the backward needs
-//! ([`LayerActivations`]), and the backward runs the kernels autograd would (the matmuls,
-//! flash-attn3's backward, the backward kernels of [`crate::train_ops`]), each gradient computed
-//! once where it is produced; the only adds left are the residual stream's two per layer.
+//! ([`LayerActivations`], or with activation checkpointing only each layer's input), and the
+//! backward runs the kernels autograd would (the matmuls, flash-attn3's backward, the backward
+//! kernels of [`crate::train_ops`]), each gradient computed once where it is produced. On top of
+//! that: q/k/v and gate/up are one matmul each over weights stacked once per step, the residual
+//! adds run inside the norms' launches, and each weight gradient is added in f32 to its
+//! accumulator by the GEMM that computes it.
 //!
-//! The arithmetic is that of the autograd path: the same ops in the same dtypes, the weights cast
-//! from the f32 masters to the compute dtype once per step, each weight's gradient cast back to
-//! f32. Attention runs in its fixed-length form (every sequence of a micro-batch has the same
-//! length), where the model's forward calls the varlen form over the same sequences. The tests
-//! compare the two paths' gradients (`crates/model/tests/train.rs`, and on the GPU in bf16).
+//! The arithmetic is that of the autograd path: the same math in the same dtypes, the weights
+//! cast from the f32 masters to the compute dtype once per step; the weight gradients are summed
+//! in f32 (autograd's are rounded to the compute dtype first). Attention runs in its fixed-length
+//! form (every sequence of a micro-batch has the same length), where the model's forward calls
+//! the varlen form over the same sequences. The tests compare the two paths' gradients
+//! (`crates/model/tests/train.rs`, and on the GPU in bf16).
 //!
 //! Scope: the decoders the trainer builds (plain Llama blocks: no biases, no q/k norm; sliding
 //! windows and GQA are fine). [`ExplicitModel::supports`] says which; the others train through
