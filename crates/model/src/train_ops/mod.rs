@@ -686,9 +686,7 @@ impl CustomOp3 for RmsNormAdd {
                 *y = x * r * w;
             }
         }
-        let mut dims = vec![2];
-        dims.extend_from_slice(xl.dims());
-        Ok((storage(dtype, out), Shape::from(dims)))
+        Ok((storage(dtype, out), pair_shape(xl)))
     }
 
     #[cfg(feature = "cuda")]
@@ -702,9 +700,7 @@ impl CustomOp3 for RmsNormAdd {
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let out = cuda::rms_norm_add((x, xl), (h, hl), (w, wl), self.eps)?;
-        let mut dims = vec![2];
-        dims.extend_from_slice(xl.dims());
-        Ok((out, Shape::from(dims)))
+        Ok((out, pair_shape(xl)))
     }
 }
 
@@ -924,10 +920,7 @@ impl CustomOp2 for SwigluPackedBwd {
         let mut out = vec![0f32; gu.len()];
         for ((row, dyr), outr) in gu.chunks(2 * cols).zip(dy.chunks(cols)).zip(out.chunks_mut(2 * cols)) {
             for c in 0..cols {
-                let (g, u, d) = (row[c], row[cols + c], dyr[c]);
-                let s = 1.0 / (1.0 + (-g).exp());
-                outr[c] = d * u * s * (1.0 + g * (1.0 - s));
-                outr[cols + c] = d * g * s;
+                (outr[c], outr[cols + c]) = silu_mul_grads(row[c], row[cols + c], dyr[c]);
             }
         }
         Ok((storage(dtype, out), gl.shape().clone()))
@@ -947,6 +940,13 @@ impl CustomOp2 for SwigluPackedBwd {
 
 fn silu(g: f32) -> f32 {
     g / (1.0 + (-g).exp())
+}
+
+/// The gradients (dgate, dup) of silu(g) · u for the output gradient d: with s = sigmoid(g),
+/// d · u · s · (1 + g · (1 − s)) and d · g · s (the kernels' formula).
+fn silu_mul_grads(g: f32, u: f32, d: f32) -> (f32, f32) {
+    let s = 1.0 / (1.0 + (-g).exp());
+    (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
 }
 
 impl CustomOp2 for Swiglu {
@@ -999,9 +999,7 @@ impl CustomOp3 for SwigluBwd {
         let n = g.len();
         let mut out = vec![0f32; 2 * n];
         for i in 0..n {
-            let s = 1.0 / (1.0 + (-g[i]).exp());
-            out[i] = dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
-            out[n + i] = dy[i] * g[i] * s;
+            (out[i], out[n + i]) = silu_mul_grads(g[i], u[i], dy[i]);
         }
         Ok((storage(dtype, out), pair_shape(gl)))
     }
