@@ -147,6 +147,12 @@ struct Args {
     #[arg(long)]
     checkpoint_activations: bool,
 
+    /// Data-parallel: sum the gradients over the GPUs after the backward instead of starting
+    /// each layer's sums as soon as its backward is done (the default, overlapped with the rest
+    /// of the backward). The same sums; for comparing the two.
+    #[arg(long)]
+    no_overlap: bool,
+
     /// The device's peak TFLOP/s for the MFU figure (default on the GPU: 989, the dense bf16
     /// peak of H100 SXM and H200; H100 PCIe: 756). On the CPU no MFU is shown unless given.
     #[arg(long)]
@@ -377,6 +383,7 @@ fn train(
         trainer.set_backward(train::Backward::Autograd);
     }
     trainer.set_activation_checkpointing(args.checkpoint_activations);
+    trainer.set_overlapped_gradient_sums(!args.no_overlap);
     let cfg = trainer.config().clone();
     let model_cfg = trainer.model_config().clone();
     let flops_per_token = train::flops_per_token(&model_cfg, cfg.seq_len)?;

@@ -421,17 +421,24 @@ __device__ void embedding_bwd_rows(const float* __restrict__ partial, const uint
 //   2. optim_clip: their total in a fixed order (so a step is deterministic and --resume
 //      bit-exact), the global norm, the clip scale, and whether to skip the step (a gradient or
 //      the loss not finite: the weights stay as they were and the host reports the divergence);
-//   3. optim_adamw: the update of every chunk, reading the scale written by step 2.
+//   3. optim_adamw: the update of every chunk, reading the scale written by step 2, and where
+//      the chunk has one, the new weight's 16-bit copy (the compute dtype's weights that the
+//      next step's matmuls read), so that no step casts its weights.
 
-// One chunk of one parameter tensor; the host writes the same layout (five u64 words,
-// crates/model/src/train_ops/cuda.rs: `OptimChunk`).
+// OptimChunk::flags.
+constexpr unsigned int kOptimDecayed = 1;    // a matrix: weight decay applies
+constexpr unsigned int kOptimCopyF16 = 2;    // the copy is f16 (else bf16)
+
+// One chunk of one parameter tensor; the host writes the same layout (six u64 words,
+// crates/model/src/train_ops/cuda.rs: `optimizer_step`).
 struct OptimChunk {
     float* p;
     const float* g;
     float* m;
     float* v;
+    void* copy;  // the chunk's 16-bit copy, or null
     unsigned int len;
-    unsigned int decayed;  // a matrix: weight decay applies
+    unsigned int flags;
 };
 
 // The block's sum of v (every thread gets it); deterministic: a fixed tree over fixed lanes.
@@ -483,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(kThreads)
     if (stats[2] != 0.f) return;
     const float grad_scale = stats[1];
     const OptimChunk c = chunks[blockIdx.x];
-    const float decay = c.decayed ? matrix_decay : 1.f;
+    const float decay = (c.flags & kOptimDecayed) ? matrix_decay : 1.f;
     for (unsigned int i = threadIdx.x; i < c.len; i += kThreads) {
         const float gi = c.g[i] * grad_scale;
         const float mi = c.m[i] * beta1 + gi * (1.f - beta1);
@@ -491,7 +498,12 @@ extern "C" __global__ void __launch_bounds__(kThreads)
         c.m[i] = mi;
         c.v[i] = vi;
         const float update = (mi / correction1) / (sqrtf(vi / correction2) + eps);
-        c.p[i] = c.p[i] * decay - update * lr;
+        const float p = c.p[i] * decay - update * lr;
+        c.p[i] = p;
+        // Round to nearest even, as candle's f32 -> 16-bit cast.
+        if (c.copy == nullptr) continue;
+        if (c.flags & kOptimCopyF16) static_cast<__half*>(c.copy)[i] = __float2half_rn(p);
+        else static_cast<__nv_bfloat16*>(c.copy)[i] = __float2bfloat16_rn(p);
     }
 }
 

@@ -560,3 +560,54 @@ fn explicit_ops_match_the_cpu_loops() -> Result<()> {
     }
     Ok(())
 }
+
+/// On the GPU the optimizer step writes the explicit backward's 16-bit weights (stacked q/k/v
+/// and gate/up, norms, embedding, head) with the masters, and the next step uses them without
+/// casting. Steps made that way must be the steps of a trainer that casts the masters afresh
+/// each step, bit for bit (losses and master weights), with a tied and an untied head, bf16 and
+/// f16.
+#[test]
+fn kept_weights_take_the_steps_of_fresh_casts() -> Result<()> {
+    use flash_llama::train::{self, data, Backward, Corpus, Tokenization, TrainConfig, Trainer};
+    let mut rng = data::Rng(11);
+    let docs: Vec<Vec<u32>> = (0..24)
+        .map(|_| (0..900).map(|_| rng.below(200) as u32 + 32).collect())
+        .collect();
+    let corpus = Corpus::from_documents(docs, Tokenization::Bytes.end_of_text());
+    let (_, base) = train::preset("tiny", data::BYTE_VOCAB_SIZE).unwrap();
+    let cfg = TrainConfig {
+        batch_size: 2,
+        seq_len: 136,
+        grad_accum: 2,
+        steps: 4,
+        warmup_steps: 1,
+        ..base
+    };
+    for (tied, dtype) in [(false, DType::BF16), (true, DType::F16)] {
+        let mut model_cfg = train::llama_config(data::BYTE_VOCAB_SIZE, 256, 384, 2, 4, 2, 256);
+        model_cfg.tie_word_embeddings = tied;
+        let mut kept = Trainer::new(model_cfg.clone(), cfg.clone(), dtype, &gpu()).unwrap();
+        let mut fresh = Trainer::new(model_cfg.clone(), cfg.clone(), dtype, &gpu()).unwrap();
+        for step in 0..cfg.steps {
+            // Choosing the backward drops the kept model: the step casts the masters again.
+            fresh.set_backward(Backward::Explicit);
+            let (a, b) = (kept.train_step(&corpus).unwrap(), fresh.train_step(&corpus).unwrap());
+            assert_eq!(
+                a.loss.to_bits(),
+                b.loss.to_bits(),
+                "tied {tied}, {dtype:?}, step {step}: loss {} with kept weights, {} with fresh casts",
+                a.loss,
+                b.loss
+            );
+        }
+        for ((name, a), (_, b)) in kept.parameters().zip(fresh.parameters()) {
+            let (a, b) = (a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "tied {tied}, {dtype:?}: {name} differs after {} steps",
+                cfg.steps
+            );
+        }
+    }
+    Ok(())
+}

@@ -44,7 +44,25 @@ pub trait Communicator {
     /// returns what rank `rank - 1` sent (modulo the group's size; same shape and dtype on every
     /// rank). Context parallelism moves key/value blocks this way.
     fn ring_shift(&self, t: &Tensor) -> Result<Tensor>;
+    /// Starts summing each of `tensors` (one dtype) over all ranks and returns the sums, which
+    /// the rank's later work may go on without: NCCL runs them on a stream of their own, so
+    /// they overlap the kernels queued after them (a backward's remaining layers), and readers
+    /// of the sums wait for them. Every started sum is complete after
+    /// [`Communicator::finish_all_reduces`], which each rank calls before its next collective
+    /// of another kind. Backends without a second queue (the default) sum at once, in buckets.
+    fn start_all_reduce_sum(&self, tensors: &[Tensor]) -> Result<Vec<Tensor>> {
+        all_reduce_sum_bucketed(self, tensors, DEFAULT_BUCKET_BYTES)
+    }
+    /// Makes the rank's own queue wait for every sum [`Communicator::start_all_reduce_sum`]
+    /// started (it does not wait on the host).
+    fn finish_all_reduces(&self) -> Result<()> {
+        Ok(())
+    }
 }
+
+/// The bucket of [`Communicator::start_all_reduce_sum`]'s default (a collective of this size
+/// runs near the link's bandwidth).
+pub const DEFAULT_BUCKET_BYTES: usize = 128 << 20;
 
 /// A shared handle is the group it points to.
 impl<C: Communicator + ?Sized> Communicator for Arc<C> {
@@ -63,14 +81,22 @@ impl<C: Communicator + ?Sized> Communicator for Arc<C> {
     fn ring_shift(&self, t: &Tensor) -> Result<Tensor> {
         self.as_ref().ring_shift(t)
     }
+
+    fn start_all_reduce_sum(&self, tensors: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.as_ref().start_all_reduce_sum(tensors)
+    }
+
+    fn finish_all_reduces(&self) -> Result<()> {
+        self.as_ref().finish_all_reduces()
+    }
 }
 
 /// Sums `tensors` over all ranks, packed into buckets of at most `bucket_bytes` (each tensor
 /// whole, one collective per bucket): one large all-reduce runs near the link's bandwidth where
 /// hundreds of small ones would pay their latency each. Returns the sums in `tensors`' order and
 /// shapes. All tensors must have one dtype and device.
-pub fn all_reduce_sum_bucketed(
-    comm: &dyn Communicator,
+pub fn all_reduce_sum_bucketed<C: Communicator + ?Sized>(
+    comm: &C,
     tensors: &[Tensor],
     bucket_bytes: usize,
 ) -> Result<Vec<Tensor>> {

@@ -82,6 +82,19 @@ fn add_grad(grads: &mut [Option<Tensor>], index: usize, g: &Tensor) -> Result<()
     Ok(())
 }
 
+impl Linear {
+    /// The master variables' indices of its parts.
+    fn indices(&self) -> impl Iterator<Item = usize> + '_ {
+        self.parts.iter().map(|&(index, _)| index)
+    }
+}
+
+/// Where the backward hands each group of gradients that no later work of the micro-batch
+/// adds to (a layer's, then the final norm's and the head's, then the embedding's), with the
+/// accumulators: a data-parallel step's last micro-batch starts their sums over the ranks there,
+/// which then overlap the layers still to come.
+pub(crate) type FinishedGrads<'a> = &'a mut dyn FnMut(&[usize], &mut [Option<Tensor>]) -> Result<()>;
+
 struct LayerParams {
     attn_norm: Param,
     /// q, k and v stacked: (heads + 2 · kv_heads) · head_dim rows.
@@ -280,6 +293,49 @@ impl ExplicitModel {
         })
     }
 
+    /// Where each master variable's compute-dtype copy lives, by the variable's index: the
+    /// tensor (a weight, or the stacked weight it is a part of) and the element offset of its
+    /// rows there. The optimizer writes these copies with the masters (GPU, 16-bit compute
+    /// dtypes), so that the model serves the next step without casting again; `None` where the
+    /// model has no copy of its own (an f32 compute dtype shares the masters' storage).
+    pub(crate) fn weight_copies(&self, vars: usize) -> Result<Vec<Option<(&Tensor, usize)>>> {
+        let mut copies: Vec<Option<(&Tensor, usize)>> = vec![None; vars];
+        if !matches!(self.dtype, DType::BF16 | DType::F16) {
+            return Ok(copies);
+        }
+        // (variable, tensor, offset) of every part of every matmul weight, then of the vectors.
+        let mut entries: Vec<(usize, &Tensor, usize)> = Vec::new();
+        // A tied head is the embedding's tensor: one copy.
+        let head_tied = self.head.parts.iter().any(|&(i, _)| i == self.embed.index);
+        let linears = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .chain((!head_tied).then_some(&self.head));
+        for l in linears {
+            let columns = l.value.dim(1)?;
+            let mut row = 0;
+            for &(index, rows) in &l.parts {
+                entries.push((index, &l.value, row * columns));
+                row += rows;
+            }
+        }
+        let vectors = self.layers.iter().flat_map(|l| [&l.attn_norm, &l.mlp_norm]);
+        for p in vectors.chain([&self.norm, &self.embed]) {
+            entries.push((p.index, &p.value, 0));
+        }
+        for (index, tensor, offset) in entries {
+            match copies.get(index) {
+                Some(None) => copies[index] = Some((tensor, offset)),
+                _ => candle_core::bail!("internal error: weight {index} has two compute copies or none"),
+            }
+        }
+        if copies.iter().any(Option::is_none) {
+            candle_core::bail!("internal error: a weight without a compute copy")
+        }
+        Ok(copies)
+    }
+
     /// One layer's forward from its input stream `x_in` and its norm `h1`: the activations its
     /// backward reads, and the MLP's output (not yet added to the stream).
     fn layer_forward(
@@ -322,8 +378,15 @@ impl ExplicitModel {
 
     /// The mean cross-entropy of `mb` times `loss_scale`, returned as an f32 scalar on the
     /// device; its gradient with respect to each master variable is added to that variable's f32
-    /// accumulator in `grads` (in the trainer's order; `None` is zero).
-    pub(crate) fn accumulate(&self, mb: &MicroBatch, loss_scale: f64, grads: &mut [Option<Tensor>]) -> Result<Tensor> {
+    /// accumulator in `grads` (in the trainer's order; `None` is zero). `finished` receives each
+    /// group of gradients as the backward completes it (every index once per call).
+    pub(crate) fn accumulate(
+        &self,
+        mb: &MicroBatch,
+        loss_scale: f64,
+        grads: &mut [Option<Tensor>],
+        finished: FinishedGrads,
+    ) -> Result<Tensor> {
         let (batch, seq) = (mb.batch, mb.seq);
         let tokens = batch * seq;
         if self.cos.dim(0)? != tokens {
@@ -376,6 +439,11 @@ impl ExplicitModel {
         let dxf = self.head.backward(&xf, &dlogits, grads)?;
         let (mut dx, dw) = rms_norm_backward(&x_last, &self.norm.value, &dxf, self.eps, None)?;
         add_grad(grads, self.norm.index, &dw)?;
+        // A tied head's gradient is the embedding's, which the embedding's backward completes.
+        let head: Vec<usize> = std::iter::once(self.norm.index)
+            .chain(self.head.indices().filter(|&i| i != self.embed.index))
+            .collect();
+        finished(&head, grads)?;
         for (l, a) in self.layers.iter().zip(saved).rev() {
             let a = match a {
                 Saved::All(a) => a,
@@ -404,8 +472,17 @@ impl ExplicitModel {
             let (dx_in, dw) = rms_norm_backward(&a.x_in, &l.attn_norm.value, &dh1, self.eps, Some(&dx_mid))?;
             add_grad(grads, l.attn_norm.index, &dw)?;
             dx = dx_in;
+            let layer: Vec<usize> = [l.attn_norm.index, l.mlp_norm.index]
+                .into_iter()
+                .chain(l.qkv.indices())
+                .chain(l.o.indices())
+                .chain(l.gate_up.indices())
+                .chain(l.down.indices())
+                .collect();
+            finished(&layer, grads)?;
         }
         add_grad(grads, self.embed.index, &embedding.backward(&dx)?)?;
+        finished(&[self.embed.index], grads)?;
         Ok(loss)
     }
 }

@@ -43,7 +43,7 @@ use crate::model::Llama;
 use crate::nn::Kernels;
 use crate::parallel::{self, Communicator, Group};
 pub use data::{Corpus, Rng, Tokenization};
-use explicit::{ExplicitModel, MicroBatch};
+use explicit::{ExplicitModel, FinishedGrads, MicroBatch};
 pub use optim::{AdamW, AdamWParams};
 
 /// How a training step computes its gradients. Both give the same gradients up to the order of
@@ -329,6 +329,12 @@ pub struct Trainer {
     backward: Backward,
     /// Activation checkpointing (explicit backward only): see [`Trainer::set_activation_checkpointing`].
     checkpoint_activations: bool,
+    /// Data-parallel gradient sums started during the backward: see [`Trainer::set_overlapped_gradient_sums`].
+    overlap_gradient_sums: bool,
+    /// The explicit backward's model (its 16-bit weights, stacked), kept from one step to the
+    /// next on the GPU, where the optimizer step writes its weights with the masters: a step
+    /// then casts nothing. `None`: the next step builds it.
+    kept_model: Option<ExplicitModel>,
 }
 
 /// Checkpoint format tag (safetensors metadata key `format`).
@@ -380,6 +386,8 @@ impl Trainer {
             context_parallel: None,
             backward: Backward::default(),
             checkpoint_activations: false,
+            overlap_gradient_sums: true,
+            kept_model: None,
         })
     }
 
@@ -422,6 +430,7 @@ impl Trainer {
             bail!("a trainer is data-parallel or context-parallel, not both")
         }
         self.context_parallel = Some(group);
+        self.kept_model = None;
         Ok(())
     }
 
@@ -444,6 +453,7 @@ impl Trainer {
     /// Chooses how the next steps compute their gradients (default [`Backward::Explicit`]).
     pub fn set_backward(&mut self, backward: Backward) {
         self.backward = backward;
+        self.kept_model = None;
     }
 
     /// Activation checkpointing: the forward keeps only each layer's input and the backward runs
@@ -453,6 +463,15 @@ impl Trainer {
     /// a step under [`Backward::Autograd`] with it set is an error.
     pub fn set_activation_checkpointing(&mut self, on: bool) {
         self.checkpoint_activations = on;
+        self.kept_model = None;
+    }
+
+    /// Data-parallel with the explicit backward: whether the last micro-batch's backward starts
+    /// each layer's gradient sums over the ranks as soon as the layer is done, on a stream of
+    /// their own beside the layers still to come (the default), or sums all gradients after the
+    /// backward, in 128 MiB buckets (the same sums; for comparing the two).
+    pub fn set_overlapped_gradient_sums(&mut self, on: bool) {
+        self.overlap_gradient_sums = on;
     }
 
     /// How steps compute their gradients: the choice of [`Trainer::set_backward`] where it
@@ -473,7 +492,32 @@ impl Trainer {
         let mut grads = vec![None; self.vars.len()];
         let model = self.gradient_model(backward)?;
         let batch = model.prepare(self, inputs, targets)?;
-        let loss = model.accumulate(self, &batch, 1.0, &mut grads)?;
+        // The explicit backward hands each gradient over once it is complete (data parallelism
+        // starts its sum there): take it at that point, as the data-parallel step does, so that
+        // a gradient handed over early, or twice, or never, is an error here.
+        let mut done: Vec<Option<Tensor>> = vec![None; self.vars.len()];
+        let mut take = |indices: &[usize], sums: &mut [Option<Tensor>]| -> candle_core::Result<()> {
+            for &i in indices {
+                match (sums[i].take(), &done[i]) {
+                    (Some(g), None) => done[i] = Some(g),
+                    _ => candle_core::bail!(
+                        "internal error: the explicit backward handed `{}` over twice or before its gradient",
+                        self.names[i]
+                    ),
+                }
+            }
+            Ok(())
+        };
+        let loss = model.accumulate(self, &batch, 1.0, &mut grads, &mut take)?;
+        if matches!(model, GradientModel::Explicit(_)) {
+            if let Some(i) = (0..grads.len()).find(|&i| grads[i].is_some() || done[i].is_none()) {
+                bail!(
+                    "internal error: the explicit backward added to `{}` after handing it over, or never handed it over",
+                    self.names[i]
+                )
+            }
+            grads = done;
+        }
         Ok((loss.to_scalar::<f32>()?, collect_grads(grads, &self.names)?))
     }
 
@@ -527,7 +571,9 @@ impl Trainer {
         self.vars.iter().map(|v| v.elem_count()).sum()
     }
 
-    /// The master weights by name (f32).
+    /// The master weights by name (f32). To read: a step on the GPU keeps 16-bit copies of them
+    /// that only its optimizer updates, so a weight changed here (`Var::set`) would not reach the
+    /// next step's forward; save a checkpoint and [`Trainer::resume`] from it instead.
     pub fn parameters(&self) -> impl Iterator<Item = (&str, &Var)> {
         self.names.iter().map(String::as_str).zip(&self.vars)
     }
@@ -586,7 +632,10 @@ impl Trainer {
     pub fn train_step(&mut self, data: &Corpus) -> Result<StepStats> {
         let c = self.config.clone();
         data.check_fits(c.seq_len)?;
-        let model = self.gradient_model(self.backward)?;
+        let model = match self.kept_model.take() {
+            Some(kept) => GradientModel::Explicit(kept),
+            None => self.gradient_model(self.backward)?,
+        };
         let (rank, world) = self.rank_and_world();
         // This rank's micro-batches, uploaded before any of their kernels is queued: an upload
         // from host memory waits for the GPU's queue to drain, which in the middle of the step
@@ -600,33 +649,76 @@ impl Trainer {
             }
         }
         let mut sums: Vec<Option<Tensor>> = vec![None; self.vars.len()];
+        // Data-parallel with the explicit backward: the last micro-batch's backward starts each
+        // layer's gradient sums over the ranks as soon as the layer is done, so that they run
+        // beside the layers still to come instead of after the whole backward.
+        let overlapped = match (self.data_parallel.as_deref(), &model) {
+            (Some(comm), GradientModel::Explicit(_)) if self.overlap_gradient_sums => Some(comm),
+            _ => None,
+        };
+        let mut reduced: Vec<Option<Tensor>> = vec![None; self.vars.len()];
+        let mut start_sums = |indices: &[usize], sums: &mut [Option<Tensor>]| -> candle_core::Result<()> {
+            let Some(comm) = overlapped else { return Ok(()) };
+            let indices: Vec<usize> = indices.iter().copied().filter(|&i| sums[i].is_some()).collect();
+            let group: Vec<Tensor> = indices.iter().filter_map(|&i| sums[i].take()).collect();
+            for (i, sum) in indices.into_iter().zip(comm.start_all_reduce_sum(&group)?) {
+                reduced[i] = Some(sum);
+            }
+            Ok(())
+        };
+        let mut no_start = |_: &[usize], _: &mut [Option<Tensor>]| -> candle_core::Result<()> { Ok(()) };
         // The losses stay on the device: the step waits for the GPU once, at its end.
         let mut loss_sum: Option<Tensor> = None;
-        for batch in &batches {
+        for (i, batch) in batches.iter().enumerate() {
+            let finished: FinishedGrads = match i + 1 == batches.len() {
+                true => &mut start_sums,
+                false => &mut no_start,
+            };
             // Dividing by the micro-batch count makes the summed gradient that of the mean loss.
-            let loss = model.accumulate(self, batch, 1.0 / c.grad_accum as f64, &mut sums)?;
+            let loss = model.accumulate(self, batch, 1.0 / c.grad_accum as f64, &mut sums, finished)?;
             loss_sum = Some(match loss_sum.take() {
                 None => loss,
                 Some(s) => (s + loss)?,
             });
         }
-        let mut grads = match loss_sum {
-            Some(_) => collect_grads(sums, &self.names)?,
-            None => Vec::new(),
-        };
         let mut loss = match loss_sum {
             Some(l) => l,
             // A rank without a micro-batch (fewer micro-batches than ranks is refused, so never).
             None => Tensor::zeros((), DType::F32, &self.device)?,
         };
-        if let Some(comm) = self.reduce_group() {
-            grads = parallel::all_reduce_sum_bucketed(comm, &grads, GRAD_BUCKET_BYTES)?;
-            loss = comm.all_reduce_sum(&loss)?;
-        }
+        let grads = match overlapped {
+            Some(comm) => {
+                // Any gradient the backward did not hand over (none today) is summed now.
+                let rest: Vec<usize> = (0..sums.len()).filter(|&i| sums[i].is_some()).collect();
+                start_sums(&rest, &mut sums)?;
+                comm.finish_all_reduces()?;
+                loss = comm.all_reduce_sum(&loss)?;
+                collect_grads(reduced, &self.names)?
+            }
+            None => {
+                let mut grads = match batches.is_empty() {
+                    false => collect_grads(sums, &self.names)?,
+                    true => Vec::new(),
+                };
+                if let Some(comm) = self.reduce_group() {
+                    grads = parallel::all_reduce_sum_bucketed(comm, &grads, GRAD_BUCKET_BYTES)?;
+                    loss = comm.all_reduce_sum(&loss)?;
+                }
+                grads
+            }
+        };
         let lr = optim::learning_rate(self.step, c.warmup_steps, c.steps, c.lr, c.min_lr);
-        let stats = self
-            .optimizer
-            .update(&self.vars, &grads, &loss, c.grad_clip, lr, self.step + 1)?;
+        // On the GPU with a 16-bit compute dtype, the explicit model's weights are written by the
+        // optimizer step and kept for the next step.
+        let keep = self.device.is_cuda() && matches!(self.dtype, DType::BF16 | DType::F16);
+        let copies = match &model {
+            GradientModel::Explicit(m) if keep => m.weight_copies(self.vars.len())?,
+            _ => Vec::new(),
+        };
+        let stats =
+            self.optimizer
+                .update_with_copies(&self.vars, &grads, &loss, c.grad_clip, lr, self.step + 1, &copies)?;
+        drop(copies);
         // The one wait of the step: the loss and the update's statistics.
         let read = Tensor::cat(&[loss.reshape(1)?, stats], 0)?.to_vec1::<f32>()?;
         let (loss, grad_norm, skipped) = (read[0], f64::from(read[1]), read[3] != 0.0);
@@ -640,6 +732,11 @@ impl Trainer {
         }
         self.step += 1;
         self.history.train.push((self.step, loss));
+        if let GradientModel::Explicit(m) = model {
+            if keep {
+                self.kept_model = Some(m);
+            }
+        }
         Ok(StepStats {
             step: self.step,
             loss,
@@ -787,6 +884,8 @@ impl Trainer {
             context_parallel: None,
             backward: Backward::default(),
             checkpoint_activations: false,
+            overlap_gradient_sums: true,
+            kept_model: None,
         })
     }
 }
@@ -839,9 +938,12 @@ impl GradientModel {
         batch: &PreparedBatch,
         loss_scale: f64,
         grads: &mut [Option<Tensor>],
+        finished: FinishedGrads,
     ) -> Result<Tensor> {
         match (self, batch) {
-            (Self::Explicit(model), PreparedBatch::Explicit(mb)) => Ok(model.accumulate(mb, loss_scale, grads)?),
+            (Self::Explicit(model), PreparedBatch::Explicit(mb)) => {
+                Ok(model.accumulate(mb, loss_scale, grads, finished)?)
+            }
             (Self::Autograd(model), PreparedBatch::Autograd { inputs, targets }) => {
                 let loss = (trainer.batch_loss(model, inputs.clone(), targets.clone())? * loss_scale)?;
                 let store = loss.backward()?;

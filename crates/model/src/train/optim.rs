@@ -51,6 +51,24 @@ impl AdamW {
         lr: f64,
         step: usize,
     ) -> Result<Tensor> {
+        self.update_with_copies(vars, grads, loss, clip, lr, step, &[])
+    }
+
+    /// [`AdamW::update`] that also writes each var's new values, rounded to 16 bits, into
+    /// `copies[i]` (a bf16 or f16 tensor and the offset of the var's values in it; `None`: no
+    /// copy): the compute-dtype weights of the next step, without a cast. GPU only; an
+    /// empty `copies` is [`AdamW::update`]. A skipped step leaves the copies as they were.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn update_with_copies(
+        &mut self,
+        vars: &[Var],
+        grads: &[Tensor],
+        loss: &Tensor,
+        clip: f64,
+        lr: f64,
+        step: usize,
+        copies: &[Option<(&Tensor, usize)>],
+    ) -> Result<Tensor> {
         let p = self.params;
         let correction1 = 1.0 - p.beta1.powi(step as i32);
         let correction2 = 1.0 - p.beta2.powi(step as i32);
@@ -71,6 +89,7 @@ impl AdamW {
                     m: &self.m[i],
                     v: &self.v[i],
                     decayed: vars[i].rank() >= 2 && p.weight_decay > 0.0,
+                    copy: copies.get(i).copied().flatten(),
                 })
                 .collect();
             let kernel_step = crate::train_ops::AdamWStep {
@@ -84,6 +103,9 @@ impl AdamW {
                 correction2: correction2 as f32,
             };
             return crate::train_ops::optimizer_step(&tensors, loss, kernel_step);
+        }
+        if copies.iter().any(Option::is_some) {
+            candle_core::bail!("AdamW: 16-bit weight copies are written on the GPU only")
         }
         let norm = global_norm(grads)?;
         let loss_value = loss

@@ -630,13 +630,16 @@ pub(crate) struct AdamWStep {
 }
 
 /// One tensor of the optimizer step: the f32 parameter (updated in place), its gradient, its
-/// moments (updated in place), and whether weight decay applies.
+/// moments (updated in place), whether weight decay applies, and optionally where its 16-bit
+/// copy lives (a bf16 or f16 tensor, contiguous, and the element offset of the parameter's
+/// values in it), which the step writes with the new values.
 pub(crate) struct OptimTensor<'a> {
     pub param: &'a Tensor,
     pub grad: &'a Tensor,
     pub m: &'a Tensor,
     pub v: &'a Tensor,
     pub decayed: bool,
+    pub copy: Option<(&'a Tensor, usize)>,
 }
 
 /// Elements per chunk of the multi-tensor kernels (`kOptimChunk`-sized blocks of work; one
@@ -649,7 +652,8 @@ const OPTIM_CHUNK: usize = 32 * 1024;
 /// is not finite. Returns [norm, clip scale, 1 if skipped] (f32, on the GPU).
 pub(crate) fn optimizer_step(tensors: &[OptimTensor], loss: &Tensor, step: AdamWStep) -> Result<Tensor> {
     const OP: &str = "AdamW";
-    // The table of chunks: five u64 words each, OptimChunk's layout (p, g, m, v, len | decayed << 32).
+    // The table of chunks: six u64 words each, OptimChunk's layout (p, g, m, v, copy or 0,
+    // len | flags << 32).
     let mut table: Vec<u64> = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
         let n = t.param.elem_count();
@@ -687,16 +691,44 @@ pub(crate) fn optimizer_step(tensors: &[OptimTensor], loss: &Tensor, step: AdamW
         if n > 0 && !(disjoint(pa, ma) && disjoint(pa, va) && disjoint(ma, va) && disjoint(pa, ga)) {
             candle_core::bail!("flash-llama {OP}: tensor {i}'s parameter, gradient and moments must not overlap")
         }
+        // The copy: 16-bit, contiguous, holding n values from its offset, apart from the rest.
+        let (copy_a, copy_f16) = match t.copy {
+            None => (0, false),
+            Some((copy, offset)) => {
+                let (s, l) = copy.storage_and_layout();
+                let base = match (&*s, copy.dtype()) {
+                    (candle_core::Storage::Cuda(c), candle_core::DType::BF16) => addr::<half::bf16>(c, l, OP, "copy")?,
+                    (candle_core::Storage::Cuda(c), candle_core::DType::F16) => addr::<half::f16>(c, l, OP, "copy")?,
+                    _ => candle_core::bail!(
+                        "flash-llama {OP}: tensor {i}'s copy must be a bf16 or f16 GPU tensor, got {:?}",
+                        copy.dtype()
+                    ),
+                };
+                if !l.is_contiguous() || offset + n > copy.elem_count() {
+                    candle_core::bail!(
+                        "flash-llama {OP}: tensor {i}'s copy ({n} values from {offset}) does not fit {:?}",
+                        copy.shape()
+                    )
+                }
+                let a = base + 2 * offset as u64;
+                if n > 0
+                    && ![pa, ga, ma, va]
+                        .iter()
+                        .all(|&x| a + 2 * n as u64 <= x || x + bytes <= a)
+                {
+                    candle_core::bail!(
+                        "flash-llama {OP}: tensor {i}'s copy overlaps its parameter, gradient or moments"
+                    )
+                }
+                (a, copy.dtype() == candle_core::DType::F16)
+            }
+        };
+        let flags = u64::from(t.decayed) | (u64::from(copy_f16) << 1);
         for start in (0..n).step_by(OPTIM_CHUNK) {
             let len = OPTIM_CHUNK.min(n - start) as u64;
             let off = 4 * start as u64;
-            table.extend([
-                pa + off,
-                ga + off,
-                ma + off,
-                va + off,
-                len | (u64::from(t.decayed) << 32),
-            ]);
+            let copy_off = if copy_a == 0 { 0 } else { copy_a + 2 * start as u64 };
+            table.extend([pa + off, ga + off, ma + off, va + off, copy_off, len | (flags << 32)]);
         }
     }
     let loss = loss.to_dtype(candle_core::DType::F32)?;
@@ -730,7 +762,7 @@ impl candle_core::CustomOp1 for OptimizerStep {
         let dev = loss.device.clone();
         let stream = dev.cuda_stream();
         let loss_a = addr::<f32>(loss, l, "AdamW", "loss")?;
-        let chunks = self.table.len() / 5;
+        let chunks = self.table.len() / 6;
         let chunks_u = chunks as u32;
         // SAFETY: the kernels write every element (partials: one per chunk, stats: 3).
         let mut partials = unsafe { dev.alloc::<f32>(chunks.max(1))? };
