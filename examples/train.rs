@@ -162,6 +162,12 @@ struct Args {
     #[arg(long)]
     font: Option<PathBuf>,
 
+    /// Another run's training losses ("step,loss" lines, e.g. from scripts/train_baseline.py
+    /// --losses-out), drawn into loss.png beside ours (labelled with the file's stem) and
+    /// compared with ours at the end.
+    #[arg(long)]
+    reference_losses: Option<PathBuf>,
+
     /// At the end, sample up to this many tokens from the trained model after --prompt, within
     /// its training context (0: none).
     #[arg(long, default_value_t = 200)]
@@ -495,12 +501,19 @@ fn train(
         return Ok(());
     }
 
+    let reference = match &args.reference_losses {
+        Some(path) => Some(read_reference_losses(path)?),
+        None => None,
+    };
     let plot_path = args.out.join("loss.png");
-    match plot_losses(&plot_path, trainer.history(), args.font.as_deref()) {
+    match plot_losses(&plot_path, trainer.history(), reference.as_ref(), args.font.as_deref()) {
         Ok(()) => eprintln!("loss curve: {}", plot_path.display()),
         Err(e) => eprintln!("warning: no loss curve: {e:#}"),
     }
     let h = trainer.history();
+    if let Some(r) = &reference {
+        eprintln!("{}", compare_losses(&h.train, r));
+    }
     let tail = &h.train[h.train.len().saturating_sub(10)..];
     let tail_mean = tail.iter().map(|t| t.1 as f64).sum::<f64>() / tail.len().max(1) as f64;
     if train_tokens == 0 {
@@ -642,15 +655,92 @@ fn font_bytes(explicit: Option<&Path>) -> Result<&'static [u8]> {
     }
 }
 
+/// Another run's training losses by step, and the name it is shown under.
+struct ReferenceLosses {
+    label: String,
+    losses: Vec<(usize, f32)>,
+}
+
+/// Reads "step,loss" lines (a header line and blank lines are skipped).
+fn read_reference_losses(path: &Path) -> Result<ReferenceLosses> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut losses = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || (i == 0 && line.starts_with("step")) {
+            continue;
+        }
+        let parsed = line
+            .split_once(',')
+            .and_then(|(s, l)| Some((s.trim().parse::<usize>().ok()?, l.trim().parse::<f32>().ok()?)));
+        match parsed {
+            Some(p) => losses.push(p),
+            None => bail!(
+                "{} line {}: expected \"step,loss\", got {line:?}",
+                path.display(),
+                i + 1
+            ),
+        }
+    }
+    if losses.is_empty() {
+        bail!("{}: no \"step,loss\" lines", path.display())
+    }
+    let label = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "reference".into());
+    Ok(ReferenceLosses { label, losses })
+}
+
+/// One line comparing our training losses with the reference's at the steps both have: the
+/// mean absolute difference over all of them and over the last tenth, next to the two means.
+fn compare_losses(ours: &[(usize, f32)], reference: &ReferenceLosses) -> String {
+    let theirs: std::collections::HashMap<usize, f32> = reference.losses.iter().copied().collect();
+    let pairs: Vec<(f32, f32)> = ours
+        .iter()
+        .filter_map(|&(s, l)| theirs.get(&s).map(|&r| (l, r)))
+        .collect();
+    if pairs.is_empty() {
+        return format!("reference {}: no step in common with this run", reference.label);
+    }
+    let stats = |p: &[(f32, f32)]| {
+        let n = p.len() as f64;
+        let mean = |f: &dyn Fn(&(f32, f32)) -> f64| p.iter().map(f).sum::<f64>() / n;
+        (
+            mean(&|x| x.0 as f64),
+            mean(&|x| x.1 as f64),
+            mean(&|x| (x.0 - x.1).abs() as f64),
+        )
+    };
+    let (o, r, d) = stats(&pairs);
+    let tail = &pairs[pairs.len() - pairs.len().div_ceil(10)..];
+    let (to, tr, td) = stats(tail);
+    format!(
+        "reference {}: {} steps in common; mean loss ours {o:.4}, {} {r:.4}, mean |difference| {d:.4}; \
+         last {} steps: ours {to:.4}, {} {tr:.4}, mean |difference| {td:.4}",
+        reference.label,
+        pairs.len(),
+        reference.label,
+        tail.len(),
+        reference.label
+    )
+}
+
 /// Draws the train and eval losses against the step into a PNG, with its title, axis labels and
 /// legend in `font` (or the bundled font; plotters' pure-Rust ab_glyph renderer, so no
-/// fontconfig/freetype at build or run time).
-fn plot_losses(path: &Path, history: &train::History, font: Option<&Path>) -> Result<()> {
+/// fontconfig/freetype at build or run time); and a reference run's training losses if given.
+fn plot_losses(
+    path: &Path,
+    history: &train::History,
+    reference: Option<&ReferenceLosses>,
+    font: Option<&Path>,
+) -> Result<()> {
     use plotters::prelude::*;
 
     plotters::style::register_font("sans-serif", FontStyle::Normal, font_bytes(font)?)
         .map_err(|_| anyhow!("the font file is not a usable TrueType/OpenType font"))?;
-    let all = history.train.iter().chain(&history.eval);
+    let reference_points = reference.map(|r| r.losses.as_slice()).unwrap_or_default();
+    let all = history.train.iter().chain(&history.eval).chain(reference_points);
     let max_step = all.clone().map(|p| p.0).max().unwrap_or(1).max(1);
     let (lo, hi) = all.fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), p| {
         (lo.min(p.1), hi.max(p.1))
@@ -683,8 +773,18 @@ fn plot_losses(path: &Path, history: &train::History, font: Option<&Path>) -> Re
             history.train.iter().map(|&(s, l)| (s as f32, l)),
             train_color.stroke_width(1),
         ))?
-        .label("train")
+        .label(if reference.is_some() { "train (ours)" } else { "train" })
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], train_color.stroke_width(2)));
+    if let Some(r) = reference {
+        let color = RGBColor(240, 140, 20);
+        chart
+            .draw_series(LineSeries::new(
+                r.losses.iter().map(|&(s, l)| (s as f32, l)),
+                color.stroke_width(1),
+            ))?
+            .label(format!("train ({})", r.label))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
     chart
         .draw_series(LineSeries::new(
             history.eval.iter().map(|&(s, l)| (s as f32, l)),
