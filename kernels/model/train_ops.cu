@@ -355,6 +355,61 @@ __device__ void embedding_bwd_rows(const float* __restrict__ partial, const uint
     dw[v * dim + c] = from_f<T>(acc);
 }
 
+// ---- Cross-entropy over rows of logits (the LM head's output, a chunk of a micro-batch's tokens
+// at a time: the full (tokens, vocab) logits never exist at once, nor any f32 copy of them).
+
+// The running (max, sum of exp(x - max)) of a set of values merged with another's.
+__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+    const float top = fmaxf(m, m2);
+    // A side with no finite value yet (max -inf) adds nothing (and must not make exp(NaN)).
+    s = (m == -INFINITY ? 0.f : s * expf(m - top)) + (m2 == -INFINITY ? 0.f : s2 * expf(m2 - top));
+    m = top;
+}
+
+// out[row] = (logsumexp of the row, the target's logit; NaN for a target outside the vocabulary),
+// f32. One block of kThreads per row: each thread's running (max, sum) over a strided part of the
+// row, then merged over the warp and the warps (a fixed order, so deterministic).
+template <typename T>
+__device__ void ce_logsumexp(const T* __restrict__ logits, const uint32_t* __restrict__ targets,
+                             float* __restrict__ out, int vocab) {
+    __shared__ float warp_m[kThreads / 32], warp_s[kThreads / 32];
+    const T* x = logits + (size_t)blockIdx.x * vocab;
+    float m = -INFINITY, s = 0.f;
+    for (int i = threadIdx.x; i < vocab; i += kThreads) lse_merge(m, s, to_f(x[i]), 1.f);
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        lse_merge(m, s, m2, s2);
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        warp_m[warp] = m;
+        warp_s[warp] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < kThreads / 32; ++w) lse_merge(m, s, warp_m[w], warp_s[w]);
+        const uint32_t t = targets[blockIdx.x];
+        out[2 * (size_t)blockIdx.x] = m + logf(s);
+        out[2 * (size_t)blockIdx.x + 1] = t < (uint32_t)vocab ? to_f(x[t]) : NAN;
+    }
+}
+
+// dx = scale · (softmax(row) − one_hot(target)), softmax from the row's logsumexp `lse`; one block
+// of kThreads per row.
+template <typename T>
+__device__ void ce_backward(const T* __restrict__ logits, const uint32_t* __restrict__ targets,
+                            const float* __restrict__ lse, T* __restrict__ dx, int vocab, float scale) {
+    const size_t row = blockIdx.x;
+    const T* x = logits + row * vocab;
+    T* d = dx + row * vocab;
+    const float l = lse[row];
+    const uint32_t t = targets[row];
+    for (int i = threadIdx.x; i < vocab; i += kThreads) {
+        const float p = expf(to_f(x[i]) - l);
+        d[i] = from_f<T>(scale * (p - ((uint32_t)i == t ? 1.f : 0.f)));
+    }
+}
+
 }  // namespace
 
 #define TRAIN_OPS(T, SUFFIX)                                                                                         \
@@ -412,6 +467,14 @@ __device__ void embedding_bwd_rows(const float* __restrict__ partial, const uint
                                                    unsigned long long out_stride, int vectors) {                     \
         if (vectors) swiglu_bwd<T, 16 / sizeof(T)>(g, u, dy, dg, du, rows, cols, in_stride, out_stride);             \
         else swiglu_bwd<T, 1>(g, u, dy, dg, du, rows, cols, in_stride, out_stride);                                   \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(kThreads)                                                            \
+        ce_logsumexp_##SUFFIX(const T* logits, const uint32_t* targets, float* out, int vocab) {                      \
+        ce_logsumexp<T>(logits, targets, out, vocab);                                                                 \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(kThreads) ce_backward_##SUFFIX(                                      \
+        const T* logits, const uint32_t* targets, const float* lse, T* dx, int vocab, float scale) {                  \
+        ce_backward<T>(logits, targets, lse, dx, vocab, scale);                                                       \
     }
 
 // ---- The optimizer step on the GPU (train::optim::AdamW::update): three launches for the whole

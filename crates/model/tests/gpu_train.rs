@@ -49,6 +49,14 @@ fn embedding_matches_candle_nn_on_the_gpu() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn cross_entropy_matches_an_f64_reference_on_the_gpu() -> Result<()> {
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        train_ops_common::cross_entropy(&gpu(), dtype)?;
+    }
+    Ok(())
+}
+
 /// Output and input gradients of `f` on CUDA and on the CPU, same inputs, same output gradient.
 fn cuda_vs_cpu(what: &str, inputs: &[Tensor], f: impl Fn(&[Tensor]) -> Result<Tensor>, tol: f32) -> Result<()> {
     let r = randn(inputs[0].dims(), DType::F32, &Device::Cpu);

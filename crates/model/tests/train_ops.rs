@@ -39,3 +39,11 @@ fn embedding_matches_candle_nn() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn cross_entropy_matches_an_f64_reference() -> Result<()> {
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        train_ops_common::cross_entropy(&Device::Cpu, dtype)?;
+    }
+    Ok(())
+}

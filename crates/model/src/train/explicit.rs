@@ -8,13 +8,15 @@
 //! ([`LayerActivations`], or with activation checkpointing only each layer's input), and the
 //! backward runs the kernels autograd would (the matmuls, flash-attn3's backward, the backward
 //! kernels of [`crate::train_ops`]), each gradient computed once where it is produced. On top of
-//! that: q/k/v and gate/up are one matmul each over weights stacked once per step, the residual
-//! adds run inside the norms' launches, and each weight gradient is added in f32 to its
-//! accumulator by the GEMM that computes it.
+//! that: q/k/v and gate/up are one matmul each over stacked weights (on the GPU kept from step
+//! to step: the optimizer step writes them), the residual adds run inside the norms' launches,
+//! each weight gradient is added in f32 to its accumulator by the GEMM that computes it, and the
+//! LM head and the loss run over chunks of tokens with the loss's kernels reading and writing
+//! the compute dtype (no f32 copy of the logits).
 //!
 //! The arithmetic is that of the autograd path: the same math in the same dtypes, the weights
-//! cast from the f32 masters to the compute dtype once per step; the weight gradients are summed
-//! in f32 (autograd's are rounded to the compute dtype first). Attention runs in its fixed-length
+//! cast from the f32 masters to the compute dtype; the weight gradients are summed in f32
+//! (autograd's are rounded to the compute dtype first). Attention runs in its fixed-length
 //! form (every sequence of a micro-batch has the same length), where the model's forward calls
 //! the varlen form over the same sequences. The tests compare the two paths' gradients
 //! (`crates/model/tests/train.rs`, and on the GPU in bf16).
@@ -29,9 +31,15 @@ use flash_attn3::FlashAttn;
 use crate::config::Config;
 use crate::nn::rope_angles;
 use crate::train_ops::{
-    accumulate_weight_grad, rms_norm, rms_norm_add, rms_norm_backward, rope_pack_backward, rope_unpack, swiglu_packed,
-    swiglu_packed_backward, TokenIndex,
+    accumulate_weight_grad, cross_entropy_backward, cross_entropy_logsumexp, rms_norm, rms_norm_add, rms_norm_backward,
+    rope_pack_backward, rope_unpack, swiglu_packed, swiglu_packed_backward, TokenIndex,
 };
+
+/// The LM head and the loss run over chunks of a micro-batch's tokens whose logits take at most
+/// this many bytes (in the compute dtype): a chunk's logits and their gradient are the only
+/// (tokens, vocab) tensors that exist, never an f32 copy. A byte vocabulary fits one chunk; a
+/// 128k vocabulary in bf16 takes 1,024 tokens a chunk.
+const HEAD_CHUNK_BYTES: usize = 256 << 20;
 
 /// One weight that is not a matmul's: its index among the trainer's master variables and its
 /// value in the compute dtype (detached: nothing records a graph through it).
@@ -178,12 +186,12 @@ pub(crate) struct ExplicitModel {
     /// RoPE's cos and sin of every token of a micro-batch, (batch · seq, head_dim / 2).
     cos: Tensor,
     sin: Tensor,
-    /// 0..vocab (u32), to compare the targets with.
-    classes: Tensor,
     attn: FlashAttn,
     /// Keep only each layer's input through the forward and recompute the rest in the backward
     /// (activation checkpointing): activation memory of one layer plus a stream per layer.
     checkpoint_activations: bool,
+    /// The LM head's chunks: at most this many bytes of logits ([`HEAD_CHUNK_BYTES`]).
+    head_chunk_bytes: usize,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -281,9 +289,9 @@ impl ExplicitModel {
             head,
             cos: cos.to_dtype(dtype)?,
             sin: sin.to_dtype(dtype)?,
-            classes: Tensor::arange(0, cfg.vocab_size as u32, &device)?,
             attn,
             checkpoint_activations,
+            head_chunk_bytes: HEAD_CHUNK_BYTES,
             heads: cfg.num_attention_heads,
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
@@ -334,6 +342,50 @@ impl ExplicitModel {
             candle_core::bail!("internal error: a weight without a compute copy")
         }
         Ok(copies)
+    }
+
+    /// The LM head on the final norm's output `xf` (tokens, hidden), the mean cross-entropy
+    /// against `targets` ((tokens,) u32) times `scale` (an f32 scalar on the device), and the
+    /// backward to `xf`: the head's weight gradient added to its accumulator in `grads`, and
+    /// `xf`'s gradient returned. Over chunks of tokens ([`HEAD_CHUNK_BYTES`]): each chunk's
+    /// logits (compute dtype), their logsumexp in f32 and their gradient written in the compute
+    /// dtype, as the whole-batch f32 cross-entropy would round it.
+    fn head_loss_backward(
+        &self,
+        xf: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+        grads: &mut [Option<Tensor>],
+    ) -> Result<(Tensor, Tensor)> {
+        let tokens = xf.dim(0)?;
+        let vocab = self.head.value.dim(0)?;
+        let chunk = (self.head_chunk_bytes / (vocab * self.dtype.size_in_bytes()).max(1)).clamp(1, tokens.max(1));
+        let mut loss_sum: Option<Tensor> = None;
+        let mut dxf = Vec::with_capacity(tokens.div_ceil(chunk));
+        for start in (0..tokens).step_by(chunk) {
+            let rows = chunk.min(tokens - start);
+            let (x, t) = (xf.narrow(0, start, rows)?, targets.narrow(0, start, rows)?);
+            let logits = self.head.forward(&x)?;
+            let stats = cross_entropy_logsumexp(&logits, &t)?;
+            let lse = stats.narrow(1, 0, 1)?.squeeze(1)?;
+            // Σ (logsumexp − target logit) over the chunk's rows.
+            let sum = (lse.sum_all()? - stats.narrow(1, 1, 1)?.sum_all()?)?;
+            loss_sum = Some(match loss_sum.take() {
+                None => sum,
+                Some(s) => (s + sum)?,
+            });
+            let dlogits = cross_entropy_backward(&logits, &t, &lse, scale / tokens as f64)?;
+            dxf.push(self.head.backward(&x, &dlogits, grads)?);
+        }
+        let loss = match loss_sum {
+            Some(sum) => (sum * (scale / tokens as f64))?,
+            None => Tensor::zeros((), DType::F32, xf.device())?,
+        };
+        let dxf = match dxf.len() {
+            1 => dxf.pop().expect("one chunk"),
+            _ => Tensor::cat(&dxf, 0)?,
+        };
+        Ok((loss, dxf))
     }
 
     /// One layer's forward from its input stream `x_in` and its norm `h1`: the activations its
@@ -427,16 +479,11 @@ impl ExplicitModel {
             }
             (x, Some(sub)) => rms_norm_add(&x, &sub, &self.norm.value, self.eps)?,
         };
-        let logits = self.head.forward(&xf)?;
-
-        // The loss and its gradient with respect to the logits, in f32: for each row,
-        // softmax(logits) minus the target's one-hot, over the rows.
-        let (loss, dlogits) = cross_entropy_with_grad(&logits, &mb.targets, &self.classes, loss_scale)?;
-        let dlogits = dlogits.to_dtype(self.dtype)?;
+        // The head, the loss and their backward, a chunk of tokens at a time.
+        let (loss, dxf) = self.head_loss_backward(&xf, &mb.targets, loss_scale, grads)?;
 
         // Backward. `dx` is the gradient of the residual stream after the layer in hand, which
         // reaches both the layer's last sub-block output and the stream before it.
-        let dxf = self.head.backward(&xf, &dlogits, grads)?;
         let (mut dx, dw) = rms_norm_backward(&x_last, &self.norm.value, &dxf, self.eps, None)?;
         add_grad(grads, self.norm.index, &dw)?;
         // A tied head's gradient is the embedding's, which the embedding's backward completes.
@@ -487,26 +534,61 @@ impl ExplicitModel {
     }
 }
 
-/// The mean over the rows of `logits` (tokens, vocab) of the cross-entropy against `targets`
-/// ((tokens,) u32 on the device),
-/// times `scale`, as an f32 scalar, and its gradient with respect to the logits (f32, same
-/// shape): `scale / tokens · (softmax(row) − one_hot(target))`. The same operations as
-/// [`crate::train::cross_entropy`] for the loss.
-fn cross_entropy_with_grad(
-    logits: &Tensor,
-    targets: &Tensor,
-    classes: &Tensor,
-    scale: f64,
-) -> Result<(Tensor, Tensor)> {
-    let tokens = targets.elem_count();
-    let logits = logits.to_dtype(DType::F32)?;
-    let targets = targets.unsqueeze(1)?;
-    let shifted = logits.broadcast_sub(&logits.max_keepdim(1)?)?;
-    let exp = shifted.exp()?;
-    let sum = exp.sum_keepdim(1)?;
-    let picked = shifted.gather(&targets, 1)?;
-    let loss = ((sum.log()? - picked)?.mean_all()? * scale)?;
-    let one_hot = targets.broadcast_eq(&classes.unsqueeze(0)?)?.to_dtype(DType::F32)?;
-    let dlogits = ((exp.broadcast_div(&sum)? - one_hot)? * (scale / tokens as f64))?;
-    Ok((loss, dlogits))
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::{data::Rng, llama_config, parameter_shapes};
+
+    /// The LM head and loss over chunks of tokens (here 7 rows a chunk, the last one partial)
+    /// give the loss and every gradient of the whole micro-batch in one chunk (f32 on the CPU:
+    /// the same values up to the order of the f32 sums), with a tied and an untied head.
+    #[test]
+    fn head_chunks_give_the_whole_batch_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        for tied in [false, true] {
+            let mut cfg = llama_config(300, 64, 96, 2, 4, 2, 64);
+            cfg.tie_word_embeddings = tied;
+            let mut rng = Rng(3);
+            let (names, vars): (Vec<String>, Vec<Var>) = parameter_shapes(&cfg)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?
+                .into_iter()
+                .map(|(name, shape)| {
+                    let v = Tensor::from_vec(rng.normals(shape.elem_count(), 0.1), shape, &dev)?;
+                    Ok((name, Var::from_tensor(&v)?))
+                })
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .unzip();
+            let (batch, seq) = (2, 24);
+            let ids: Vec<u32> = (0..=batch * seq).map(|_| rng.below(300) as u32).collect();
+            let mb = MicroBatch::new(&ids[..batch * seq], &ids[1..], batch, seq, 300, &dev)?;
+            let mut model = ExplicitModel::new(&cfg, &names, &vars, DType::F32, (batch, seq), false)?;
+            let mut run = |chunk_bytes: usize| -> Result<(f32, Vec<Vec<f32>>)> {
+                model.head_chunk_bytes = chunk_bytes;
+                let mut grads = vec![None; vars.len()];
+                let loss = model.accumulate(&mb, 0.5, &mut grads, &mut |_, _| Ok(()))?;
+                let grads = grads
+                    .into_iter()
+                    .map(|g| g.expect("every weight has a gradient").flatten_all()?.to_vec1::<f32>())
+                    .collect::<Result<_>>()?;
+                Ok((loss.to_scalar::<f32>()?, grads))
+            };
+            let (loss_whole, whole) = run(HEAD_CHUNK_BYTES)?;
+            let (loss_chunked, chunked) = run(7 * 300 * 4)?;
+            assert!(
+                (loss_whole - loss_chunked).abs() <= 1e-6 * loss_whole.abs(),
+                "tied {tied}: loss {loss_chunked} in chunks, {loss_whole} whole"
+            );
+            for (i, (a, b)) in chunked.iter().zip(&whole).enumerate() {
+                let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                assert!(
+                    scale > 0.0 && diff <= 1e-5 * scale,
+                    "tied {tied}, {}: gradients differ by {diff} (max {scale})",
+                    names[i]
+                );
+            }
+        }
+        Ok(())
+    }
 }

@@ -542,6 +542,70 @@ fn index_addr(t: &Tensor, dev: &candle_core::cuda_backend::CudaDevice) -> Result
     )
 }
 
+/// One block of `THREADS` per row (`rows` ≤ 2³¹ − 1 blocks along x).
+fn row_blocks_cfg(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// (rows, 2) f32: each row's logsumexp and its target's logit.
+pub(super) fn cross_entropy_lse(x: Arg, t: Arg) -> Result<CudaStorage> {
+    by_dtype!("cross-entropy", x.0.dtype(), cross_entropy_lse_t(x, t))
+}
+
+fn cross_entropy_lse_t<T: CudaDType + DeviceRepr>(x: Arg, t: Arg) -> Result<CudaStorage> {
+    const OP: &str = "cross-entropy";
+    let dev = x.0.device.clone();
+    let (rows, vocab) = (x.1.dims()[0], x.1.dims()[1]);
+    let xa = addr::<T>(x.0, x.1, OP, "the logits")?;
+    let ta = addr::<u32>(t.0, t.1, OP, "the targets")?;
+    // SAFETY: the kernel writes both values of every row.
+    let mut out = unsafe { dev.alloc::<f32>((2 * rows).max(1))? };
+    if rows > 0 {
+        let func = function_in(CUBIN, &dev, format!("ce_logsumexp_{}", suffix(x.0.dtype(), OP)?))?;
+        let stream = dev.cuda_stream();
+        let (oa, _guard) = out.device_ptr_mut(&stream);
+        let vocab_i = vocab as i32;
+        let mut b = stream.launch_builder(&func);
+        b.arg(&xa).arg(&ta).arg(&oa).arg(&vocab_i);
+        launch(&mut b, row_blocks_cfg(rows), "ce_logsumexp")?;
+    }
+    Ok(f32::wrap_cuda_slice(out, dev))
+}
+
+/// `scale · (softmax(row) − one_hot(target))` in the logits' dtype.
+pub(super) fn cross_entropy_bwd(x: Arg, t: Arg, lse: Arg, scale: f32) -> Result<CudaStorage> {
+    by_dtype!(
+        "cross-entropy backward",
+        x.0.dtype(),
+        cross_entropy_bwd_t(x, t, lse, scale)
+    )
+}
+
+fn cross_entropy_bwd_t<T: CudaDType + DeviceRepr>(x: Arg, t: Arg, lse: Arg, scale: f32) -> Result<CudaStorage> {
+    const OP: &str = "cross-entropy backward";
+    let dev = x.0.device.clone();
+    let (rows, vocab) = (x.1.dims()[0], x.1.dims()[1]);
+    let xa = addr::<T>(x.0, x.1, OP, "the logits")?;
+    let ta = addr::<u32>(t.0, t.1, OP, "the targets")?;
+    let la = addr::<f32>(lse.0, lse.1, OP, "the logsumexp")?;
+    // SAFETY: the kernel writes every element.
+    let mut dx = unsafe { dev.alloc::<T>((rows * vocab).max(1))? };
+    if rows > 0 {
+        let func = function_in(CUBIN, &dev, format!("ce_backward_{}", suffix(x.0.dtype(), OP)?))?;
+        let stream = dev.cuda_stream();
+        let (da, _guard) = dx.device_ptr_mut(&stream);
+        let vocab_i = vocab as i32;
+        let mut b = stream.launch_builder(&func);
+        b.arg(&xa).arg(&ta).arg(&la).arg(&da).arg(&vocab_i).arg(&scale);
+        launch(&mut b, row_blocks_cfg(rows), "ce_backward")?;
+    }
+    Ok(T::wrap_cuda_slice(dx, dev))
+}
+
 pub(super) fn embedding(w: Arg, index: &EmbeddingIndex) -> Result<CudaStorage> {
     by_dtype!("embedding", w.0.dtype(), embedding_t(w, index))
 }

@@ -19,7 +19,10 @@
 //! - [`swiglu_packed`] / [`swiglu_packed_backward`]: SiLU × up of a packed gate/up output;
 //!   [`swiglu_backward`]; [`TokenIndex`], the embedding lookup with its index made ahead;
 //! - [`accumulate_weight_grad`]: a weight gradient added to an f32 accumulator, on the GPU by
-//!   one cuBLAS GEMM writing f32 in place.
+//!   one cuBLAS GEMM writing f32 in place;
+//! - [`cross_entropy_logsumexp`] / [`cross_entropy_backward`]: the loss of rows of logits and
+//!   its gradient, read and written in the logits' dtype (f32 inside), so the explicit backward
+//!   runs the LM head and the loss over chunks of tokens without an f32 copy of the logits.
 //!
 //! Each is a candle custom op whose `bwd` applies another op of this module, so a graph through
 //! them differentiates like one of plain candle ops, with one or two launches per op instead of
@@ -204,6 +207,55 @@ pub fn accumulate_weight_grad(acc: Option<Tensor>, dy: &Tensor, x: &Tensor) -> R
         Some(acc) => acc + g,
         None => Ok(g),
     }
+}
+
+/// Per row of `logits` (rows, vocab): its logsumexp and the logit of the row's target
+/// (`targets`: (rows,) u32 on the same device; a target outside the vocabulary gives NaN), as
+/// (rows, 2) f32. The row's cross-entropy is the first minus the second. No graph node.
+pub fn cross_entropy_logsumexp(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    check_cross_entropy(logits, targets, None)?;
+    logits
+        .contiguous()?
+        .apply_op2_no_bwd(&targets.contiguous()?, &CrossEntropyLse)
+}
+
+/// The gradient of the rows' cross-entropy times `scale` with respect to `logits` (rows,
+/// vocab): `scale · (softmax(row) − one_hot(target))`, with the softmax from `lse` ((rows,) f32,
+/// the first column of [`cross_entropy_logsumexp`]), in the logits' dtype. No graph node.
+pub fn cross_entropy_backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, scale: f64) -> Result<Tensor> {
+    check_cross_entropy(logits, targets, Some(lse))?;
+    let op = CrossEntropyBwd { scale: scale as f32 };
+    logits
+        .contiguous()?
+        .apply_op3_no_bwd(&targets.contiguous()?, &lse.contiguous()?, &op)
+}
+
+fn check_cross_entropy(logits: &Tensor, targets: &Tensor, lse: Option<&Tensor>) -> Result<()> {
+    let (rows, vocab) = logits.dims2()?;
+    if targets.dims() != [rows] || targets.dtype() != DType::U32 || vocab == 0 {
+        bail!(
+            "flash-llama cross-entropy: logits {:?} need (rows,) u32 targets, got {:?} {:?}",
+            logits.shape(),
+            targets.dtype(),
+            targets.shape()
+        )
+    }
+    if let Some(lse) = lse {
+        if lse.dims() != [rows] || lse.dtype() != DType::F32 {
+            bail!(
+                "flash-llama cross-entropy backward: logits {:?} need a (rows,) f32 logsumexp, got {:?} {:?}",
+                logits.shape(),
+                lse.dtype(),
+                lse.shape()
+            )
+        }
+    }
+    for t in [targets].into_iter().chain(lse) {
+        if !t.device().same_device(logits.device()) {
+            bail!("flash-llama cross-entropy: the logits and the targets must be on one device")
+        }
+    }
+    Ok(())
 }
 
 /// q, k and v of a packed q/k/v projection's output `x` (tokens, (hq + hk + hv) · d), `heads`
@@ -1015,6 +1067,107 @@ impl CustomOp3 for SwigluBwd {
         dyl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         Ok((cuda::swiglu_bwd((g, gl), (u, ul), (dy, dyl))?, pair_shape(gl)))
+    }
+}
+
+struct CrossEntropyLse;
+
+struct CrossEntropyBwd {
+    scale: f32,
+}
+
+/// A contiguous u32 input.
+fn u32s<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [u32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::U32(v), Some((start, end))) => Ok(&v[start..end]),
+        _ => bail!("flash-llama {op}: the targets must be contiguous u32"),
+    }
+}
+
+/// (max, sum of exp(x − max)) of a row, in f32 like the kernel (the sum in f64 here).
+fn row_logsumexp(row: &[f32]) -> f32 {
+    let m = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if m == f32::NEG_INFINITY {
+        return m;
+    }
+    let s: f64 = row.iter().map(|&v| ((v - m) as f64).exp()).sum();
+    m + (s as f32).ln()
+}
+
+impl CustomOp2 for CrossEntropyLse {
+    fn name(&self) -> &'static str {
+        "train-cross-entropy-lse"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout, t: &CpuStorage, tl: &Layout) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "cross-entropy";
+        let (x, targets) = (f32s(x, xl, OP)?, u32s(t, tl, OP)?);
+        let vocab = xl.dims()[1];
+        let mut out = Vec::with_capacity(2 * targets.len());
+        for (row, &t) in x.chunks(vocab).zip(targets) {
+            out.push(row_logsumexp(row));
+            out.push(row.get(t as usize).copied().unwrap_or(f32::NAN));
+        }
+        Ok((CpuStorage::F32(out), Shape::from((targets.len(), 2))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        t: &candle_core::CudaStorage,
+        tl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            cuda::cross_entropy_lse((x, xl), (t, tl))?,
+            Shape::from((xl.dims()[0], 2)),
+        ))
+    }
+}
+
+impl CustomOp3 for CrossEntropyBwd {
+    fn name(&self) -> &'static str {
+        "train-cross-entropy-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        t: &CpuStorage,
+        tl: &Layout,
+        lse: &CpuStorage,
+        lsel: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "cross-entropy backward";
+        let dtype = x.dtype();
+        let (x, targets, lse) = (f32s(x, xl, OP)?, u32s(t, tl, OP)?, f32s(lse, lsel, OP)?);
+        let vocab = xl.dims()[1];
+        let mut dx = Vec::with_capacity(x.len());
+        for ((row, &t), &l) in x.chunks(vocab).zip(targets).zip(&lse) {
+            dx.extend(row.iter().enumerate().map(|(i, &v)| {
+                let one_hot = if i == t as usize { 1.0 } else { 0.0 };
+                self.scale * ((v - l).exp() - one_hot)
+            }));
+        }
+        Ok((storage(dtype, dx), xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        t: &candle_core::CudaStorage,
+        tl: &Layout,
+        lse: &candle_core::CudaStorage,
+        lsel: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            cuda::cross_entropy_bwd((x, xl), (t, tl), (lse, lsel), self.scale)?,
+            xl.shape().clone(),
+        ))
     }
 }
 

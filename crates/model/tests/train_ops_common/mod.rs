@@ -146,3 +146,73 @@ pub fn embedding(dev: &Device, dtype: DType, tol: f32) -> Result<()> {
     }
     Ok(())
 }
+
+/// The cross-entropy ops (`cross_entropy_logsumexp`, `cross_entropy_backward`) against an f64
+/// reference on the host of the same (rounded) logits: rows of an odd vocabulary (and a
+/// 50,257-entry one), logits spread over ±8 with one large outlier per row, fresh random targets,
+/// one target outside the vocabulary (its loss must be NaN, every other row finite). The
+/// logsumexp within `1e-5` relative (f32 inside), the target logit exact; the gradient, from the
+/// f32 logsumexp it is given, within one rounding of `dtype` of each entry plus a few f32 ulps
+/// of the softmax.
+pub fn cross_entropy(dev: &Device, dtype: DType) -> Result<()> {
+    for (rows, vocab) in [(37usize, 264usize), (5, 50_257), (3, 1)] {
+        let mut logits = (Tensor::randn(0f32, 4.0, (rows, vocab), &Device::Cpu)?).to_vec2::<f32>()?;
+        for (r, row) in logits.iter_mut().enumerate() {
+            let i = (r * 7919) % vocab;
+            row[i] += 30.0;
+        }
+        let logits = Tensor::new(logits, &Device::Cpu)?.to_dtype(dtype)?;
+        let mut targets: Vec<u32> = (0..rows).map(|r| ((r * 104_729 + 17) % vocab) as u32).collect();
+        targets[rows - 1] = vocab as u32; // outside: NaN
+        let host: Vec<Vec<f64>> = logits.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+        let (x, t) = (logits.to_device(dev)?, Tensor::new(targets.as_slice(), dev)?);
+        let stats = train_ops::cross_entropy_logsumexp(&x, &t)?.to_vec2::<f32>()?;
+        let scale = 0.37;
+        let lse = Tensor::new(stats.iter().map(|s| s[0]).collect::<Vec<f32>>(), dev)?;
+        let grad = train_ops::cross_entropy_backward(&x, &t, &lse, scale)?;
+        assert_eq!(grad.dtype(), dtype, "cross-entropy gradient dtype");
+        let grad = grad.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+        for r in 0..rows {
+            let m = host[r].iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse_ref = m + host[r].iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+            let (lse, target) = (stats[r][0] as f64, stats[r][1] as f64);
+            assert!(
+                (lse - lse_ref).abs() <= 1e-5 * lse_ref.abs().max(1.0),
+                "{dtype:?} {rows}x{vocab}, row {r}: logsumexp {lse}, f64 {lse_ref}"
+            );
+            let t = targets[r] as usize;
+            if t >= vocab {
+                assert!(
+                    target.is_nan(),
+                    "{dtype:?}: a target outside the vocabulary gave {target}"
+                );
+            } else {
+                assert_eq!(target, host[r][t], "{dtype:?} row {r}: target logit");
+            }
+            // Half a unit in the last place, relative, and half the smallest subnormal (f16's
+            // subnormals are 2^-24 apart).
+            let (unit, tiny) = match dtype {
+                DType::BF16 => (2f64.powi(-8), 2f64.powi(-134)),
+                DType::F16 => (2f64.powi(-11), 2f64.powi(-25)),
+                _ => (2f64.powi(-24), 2f64.powi(-150)),
+            };
+            for (i, &g) in grad[r].iter().enumerate() {
+                // The softmax from the f32 logsumexp the backward was given (its own rounding,
+                // up to 2e-6 of a logsumexp near 30, is the forward's, checked above).
+                let arg = host[r][i] - lse;
+                let p = arg.exp();
+                let want = scale * (p - if i == t { 1.0 } else { 0.0 });
+                // The softmax in f32 (the exponent's rounding, |arg| · 2^-24, and a few ulps of
+                // exp), then p − one_hot and the product by scale in f32 (half an f32 ulp each),
+                // and one rounding to the dtype.
+                let softmax = (arg.abs() + 8.0) * 2f64.powi(-23) * scale * p;
+                let bound = (unit + 2f64.powi(-23)) * want.abs() + softmax + tiny;
+                assert!(
+                    (g - want).abs() <= bound,
+                    "{dtype:?} {rows}x{vocab}, row {r}, entry {i}: gradient {g}, f64 {want}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
