@@ -68,9 +68,13 @@ impl Module for RmsNorm {
             Kernels::Trainable => return crate::train_ops::rms_norm(x, &self.weight, self.eps),
             Kernels::Composed => {}
         }
-        // Accumulate in f32 whatever the run dtype: bf16 sums of squares lose too many bits.
+        // Accumulate in f32 at least, whatever the run dtype: bf16 sums of squares lose too many
+        // bits (f64 stays f64: the tests' reference).
         let dtype = x.dtype();
-        let xf = x.to_dtype(DType::F32)?;
+        let xf = match dtype {
+            DType::F64 => x.clone(),
+            _ => x.to_dtype(DType::F32)?,
+        };
         let mean_sq = xf.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = xf.broadcast_div(&(mean_sq + self.eps)?.sqrt()?)?;
         normed.to_dtype(dtype)?.broadcast_mul(&self.weight)

@@ -1,7 +1,7 @@
 //! Checks of flash-llama's training ops (`flash_llama::train_ops`) against the composed candle
 //! ops they replace, forward and gradients, shared by the CPU tests (tests/train_ops.rs) and the
-//! GPU tests (tests/gpu_train.rs). The reference is the composed form in f32 on the same input
-//! values (the op's inputs cast to f32), differentiated by candle's autograd; the loss is
+//! GPU tests (tests/gpu_train.rs). The reference is the composed form in f64 on the same input
+//! values (the op's inputs cast to f64), differentiated by candle's autograd; the loss is
 //! `sum(y · r)` for a fixed random `r`, so the op's backward sees a random output gradient.
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
@@ -15,7 +15,7 @@ pub fn randn(shape: &[usize], dtype: DType, dev: &Device) -> Tensor {
 }
 
 /// Forward and the gradients of `inputs` of `f` (ours, in `dtype`) and `reference` (composed, in
-/// f32 on the same values); panics naming `what` when one differs by more than `tol`.
+/// f64 on the same values); panics naming `what` when one differs by more than `tol`.
 fn check(
     what: &str,
     inputs: &[Tensor],
@@ -34,11 +34,11 @@ fn check(
         Ok((y, g))
     };
     let (y, g) = run(inputs.to_vec(), &ours)?;
-    let f32_inputs = inputs
+    let f64_inputs = inputs
         .iter()
-        .map(|t| t.to_dtype(DType::F32))
+        .map(|t| t.to_dtype(DType::F64))
         .collect::<Result<Vec<_>>>()?;
-    let (y_ref, g_ref) = run(f32_inputs, &reference)?;
+    let (y_ref, g_ref) = run(f64_inputs, &reference)?;
     let d = rel_diff(&y, &y_ref);
     let dg: Vec<f32> = g.iter().zip(&g_ref).map(|(g, r)| rel_diff(g, r)).collect();
     eprintln!("{what}: forward {d:.2e}, gradients {dg:?}");
@@ -84,7 +84,7 @@ pub fn rope(dev: &Device, dtype: DType, tol: f32) -> Result<()> {
                 &[x],
                 |t| train_ops::rope(&t[0], cos, sin, interleaved),
                 |t| {
-                    let (c, s) = (cos.to_dtype(DType::F32)?, sin.to_dtype(DType::F32)?);
+                    let (c, s) = (cos.to_dtype(DType::F64)?, sin.to_dtype(DType::F64)?);
                     apply_rope(&t[0], &c, &s, interleaved, Kernels::Composed)
                 },
                 tol,
@@ -110,7 +110,7 @@ pub fn swiglu(dev: &Device, dtype: DType, tol: f32) -> Result<()> {
 }
 
 /// Embedding lookup, ids repeated and some absent: forward and dweight against candle-nn's
-/// `Embedding` (index_select, index_add backward).
+/// `Embedding` (index_select, index_add backward) in f64.
 pub fn embedding(dev: &Device, dtype: DType, tol: f32) -> Result<()> {
     for (vocab, dim, tokens) in [(11, 7, 40), (264, 768, 333), (5, 300, 1)] {
         // Skewed ids (id 1 far more often than the others, ids near vocab never).
@@ -137,7 +137,7 @@ pub fn embedding(dev: &Device, dtype: DType, tol: f32) -> Result<()> {
             Ok((y, grads.get(&v).unwrap().clone()))
         };
         let (y, g) = run(w.clone(), true)?;
-        let (y_ref, g_ref) = run(w.to_dtype(DType::F32)?, false)?;
+        let (y_ref, g_ref) = run(w.to_dtype(DType::F64)?, false)?;
         let (d, dg) = (rel_diff(&y, &y_ref), rel_diff(&g, &g_ref));
         eprintln!("embedding ({vocab}, {dim}) x {tokens} {dtype:?}: forward {d:.2e}, gradient {dg:.2e}");
         assert!(d == 0.0, "embedding: forward differs by {d}");
