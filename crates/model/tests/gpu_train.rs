@@ -382,13 +382,8 @@ fn explicit_backward_matches_autograd_on_the_gpu() -> Result<()> {
             .zip(grads.iter().zip(&grads_auto).zip(&grads_f32))
         {
             let r = r.to_device(&gpu())?;
-            // Relative to the largest entry (gradients are far below 1, where `rel_diff` would
-            // measure absolute differences).
-            let rel = |x: &Tensor, y: &Tensor| {
-                let scale = common::max_abs(&y.to_dtype(DType::F32).unwrap());
-                assert!(scale > 0.0, "window {window:?}, {name}: zero gradient");
-                common::max_diff(&x.to_dtype(DType::F32).unwrap(), &y.to_dtype(DType::F32).unwrap()) / scale
-            };
+            // Relative to the largest entry (a zero gradient gives NaN, which fails).
+            let rel = common::diff_over_max;
             let (e_explicit, e_autograd) = (rel(g, &r), rel(a, &r));
             // bf16 through two layers and back: a few roundings of the dtype; the explicit
             // backward must be as close to f32 as autograd's (NaN fails every comparison).
@@ -446,11 +441,7 @@ fn explicit_ops_match_the_cpu_loops() -> Result<()> {
                     tol,
                 );
                 // dw sums a product per row: relative to its own size.
-                let scale = common::max_abs(&dw_c.to_dtype(DType::F32)?);
-                let e = common::max_diff(
-                    &dw_g.to_device(&cpu)?.to_dtype(DType::F32)?,
-                    &dw_c.to_dtype(DType::F32)?,
-                ) / scale;
+                let e = common::diff_over_max(&dw_g, &dw_c);
                 eprintln!("RMSNorm backward dw {dim} {dtype:?}: {e:.2e}");
                 assert!(
                     e <= tol,

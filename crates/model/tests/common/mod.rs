@@ -245,6 +245,18 @@ pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     max_abs(&(a - b).unwrap())
 }
 
+/// Largest |a - b| over the largest |b|, both compared in f32 on b's device: the error relative
+/// to the reference's own size (gradients far below 1, where [`rel_diff`] would measure
+/// absolute differences). A reference of zeros gives NaN, which fails every bound.
+pub fn diff_over_max(a: &Tensor, b: &Tensor) -> f32 {
+    let b = b.to_dtype(DType::F32).unwrap();
+    let a = a.to_device(b.device()).unwrap().to_dtype(DType::F32).unwrap();
+    match max_abs(&b) {
+        0.0 => f32::NAN,
+        scale => max_diff(&a, &b) / scale,
+    }
+}
+
 /// Largest |a - b| over the largest |b| (at least 1), both compared in f32.
 pub fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
     let (a, b) = (a.to_dtype(DType::F32).unwrap(), b.to_dtype(DType::F32).unwrap());
