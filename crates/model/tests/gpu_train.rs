@@ -560,6 +560,149 @@ fn explicit_ops_match_the_cpu_loops() -> Result<()> {
     Ok(())
 }
 
+/// f64 autograd of `f` at `inputs` (cast to f64, on the CPU) with the output gradient `dy`:
+/// the output and each input's gradient.
+fn f64_grads(
+    inputs: &[&Tensor],
+    dy: &Tensor,
+    f: impl Fn(&[Tensor]) -> Result<Tensor>,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(&t.to_device(&Device::Cpu)?.to_dtype(DType::F64)?))
+        .collect::<Result<_>>()?;
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&ts)?;
+    let dy = dy.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    let grads = (&y * &dy)?.sum_all()?.backward()?;
+    let g = vars.iter().map(|v| grads.get(v).unwrap().clone()).collect();
+    Ok((y, g))
+}
+
+/// The explicit backward's graph-free and packed ops on CUDA against f64 references of the same
+/// input values (the composed forms, differentiated in f64 by candle's autograd): add + RMSNorm
+/// and its backward with and without the residual stream's gradient (rows the fused backward
+/// takes and wider ones), RoPE of the q and k heads of packed q/k/v rows and the packed
+/// backward (the rotation by the opposite angles), packed SiLU × up and its backward, and the
+/// in-place f32 weight-gradient GEMM; bf16/f16/f32 within the tolerances of the other op tests.
+#[test]
+fn explicit_ops_match_an_f64_reference_on_the_gpu() -> Result<()> {
+    use candle_core::Module;
+    use flash_llama::nn::{apply_rope, RmsNorm};
+    use flash_llama::Kernels;
+    let dev = gpu();
+    let f64s = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
+    let check = |what: &str, got: &Tensor, want: &Tensor, tol: f32| {
+        let e = rel_diff(&got.to_device(&Device::Cpu).unwrap(), want);
+        eprintln!("{what}: against f64 {e:.2e}");
+        assert!(e <= tol, "{what}: differs from the f64 reference by {e} (tol {tol})");
+    };
+    for (dtype, tol) in CASES {
+        for (rows, dim) in [(1031, 768), (131, 2050)] {
+            let [x, h, dy, dres] = [0; 4].map(|_| randn(&[rows, dim], dtype, &dev));
+            let w = randn(&[dim], dtype, &dev);
+            let (sum, y) = train_ops::rms_norm_add(&x, &h, &w, 1e-5)?;
+            // The sum is the dtype's rounding of x + h, which the norm then reads.
+            check(
+                &format!("add + RMSNorm sum {dim} {dtype:?}"),
+                &sum,
+                &(&x + &h)?.to_device(&Device::Cpu)?,
+                0.0,
+            );
+            let norm = |t: &[Tensor]| RmsNorm::new(t[1].clone(), 1e-5, Kernels::Composed).forward(&t[0]);
+            let (y_ref, _) = f64_grads(&[&sum, &w], &dy, norm)?;
+            check(&format!("add + RMSNorm {dim} {dtype:?}"), &y, &y_ref, tol);
+            let (_, g) = f64_grads(&[&x, &w], &dy, norm)?;
+            for residual in [true, false] {
+                let (dx, dw) = train_ops::rms_norm_backward(&x, &w, &dy, 1e-5, residual.then_some(&dres))?;
+                let dx_ref = if residual { (&g[0] + f64s(&dres))? } else { g[0].clone() };
+                check(
+                    &format!("RMSNorm backward dx {dim}, residual {residual} {dtype:?}"),
+                    &dx,
+                    &dx_ref,
+                    tol,
+                );
+                let e = common::diff_over_max(&dw.to_device(&Device::Cpu)?, &g[1]);
+                eprintln!("RMSNorm backward dw {dim} {dtype:?}: against f64 {e:.2e}");
+                assert!(e <= tol, "RMSNorm backward dw {dim} {dtype:?}: differs from f64 by {e}");
+            }
+        }
+
+        // RoPE of the q and k heads of packed q/k/v rows (4 q, 2 k, 2 v heads of 64).
+        let (tokens, d) = (97, 64);
+        let qkv = randn(&[tokens, 8 * d], dtype, &dev);
+        let angles = Tensor::rand(0f32, 6.3, (tokens, d / 2), &dev)?;
+        let (cos, sin) = (angles.cos()?.to_dtype(dtype)?, angles.sin()?.to_dtype(dtype)?);
+        let (cos64, sin64) = (f64s(&cos), f64s(&sin));
+        let qkv64 = f64s(&qkv);
+        let heads = |t: &Tensor, first: usize, n: usize| t.narrow(1, first * d, n * d)?.reshape((tokens, n, d));
+        for interleaved in [false, true] {
+            let (q, k, v) = train_ops::rope_unpack(&qkv, [4, 2, 2], d, &cos, &sin, interleaved)?;
+            for (name, got, first, n) in [("q", &q, 0, 4), ("k", &k, 4, 2)] {
+                let want = apply_rope(
+                    &heads(&qkv64, first, n)?,
+                    &cos64,
+                    &sin64,
+                    interleaved,
+                    Kernels::Composed,
+                )?;
+                check(
+                    &format!("RoPE unpack {name}, interleaved {interleaved} {dtype:?}"),
+                    got,
+                    &want,
+                    tol,
+                );
+            }
+            check(&format!("RoPE unpack v {dtype:?}"), &v, &heads(&qkv64, 6, 2)?, 0.0);
+            let [dq, dk, dv] = [4, 2, 2].map(|n| randn(&[tokens, n, d], dtype, &dev));
+            let got = train_ops::rope_pack_backward(&dq, &dk, &dv, &cos, &sin, interleaved)?;
+            // The rotation's transpose: the rotation by the opposite angles.
+            let back = |t: &Tensor| apply_rope(&f64s(t), &cos64, &sin64.neg()?, interleaved, Kernels::Composed);
+            let want = Tensor::cat(
+                &[
+                    back(&dq)?.reshape((tokens, 4 * d))?,
+                    back(&dk)?.reshape((tokens, 2 * d))?,
+                    f64s(&dv).reshape((tokens, 2 * d))?,
+                ],
+                1,
+            )?;
+            check(
+                &format!("RoPE packed backward interleaved {interleaved} {dtype:?}"),
+                &got,
+                &want,
+                tol,
+            );
+        }
+
+        // SiLU × up of a packed gate/up tensor: 344 columns (16-byte vectors) and 345 (none).
+        for cols in [344, 345] {
+            let (gu, dy) = (randn(&[67, 2 * cols], dtype, &dev), randn(&[67, cols], dtype, &dev));
+            let swiglu = |t: &[Tensor]| t[0].narrow(1, 0, cols)?.silu()? * t[0].narrow(1, cols, cols)?;
+            let (y_ref, g) = f64_grads(&[&gu], &dy, swiglu)?;
+            let what = format!("SiLU × up packed, {cols} columns {dtype:?}");
+            check(&what, &train_ops::swiglu_packed(&gu)?, &y_ref, tol);
+            check(
+                &format!("{what} backward"),
+                &train_ops::swiglu_packed_backward(&gu, &dy)?,
+                &g[0],
+                tol,
+            );
+        }
+
+        // The weight gradient accumulated twice into f32 (16-bit inputs only), the second dy a
+        // column slice of a wider tensor: sums of 600 products of 16-bit values, exact in f64.
+        if dtype != DType::F32 {
+            let [x, dy, wide] = [96, 40, 100].map(|c| randn(&[300, c], dtype, &dev));
+            let slice = wide.narrow(1, 30, 40)?;
+            let acc = train_ops::accumulate_weight_grad(None, &dy, &x)?;
+            let acc = train_ops::accumulate_weight_grad(Some(acc), &slice, &x)?;
+            let want = (f64s(&dy).t()?.matmul(&f64s(&x))? + f64s(&slice).t()?.matmul(&f64s(&x))?)?;
+            check(&format!("weight gradient {dtype:?}"), &acc, &want, 1e-5);
+        }
+    }
+    Ok(())
+}
+
 /// On the GPU the optimizer step writes the explicit backward's 16-bit weights (stacked q/k/v
 /// and gate/up, norms, embedding, head) with the masters, and the next step uses them without
 /// casting. Steps made that way must be the steps of a trainer that casts the masters afresh
