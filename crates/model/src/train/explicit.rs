@@ -114,6 +114,27 @@ struct LayerParams {
     down: Linear,
 }
 
+impl LayerParams {
+    /// Its matmul weights.
+    fn linears(&self) -> [&Linear; 4] {
+        [&self.qkv, &self.o, &self.gate_up, &self.down]
+    }
+
+    /// Its norm gains.
+    fn norms(&self) -> [&Param; 2] {
+        [&self.attn_norm, &self.mlp_norm]
+    }
+
+    /// The master variables' indices of all its weights.
+    fn indices(&self) -> Vec<usize> {
+        let norms = self.norms().map(|p| p.index);
+        norms
+            .into_iter()
+            .chain(self.linears().into_iter().flat_map(Linear::indices))
+            .collect()
+    }
+}
+
 /// What one layer's backward reads, kept by the forward (all (tokens, ..) in the compute dtype
 /// but the LSE).
 struct LayerActivations {
@@ -318,7 +339,7 @@ impl ExplicitModel {
         let linears = self
             .layers
             .iter()
-            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .flat_map(LayerParams::linears)
             .chain((!head_tied).then_some(&self.head));
         for l in linears {
             let columns = l.value.dim(1)?;
@@ -328,7 +349,7 @@ impl ExplicitModel {
                 row += rows;
             }
         }
-        let vectors = self.layers.iter().flat_map(|l| [&l.attn_norm, &l.mlp_norm]);
+        let vectors = self.layers.iter().flat_map(LayerParams::norms);
         for p in vectors.chain([&self.norm, &self.embed]) {
             entries.push((p.index, &p.value, 0));
         }
@@ -519,14 +540,7 @@ impl ExplicitModel {
             let (dx_in, dw) = rms_norm_backward(&a.x_in, &l.attn_norm.value, &dh1, self.eps, Some(&dx_mid))?;
             add_grad(grads, l.attn_norm.index, &dw)?;
             dx = dx_in;
-            let layer: Vec<usize> = [l.attn_norm.index, l.mlp_norm.index]
-                .into_iter()
-                .chain(l.qkv.indices())
-                .chain(l.o.indices())
-                .chain(l.gate_up.indices())
-                .chain(l.down.indices())
-                .collect();
-            finished(&layer, grads)?;
+            finished(&l.indices(), grads)?;
         }
         add_grad(grads, self.embed.index, &embedding.backward(&dx)?)?;
         finished(&[self.embed.index], grads)?;

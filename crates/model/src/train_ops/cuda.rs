@@ -542,10 +542,11 @@ fn index_addr(t: &Tensor, dev: &candle_core::cuda_backend::CudaDevice) -> Result
     )
 }
 
-/// One block of `THREADS` per row (`rows` ≤ 2³¹ − 1 blocks along x).
-fn row_blocks_cfg(rows: usize) -> LaunchConfig {
+/// `blocks` blocks of `THREADS` along x (≤ 2³¹ − 1): one per row of the cross-entropy kernels,
+/// one per chunk of the optimizer's.
+fn blocks_cfg(blocks: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
+        grid_dim: (blocks as u32, 1, 1),
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -571,7 +572,7 @@ fn cross_entropy_lse_t<T: CudaDType + DeviceRepr>(x: Arg, t: Arg) -> Result<Cuda
         let vocab_i = vocab as i32;
         let mut b = stream.launch_builder(&func);
         b.arg(&xa).arg(&ta).arg(&oa).arg(&vocab_i);
-        launch(&mut b, row_blocks_cfg(rows), "ce_logsumexp")?;
+        launch(&mut b, blocks_cfg(rows), "ce_logsumexp")?;
     }
     Ok(f32::wrap_cuda_slice(out, dev))
 }
@@ -601,7 +602,7 @@ fn cross_entropy_bwd_t<T: CudaDType + DeviceRepr>(x: Arg, t: Arg, lse: Arg, scal
         let vocab_i = vocab as i32;
         let mut b = stream.launch_builder(&func);
         b.arg(&xa).arg(&ta).arg(&la).arg(&da).arg(&vocab_i).arg(&scale);
-        launch(&mut b, row_blocks_cfg(rows), "ce_backward")?;
+        launch(&mut b, blocks_cfg(rows), "ce_backward")?;
     }
     Ok(T::wrap_cuda_slice(dx, dev))
 }
@@ -837,28 +838,23 @@ impl candle_core::CustomOp1 for OptimizerStep {
         let (ta, _t) = table.device_ptr(&stream);
         let (pa, _p) = partials.device_ptr_mut(&stream);
         let (sa, _s) = stats.device_ptr_mut(&stream);
-        let cfg = |blocks: usize| LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         if chunks > 0 {
             let func = function_in(CUBIN, &dev, "optim_grad_sq_sums".to_string())?;
             let mut b = stream.launch_builder(&func);
             b.arg(&ta).arg(&pa);
-            launch(&mut b, cfg(chunks), "optim_grad_sq_sums")?;
+            launch(&mut b, blocks_cfg(chunks), "optim_grad_sq_sums")?;
         }
         let func = function_in(CUBIN, &dev, "optim_clip".to_string())?;
         let mut b = stream.launch_builder(&func);
         b.arg(&pa).arg(&chunks_u).arg(&loss_a).arg(&self.step.clip).arg(&sa);
-        launch(&mut b, cfg(1), "optim_clip")?;
+        launch(&mut b, blocks_cfg(1), "optim_clip")?;
         if chunks > 0 {
             let s = self.step;
             let func = function_in(CUBIN, &dev, "optim_adamw".to_string())?;
             let mut b = stream.launch_builder(&func);
             b.arg(&ta).arg(&sa).arg(&s.lr).arg(&s.beta1).arg(&s.beta2).arg(&s.eps);
             b.arg(&s.matrix_decay).arg(&s.correction1).arg(&s.correction2);
-            launch(&mut b, cfg(chunks), "optim_adamw")?;
+            launch(&mut b, blocks_cfg(chunks), "optim_adamw")?;
         }
         drop((_t, _p, _s));
         Ok((f32::wrap_cuda_slice(stats, dev), candle_core::Shape::from(3)))
