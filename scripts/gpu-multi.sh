@@ -40,18 +40,8 @@ for n in $GPUS; do ((n <= ngpus)) && counts+=("$n"); done
 log "GPUs present: $ngpus; runs on: ${counts[*]}"
 
 # The real libnccl.so.2: PyTorch's nvidia-nccl wheel (the build linked a stub of it).
-nccl_lib=$(python3 - <<'PY'
-import glob, site
-for d in site.getsitepackages():
-    hits = sorted(glob.glob(f"{d}/nvidia/**/libnccl.so.2", recursive=True))
-    if hits:
-        print(hits[0].rsplit("/", 1)[0])
-        break
-PY
-)
-[[ -n $nccl_lib ]] || { log "no libnccl.so.2 in python3's site-packages"; exit 1; }
-export LD_LIBRARY_PATH=$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-log "libnccl: $nccl_lib"
+source scripts/nccl-lib.sh || { log "no libnccl.so.2 in python3's site-packages"; exit 1; }
+log "libnccl: $NCCL_LIB"
 
 [[ -f .device/train-nccl.xz ]] || { log "no .device/train-nccl.xz: run scripts/gpu-pack.sh --multi and carry .device"; exit 1; }
 BIN=$(mktemp -d)

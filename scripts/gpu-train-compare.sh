@@ -38,16 +38,7 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)
 log "GPU: $GPU; logs in $LOGS"
 
 # The train example links libnccl.so.2 (built with --features nccl): PyTorch's wheel has it.
-nccl_lib=$(python3 - <<'PY'
-import glob, site
-for d in site.getsitepackages():
-    hits = sorted(glob.glob(f"{d}/nvidia/**/libnccl.so.2", recursive=True))
-    if hits:
-        print(hits[0].rsplit("/", 1)[0])
-        break
-PY
-)
-export LD_LIBRARY_PATH=${nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source scripts/nccl-lib.sh || log "no libnccl.so.2 in python3's site-packages"
 BIN=$(mktemp -d)
 [[ -f .device/train-nccl.xz ]] || { log "no .device/train-nccl.xz: run scripts/gpu-pack.sh --multi"; exit 1; }
 xz -d -c .device/train-nccl.xz >"$BIN/train" && chmod +x "$BIN/train"

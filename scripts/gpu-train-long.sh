@@ -17,8 +17,7 @@ STEPS=${LONG_STEPS:-4}
 BIN=$(mktemp -d)
 xz -dc .device/train-nccl.xz >"$BIN/train" && chmod +x "$BIN/train" || exit 2
 # The real libnccl.so.2 (the build linked a stub), from PyTorch's wheel.
-nccl_lib=$(python3 -c 'import glob,site; print(next((h.rsplit("/",1)[0] for d in site.getsitepackages() for h in sorted(glob.glob(d+"/nvidia/**/libnccl.so.2", recursive=True))), ""))')
-export LD_LIBRARY_PATH=$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source scripts/nccl-lib.sh
 log() { printf '[gpu-train-long %s] %s\n' "$(date +%T)" "$*" | tee -a "$OUT/progress.txt" >&2; }
 
 # run NAME SEQ BATCH ACCUM [flags]: prints tokens/s, or "failed: REASON".

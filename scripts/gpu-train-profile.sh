@@ -21,8 +21,7 @@ command -v ncu >/dev/null || { echo "gpu-train-profile: ncu not found" >&2; exit
 BIN=$(mktemp -d)
 xz -dc .device/train-nccl.xz >"$BIN/train" && chmod +x "$BIN/train" || exit 2
 # The real libnccl.so.2 (the build linked a stub), from PyTorch's wheel.
-nccl_lib=$(python3 -c 'import glob,site; print(next((h.rsplit("/",1)[0] for d in site.getsitepackages() for h in sorted(glob.glob(d+"/nvidia/**/libnccl.so.2", recursive=True))), ""))')
-export LD_LIBRARY_PATH=$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source scripts/nccl-lib.sh
 
 read -r -a extra <<<"${TRAIN_ARGS:-}"
 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \

@@ -20,12 +20,7 @@ ROUNDS=${ROUNDS:-2}
 STEPS=${STEPS:-10}
 log() { printf '[train-vocab %s] %s\n' "$(date +%T)" "$*" >&2; }
 
-nccl_lib=$(python3 -c 'import glob, site
-for d in site.getsitepackages():
-    hits = sorted(glob.glob(f"{d}/nvidia/**/libnccl.so.2", recursive=True))
-    if hits:
-        print(hits[0].rsplit("/", 1)[0]); break')
-export LD_LIBRARY_PATH=${nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source scripts/nccl-lib.sh || log "no libnccl.so.2 in python3's site-packages"
 builds=(ours)
 xz -d -c .device/train-nccl.xz >"$LOGS/train-ours" && chmod +x "$LOGS/train-ours"
 if [[ -f .device/train-nccl-base.xz ]]; then
