@@ -80,7 +80,8 @@ struct Args {
     warmup: bool,
 
     /// Decode step by step with eager launches instead of replaying a CUDA graph of the step
-    /// (greedy decoding on the GPU with the model-dtype cache captures one by default).
+    /// (decoding on the GPU with the model-dtype cache and no repeat penalty captures one by
+    /// default).
     #[arg(long)]
     no_cuda_graphs: bool,
 

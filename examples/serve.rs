@@ -88,7 +88,8 @@ fn main() {
 }
 
 fn run(args: Args) -> Result<()> {
-    // (All device work runs on the engine's one thread and the device's one stream.)
+    // (Device work runs on the engine's one thread, after the load's work on this one has finished:
+    // candle gives each thread a stream of its own.)
     let device = common::device(args.cpu)?;
     let dtype = common::inference_dtype(args.dtype.as_deref(), &device)?;
     let t0 = std::time::Instant::now();

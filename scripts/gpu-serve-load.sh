@@ -19,7 +19,10 @@
 # MAX_TOKENS (16), KV (model or fp8; default model), SERVE_ARGS (more flags for `serve`, e.g.
 # "--page-size 16 --pages 256" for the paged KV cache). HF=1 then runs scripts/hf_serve_baseline.py
 # (transformers' static batches of 32 on the same requests), installing the `gguf` wheel that
-# --split put in .device-model/ (pip download gguf --no-deps).
+# --split put in .device-model/ (pip download gguf --no-deps). MODEL_SHAPE=1b serves, instead of the
+# default model, random bf16 weights in the Llama-3.2-1B shape with the default model's tokenizer
+# (scripts/serve_model_1b.py writes them to /tmp/serve-1b on the GPU machine, from the GGUF), and
+# HF=1 runs transformers on the same directory.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -47,6 +50,12 @@ if [[ ! -f $MODEL ]]; then
         exit 1
     fi
 fi
+SERVED=$MODEL
+if [[ ${MODEL_SHAPE:-default} == 1b ]]; then
+    python3 -m pip install -q --no-index --no-deps .device-model/gguf-*.whl 2>&1 | grep -v WARNING | tail -1
+    SERVED=/tmp/serve-1b
+    [[ -f $SERVED/model.safetensors ]] || python3 scripts/serve_model_1b.py --gguf "$MODEL" --out "$SERVED" || exit 1
+fi
 # SERVE_XZS: several packed serve binaries (space-separated), run in turn for each slot count:
 # an A/B of two builds in one call.
 XZS=${SERVE_XZS:-}
@@ -69,7 +78,7 @@ for slots in ${SLOTS:-32}; do
         for entry in "${BINS[@]}"; do
             bin=${entry%%:*}
             # shellcheck disable=SC2086 # SERVE_ARGS is a word list
-            "$bin" --model "$MODEL" --port 8095 --slots "$s" --kv-cache-dtype "${KV:-model}" ${SERVE_ARGS:-} >/tmp/serve.log 2>&1 &
+            "$bin" --model "$SERVED" --port 8095 --slots "$s" --kv-cache-dtype "${KV:-model}" ${SERVE_ARGS:-} >/tmp/serve.log 2>&1 &
             PID=$!
             for _ in $(seq 1 120); do
                 curl -sf http://127.0.0.1:8095/health >/dev/null && break
@@ -77,7 +86,7 @@ for slots in ${SLOTS:-32}; do
                 sleep 0.5
             done
             head -3 /tmp/serve.log
-            echo "== slots $s, KV cache ${KV:-model} ${SERVE_ARGS:-}, ${entry#*:}"
+            echo "== $SERVED, slots $s, KV cache ${KV:-model} ${SERVE_ARGS:-}, ${entry#*:}"
             python3 scripts/serve-load.py --url http://127.0.0.1:8095 --clients "${CLIENTS:-32}" \
                 --requests "${REQUESTS:-200}" --max-tokens "${MAX_TOKENS:-16}" || STATUS=1
             kill $PID 2>/dev/null
@@ -88,7 +97,8 @@ done
 if [[ ${HF:-0} == 1 ]]; then
     echo "== HF transformers"
     python3 -m pip install -q --no-index --no-deps .device-model/gguf-*.whl 2>&1 | grep -v WARNING | tail -1
-    python3 scripts/hf_serve_baseline.py --gguf "$MODEL" --requests "${REQUESTS:-200}" --batch "${CLIENTS:-32}" \
+    if [[ $SERVED == "$MODEL" ]]; then SOURCE=(--gguf "$MODEL"); else SOURCE=(--model-dir "$SERVED"); fi
+    python3 scripts/hf_serve_baseline.py "${SOURCE[@]}" --requests "${REQUESTS:-200}" --batch "${CLIENTS:-32}" \
         --max-tokens "${MAX_TOKENS:-16}" || STATUS=1
 fi
 exit $STATUS

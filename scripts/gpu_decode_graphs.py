@@ -28,13 +28,14 @@ import gpu_model_check as g  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--bin", required=True)
+ap.add_argument("--base-bin", help="another build's generate, for mode `base` (its graph decode), alternating with this build's")
 ap.add_argument("--work", default="/tmp/flash-llama-check")
 ap.add_argument("--models", default="llama3.2-1b-shape")
 ap.add_argument("--batches", default="1,32,128")
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--new", type=int, default=128)
-ap.add_argument("--modes", default="graph,eager", help="graph (the default decode), eager (--no-cuda-graphs), sampled (temperature 0.8, top-p 0.95: tokens drawn on the device), sampled-host (the same drawn on the host)")
+ap.add_argument("--modes", default="graph,eager", help="graph (the default decode), base (the same with --base-bin), eager (--no-cuda-graphs), sampled (temperature 0.8, top-p 0.95: tokens drawn on the device after each graph replay), sampled-eager (the same with --no-cuda-graphs), sampled-host (the same drawn on the host)")
 ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which no run starts")
 args = ap.parse_args()
 start = time.time()
@@ -70,7 +71,10 @@ for name in args.models.split(","):
             for mode in res:
                 if time.time() - start > args.deadline:
                     break
-                cmd = [args.bin, "--model", d, "-n", str(args.new), "--dtype", "bf16", "--ignore-eos", "--warmup"]
+                binary = args.base_bin if mode == "base" else args.bin
+                if binary is None:
+                    sys.exit("mode base needs --base-bin")
+                cmd = [binary, "--model", d, "-n", str(args.new), "--dtype", "bf16", "--ignore-eos", "--warmup"]
                 for i, p in enumerate(prompts):
                     path = f"{ids_file}.{i}"
                     with open(path, "w") as f:
@@ -79,8 +83,11 @@ for name in args.models.split(","):
                 if mode == "eager":
                     cmd.append("--no-cuda-graphs")
                 elif mode == "sampled":
-                    # Temperature / top-p sampling, drawn on the device (eager steps).
+                    # Temperature / top-p sampling, drawn on the device after each graph replay.
                     cmd += ["--temperature", "0.8", "--top-p", "0.95"]
+                elif mode == "sampled-eager":
+                    # The same with eager steps.
+                    cmd += ["--temperature", "0.8", "--top-p", "0.95", "--no-cuda-graphs"]
                 elif mode == "sampled-host":
                     # The same with a (negligible) repeat penalty, which keeps the draw on the host.
                     cmd += ["--temperature", "0.8", "--top-p", "0.95", "--repeat-penalty", "1.0001"]

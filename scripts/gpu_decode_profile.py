@@ -5,10 +5,12 @@ Runs ON the GPU machine: writes the random-weight model (scripts/gpu_model_check
 Llama-3.2-1B shape by default) if missing, runs `generate -n 2` on one random prompt under
 `ncu --metrics gpu__time_duration.sum` (clocks left alone), and sums the kernels after the
 prefill's greedy argmax (the decode step's) by kernel name: the step's
-GPU time without the host. With CUDA graphs the step's kernels are these (the first decode step
-runs eagerly before the capture).
+GPU time without the host. That first decode step runs eagerly, before the capture; --graph
+profiles a replayed step instead (`generate -n 4`, `ncu --graph-profiling node`: each kernel of
+the graph timed alone, the last replay's kernels summed), with the captured call's attention
+split and its combine.
 
-    python3 scripts/gpu_decode_profile.py --bin /tmp/gpu-run-bin/generate [--batch 1] [--prompt 512]
+    python3 scripts/gpu_decode_profile.py --bin /tmp/gpu-run-bin/generate [--batch 1] [--prompt 512] [--graph]
 """
 import argparse
 import collections
@@ -31,6 +33,8 @@ ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--prompt", type=int, default=512)
 ap.add_argument("--no-flush", action="store_true",
                 help="leave the caches alone between kernels (ncu --cache-control none): closer to a replayed step")
+ap.add_argument("--graph", action="store_true",
+                help="profile the last replay of the CUDA-graph decode step (each kernel node timed alone)")
 args = ap.parse_args()
 
 cfg = g.MODELS[args.model]
@@ -38,8 +42,10 @@ d = os.path.join(args.work, args.model)
 if not os.path.exists(os.path.join(d, "model.safetensors")):
     g.write_model(cfg, d, seed=7)
 rng = np.random.default_rng(5)
-cmd = ["ncu", "--clock-control", "none"] + (["--cache-control", "none"] if args.no_flush else []) + ["--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base",
-       args.bin, "--model", d, "-n", "2", "--dtype", "bf16", "--ignore-eos"]
+cmd = (["ncu", "--clock-control", "none"] + (["--cache-control", "none"] if args.no_flush else [])
+       + (["--graph-profiling", "node"] if args.graph else [])
+       + ["--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base",
+          args.bin, "--model", d, "-n", "4" if args.graph else "2", "--dtype", "bf16", "--ignore-eos"])
 for b in range(args.batch):
     path = os.path.join(args.work, f"profile-prompt-{b}.txt")
     with open(path, "w") as f:
@@ -61,14 +67,15 @@ ends = [i for i, (name, _) in enumerate(kernels) if "argmax" in name]
 if len(ends) < 2:
     print("no two argmax launches; kernels:", [n.split("(")[0] for n, _ in kernels[-60:]])
     sys.exit(1)
-step = kernels[ends[-2] + 1:]
+# The last step: the kernels after the second-to-last argmax, through the last.
+step = kernels[ends[-2] + 1:ends[-1] + 1]
 total = sum(t for _, t in step) * scale
 by_name = collections.defaultdict(lambda: [0, 0.0])
 for name, t in step:
     short = name.split("(")[0][:70]
     by_name[short][0] += 1
     by_name[short][1] += t * scale
-print(f"decode step, batch {args.batch}, prompt {args.prompt}: {len(step)} kernels, {total:.1f} us of GPU time "
+print(f"{'replayed' if args.graph else 'eager'} decode step, batch {args.batch}, prompt {args.prompt}: {len(step)} kernels, {total:.1f} us of GPU time "
       f"({len(kernels)} kernels profiled in all)")
 print("| kernel | launches | us | % |")
 print("|---|---|---|---|")

@@ -9,6 +9,7 @@ transformers (needs the `gguf` package). One warm-up batch first. Prints request
 tokens/s (tokens up to and including each answer's first EOS).
 
     python3 scripts/hf_serve_baseline.py --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --batch 32
+    python3 scripts/hf_serve_baseline.py --model-dir /tmp/serve-1b --batch 32   # an HF directory
 """
 import argparse
 import importlib.util
@@ -28,19 +29,24 @@ def prompts_of_load_test():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", required=True)
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf", help="a GGUF file, dequantised by transformers")
+    source.add_argument("--model-dir", help="an HF model directory (scripts/serve_model_1b.py's)")
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    d, f = os.path.dirname(os.path.abspath(args.gguf)), os.path.basename(args.gguf)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    if args.gguf:
+        d, kw = os.path.dirname(os.path.abspath(args.gguf)), {"gguf_file": os.path.basename(args.gguf)}
+    else:
+        d, kw = args.model_dir, {}
+    tok = AutoTokenizer.from_pretrained(d, **kw)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16, attn_implementation="sdpa", **kw)
     model = model.to("cuda").eval()
     base = prompts_of_load_test()
     texts = [

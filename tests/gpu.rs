@@ -603,6 +603,49 @@ fn dynamic_scheduler_causal_window_varlen() -> Result<()> {
 }
 
 #[test]
+fn threads_on_one_device_get_the_results_of_one_thread() -> Result<()> {
+    // candle queues each thread's work on a stream of that thread's own, so causal calls from
+    // several threads on one device run at the same time; each claims tiles from its own
+    // scheduler counter (a shared one skipped and repeated tiles). 4 threads × 6 calls of 3 ×
+    // 16 heads × 8 query tiles (more tiles than SMs: the counter is used), each output equal bit
+    // for bit to the one thread's result of the same inputs (a tile's sums run in one order
+    // whichever CTA claims it).
+    let mut rng = TestRng::fresh("gpu-threads");
+    let dev = gpu()?;
+    let d = 128;
+    let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(true);
+    let mut inputs = Vec::new();
+    for _ in 0..4 {
+        let sk = rng.odd_len(900, 1000);
+        let q = rng.randn((3, sk, 16, d), DType::BF16, &dev)?;
+        let k = rng.randn((3, sk, 4, d), DType::BF16, &dev)?;
+        let v = rng.randn((3, sk, 4, d), DType::BF16, &dev)?;
+        let want = attn.forward(&q, &k, &v)?;
+        inputs.push((q, k, v, want));
+    }
+    // The inputs and the expected outputs, queued by this thread, are done before others read them.
+    dev.synchronize()?;
+    let attn = &attn;
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let handles: Vec<_> = inputs
+            .iter()
+            .enumerate()
+            .map(|(t, (q, k, v, want))| {
+                s.spawn(move || -> Result<()> {
+                    for call in 0..6 {
+                        let out = attn.forward(q, k, v)?;
+                        assert_identical(&out, want, &format!("thread {t}, call {call}"))?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    results.into_iter().collect()
+}
+
+#[test]
 fn l2_sections_with_a_shorter_last_section() -> Result<()> {
     // Causal tiles are ordered longest first inside sections of (batch, head) pairs sized to L2
     // (scheduler.cuh): long key sequences make the sections small, here 8 pairs of d256 (3 MB of

@@ -122,8 +122,11 @@ __device__ void sample_rows(const T* __restrict__ logits, const RowSampling* __r
     __syncthreads();
     best = -INFINITY;
     at = 0xffffffffu;
+    // A warp's tokens are not a contiguous range (thread t owns t, t + kSampleThreads, ...), so
+    // a tie between warps goes to the smaller index, as inside a warp.
     for (int w = 0; w < kSampleWarps; ++w) {
-        if (warp_at[w] != 0xffffffffu && (at == 0xffffffffu || warp_best[w] > best)) {
+        if (warp_at[w] != 0xffffffffu &&
+            (at == 0xffffffffu || warp_best[w] > best || (warp_best[w] == best && warp_at[w] < at))) {
             best = warp_best[w];
             at = warp_at[w];
         }

@@ -291,8 +291,9 @@ fn kvcache_table(dev: &Device) -> Result<()> {
     println!("(device copy: {copy_tbs:.2} TB/s read + write)");
     println!("graph: the contiguous call captured in a CUDA graph and replayed (GPU time, as FA3's graph column)");
     println!("graph, max splits: the same with num_splits(128) (a share per key block, up to 128)");
-    println!("| batch | seqlen_q | seqlen_k | contiguous us | TB/s | % copy | page 16 us | ×contig | page 64 us | ×contig | page 256 us | ×contig | graph us | TB/s | graph, max splits us |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("page N: eager us and × the eager contiguous call, then the paged call's graph × the contiguous graph");
+    println!("| batch | seqlen_q | seqlen_k | contiguous us | TB/s | % copy | graph us | TB/s | graph, max splits us | page 16 us | ×contig | graph ×contig | page 64 us | ×contig | graph ×contig | page 256 us | ×contig | graph ×contig |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     for (b, sq, sk) in kvcache_shapes() {
         let bytes = (2 * b * sk * hk * d * 2) as f64;
@@ -308,6 +309,18 @@ fn kvcache_table(dev: &Device) -> Result<()> {
             bytes / contiguous / 1e12,
             100.0 * bytes / contiguous / 1e12 / copy_tbs
         );
+        let contiguous_graph = graph_time(dev, || attn.kv_cache(&k, &v, &lens).forward(&q))?;
+        match contiguous_graph {
+            Some(g) => row += &format!(" {:.1} | {:.2} |", g * 1e6, bytes / g / 1e12),
+            None => row += " – | – |",
+        }
+        // The same with a share per key block (num_splits capped at the block count): what the
+        // split threshold leaves on the table at short caches.
+        let split_all = attn.clone().num_splits(128);
+        match graph_time(dev, || split_all.kv_cache(&k, &v, &lens).forward(&q))? {
+            Some(g) => row += &format!(" {:.1} |", g * 1e6),
+            None => row += " – |",
+        }
         for page in [16, 64, 256] {
             // The same keys in a shuffled pool of pages: page i of sequence s at pool[perm].
             let per_seq = sk / page;
@@ -324,17 +337,11 @@ fn kvcache_table(dev: &Device) -> Result<()> {
             let vp = Tensor::randn(0f32, 1., (pages, page, hk, d), dev)?.to_dtype(DType::BF16)?;
             let paged = time(dev, || attn.kv_cache(&kp, &vp, &lens).page_table(&table).forward(&q))?;
             row += &format!(" {:.1} | {:.2} |", paged * 1e6, paged / contiguous);
-        }
-        match graph_time(dev, || attn.kv_cache(&k, &v, &lens).forward(&q))? {
-            Some(g) => row += &format!(" {:.1} | {:.2} |", g * 1e6, bytes / g / 1e12),
-            None => row += " – | – |",
-        }
-        // The same with a share per key block (num_splits capped at the block count): what the
-        // split threshold leaves on the table at short caches.
-        let split_all = attn.clone().num_splits(128);
-        match graph_time(dev, || split_all.kv_cache(&k, &v, &lens).forward(&q))? {
-            Some(g) => row += &format!(" {:.1} |", g * 1e6),
-            None => row += " – |",
+            let paged_graph = graph_time(dev, || attn.kv_cache(&kp, &vp, &lens).page_table(&table).forward(&q))?;
+            match (paged_graph, contiguous_graph) {
+                (Some(p), Some(c)) => row += &format!(" {:.2} |", p / c),
+                _ => row += " – |",
+            }
         }
         println!("{row}");
     }

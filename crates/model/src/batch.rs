@@ -414,7 +414,7 @@ impl<'m> Batcher<'m> {
                 e.insert(DecodeGraph::start(
                     self.model,
                     &self.cache,
-                    Sampling::OnHost,
+                    Sampling::Logits,
                     &tokens,
                     &lens,
                 )?)

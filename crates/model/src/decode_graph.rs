@@ -8,13 +8,18 @@
 //! from them on the device. The tensors a step allocates are taken and freed inside the graph
 //! (stream-ordered allocation is captured as graph memory nodes).
 //!
-//! A graph decodes the first `rows` sequences of a contiguous cache. Two ways to use it:
-//! - [`Sampling::Greedy`] ([`crate::generate()`]): the step ends with the argmax of each row,
-//!   written over the token buffer, and advances the length buffer, so replays follow each other
-//!   with nothing from the host;
-//! - [`Sampling::OnHost`] ([`crate::Batcher`]): the step ends with the logits, in an f32 buffer
-//!   the host reads and samples from; the host writes the next tokens and lengths before each
-//!   replay ([`DecodeGraph::set_inputs`]), so sequences may join and leave between steps.
+//! A graph decodes the first `rows` sequences of a contiguous cache and advances the length
+//! buffer. Two ways to use it:
+//! - [`Sampling::Greedy`] ([`crate::generate()`]'s greedy decoding): the step ends with the
+//!   argmax of each row, written over the token buffer, so replays follow each other with
+//!   nothing from the host;
+//! - [`Sampling::Logits`]: the step ends with the logits, in an f32 buffer, from which the caller
+//!   draws the next tokens after each replay, on the device ([`crate::sampling::sample_rows`],
+//!   whose per-row parameters and token counter change every step, so it stays outside the
+//!   graph) or on the host. [`crate::generate()`]'s sampled decoding writes the device's draw
+//!   into the token buffer ([`DecodeGraph::set_tokens`]); [`crate::Batcher`] writes the next
+//!   tokens and lengths from the host ([`DecodeGraph::set_inputs`]), so that sequences may join
+//!   and leave between steps.
 //!
 //! Requirements ([`DecodeGraph::fits`]): [`Llama::decodes_on_device`] (fused kernels, bf16 or f16,
 //! a contiguous cache of the model's dtype), and cudarc's per-tensor event tracking off on the
@@ -30,7 +35,7 @@ use crate::model::{KvCache, Llama};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Sampling {
     Greedy,
-    OnHost,
+    Logits,
 }
 
 /// One captured decode step of the first `rows` sequences of a cache.
@@ -43,7 +48,7 @@ pub(crate) struct DecodeGraph {
     lens: Tensor,
     /// (rows,) u32, i × max_seq: read by the graph, so kept alive with it.
     _slot_starts: Tensor,
-    /// [`Sampling::OnHost`] (`None`: [`Sampling::Greedy`]): (rows, vocab) f32, the last step's
+    /// [`Sampling::Logits`] (`None`: [`Sampling::Greedy`]): (rows, vocab) f32, the last step's
     /// logits.
     logits: Option<Tensor>,
 }
@@ -90,7 +95,7 @@ impl DecodeGraph {
         let lens = Tensor::new(lens.iter().map(|&l| l as u32).collect::<Vec<u32>>(), dev)?;
         let logits = match sampling {
             Sampling::Greedy => None,
-            Sampling::OnHost => Some(Tensor::zeros((rows, model.config().vocab_size), DType::F32, dev)?),
+            Sampling::Logits => Some(Tensor::zeros((rows, model.config().vocab_size), DType::F32, dev)?),
         };
         let body = || -> Result<()> {
             let step = model.decode_on_device(&ids, &lens, &slot_starts, cache)?;
@@ -140,8 +145,8 @@ impl DecodeGraph {
         self.lens.dims()[0]
     }
 
-    /// [`Sampling::OnHost`]: the next step's inputs, each sequence's last token and the keys it
-    /// holds (uploaded here, outside the graph).
+    /// [`Sampling::Logits`]: the next step's inputs from the host, each sequence's last token and
+    /// the keys it holds (uploaded here, outside the graph).
     pub(crate) fn set_inputs(&self, tokens: &[u32], lens: &[usize]) -> Result<()> {
         if self.logits.is_none() || tokens.len() != self.rows() || lens.len() != self.rows() {
             bail!("internal error: decode graph inputs for {} rows", self.rows())
@@ -150,6 +155,20 @@ impl DecodeGraph {
         self.ids.slice_set(&Tensor::new(tokens, dev)?, 0, 0)?;
         let lens: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
         self.lens.slice_set(&Tensor::new(lens, dev)?, 0, 0)
+    }
+
+    /// [`Sampling::Logits`]: the next step's tokens from the device, (rows,) u32 (a copy queued
+    /// on the stream; the lengths are the graph's own, advanced by every step).
+    pub(crate) fn set_tokens(&self, tokens: &Tensor) -> Result<()> {
+        if self.logits.is_none() || tokens.dims() != [self.rows()] || tokens.dtype() != DType::U32 {
+            bail!(
+                "internal error: decode graph tokens {:?} {:?} for {} rows",
+                tokens.shape(),
+                tokens.dtype(),
+                self.rows()
+            )
+        }
+        self.ids.slice_set(tokens, 0, 0)
     }
 
     /// Queues one more step. `lens` are the keys each sequence holds before it (the host's copy
@@ -173,7 +192,7 @@ impl DecodeGraph {
         &self.ids
     }
 
-    /// [`Sampling::OnHost`]: the last step's logits, (rows, vocab) f32.
+    /// [`Sampling::Logits`]: the last step's logits, (rows, vocab) f32.
     pub(crate) fn logits(&self) -> Result<&Tensor> {
         match &self.logits {
             Some(l) => Ok(l),

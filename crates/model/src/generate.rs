@@ -21,8 +21,8 @@ pub struct GenerateOptions {
     /// The KV cache's dtype: `None` for the model's own, or `Some(F8E4M3)` for an fp8 cache
     /// (half the bytes of bf16; see [`KvCache`]).
     pub kv_cache_dtype: Option<DType>,
-    /// Greedy decoding on the GPU: capture the decode step once into a CUDA graph and replay it
-    /// for every later token (one launch per step instead of hundreds; see
+    /// Decoding on the GPU without a repeat penalty: capture the decode step once into a CUDA
+    /// graph and replay it for every later token (one launch per step instead of hundreds; see
     /// `crate::decode_graph` for when it applies: fused kernels, bf16/f16, a cache of the
     /// model's dtype, cudarc's event tracking off). Ignored elsewhere.
     pub cuda_graphs: bool,
@@ -85,12 +85,14 @@ pub enum Flow {
 /// Each sequence has its own sampler seeded with `seed + i`, so a prompt's output does not
 /// depend on the other prompts of the batch.
 ///
-/// Greedy decoding without a repeat penalty on the GPU chooses the tokens there (with the same
-/// rules as [`crate::sampling::argmax`], so the same tokens) and overlaps the host's work on each
-/// step with the device's work on the step before; everything else samples on the host from each
-/// step's logits. Where it applies (`opts.cuda_graphs`, the fused kernels in bf16/f16, a cache of
-/// the model's dtype, cudarc's event tracking off), the greedy decode steps replay one CUDA graph
-/// of the step instead of launching its kernels each time (`crate::decode_graph`).
+/// On the GPU, decoding without a repeat penalty chooses the tokens there (greedy with the same
+/// rules as [`crate::sampling::argmax`], so the same tokens; sampled with
+/// [`crate::sampling::sample_rows`]) and overlaps the host's work on each step with the device's
+/// work on the step before; a repeat penalty, and the CPU, sample on the host from each step's
+/// logits. Where it applies (`opts.cuda_graphs`, the fused kernels in bf16/f16, a cache of the
+/// model's dtype, cudarc's event tracking off), the decode steps replay one CUDA graph of the
+/// step instead of launching its kernels each time (`crate::decode_graph`; a sampled step's
+/// draw follows each replay).
 pub fn generate(
     model: &Llama,
     prompts: &[Vec<u32>],
@@ -248,8 +250,8 @@ fn sample_each_step<F: FnMut(usize, u32) -> Result<Flow>>(
 /// them: the host prepares step t + 1 (a few hundred launches) while the device runs step t,
 /// instead of the two taking turns. The queued step guesses that no sequence stops at step t;
 /// the rows of one that does are dropped (its cache gets one key it never reads). Nothing is
-/// queued behind the prefill, so that its time is the prompt's alone. Greedy decoding replays
-/// a CUDA graph where it applies ([`graph_decode`]).
+/// queued behind the prefill, so that its time is the prompt's alone. The decode steps replay a
+/// CUDA graph where it applies ([`graph_decode`]).
 #[cfg(feature = "cuda")]
 fn choose_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
     model: &Llama,
@@ -293,8 +295,8 @@ fn choose_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
     };
     let (ids, new) = model.upload_ids(prompts)?;
     let mut chosen = choose(model.step_logits(&ids, &new, cache)?, &running, 0)?;
-    if greedy && run.opts.cuda_graphs && crate::decode_graph::DecodeGraph::fits(model, cache) {
-        return graph_decode(model, readback, chosen, cache, run);
+    if run.opts.cuda_graphs && crate::decode_graph::DecodeGraph::fits(model, cache) {
+        return graph_decode(model, readback, chosen, cache, run, (!greedy).then_some(&rows[..]));
     }
     let one_each = |running: &[usize]| -> Vec<usize> { (0..batch).map(|i| running.contains(&i) as usize).collect() };
     loop {
@@ -344,11 +346,14 @@ fn choose_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
     }
 }
 
-/// [`choose_on_device`]'s greedy decode steps as replays of one CUDA graph ([`crate::decode_graph`]):
-/// `first` holds the prefill's tokens, one per sequence. As there, step t + 1 is queued before
-/// the host waits for step t's tokens. Every sequence stays in the graph's batch to the end (its
-/// slot has room: no sequence runs more than max_tokens - 1 decode steps); the tokens of one
-/// that has finished are dropped.
+/// [`choose_on_device`]'s decode steps as replays of one CUDA graph ([`crate::decode_graph`]):
+/// `first` holds the prefill's tokens, one per sequence. Greedy (`sampled` None), the graph
+/// ends with each row's argmax; sampled, with the logits, and each replay is followed by
+/// [`sample_rows`] with sequence i's parameters `sampled[i]` at the step's token number, whose
+/// draw is copied into the graph's token buffer (the same draws as the eager steps make). As
+/// there, step t + 1 is queued before the host waits for step t's tokens. Every sequence stays
+/// in the graph's batch to the end (its slot has room: no sequence runs more than max_tokens - 1
+/// decode steps); the tokens of one that has finished are dropped.
 #[cfg(feature = "cuda")]
 fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
     model: &Llama,
@@ -356,8 +361,22 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
     first: candle_core::Tensor,
     cache: &mut KvCache,
     run: &mut Progress<F>,
+    sampled: Option<&[RowSampling]>,
 ) -> Result<()> {
     use crate::decode_graph::{DecodeGraph, Sampling};
+    // Sampled: draws token number `counter` of every row from the step's logits into the graph's
+    // token buffer, queued right behind the step.
+    let draw = |graph: &DecodeGraph, counter: usize| -> Result<()> {
+        let Some(rows) = sampled else { return Ok(()) };
+        let rows: Vec<RowSampling> = rows
+            .iter()
+            .map(|r| RowSampling {
+                counter: counter as u64,
+                ..*r
+            })
+            .collect();
+        graph.set_tokens(&sample_rows(graph.logits()?, &rows)?)
+    };
     let accept_all = |run: &mut Progress<F>, readback: &crate::fused::cuda::TokenReadback| -> Result<()> {
         let wait = Instant::now();
         let tokens = readback.wait()?;
@@ -376,7 +395,12 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
     if run.all_done() {
         return Ok(());
     }
-    let graph = DecodeGraph::start(model, cache, Sampling::Greedy, &first, cache.lens())?;
+    let mode = match sampled {
+        None => Sampling::Greedy,
+        Some(_) => Sampling::Logits,
+    };
+    let graph = DecodeGraph::start(model, cache, mode, &first, cache.lens())?;
+    draw(&graph, 1)?;
     cache.advance_all();
     loop {
         readback.start(graph.tokens())?;
@@ -389,6 +413,7 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
             .unwrap_or(0);
         if produced < run.opts.max_tokens {
             graph.launch(cache, cache.lens())?;
+            draw(&graph, produced)?;
             cache.advance_all();
         }
         accept_all(run, &readback)?;

@@ -305,6 +305,10 @@ fn ring_attention_matches_the_whole_sequence_on_the_gpu() -> Result<()> {
         let (out, lse) = attn.forward_with_lse(&q, &k, &v)?;
         let (dq, dk, dv) = attn.backward(&q, &k, &v, &out, &lse, &dout)?;
         let rows = |t: &Tensor, r: usize| t.narrow(1, r * chunk, chunk).unwrap().contiguous().unwrap();
+        // candle queues each thread's GPU work on that thread's own stream: the inputs must be
+        // written before the ranks' threads read them, and each rank's results before this
+        // thread reads them.
+        dev.synchronize()?;
         let groups = LocalGroup::new(world)?;
         let ranks: Vec<_> = std::thread::scope(|sc| {
             let handles: Vec<_> = groups
@@ -317,6 +321,7 @@ fn ring_attention_matches_the_whole_sequence_on_the_gpu() -> Result<()> {
                         let (qr, kr, vr) = (rows(q, r), rows(k, r), rows(v, r));
                         let (o, l) = ring.forward_with_lse(&g, &qr, &kr, &vr)?;
                         let grads = ring.backward(&g, &qr, &kr, &vr, &o, &l, &rows(dout, r))?;
+                        qr.device().synchronize()?;
                         Ok((o, grads))
                     })
                 })

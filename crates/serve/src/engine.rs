@@ -113,6 +113,9 @@ impl Engine {
         let tokenizer = Arc::new(tokenizer);
         let worker_tokenizer = Arc::clone(&tokenizer);
         let (ready, started) = channel::<candle_core::Result<()>>();
+        // candle queues each thread's GPU work on that thread's own stream: the weights' uploads
+        // and casts, queued by this thread, must be done before the worker's stream reads them.
+        model.device().synchronize()?;
         thread::Builder::new()
             .name("flash-serve-engine".into())
             .spawn(move || {

@@ -17,7 +17,8 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 
 use super::{
-    check_tma_head_dims, device_addr, geometry, launch_with_params, load_kernel, optional_ptr_mut, tensor_map, TmaDesc,
+    bind_context, check_tma_head_dims, device_addr, geometry, launch_with_params, load_kernel, optional_ptr_mut,
+    tensor_map, TmaDesc,
 };
 use crate::params::{AttnParams, Dims, Varlen};
 
@@ -191,6 +192,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
     if !(k.0.device.id() == dev.id() && v.0.device.id() == dev.id()) {
         bail!("flash-attn3: q, k and v must be on the same GPU")
     }
+    bind_context(&dev)?;
     let variant = Variant::pick(dims.head_dim, dims.head_dim_v)?;
     let stream = dev.cuda_stream();
 

@@ -344,30 +344,48 @@ fn pack_gqa(group: usize, seqlen_q: usize, forced: Option<bool>) -> bool {
     (2..=64).contains(&group) && forced.unwrap_or(seqlen_q <= 64)
 }
 
-/// The device address of this device's dynamic-scheduler counters (two i32, zeroed once; every
-/// launch leaves them zero). Launches on one device run in stream order, so they share it.
+/// The device address of the calling thread's dynamic-scheduler counters on this device (two
+/// i32, zeroed once; every launch leaves them zero).
 ///
-/// Made by the first forward call on the device, whether or not it needs them: a buffer
+/// One pair per (device, thread), not per device: candle queues a thread's work on that thread's
+/// own stream (CUDA's per-thread default stream), so launches from two threads on one device may
+/// run at the same time, and two grids claiming tiles from one counter would skip and repeat
+/// tiles. Launches of one thread run in stream order and share its pair. The pairs are never
+/// freed (8 bytes per thread that ever attends): a CUDA graph captured with one keeps its address.
+///
+/// Made by the thread's first forward call on the device, whether or not it needs them: a buffer
 /// allocated while the stream is captured into a CUDA graph would be the graph's memory, freed
 /// with it under later calls. (A captured call may need them where its eager warm-up did not:
-/// captured calls split short caches, eager ones do not.) So the first call on a device must not
-/// be a captured one: that is an error.
+/// captured calls split short caches, eager ones do not.) So a thread's first call on a device
+/// must not be a captured one: that is an error.
 fn tile_counter(dev: &CudaDevice) -> Result<u64> {
-    static COUNTERS: OnceLock<Mutex<HashMap<DeviceId, CudaSlice<i32>>>> = OnceLock::new();
+    type Counters = HashMap<(DeviceId, std::thread::ThreadId), CudaSlice<i32>>;
+    static COUNTERS: OnceLock<Mutex<Counters>> = OnceLock::new();
     let mut counters = COUNTERS.get_or_init(Default::default).lock().unwrap();
     let stream = dev.cuda_stream();
-    if let Some(c) = counters.get(&dev.id()) {
+    let key = (dev.id(), std::thread::current().id());
+    if let Some(c) = counters.get(&key) {
         return Ok(c.device_ptr(&stream).0);
     }
     if is_capturing(&stream) {
         bail!(
-            "flash-attn3: the first attention call on this device is being captured into a CUDA graph; run one call eagerly first (it sets up the device's scheduler counters)"
+            "flash-attn3: this thread's first attention call on this device is being captured into a CUDA graph; run one call eagerly first on the same thread (it sets up the scheduler counters)"
         )
     }
     let c = dev.alloc_zeros::<i32>(2)?;
     let addr = c.device_ptr(&stream).0;
-    counters.insert(dev.id(), c);
+    counters.insert(key, c);
     Ok(addr)
+}
+
+/// Makes `dev`'s context the calling thread's current one. cudarc's own calls do this; the TMA
+/// descriptors are encoded by a raw driver call, which fails (CUDA_ERROR_INVALID_CONTEXT) on a
+/// thread whose first GPU work is an attention call.
+fn bind_context(dev: &CudaDevice) -> Result<()> {
+    dev.cuda_stream()
+        .context()
+        .bind_to_thread()
+        .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: binding the CUDA context to this thread: {e:?}")))
 }
 
 /// Whether `stream` is being captured into a CUDA graph.
@@ -762,6 +780,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     if !(k.0.device.id() == dev.id() && v.0.device.id() == dev.id()) {
         bail!("flash-attn3: q, k and v must be on the same GPU")
     }
+    bind_context(&dev)?;
     // KV cache calls have a key count per sequence: uneven tiles.
     let uneven = varlen.is_some() || cache.is_some() || params.is_masked();
     let group = dims.group();
@@ -912,8 +931,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     if num_tiles + grid > i32::MAX as usize {
         bail!("flash-attn3: too many query tiles for one launch ({num_tiles})")
     }
-    // The dynamic scheduler's counters: one zeroed buffer per device, which every launch leaves
-    // zeroed (kernels/flash_fwd/scheduler.cuh), so no memset per call.
+    // The dynamic scheduler's counters: one zeroed buffer per device and thread, which every
+    // launch leaves zeroed (kernels/flash_fwd/scheduler.cuh), so no memset per call.
     let counter = tile_counter(&dev)?;
     let counter_addr = match uneven && grid < num_tiles {
         true => counter,

@@ -159,6 +159,11 @@ pub fn all_reduce_scalar(comm: &dyn Communicator, value: f32, like: &Tensor) -> 
 /// An all-reduce deposits each rank's tensor, waits for all of them, and has every rank add the
 /// deposits in rank order, so each gets the same bits (the sum is computed once per rank:
 /// redundant work, nothing shared to race on).
+///
+/// On a GPU the ranks share one device, but not one stream: candle queues each thread's work on
+/// that thread's own stream. The collectives order the ranks' work themselves; a tensor handed
+/// between threads otherwise (inputs made before the ranks start, results read after) needs
+/// `Device::synchronize` on the thread that wrote it first.
 pub struct LocalGroup {
     rank: usize,
     shared: Arc<LocalShared>,
@@ -200,46 +205,61 @@ impl Communicator for LocalGroup {
     }
 
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-        let parts = self.exchange(t, "all_reduce_sum")?;
-        let mut sum = parts[0].to_device(t.device())?;
-        for p in &parts[1..] {
-            sum = (sum + p.to_device(t.device())?)?;
-        }
-        Ok(sum)
+        self.exchange(t, "all_reduce_sum", |parts| {
+            let mut sum = parts[0].to_device(t.device())?;
+            for p in &parts[1..] {
+                sum = (sum + p.to_device(t.device())?)?;
+            }
+            Ok(sum)
+        })
     }
 
     fn ring_shift(&self, t: &Tensor) -> Result<Tensor> {
         let world = self.shared.world_size;
-        let parts = self.exchange(t, "ring_shift")?;
         // A copy: the sender may keep using its tensor.
-        parts[(self.rank + world - 1) % world].to_device(t.device())?.copy()
+        self.exchange(t, "ring_shift", |parts| {
+            parts[(self.rank + world - 1) % world].to_device(t.device())?.copy()
+        })
     }
 }
 
 impl LocalGroup {
-    /// Deposits `t` and returns every rank's deposit, in rank order, once all have arrived;
-    /// an error on every rank if they differ in shape or dtype (`what` names the collective).
-    fn exchange(&self, t: &Tensor, what: &str) -> Result<Vec<Tensor>> {
+    /// Deposits `t`; once every rank's deposit is in, runs `take` on them all (in rank order)
+    /// and returns its result after every rank has taken. An error on every rank if the
+    /// deposits differ in shape or dtype (`what` names the collective).
+    ///
+    /// On a GPU, candle queues each thread's work on a stream of that thread's own (CUDA's
+    /// per-thread default stream), so the ranks' streams are not ordered with each other: each
+    /// rank finishes its stream's work before depositing (the others read `t`) and after
+    /// `take` (the others may then drop or overwrite their deposits).
+    fn exchange<R>(&self, t: &Tensor, what: &str, take: impl FnOnce(&[Tensor]) -> Result<R>) -> Result<R> {
         let s = &self.shared;
         if s.world_size == 1 {
-            return Ok(vec![t.clone()]);
+            return take(std::slice::from_ref(t));
         }
+        // Every rank passes both barriers whatever fails, or the others would wait forever.
+        let ready = t.device().synchronize();
         s.slots.lock().unwrap()[self.rank] = Some(t.clone());
         s.barrier.wait();
         let parts: Vec<Tensor> = s.slots.lock().unwrap().iter().flatten().cloned().collect();
+        let result = ready.and_then(|()| {
+            if let Some(p) = parts.iter().find(|p| p.shape() != t.shape() || p.dtype() != t.dtype()) {
+                bail!(
+                    "{what}: rank {} has {:?} {:?}, another rank {:?} {:?}",
+                    self.rank,
+                    t.dtype(),
+                    t.shape(),
+                    p.dtype(),
+                    p.shape()
+                )
+            }
+            let r = take(&parts)?;
+            t.device().synchronize()?;
+            Ok(r)
+        });
         // Nobody deposits the next collective's tensor before every rank has taken this one's.
         s.barrier.wait();
-        if let Some(p) = parts.iter().find(|p| p.shape() != t.shape() || p.dtype() != t.dtype()) {
-            bail!(
-                "{what}: rank {} has {:?} {:?}, another rank {:?} {:?}",
-                self.rank,
-                t.dtype(),
-                t.shape(),
-                p.dtype(),
-                p.shape()
-            )
-        }
-        Ok(parts)
+        result
     }
 }
 
