@@ -39,7 +39,6 @@ def main():
         vocab_size=len(tok),
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
-        max_position_embeddings=8192,
     )
     params = check.write_model(cfg, args.out, args.seed)
     tok.save_pretrained(args.out)

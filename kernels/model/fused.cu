@@ -7,6 +7,7 @@
 
 #include <cuda_fp8.h>
 
+#include "argmax.cuh"
 #include "dtype.cuh"
 
 namespace {
@@ -328,16 +329,6 @@ __device__ void linear_vector(const Input& in, const T* __restrict__ w, const T*
 // row's largest value, the first one on ties; NaNs are never chosen (a row of NaNs gives 0). As
 // flash_llama::sampling::argmax on the host. One block of kArgmaxThreads per row.
 constexpr int kArgmaxThreads = 512;
-constexpr uint32_t kNoIndex = 0xffffffffu;
-
-// The better of two candidates (value, index); kNoIndex marks "nothing seen yet".
-__device__ __forceinline__ void keep_better(float& v, uint32_t& i, float ov, uint32_t oi) {
-    if (oi == kNoIndex) return;
-    if (i == kNoIndex || ov > v || (ov == v && oi < i)) {
-        v = ov;
-        i = oi;
-    }
-}
 
 template <typename T>
 __device__ void argmax_rows(const T* __restrict__ x, uint32_t* __restrict__ out, int cols) {
@@ -381,23 +372,8 @@ __device__ void argmax_rows(const T* __restrict__ x, uint32_t* __restrict__ out,
         tail = chunks * kVec;
     }
     for (int c = tail + threadIdx.x; c < cols; c += kArgmaxThreads) see(to_f(row[c]), c);
-    for (int o = 16; o > 0; o >>= 1)
-        keep_better(best, at, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, at, o));
-    __shared__ float warp_best[kArgmaxThreads / 32];
-    __shared__ uint32_t warp_at[kArgmaxThreads / 32];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) {
-        warp_best[warp] = best;
-        warp_at[warp] = at;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        best = lane < kArgmaxThreads / 32 ? warp_best[lane] : 0.f;
-        at = lane < kArgmaxThreads / 32 ? warp_at[lane] : kNoIndex;
-        for (int o = 16; o > 0; o >>= 1)
-            keep_better(best, at, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, at, o));
-        if (lane == 0) out[blockIdx.x] = at == kNoIndex ? 0 : at;
-    }
+    block_argmax<kArgmaxThreads>(best, at);
+    if (threadIdx.x == 0) out[blockIdx.x] = at == kNoIndex ? 0 : at;
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 // tree or in thread order), so a (seed, counter) pair always gives the same token.
 #include <stdint.h>
 
+#include "argmax.cuh"
 #include "dtype.cuh"
 
 namespace {
@@ -95,44 +96,19 @@ __device__ void sample_rows(const T* __restrict__ logits, const RowSampling* __r
     // gives the same distribution, and the CPU copy walks the same one.
 #define FOR_OWN(i) for (int i = threadIdx.x; i < vocab; i += kSampleThreads)
 
-    // The largest logit and its first index (NaNs never chosen).
+    // The largest logit and its first index (NaNs never chosen): argmax_rows' choice.
     float best = -INFINITY;
-    uint32_t at = 0xffffffffu;
+    uint32_t at = kNoIndex;
     FOR_OWN(i) {
         const float v = to_f(x[i]);
-        if (!isnan(v) && (at == 0xffffffffu || v > best)) {
+        if (!isnan(v) && (at == kNoIndex || v > best)) {
             best = v;
             at = i;
         }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-        const uint32_t oa = __shfl_xor_sync(0xffffffffu, at, o);
-        if (oa != 0xffffffffu && (at == 0xffffffffu || ob > best || (ob == best && oa < at))) {
-            best = ob;
-            at = oa;
-        }
-    }
-    __shared__ float warp_best[kSampleWarps];
-    __shared__ uint32_t warp_at[kSampleWarps];
-    if (threadIdx.x % 32 == 0) {
-        warp_best[threadIdx.x / 32] = best;
-        warp_at[threadIdx.x / 32] = at;
-    }
-    __syncthreads();
-    best = -INFINITY;
-    at = 0xffffffffu;
-    // A warp's tokens are not a contiguous range (thread t owns t, t + kSampleThreads, ...), so
-    // a tie between warps goes to the smaller index, as inside a warp.
-    for (int w = 0; w < kSampleWarps; ++w) {
-        if (warp_at[w] != 0xffffffffu &&
-            (at == 0xffffffffu || warp_best[w] > best || (warp_best[w] == best && warp_at[w] < at))) {
-            best = warp_best[w];
-            at = warp_at[w];
-        }
-    }
-    const uint32_t first = at == 0xffffffffu ? 0u : at;  // the first token in walk order
-    if (!(ps.temperature > 0.f) || ps.top_k == 1 || at == 0xffffffffu) {
+    block_argmax<kSampleThreads>(best, at);
+    const uint32_t first = at == kNoIndex ? 0u : at;  // the first token in walk order
+    if (!(ps.temperature > 0.f) || ps.top_k == 1 || at == kNoIndex) {
         if (threadIdx.x == 0) out[blockIdx.x] = first;
         return;
     }

@@ -113,7 +113,8 @@ impl TextTokenizer {
     }
 
     /// From an HF model directory: `tokenizer.json`, plus `tokenizer_config.json` (chat template,
-    /// special tokens) and `generation_config.json` (EOS ids) when present.
+    /// special tokens), `chat_template.jinja` (where newer transformers save the chat template;
+    /// it wins over tokenizer_config.json's) and `generation_config.json` (EOS ids) when present.
     pub fn from_hf_dir(dir: &Path, config_eos: &[u32], config_bos: Option<u32>) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let tokenizer =
@@ -130,15 +131,22 @@ impl TextTokenizer {
         let tok_cfg = read_json("tokenizer_config.json")?;
         let gen_cfg = read_json("generation_config.json")?;
 
-        let chat_template = tok_cfg.as_ref().and_then(|c| match c.get("chat_template")? {
-            serde_json::Value::String(s) => Some(s.clone()),
-            // A list of named templates: take the default one.
-            serde_json::Value::Array(list) => list
-                .iter()
-                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                .or(list.first())
-                .and_then(|t| t.get("template")?.as_str().map(String::from)),
-            _ => None,
+        let jinja = dir.join("chat_template.jinja");
+        let jinja = match jinja.exists() {
+            true => Some(std::fs::read_to_string(&jinja).with_context(|| format!("reading {}", jinja.display()))?),
+            false => None,
+        };
+        let chat_template = jinja.or_else(|| {
+            tok_cfg.as_ref().and_then(|c| match c.get("chat_template")? {
+                serde_json::Value::String(s) => Some(s.clone()),
+                // A list of named templates: take the default one.
+                serde_json::Value::Array(list) => list
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .or(list.first())
+                    .and_then(|t| t.get("template")?.as_str().map(String::from)),
+                _ => None,
+            })
         });
         // A special token named in tokenizer_config.json, as a string or {"content": ...}.
         let named_token = |key: &str| -> Option<u32> {

@@ -41,6 +41,30 @@ fn chat_template_renders_with_generation_prompt() {
     );
 }
 
+/// An HF directory's chat template: from tokenizer_config.json, or from chat_template.jinja (where
+/// newer transformers save it), which wins when both are there; EOS from tokenizer_config.json.
+#[test]
+fn hf_directory_chat_template_from_the_config_or_the_jinja_file() {
+    let dir = std::env::temp_dir().join(format!("flash-llama-text-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tok = byte_tokenizer(None);
+    tok.tokenizer.save(dir.join("tokenizer.json"), false).unwrap();
+    let config = serde_json::json!({"chat_template": "config: {{ messages[0]['content'] }}", "eos_token": "!"});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let render = || {
+        let tok = TextTokenizer::from_hf_dir(&dir, &[], None).unwrap();
+        (
+            tok.apply_chat_template(&[ChatMessage::user("hi")]).unwrap(),
+            tok.eos_token_ids,
+        )
+    };
+    let bang = tok.tokenizer.token_to_id("!").unwrap();
+    assert_eq!(render(), ("config: hi".to_string(), vec![bang]));
+    std::fs::write(dir.join("chat_template.jinja"), "jinja: {{ messages[0]['content'] }}").unwrap();
+    assert_eq!(render(), ("jinja: hi".to_string(), vec![bang]));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn chat_template_has_python_methods_and_raise_exception() {
     let source =

@@ -91,6 +91,15 @@ impl<C: Communicator + ?Sized> Communicator for Arc<C> {
     }
 }
 
+/// The dtype shared by `tensors` (at least one), or an error naming the collective `what`.
+pub(crate) fn one_dtype(what: &str, tensors: &[Tensor]) -> Result<DType> {
+    let dtype = tensors[0].dtype();
+    match tensors.iter().find(|t| t.dtype() != dtype) {
+        Some(t) => bail!("{what}: tensors of two dtypes ({dtype:?} and {:?})", t.dtype()),
+        None => Ok(dtype),
+    }
+}
+
 /// Sums `tensors` over all ranks, packed into buckets of at most `bucket_bytes` (each tensor
 /// whole, one collective per bucket): one large all-reduce runs near the link's bandwidth where
 /// hundreds of small ones would pay their latency each. Returns the sums in `tensors`' order and
@@ -103,13 +112,7 @@ pub fn all_reduce_sum_bucketed<C: Communicator + ?Sized>(
     if comm.world_size() == 1 || tensors.is_empty() {
         return Ok(tensors.to_vec());
     }
-    let dtype = tensors[0].dtype();
-    if let Some(t) = tensors.iter().find(|t| t.dtype() != dtype) {
-        bail!(
-            "all_reduce_sum_bucketed: tensors of two dtypes ({dtype:?} and {:?})",
-            t.dtype()
-        )
-    }
+    let dtype = one_dtype("all_reduce_sum_bucketed", tensors)?;
     let mut out = Vec::with_capacity(tensors.len());
     let mut start = 0;
     while start < tensors.len() {
@@ -317,6 +320,24 @@ mod tests {
             assert_eq!(sums[0].flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![3.0; 6]);
             assert_eq!(sums[1].to_vec1::<f32>().unwrap(), vec![30.0; 5]);
             assert_eq!(sums[2].flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![300.0; 4]);
+        }
+    }
+
+    #[test]
+    fn bucketed_all_reduce_of_two_dtypes_is_an_error_on_every_rank() {
+        let out = run_ranks(2, |g| {
+            let ts = vec![
+                Tensor::ones(3, DType::F32, &Device::Cpu).unwrap(),
+                Tensor::ones(3, DType::BF16, &Device::Cpu).unwrap(),
+            ];
+            // Checked before any collective: no rank waits for the other.
+            all_reduce_sum_bucketed(&g, &ts, 1 << 20).unwrap_err().to_string()
+        });
+        for e in out {
+            assert!(
+                e.contains("all_reduce_sum_bucketed: tensors of two dtypes (F32 and BF16)"),
+                "{e}"
+            );
         }
     }
 

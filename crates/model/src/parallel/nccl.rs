@@ -196,13 +196,7 @@ impl Communicator for NcclCommunicator {
         if self.world_size() == 1 || tensors.is_empty() {
             return Ok(tensors.to_vec());
         }
-        let dtype = tensors[0].dtype();
-        if let Some(t) = tensors.iter().find(|t| t.dtype() != dtype) {
-            bail!(
-                "start_all_reduce_sum: tensors of two dtypes ({dtype:?} and {:?})",
-                t.dtype()
-            )
-        }
+        let dtype = super::one_dtype("start_all_reduce_sum", tensors)?;
         let inputs: Vec<Tensor> = tensors.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
         let mut guard = self.background()?;
         let background = guard.as_mut().expect("made by background()");
