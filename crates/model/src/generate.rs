@@ -244,6 +244,11 @@ fn sample_each_step<F: FnMut(usize, u32) -> Result<Flow>>(
     Ok(())
 }
 
+/// [`choose_on_device`]'s choice of the next tokens: (logits, the sequences of their rows, the
+/// token number they draw) to (rows,) u32 on the device.
+#[cfg(feature = "cuda")]
+type ChooseTokens<'a> = dyn Fn(candle_core::Tensor, &[usize], usize) -> Result<candle_core::Tensor> + 'a;
+
 /// Decoding on the GPU with each token chosen there: greedy ([`crate::fused::argmax_rows`]) or
 /// sampled ([`sample_rows`], no repeat penalty). A step's chosen tokens stay on the device as
 /// the next step's input, and that next step is queued *before* the host waits for its copy of
@@ -296,7 +301,8 @@ fn choose_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
     let (ids, new) = model.upload_ids(prompts)?;
     let mut chosen = choose(model.step_logits(&ids, &new, cache)?, &running, 0)?;
     if run.opts.cuda_graphs && crate::decode_graph::DecodeGraph::fits(model, cache) {
-        return graph_decode(model, readback, chosen, cache, run, (!greedy).then_some(&rows[..]));
+        let draw: &ChooseTokens<'_> = &choose;
+        return graph_decode(model, readback, chosen, cache, run, (!greedy).then_some(draw));
     }
     let one_each = |running: &[usize]| -> Vec<usize> { (0..batch).map(|i| running.contains(&i) as usize).collect() };
     loop {
@@ -349,8 +355,9 @@ fn choose_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
 /// [`choose_on_device`]'s decode steps as replays of one CUDA graph ([`crate::decode_graph`]):
 /// `first` holds the prefill's tokens, one per sequence. Greedy (`sampled` None), the graph
 /// ends with each row's argmax; sampled, with the logits, and each replay is followed by
-/// [`sample_rows`] with sequence i's parameters `sampled[i]` at the step's token number, whose
-/// draw is copied into the graph's token buffer (the same draws as the eager steps make). As
+/// `sampled(logits, sequences, token number)` (the eager steps' own choice, [`sample_rows`] with
+/// each sequence's parameters) over every sequence, whose draw is copied into the graph's token
+/// buffer. As
 /// there, step t + 1 is queued before the host waits for step t's tokens. Every sequence stays
 /// in the graph's batch to the end (its slot has room: no sequence runs more than max_tokens - 1
 /// decode steps); the tokens of one that has finished are dropped.
@@ -361,21 +368,17 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
     first: candle_core::Tensor,
     cache: &mut KvCache,
     run: &mut Progress<F>,
-    sampled: Option<&[RowSampling]>,
+    sampled: Option<&ChooseTokens<'_>>,
 ) -> Result<()> {
     use crate::decode_graph::{DecodeGraph, Sampling};
-    // Sampled: draws token number `counter` of every row from the step's logits into the graph's
-    // token buffer, queued right behind the step.
+    // Sampled: draws token number `counter` of every sequence from the step's logits into the
+    // graph's token buffer, queued right behind the step.
+    let every: Vec<usize> = (0..run.done.len()).collect();
     let draw = |graph: &DecodeGraph, counter: usize| -> Result<()> {
-        let Some(rows) = sampled else { return Ok(()) };
-        let rows: Vec<RowSampling> = rows
-            .iter()
-            .map(|r| RowSampling {
-                counter: counter as u64,
-                ..*r
-            })
-            .collect();
-        graph.set_tokens(&sample_rows(graph.logits()?, &rows)?)
+        match sampled {
+            Some(choose) => graph.set_tokens(&choose(graph.logits()?.clone(), &every, counter)?),
+            None => Ok(()),
+        }
     };
     let accept_all = |run: &mut Progress<F>, readback: &crate::fused::cuda::TokenReadback| -> Result<()> {
         let wait = Instant::now();
