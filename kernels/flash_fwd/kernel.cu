@@ -124,7 +124,7 @@ FA3_FWD_KERNEL(flash_fwd_d128_f16, 128, 128, fa3::DT_F16)
 FA3_FWD_KERNEL(flash_fwd_d192_f16, 192, 112, fa3::DT_F16)
 FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 80, fa3::DT_F16)
 // d64 with 3 consumer warpgroups (192-row tiles, FA3's d64 shape): the default for head dims <= 64
-// except short masked calls (crates/flash-attn/src/cuda/mod.rs, Variant::pick).
+// except short masked calls (crates/flash-attn/src/cuda/forward.rs, Variant::pick).
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_bf16, 64, 128, fa3::DT_BF16, 3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_f16, 64, 128, fa3::DT_F16, 3)
 // FP8 (e4m3 inputs, bf16 or f16 output): 128-key blocks (whole 128-byte rows of V^T); head dims

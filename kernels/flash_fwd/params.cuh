@@ -1,6 +1,6 @@
 // The forward kernel's parameters: one POD passed by value as a __grid_constant__ kernel parameter,
 // so the TMA descriptors live in parameter space where cp.async.bulk.tensor can read them.
-// Mirrored field for field by `FwdParams` in crates/flash-attn/src/cuda/mod.rs.
+// Mirrored field for field by `FwdParams` in crates/flash-attn/src/cuda/forward.rs.
 #pragma once
 #include <cstdint>
 

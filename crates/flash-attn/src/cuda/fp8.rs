@@ -1,6 +1,6 @@
 //! The FP8 (e4m3) forward's host side: the V transpose pre-pass, the descale pointers, and the
 //! kernel variants (kernels/flash_fwd/, `FwdTraits::kFp8`; docs/kernels/forward-fp8.md). The
-//! launch itself is the 16-bit forward's (`forward_t` in mod.rs) with these pieces plugged in.
+//! launch itself is the 16-bit forward's (`forward_t` in forward.rs) with these pieces plugged in.
 
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::CudaDevice;

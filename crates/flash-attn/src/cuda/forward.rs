@@ -1,0 +1,762 @@
+//! The forward launch (kernels/flash_fwd/, the forward cubin): the kernel's parameters, which
+//! instantiation runs a call (`Variant`), the split-KV share count and partials, and the combine
+//! that merges them. The fp8 pieces (V transpose pre-pass, descales) are in fp8.rs, a KV cache's
+//! append in kvcache.rs; the shared plumbing (kernel loading, TMA maps, addresses) in mod.rs.
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::{CudaDType, CudaDevice};
+use candle_core::{bail, CudaStorage, DType, Layout, Result};
+use half::{bf16, f16};
+
+use super::{
+    bind_context, check_tma_head_dims, device_addr, fp8, gcd, geometry, input_ptr, is_capturing, kernel, kvcache,
+    launch_with_params, optional_ptr_mut, sm_count, tensor_map_nd, tile_counter, TmaDesc, WG_ROWS,
+};
+use crate::descale::Fp8Call;
+use crate::params::{l2_section_pairs, split_count, AttnParams, Dims, FastDiv, Varlen};
+
+/// Mirror of `fa3::FwdParams` (kernels/flash_fwd/params.cuh), field for field.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct FwdParams {
+    tma_q: TmaDesc,
+    tma_k: TmaDesc,
+    tma_v: TmaDesc,
+    tma_o: TmaDesc,
+    out: u64,
+    lse: u64,
+    cu_q: u64,
+    cu_k: u64,
+    tile_counter: u64,
+    out_row_stride: i64,
+    lse_head_stride: i64,
+    lse_batch_stride: i64,
+    seqlen_q: i32,
+    seqlen_k: i32,
+    heads: i32,
+    group: FastDiv,
+    head_dim_v: i32,
+    window_left: i32,
+    window_right: i32,
+    scale_log2: f32,
+    softcap_pre: f32,
+    negate: i32,
+    num_m_blocks: FastDiv,
+    batch: i32,
+    direct_store: i32,
+    pack_gqa: i32,
+    tile_heads: FastDiv,
+    q_tile_queries: i32,
+    q_tile_bytes: u32,
+    num_splits: FastDiv,
+    l2_section: FastDiv,
+    l2_last_section: FastDiv,
+    l2_section_tiles: FastDiv,
+    l2_full_sections: i32,
+    total_q: i32,
+    o_accum: u64,
+    lse_accum: u64,
+    q_descale: u64,
+    k_descale: u64,
+    v_descale: u64,
+    q_descale_blocks: i32,
+    k_descale_blocks: i32,
+    out_f16: i32,
+    seqused_k: u64,
+    kv_batch_idx: u64,
+    page_table: u64,
+    max_pages: i32,
+    page_size: FastDiv,
+    page_box_rows: i32,
+    sinks: u64,
+}
+
+/// Mirror of `fa3::CombineParams` (kernels/flash_fwd/params.cuh).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CombineParams {
+    o_accum: u64,
+    lse_accum: u64,
+    out: u64,
+    lse: u64,
+    num_splits: i32,
+    total_q: i32,
+    heads: i32,
+    head_dim_v: i32,
+    seqlen_q: i32,
+    varlen: i32,
+    lse_head_stride: i64,
+    lse_batch_stride: i64,
+    sinks: u64,
+    warps_per_row: i32,
+}
+
+// SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
+unsafe impl DeviceRepr for CombineParams {}
+
+/// Warps of the combine kernel's 256-thread blocks (`fa3::kCombineWarps`).
+const COMBINE_WARPS: usize = 8;
+
+/// Warps that share one row of the combine (`CombineParams::warps_per_row`): enough that each
+/// reads at most 4 splits (`fa3::kCombineInFlight`, loads in flight at once), a power of two up
+/// to the block's 8.
+fn combine_warps_per_row(splits: usize) -> usize {
+    splits.div_ceil(4).next_power_of_two().clamp(1, COMBINE_WARPS)
+}
+
+// SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
+unsafe impl DeviceRepr for FwdParams {}
+
+/// One compiled instantiation: padded head dim, keys per pipeline stage, consumer warpgroups,
+/// e4m3 inputs or 16-bit.
+struct Variant {
+    head_dim: usize,
+    block_n: usize,
+    consumer_wgs: usize,
+    fp8: bool,
+    /// fp8 over a KV cache: V transposed in shared memory by the kernel, not by the pre-pass
+    /// (kernels/flash_fwd/transpose_v.cuh).
+    transpose_v: bool,
+}
+
+impl Variant {
+    /// Head dims round up to the next instantiation; TMA zero-fills the padding columns.
+    /// `uneven`: a causal/windowed/varlen call (tiles of unequal work). d64 runs on 192-row tiles
+    /// except for uneven calls whose longest query sequence is under 4096, where the coarser
+    /// tiles cost more in masked rows and balance than they gain (measured, causal: -8% at 512,
+    /// -2..-20% at 1k-2k, +6% at 8k; unmasked +4..+13% everywhere; docs/kernels/forward-sm90.md,
+    /// version 9).
+    /// `d64_rows`: [`crate::Tuning::d64_tile_rows`].
+    fn pick(
+        head_dim: usize,
+        head_dim_v: usize,
+        uneven: bool,
+        seqlen_q: usize,
+        d64_rows: Option<usize>,
+    ) -> Result<Self> {
+        check_tma_head_dims("kernel", head_dim, head_dim_v)?;
+        Ok(match head_dim.max(head_dim_v) {
+            0..=64 => Self {
+                head_dim: 64,
+                block_n: 128,
+                consumer_wgs: d64_consumer_wgs(uneven, seqlen_q, d64_rows),
+                fp8: false,
+                transpose_v: false,
+            },
+            // Native d96 (64-byte swizzled tiles), 128 x 128 like d128.
+            65..=96 => Self {
+                head_dim: 96,
+                block_n: 128,
+                consumer_wgs: 2,
+                fp8: false,
+                transpose_v: false,
+            },
+            97..=128 => Self {
+                head_dim: 128,
+                block_n: 128,
+                consumer_wgs: 2,
+                fp8: false,
+                transpose_v: false,
+            },
+            // FA3's d192 tile: 112-key blocks (one Q buffer, O stored from registers: 218 KiB).
+            129..=192 => Self {
+                head_dim: 192,
+                block_n: 112,
+                consumer_wgs: 2,
+                fp8: false,
+                transpose_v: false,
+            },
+            193..=256 => Self {
+                head_dim: 256,
+                block_n: 80,
+                consumer_wgs: 2,
+                fp8: false,
+                transpose_v: false,
+            },
+            d => bail!("flash-attn3: the GPU kernel supports head dims up to 256, got {d}"),
+        })
+    }
+
+    /// The fp8 kernels: d64, d128 and d256 (96 and 192 run on the next one up, TMA zero-filling
+    /// the columns), 128-key blocks (224 at d128: `fp8::block_n`), two consumer warpgroups (three
+    /// for d64 where `pick` uses three).
+    fn pick_fp8(
+        head_dim: usize,
+        head_dim_v: usize,
+        uneven: bool,
+        seqlen_q: usize,
+        seqlen_k: usize,
+        tuning: &crate::Tuning,
+        transpose_v: bool,
+    ) -> Result<Self> {
+        let head_dim = match head_dim.max(head_dim_v) {
+            0..=64 => 64,
+            65..=128 => 128,
+            129..=256 => 256,
+            d => bail!("flash-attn3: the GPU kernel supports head dims up to 256, got {d}"),
+        };
+        // d64 on 192-row tiles (three consumer warpgroups) by the 16-bit rule: +6..+11% unmasked
+        // from 2k, +2..+7% causal from 4k, -10% causal at 512 and 1k (session 14, same call).
+        Ok(Self {
+            head_dim,
+            block_n: fp8::block_n(head_dim, transpose_v, seqlen_k, tuning.fp8_d128_block_n),
+            consumer_wgs: match head_dim {
+                64 if !transpose_v => d64_consumer_wgs(uneven, seqlen_q, tuning.d64_tile_rows),
+                _ => 2,
+            },
+            fp8: true,
+            transpose_v,
+        })
+    }
+
+    /// The instantiation's name in kernels/flash_fwd/kernel.cu.
+    fn kernel_name(&self, dtype: DType) -> &'static str {
+        if self.transpose_v {
+            return match self.head_dim {
+                64 => "flash_fwd_d64_e4m3_tv",
+                128 => "flash_fwd_d128_e4m3_tv",
+                _ => "flash_fwd_d256_e4m3_tv",
+            };
+        }
+        if self.fp8 {
+            return match self.head_dim {
+                64 if self.consumer_wgs == 3 => "flash_fwd_d64x3_e4m3",
+                64 => "flash_fwd_d64_e4m3",
+                128 if self.block_n == 224 => "flash_fwd_d128_n224_e4m3",
+                128 => "flash_fwd_d128_e4m3",
+                _ => "flash_fwd_d256_e4m3",
+            };
+        }
+        let bf16 = dtype == DType::BF16;
+        if self.consumer_wgs == 3 {
+            return if bf16 {
+                "flash_fwd_d64x3_bf16"
+            } else {
+                "flash_fwd_d64x3_f16"
+            };
+        }
+        match (self.head_dim, bf16) {
+            (64, true) => "flash_fwd_d64_bf16",
+            (96, true) => "flash_fwd_d96_bf16",
+            (128, true) => "flash_fwd_d128_bf16",
+            (192, true) => "flash_fwd_d192_bf16",
+            (_, true) => "flash_fwd_d256_bf16",
+            (64, false) => "flash_fwd_d64_f16",
+            (96, false) => "flash_fwd_d96_f16",
+            (128, false) => "flash_fwd_d128_f16",
+            (192, false) => "flash_fwd_d192_f16",
+            (_, false) => "flash_fwd_d256_f16",
+        }
+    }
+
+    /// `fa3::SharedStorage` plus slack to align its start to 1024 bytes: Q (two buffers for
+    /// d <= 128, `kQStages`), the 2-stage K/V ring, the O staging tile of the TMA-store epilogue
+    /// (d <= 128, `kTmaStoreO`) and the barriers.
+    fn smem_bytes(&self) -> usize {
+        if self.fp8 {
+            // One-byte Q (two buffers up to d128), the K and V^T rings, the 16-bit O staging tile
+            // (kTmaStoreO); with transpose_v also V as loaded (two stages, one at d256, whose O
+            // then stores from registers: 1024 bytes of alignment for its placeholder).
+            let small = self.head_dim <= 128;
+            let q_tiles = if small { 2 } else { 1 };
+            let raw_stages = match (self.transpose_v, small) {
+                (false, _) => 0,
+                (true, true) => 2,
+                (true, false) => 1,
+            };
+            let o_bytes = match self.transpose_v && !small {
+                true => 1024,
+                false => 2 * self.block_m() * self.head_dim,
+            };
+            // V^T stages hold whole 128-key column blocks.
+            let vt_keys = self.block_n.div_ceil(fp8::VT_COL_KEYS) * fp8::VT_COL_KEYS;
+            let bytes =
+                self.head_dim * (q_tiles * self.block_m() + (2 + raw_stages) * self.block_n + 2 * vt_keys) + o_bytes;
+            return bytes + 1024 + 1024;
+        }
+        let roomy = self.head_dim <= 128 && self.block_n <= 128;
+        let (q_tiles, o_tiles) = if roomy { (2, 1) } else { (1, 0) };
+        let rows = (q_tiles + o_tiles) * self.block_m() + 2 * 2 * self.block_n;
+        2 * self.head_dim * rows + 1024 + 1024
+    }
+
+    /// Columns per shared-memory column block (and TMA box): 64 (128-byte swizzle), or 32 (64-byte
+    /// swizzle) for head dim 96, which is no multiple of 64 (`fa3::FwdTraits::kColElems`).
+    fn col_elems(&self) -> u32 {
+        if self.fp8 {
+            // 128-byte rows, or 64-byte rows (64B swizzle) for d64.
+            return if self.head_dim % 128 == 0 { 128 } else { 64 };
+        }
+        if self.head_dim % 64 == 0 {
+            64
+        } else {
+            32
+        }
+    }
+
+    /// Query rows per tile: 64 per consumer warpgroup.
+    fn block_m(&self) -> usize {
+        WG_ROWS * self.consumer_wgs
+    }
+
+    /// Threads per CTA: the producer warpgroup and the consumers.
+    fn threads(&self) -> u32 {
+        128 * (1 + self.consumer_wgs as u32)
+    }
+}
+
+/// Consumer warpgroups of the d64 kernels: 3 (192-row tiles) except for uneven calls whose
+/// longest query sequence is under 4096, or as [`crate::Tuning::d64_tile_rows`] says.
+fn d64_consumer_wgs(uneven: bool, seqlen_q: usize, rows: Option<usize>) -> usize {
+    match rows {
+        Some(rows) => rows / WG_ROWS,
+        None if uneven && seqlen_q < 4096 => 2,
+        None => 3,
+    }
+}
+
+/// Whether the q heads of a kv head share one tile (pack-GQA): for decode-like calls (at most 64
+/// queries per sequence), where one tile per q head would hold a handful of rows and every q head
+/// would stream the same K/V again; `forced`: [`crate::Tuning::pack_gqa`].
+fn pack_gqa(group: usize, seqlen_q: usize, forced: Option<bool>) -> bool {
+    (2..=64).contains(&group) && forced.unwrap_or(seqlen_q <= 64)
+}
+
+/// FA3_TRACE=1 in the environment: print CTA 0's timeline after each forward launch (needs a
+/// build with FA3_NVCC_FLAGS=-DFA3_TRACE; kernels/primitives/trace.cuh, scripts/trace_timeline.py).
+fn trace_requested() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("FA3_TRACE").is_some_and(|v| v != "0"))
+}
+
+fn dump_trace(dev: &CudaDevice) -> Result<()> {
+    let func = kernel(dev, "fa3_trace_dump", 0).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "FA3_TRACE is set but the kernels were built without -DFA3_TRACE ({e})"
+        ))
+    })?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the dump kernel reads only its own module's trace buffer.
+    unsafe { launch_with_params(&dev.cuda_stream(), &func, "fa3_trace_dump", cfg, &0i32) }
+}
+
+/// Launches the split-KV combine over `rows` (token, head) rows (kernels/flash_fwd/combine.cuh).
+fn combine_splits(dev: &CudaDevice, dtype: DType, p: &CombineParams, rows: usize) -> Result<()> {
+    let rows_per_block = COMBINE_WARPS / p.warps_per_row as usize;
+    let name = if dtype == DType::BF16 {
+        "flash_fwd_combine_bf16"
+    } else {
+        "flash_fwd_combine_f16"
+    };
+    let func = kernel(dev, name, 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(rows_per_block) as u32, 1, 1),
+        block_dim: (32 * COMBINE_WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the params point at the partials, out and lse, all alive until the caller drops
+    // them after this launch is queued (in stream order).
+    unsafe { launch_with_params(&dev.cuda_stream(), &func, name, cfg, p) }
+}
+
+/// What a forward launch takes beyond q, k, v and the options: the descales and output dtype of
+/// e4m3 inputs, a KV cache's indices (kvcache.rs: k and v are then the caches), the attention
+/// sinks.
+#[derive(Default)]
+pub(crate) struct FwdExtras<'a> {
+    pub fp8: Option<&'a Fp8Call>,
+    pub cache: Option<&'a kvcache::CacheLaunch>,
+    /// Device address of the (heads,) f32 sink logits, 0 for none.
+    pub sinks: u64,
+}
+
+/// Runs the forward on the GPU; returns the output and the LSE.
+pub(crate) fn forward(
+    dims: &Dims,
+    params: AttnParams,
+    varlen: Option<&Varlen>,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    extras: &FwdExtras,
+) -> Result<(CudaStorage, CudaStorage)> {
+    match (q.0.dtype(), extras.fp8.map(|f| f.out_dtype)) {
+        (DType::BF16, None) | (DType::F8E4M3, Some(DType::BF16)) => {
+            forward_t::<bf16>(dims, params, varlen, q, k, v, extras)
+        }
+        (DType::F16, None) | (DType::F8E4M3, Some(DType::F16)) => {
+            forward_t::<f16>(dims, params, varlen, q, k, v, extras)
+        }
+        (dt, _) => bail!("flash-attn3: the GPU kernel supports bf16, f16 and f8e4m3, got {dt:?}; convert with .to_dtype(DType::BF16) or run on the CPU"),
+    }
+}
+
+/// The forward launch; `T` is the output's element type (the inputs' for 16-bit calls, bf16 or
+/// f16 for fp8 calls). With a cache, k and v are the KV caches and `dims.seqlen_k` the keys one
+/// sequence's cache holds.
+fn forward_t<T: CudaDType + DeviceRepr>(
+    dims: &Dims,
+    params: AttnParams,
+    varlen: Option<&Varlen>,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    extras: &FwdExtras,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let (fp8, cache) = (extras.fp8, extras.cache);
+    let dtype = q.0.dtype();
+    let out_dtype = fp8.map_or(dtype, |f| f.out_dtype);
+    let dev = q.0.device.clone();
+    if !(k.0.device.id() == dev.id() && v.0.device.id() == dev.id()) {
+        bail!("flash-attn3: q, k and v must be on the same GPU")
+    }
+    bind_context(&dev)?;
+    // KV cache calls have a key count per sequence: uneven tiles.
+    let uneven = varlen.is_some() || cache.is_some() || params.is_masked();
+    let group = dims.group();
+    // FP8: a packed tile holds a whole GQA group, so its q heads must share one descale.
+    let tuning = params.tuning;
+    let pack_gqa = pack_gqa(group, dims.seqlen_q, tuning.pack_gqa) && fp8.is_none_or(|f| f.q_shared_by_group);
+    let rows = tuning.d64_tile_rows;
+    let variant = match fp8 {
+        Some(_) => Variant::pick_fp8(
+            dims.head_dim,
+            dims.head_dim_v,
+            uneven || pack_gqa,
+            dims.seqlen_q,
+            dims.seqlen_k,
+            &tuning,
+            cache.is_some(),
+        )?,
+        None => Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q, rows)?,
+    };
+    let elem_bytes = if variant.fp8 { 1 } else { 2 };
+    let stream = dev.cuda_stream();
+
+    let (q_addr, _q_sync) = input_ptr(q.0, q.1, &stream)?;
+    let (k_addr, _k_sync) = input_ptr(k.0, k.1, &stream)?;
+    let (v_addr, _v_sync) = input_ptr(v.0, v.1, &stream)?;
+    let (q_sizes, q_strides) = geometry(q.1);
+    let (k_sizes, k_strides) = geometry(k.1);
+    let (v_sizes, v_strides) = geometry(v.1);
+    // Pack-GQA: a tile holds q_tile_queries queries x the group's q heads (row = token * group +
+    // head in group), loaded as boxes of (64, group, q_tile_queries) from a 5-D view of q:
+    // (head_dim, q head in group, token, kv head, batch).
+    let block_m = variant.block_m();
+    let q_tile_queries = if pack_gqa { block_m / group } else { block_m };
+    // Maps in the kernel's column-block width (64 columns, or 32 for head dim 96).
+    let cols = variant.col_elems();
+    let map = |name: &str, addr: u64, d: usize, sizes: [usize; 3], strides: [usize; 3], rows: usize| {
+        tensor_map_nd(name, dtype, addr, d, &sizes, &strides, &[rows as u32, 1, 1], cols)
+    };
+    let tma_q = if pack_gqa {
+        let [tokens, _, batch] = q_sizes;
+        let [token_stride, head_stride, batch_stride] = q_strides;
+        tensor_map_nd(
+            "q",
+            dtype,
+            q_addr,
+            dims.head_dim,
+            &[group, tokens, dims.kv_heads, batch],
+            &[head_stride, token_stride, group * head_stride, batch_stride],
+            &[group as u32, q_tile_queries as u32, 1, 1],
+            cols,
+        )?
+    } else {
+        map("q", q_addr, dims.head_dim, q_sizes, q_strides, block_m)?
+    };
+    let q_tile_bytes = (variant.head_dim * elem_bytes * if pack_gqa { q_tile_queries * group } else { block_m }) as u32;
+    // K and V boxes: a key block, or for a paged cache a part of one that never crosses a page
+    // (kernels/flash_fwd/load.cuh, load_paged_rows).
+    let kv_box_rows = match cache {
+        Some(c) if c.page_table != 0 => gcd(c.page_size, variant.block_n),
+        _ => variant.block_n,
+    };
+    let tma_k = map("k", k_addr, dims.head_dim, k_sizes, k_strides, kv_box_rows)?;
+    // The output is ours, contiguous (total_q, heads, head_dim_v); the epilogue stores 64-row
+    // boxes, one per consumer warpgroup.
+    let out_len = dims.total_q * dims.heads * dims.head_dim_v;
+    let lse_len = dims.total_q * dims.heads;
+    // SAFETY: the kernel writes every element of both (every row of every sequence and head).
+    let mut out = unsafe { dev.alloc::<T>(out_len)? };
+    let mut lse = unsafe { dev.alloc::<f32>(lse_len)? };
+    let (o_sizes, o_strides) = {
+        let row = dims.heads * dims.head_dim_v;
+        match varlen {
+            Some(_) => ([dims.total_q, dims.heads, 1], [row, dims.head_dim_v, 0]),
+            None => (
+                [dims.seqlen_q, dims.heads, dims.batch],
+                [row, dims.head_dim_v, dims.seqlen_q * row],
+            ),
+        }
+    };
+    let out_addr = device_addr(&out, &stream, &Layout::contiguous(out_len));
+    // 16-bit output in the kernel's staging layout: the inputs' column blocks, or 64 columns
+    // (128-byte rows) for fp8 kernels.
+    let out_cols = if variant.fp8 { 64 } else { cols };
+    let tma_o = tensor_map_nd(
+        "out",
+        out_dtype,
+        out_addr,
+        dims.head_dim_v,
+        &o_sizes,
+        &o_strides,
+        &[WG_ROWS as u32, 1, 1],
+        out_cols,
+    )?;
+
+    let num_m_blocks = dims.seqlen_q.div_ceil(q_tile_queries);
+    let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
+    let sms = sm_count(&dev)?;
+    // A call captured into a CUDA graph does not pay a split's host time on replay.
+    let captured = is_capturing(&dev.cuda_stream());
+    let splits = split_count(
+        params.num_splits,
+        num_m_blocks * tile_heads * dims.batch,
+        sms,
+        dims.seqlen_k.div_ceil(variant.block_n),
+        captured,
+    );
+    let num_tiles = num_m_blocks * tile_heads * dims.batch * splits;
+    // Tile order: uneven tiles run longest first across the pairs of an L2-sized section; even
+    // tiles keep one pair per section (each pair's tiles in a row).
+    let pairs = tile_heads * dims.batch;
+    let section = match tuning.l2_section {
+        Some(n) => n.clamp(1, pairs.max(1)),
+        None if uneven => l2_section_pairs(
+            dims.seqlen_k,
+            dims.head_dim,
+            dims.head_dim_v,
+            if pack_gqa { 1 } else { dims.group() },
+            pairs,
+        ),
+        None => 1,
+    };
+    let last_section = match pairs % section {
+        0 => section,
+        r => r,
+    };
+    // Split-KV partials: (splits, total_q, heads, head_dim_v) f32 and (splits, total_q, heads).
+    // SAFETY (both): every split writes every row of its tiles (zeros and -inf for a share
+    // without keys), and the combine reads only those rows.
+    let (mut o_accum, mut lse_accum) = match splits > 1 {
+        true => (
+            Some(unsafe { dev.alloc::<f32>(splits * out_len)? }),
+            Some(unsafe { dev.alloc::<f32>(splits * lse_len)? }),
+        ),
+        false => (None, None),
+    };
+    // A persistent grid, one CTA per SM (a CTA's shared memory fills most of an SM), so that a
+    // CTA's next Q and K/V loads overlap its current tile's last P·V and epilogue. Tiles of equal
+    // work (no mask, fixed lengths) are strided statically; uneven tiles (causal/windows, varlen)
+    // are claimed through an atomic counter, longest first (kernels/flash_fwd/scheduler.cuh).
+    // `Tuning::per_tile` launches one CTA per uneven tile instead (the hardware's block
+    // scheduler balances them; the path before the counter, kept for comparison).
+    let grid = if uneven && tuning.per_tile {
+        num_tiles
+    } else {
+        num_tiles.min(sms)
+    };
+    // The counter ends at (tiles past the first grid) + grid: stay inside i32.
+    if num_tiles + grid > i32::MAX as usize {
+        bail!("flash-attn3: too many query tiles for one launch ({num_tiles})")
+    }
+    // The dynamic scheduler's counters: one zeroed buffer per device and thread, which every
+    // launch leaves zeroed (kernels/flash_fwd/scheduler.cuh), so no memset per call.
+    let counter = tile_counter(&dev)?;
+    let counter_addr = match uneven && grid < num_tiles {
+        true => counter,
+        false => 0,
+    };
+
+    // Varlen offsets: the caller's u32 device tensors when contiguous, else a fresh upload of
+    // the host copies that validation already read.
+    let (cu_q_t, cu_k_t) = match varlen {
+        Some(vl) => (
+            Some(vl.seqlens_q.storage_and_layout()),
+            Some(vl.seqlens_k.storage_and_layout()),
+        ),
+        None => (None, None),
+    };
+    let mut uploads = Vec::new();
+    let mut cu_addr = |t: Option<(&candle_core::Storage, &Layout)>, host: &[usize]| -> Result<u64> {
+        let Some((storage, layout)) = t else { return Ok(0) };
+        if let (candle_core::Storage::Cuda(cs), true) = (storage, layout.is_contiguous()) {
+            if cs.device.id() == dev.id() {
+                return Ok(device_addr(cs.as_cuda_slice::<u32>()?, &stream, layout));
+            }
+        }
+        let host: Vec<u32> = host.iter().map(|&x| x as u32).collect();
+        let up = stream
+            .clone_htod(&host)
+            .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {e:?}")))?;
+        let (ptr, _) = up.device_ptr(&stream);
+        uploads.push(up);
+        Ok(ptr)
+    };
+    let cu_q = cu_addr(
+        cu_q_t.as_ref().map(|(s, l)| (&**s, *l)),
+        varlen.map_or(&[][..], |v| &v.cu_q),
+    )?;
+    let cu_k = cu_addr(
+        cu_k_t.as_ref().map(|(s, l)| (&**s, *l)),
+        varlen.map_or(&[][..], |v| &v.cu_k),
+    )?;
+
+    // V as the kernel reads it: the caller's (keys, head_dim_v) rows, or for fp8 outside KV caches
+    // V^T written by the pre-pass (sequences, kv heads, head_dim_v, keys), 128-key boxes of the whole head dim.
+    // (KV-cache calls: the kernel transposes V tiles itself, transpose_v.cuh; a pass over the
+    // whole cache per call would cost more than the attention.)
+    let vt = match fp8 {
+        Some(_) if !variant.transpose_v => Some(fp8::transpose_v(&dev, dims, v, cu_k)?),
+        _ => None,
+    };
+    let tma_v = match &vt {
+        Some(vt) => {
+            let padded = vt.keys_padded;
+            let slab = padded * dims.head_dim_v;
+            tensor_map_nd(
+                "v (transposed)",
+                dtype,
+                device_addr(&vt.vt, &stream, &Layout::contiguous(vt.vt.len())),
+                padded,
+                &[dims.head_dim_v, dims.kv_heads, dims.batch],
+                &[padded, slab, slab * dims.kv_heads],
+                &[variant.head_dim as u32, 1, 1],
+                fp8::VT_COL_KEYS as u32,
+            )?
+        }
+        None => map("v", v_addr, dims.head_dim_v, v_sizes, v_strides, kv_box_rows)?,
+    };
+    let descales = match fp8 {
+        Some(call) => Some(fp8::DescalePtrs::new(&dev, call)?),
+        None => None,
+    };
+
+    let window = |w: Option<usize>| w.map_or(-1, |w| w.min(1 << 30) as i32);
+    let scale = params.softmax_scale;
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    let (scale_log2, softcap_pre, negate) = match params.softcap {
+        _ if scale == 0.0 => (1e-30, 0.0, 0),
+        Some(cap) => (cap * LOG2E, scale / cap, 0),
+        None => (scale.abs() * LOG2E, 0.0, (scale < 0.0) as i32),
+    };
+    let (lse_head_stride, lse_batch_stride) = match varlen {
+        Some(_) => (dims.total_q as i64, 0),
+        None => (dims.seqlen_q as i64, (dims.heads * dims.seqlen_q) as i64),
+    };
+
+    let name = variant.kernel_name(dtype);
+    let smem = variant.smem_bytes();
+    let func = kernel(&dev, name, smem)?;
+    {
+        let (out_ptr, _out_sync) = out.device_ptr_mut(&stream);
+        let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
+        let _vt_sync = vt.as_ref().map(|vt| vt.vt.device_ptr(&stream));
+        let (o_accum_ptr, _o_accum_sync) = optional_ptr_mut(&mut o_accum, &stream);
+        let (lse_accum_ptr, _lse_accum_sync) = optional_ptr_mut(&mut lse_accum, &stream);
+        let p = FwdParams {
+            tma_q,
+            tma_k,
+            tma_v,
+            tma_o,
+            out: out_ptr,
+            lse: lse_ptr,
+            cu_q,
+            cu_k,
+            tile_counter: counter_addr,
+            out_row_stride: (dims.heads * dims.head_dim_v) as i64,
+            lse_head_stride,
+            lse_batch_stride,
+            seqlen_q: dims.seqlen_q as i32,
+            seqlen_k: dims.seqlen_k as i32,
+            heads: dims.heads as i32,
+            group: FastDiv::new(dims.group())?,
+            head_dim_v: dims.head_dim_v as i32,
+            window_left: window(params.window_left),
+            window_right: window(params.window_right),
+            scale_log2,
+            softcap_pre,
+            negate,
+            num_m_blocks: FastDiv::new(num_m_blocks)?,
+            batch: dims.batch as i32,
+            direct_store: tuning.direct_store as i32,
+            pack_gqa: pack_gqa as i32,
+            tile_heads: FastDiv::new(tile_heads)?,
+            q_tile_queries: q_tile_queries as i32,
+            q_tile_bytes,
+            num_splits: FastDiv::new(splits)?,
+            l2_section: FastDiv::new(section)?,
+            l2_last_section: FastDiv::new(last_section)?,
+            l2_section_tiles: FastDiv::new(section * num_m_blocks)?,
+            l2_full_sections: (pairs / section) as i32,
+            total_q: dims.total_q as i32,
+            o_accum: o_accum_ptr,
+            lse_accum: lse_accum_ptr,
+            q_descale: descales.as_ref().map_or(0, |d| d.q),
+            k_descale: descales.as_ref().map_or(0, |d| d.k),
+            v_descale: descales.as_ref().map_or(0, |d| d.v),
+            q_descale_blocks: fp8.map_or(0, |f| f.q_blocks as i32),
+            k_descale_blocks: fp8.map_or(0, |f| f.k_blocks as i32),
+            out_f16: (out_dtype == DType::F16) as i32,
+            seqused_k: cache.map_or(0, |c| c.seqused_k),
+            kv_batch_idx: cache.map_or(0, |c| c.kv_batch_idx),
+            page_table: cache.map_or(0, |c| c.page_table),
+            max_pages: cache.map_or(0, |c| c.max_pages as i32),
+            page_size: FastDiv::new(cache.map_or(1, |c| c.page_size.max(1)))?,
+            page_box_rows: kv_box_rows as i32,
+            sinks: extras.sinks,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (grid as u32, 1, 1),
+            block_dim: (variant.threads(), 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: the params describe live device buffers (q, k, v, out, lse, cu_*) whose
+        // guards are held until after the launch is queued on candle's stream.
+        unsafe { launch_with_params(&stream, &func, name, cfg, &p) }?;
+    }
+    if trace_requested() {
+        dump_trace(&dev)?;
+    }
+    if let (Some(o_accum), Some(lse_accum)) = (&o_accum, &lse_accum) {
+        let (o_accum_ptr, _o_accum_sync) = o_accum.device_ptr(&stream);
+        let (lse_accum_ptr, _lse_accum_sync) = lse_accum.device_ptr(&stream);
+        let (out_ptr, _out_sync) = out.device_ptr_mut(&stream);
+        let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
+        combine_splits(
+            &dev,
+            out_dtype,
+            &CombineParams {
+                o_accum: o_accum_ptr,
+                lse_accum: lse_accum_ptr,
+                out: out_ptr,
+                lse: lse_ptr,
+                num_splits: splits as i32,
+                total_q: dims.total_q as i32,
+                heads: dims.heads as i32,
+                head_dim_v: dims.head_dim_v as i32,
+                seqlen_q: dims.seqlen_q.max(1) as i32,
+                varlen: varlen.is_some() as i32,
+                lse_head_stride,
+                lse_batch_stride,
+                sinks: extras.sinks,
+                warps_per_row: combine_warps_per_row(splits) as i32,
+            },
+            dims.total_q * dims.heads,
+        )?;
+    }
+    // The uploaded offsets, the counter and the split partials (if any) are freed in stream
+    // order after the kernels.
+    drop(uploads);
+    drop((vt, descales));
+    drop((o_accum, lse_accum));
+    Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
+}
