@@ -1,64 +1,89 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine: A/B of two builds of the benchmark in one call, interleaved (base, new,
-# base, new), then the new build's GPU tests. Between device calls the same binary moves by up to
-# 8%, so kernel versions are compared this way only.
+# Runs ON the GPU machine: A/B of builds of the benchmark in one call, alternating (each build
+# once per round, ROUNDS rounds), then the new build's GPU tests. Between device calls the same
+# binary moves by up to 8%, so kernel versions are compared this way only. The builds:
+#   base            .device-base/gpu-bench.xz (gpu-pack.sh --baseline REV: another revision), if packed
+#   new             .device/gpu-bench.xz (the working tree)
+#   NAME            .device-base/gpu-bench-NAME.xz (gpu-pack.sh --variant NAME=FLAGS: the working
+#                   tree with extra nvcc flags), each one packed
 #
-#   here:  scripts/gpu-pack.sh --attn --baseline REV   (REV's benchmark into .device-base/)
+#   here:  scripts/gpu-pack.sh --attn [--baseline REV] [--variant NAME=FLAGS]...
 #   run    carry [".device", ".device-base"]  command "bash scripts/gpu-ab.sh"
 #
-# Env: PASSES (fwd, bwd, kvcache, comma-separated; default fwd), SEQS (default 512..8192), HD
-# (head dims, default 64,128,256), TESTS (a test filter; empty: every test). Prints the failing
-# tests (if any), then per cell both runs of each build and new / base (mean of the two runs);
-# backward cells use the op-alone TFLOP/s (FlashAttn::backward); kvcache rows (the decode grid,
-# d128) give µs of the contiguous, paged (16 / 64 / 256) and graph-replayed calls per build and
-# their new / base ratios.
+# Env: PASSES (fwd, fp8, bwd, kvcache, comma-separated; default fwd), SEQS (default 512..8192), HD
+# (head dims, default 64,128,256), ROUNDS (default 2), TESTS (a test filter; empty: every test;
+# "none": no tests). Prints the failing tests (if any), then per cell every build's best run and
+# its ratio to the first build (base if packed, else new); backward cells use the op-alone
+# TFLOP/s (FlashAttn::backward); kvcache rows (the decode grid, d128) the µs of the contiguous,
+# paged (16 / 64 / 256) and graph-replayed calls.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 export BENCH_DECODE=0 BENCH_SEQS=${SEQS:-512,1024,2048,4096,8192} BENCH_HDIMS=${HD:-64,128,256}
 export BENCH_PASSES=${PASSES:-fwd}
-xz -dc .device-base/gpu-bench.xz >/tmp/base && xz -dc .device/gpu-bench.xz >/tmp/new || exit 2
-chmod +x /tmp/base /tmp/new
-for r in 1 2; do
-    for b in base new; do /tmp/$b | grep -E "^ours|^\| [0-9]" >/tmp/$b$r.txt; done
+WORK=/tmp/gpu-ab
+rm -rf "$WORK" && mkdir -p "$WORK"
+BUILDS=()
+unpack() { xz -dc "$1" >"$WORK/$2" && chmod +x "$WORK/$2" && BUILDS+=("$2"); }
+[[ -f .device-base/gpu-bench.xz ]] && unpack .device-base/gpu-bench.xz base
+unpack .device/gpu-bench.xz new || exit 2
+for f in .device-base/gpu-bench-*.xz; do
+    [[ -f $f ]] || continue
+    name=${f#.device-base/gpu-bench-}
+    unpack "$f" "${name%.xz}"
 done
-if xz -dc .device/gpu-test.xz >/tmp/test && chmod +x /tmp/test; then
+((${#BUILDS[@]} >= 2)) || { echo "gpu-ab: one build only (pack a --baseline or a --variant)" >&2; exit 2; }
+[[ -f .device-base/manifest.txt ]] && cat .device-base/manifest.txt
+for r in $(seq "${ROUNDS:-2}"); do
+    for b in "${BUILDS[@]}"; do "$WORK/$b" | grep -E "^ours|^\| [0-9]" >"$WORK/$b.$r.txt"; done
+done
+if [[ ${TESTS:-} != none ]] && xz -dc .device/gpu-test.xz >"$WORK/test" && chmod +x "$WORK/test"; then
     # shellcheck disable=SC2086 # TESTS is a word list
-    /tmp/test --test-threads=1 ${TESTS:-} 2>&1 | grep -E "^test |test result" | grep -v " ok$"
+    "$WORK/test" --test-threads=1 ${TESTS:-} 2>&1 | grep -E "^test |test result" | grep -v " ok$"
 fi
-python3 - <<'PY'
-import collections, re
+python3 - "$WORK" "${ROUNDS:-2}" "${BUILDS[@]}" <<'PY'
+import collections, re, sys
+work, rounds, builds = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+ref = builds[0]
+lines = {b: [l for r in range(1, rounds + 1) for l in open(f"{work}/{b}.{r}.txt")] for b in builds}
 cells = collections.defaultdict(lambda: collections.defaultdict(list))
-for build in ("base", "new"):
-    for r in (1, 2):
-        for line in open(f"/tmp/{build}{r}.txt"):
-            m = re.search(r"(fwd|bwd) d=\s*(\d+) causal=(\d) s=\s*(\d+)", line)
-            tflops = re.findall(r"([\d.]+) TFLOP/s", line)
-            if m and tflops:  # the backward's last figure is the op alone
-                cells[(m[1], int(m[2]), int(m[3]), int(m[4]))][build].append(float(tflops[-1]))
-print("| pass | head dim | causal | seqlen | base TFLOP/s | new TFLOP/s | new / base |")
-print("|---|---|---|---|---|---|---|")
-for (p, d, c, s), v in sorted(cells.items()):
-    b, n = v["base"], v["new"]
-    if b and n:
-        print(f"| {p} | {d} | {c} | {s} | {' '.join(f'{x:.0f}' for x in b)} | {' '.join(f'{x:.0f}' for x in n)} | {sum(n) / sum(b):.3f} |")
-# The kvcache pass's rows: batch | seqlen_q | seqlen_k | contiguous us | TB/s | % copy | page 16 us
-# | x | page 64 us | x | page 256 us | x | graph us | TB/s | graph, max splits us.
-kv = collections.defaultdict(lambda: collections.defaultdict(list))
-for build in ("base", "new"):
-    for r in (1, 2):
-        for line in open(f"/tmp/{build}{r}.txt"):
-            c = [x.strip() for x in line.strip().strip("|").split("|")]
-            if len(c) == 15 and c[0].isdigit():
-                kv[tuple(int(x) for x in c[:3])][build].append([float(c[i]) for i in (3, 6, 8, 10, 12)])
-if kv:
-    cols = ("contiguous", "page 16", "page 64", "page 256", "graph")
-    print("\nkvcache µs, mean of two runs: base / new (new / base)")
-    print("| batch | seqlen_q | seqlen_k | " + " | ".join(cols) + " |")
-    print("|---|---|---|" + "---|" * len(cols))
-    for key, v in sorted(kv.items()):
-        if not (v["base"] and v["new"]):
+for b in builds:
+    for line in lines[b]:
+        m = re.search(r"^(\S+)\s+(fwd|bwd) d=\s*(\d+) causal=(\d) s=\s*(\d+)", line)
+        tflops = re.findall(r"([\d.]+) TFLOP/s", line)
+        if m and tflops:  # the backward's last figure is the op alone
+            cells[(m[1], m[2], int(m[3]), int(m[4]), int(m[5]))][b].append(float(tflops[-1]))
+if cells:
+    print(f"\nTFLOP/s, best of {rounds} runs (ratio to {ref})")
+    print("| kernel | pass | head dim | causal | seqlen | " + " | ".join(builds) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(builds))
+    for key, v in sorted(cells.items()):
+        if not all(v[b] for b in builds):
             continue
-        b = [sum(x[i] for x in v["base"]) / len(v["base"]) for i in range(len(cols))]
-        n = [sum(x[i] for x in v["new"]) / len(v["new"]) for i in range(len(cols))]
-        print("| %d | %d | %d | " % key + " | ".join(f"{b[i]:.1f} / {n[i]:.1f} ({n[i] / b[i]:.2f})" for i in range(len(cols))) + " |")
+        best = {b: max(v[b]) for b in builds}
+        row = [f"{best[ref]:.0f}"] + [f"{best[b]:.0f} ({best[b] / best[ref]:.3f})" for b in builds[1:]]
+        print("| %s | %s | %d | %d | %d | " % key + " | ".join(row) + " |")
+# The kvcache pass's rows (gpu_attention.rs, kvcache_table): batch | seqlen_q | seqlen_k |
+# contiguous us | TB/s | % copy | graph us | TB/s | graph, max splits us | then per page size
+# (16, 64, 256): us | x contiguous | graph x contiguous graph.
+cols = {"contiguous": 3, "graph": 6, "page 16": 9, "page 64": 12, "page 256": 15}
+kv = collections.defaultdict(lambda: collections.defaultdict(list))
+for b in builds:
+    for line in lines[b]:
+        c = [x.strip() for x in line.strip().strip("|").split("|")]
+        if len(c) == 18 and c[0].isdigit():
+            try:
+                kv[tuple(int(x) for x in c[:3])][b].append([float(c[i]) for i in cols.values()])
+            except ValueError:
+                pass
+if kv:
+    print(f"\nkvcache µs, best of {rounds} runs (ratio to {ref}); eager calls but for `graph`")
+    print("| batch | seqlen_q | seqlen_k | build | " + " | ".join(cols) + " |")
+    print("|---|---|---|---|" + "---|" * len(cols))
+    for key, v in sorted(kv.items()):
+        if not all(v[b] for b in builds):
+            continue
+        best = {b: [min(x[i] for x in v[b]) for i in range(len(cols))] for b in builds}
+        for b in builds:
+            vals = " | ".join(f"{best[b][i]:.1f}" + ("" if b == ref else f" ({best[b][i] / best[ref][i]:.2f})") for i in range(len(cols)))
+            print("| %d | %d | %d | " % key + f"{b} | {vals} |")
 PY

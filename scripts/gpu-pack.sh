@@ -5,7 +5,7 @@
 # crates/model/benches/decode_host.rs) and the generate and serve examples built for the GPU (for
 # scripts/gpu_model_check.py, gpu_fp8_cache.py and gpu-serve-load.sh), stripped and xz-compressed.
 #
-#   scripts/gpu-pack.sh [--anchors] [--fp8] [--attn] [--baseline REV]
+#   scripts/gpu-pack.sh [--anchors] [--fp8] [--attn] [--baseline REV] [--variant NAME=FLAGS]...
 #   scripts/gpu-pack.sh --multi
 #
 # --multi    only the multi-GPU binaries: the train, generate and ring_attention examples built
@@ -18,6 +18,10 @@
 #            scripts/gpu-ab.sh (carry [".device", ".device-base"]): an A/B of the two builds in one
 #            call. Built in a worktree under target/baseline/ with a target dir of its own (cargo's
 #            hashes ignore where a workspace lives, so a shared one would overwrite this build).
+# --variant NAME=FLAGS  also the working tree's benchmark binary with the kernels compiled with
+#            FA3_NVCC_FLAGS=FLAGS (e.g. `fma3=-DFA3_EXP_EVERY=3`, for a switch the kernel source reads
+#            with #ifndef/#define while an experiment lasts), as .device-base/gpu-bench-NAME.xz;
+#            repeatable. scripts/gpu-ab.sh runs every packed build alternating in one call.
 # --anchors  also puts the anchor benchmark (../shared/anchors/anchors_bench.py) and its wheels
 #            (../shared/anchors/get-wheels.sh, about 50 MB) into .device/anchors/.
 # --fp8      puts the FP8 anchors' wheels (scripts/get-fp8-wheels.sh: fa3-fwd, cudnn-frontend,
@@ -32,7 +36,7 @@ set -euo pipefail
 log() { printf '[gpu-pack] %s\n' "$*" >&2; }
 die() { printf '[gpu-pack] error: %s\n' "$*" >&2; exit 1; }
 
-ANCHORS=0 FP8=0 ATTN_ONLY=0 MULTI=0 BASELINE=
+ANCHORS=0 FP8=0 ATTN_ONLY=0 MULTI=0 BASELINE= VARIANTS=()
 while (($#)); do
     case $1 in
         --anchors) ANCHORS=1 ;;
@@ -40,8 +44,11 @@ while (($#)); do
         --attn) ATTN_ONLY=1 ;;
         --multi) MULTI=1 ;;
         --baseline) BASELINE=${2:?--baseline needs a git revision}; shift ;;
+        --variant)
+            [[ ${2:-} =~ ^[A-Za-z0-9_-]+=.+$ ]] || die "--variant needs NAME=FLAGS (a name of letters, digits, - or _), got '${2:-}'"
+            VARIANTS+=("$2"); shift ;;
         -h | --help) sed -n '2,28p' "$0"; exit 0 ;;
-        *) die "unknown argument: $1 (usage: $0 [--anchors] [--fp8] [--attn] [--baseline REV])" ;;
+        *) die "unknown argument: $1 (usage: $0 [--anchors] [--fp8] [--attn] [--baseline REV] [--variant NAME=FLAGS]...)" ;;
     esac
     shift
 done
@@ -151,11 +158,22 @@ if ((!ATTN_ONLY)); then
     pack "$GENERATE_EXE" generate
     pack "$SERVE_EXE" serve
 fi
-if [[ -n $BASELINE ]]; then
+if [[ -n $BASELINE || ${#VARIANTS[@]} -gt 0 ]]; then
     mkdir -p "$REPO/.device-base"
-    DEV=$REPO/.device-base pack "$BASE_EXE" gpu-bench
-    echo "baseline: $BASE_REV ($(git log -1 --format=%s "$BASE_REV" | cut -c1-60))" >"$REPO/.device-base/manifest.txt"
+    rm -f "$REPO"/.device-base/gpu-bench*.xz "$REPO/.device-base/manifest.txt"
 fi
+if [[ -n $BASELINE ]]; then
+    DEV=$REPO/.device-base pack "$BASE_EXE" gpu-bench
+    echo "baseline: $BASE_REV ($(git log -1 --format=%s "$BASE_REV" | cut -c1-60))" >>"$REPO/.device-base/manifest.txt"
+fi
+# Variants last: each rebuilds the working tree's kernels in the same target dir (the main
+# binaries above are already packed). The next plain build compiles them again without the flags.
+for variant in "${VARIANTS[@]}"; do
+    name=${variant%%=*} flags=${variant#*=}
+    FA3_NVCC_FLAGS=$flags build_exe VARIANT_EXE gpu_attention bench -p flash-attn3 --features cuda --bench gpu_attention --no-run
+    DEV=$REPO/.device-base pack "$VARIANT_EXE" "gpu-bench-$name"
+    echo "variant: $name (FA3_NVCC_FLAGS=$flags)" >>"$REPO/.device-base/manifest.txt"
+done
 
 {
     echo "packed:  $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
@@ -194,7 +212,7 @@ fi
 # Sizes: what travels is the working tree (tracked + untracked-not-ignored files) plus .device.
 tree_bytes=$( (git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null || true) | tail -n1 | cut -f1)
 dev_bytes=$(du -sb "$DEV" | cut -f1)
-[[ -n $BASELINE ]] && dev_bytes=$((dev_bytes + $(du -sb "$REPO/.device-base" | cut -f1)))
+[[ -n $BASELINE || ${#VARIANTS[@]} -gt 0 ]] && dev_bytes=$((dev_bytes + $(du -sb "$REPO/.device-base" | cut -f1)))
 total=$((tree_bytes + dev_bytes))
 echo "== .device contents"
 (cd "$DEV" && find . -type f -printf '%s\t%p\n' | sort -k2 | awk -F'\t' '{printf "%10.2f MiB  %s\n", $1/1048576, $2}')
