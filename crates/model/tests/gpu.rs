@@ -1006,72 +1006,12 @@ fn sample_rows_on_the_gpu_follows_the_cpu() -> Result<()> {
     Ok(())
 }
 
-/// The GPU's draws follow the kept distribution: 40 logits with clear gaps, 6,000 draws per
-/// setting (counters 0.., seeds varied), every kept token within 5 standard deviations of its
-/// probability, no other token drawn.
+/// The GPU's draws follow the kept distribution (tests/common/sampling.rs, the CPU test's check):
+/// 40 logits with clear gaps, 6,000 draws per setting, every kept token within 5 standard
+/// deviations of its probability, no other token drawn.
 #[test]
 fn sample_rows_on_the_gpu_draws_the_kept_distribution() -> Result<()> {
-    use flash_llama::sampling::{sample_rows, RowSampling};
-    let logits: Vec<f32> = (0..40).map(|i| ((i * 37) % 40) as f32 * 0.15 - 2.0).collect();
-    for (t, k, p) in [(1.0, 0, 1.0), (0.7, 0, 0.8), (1.3, 7, 1.0), (1.0, 12, 0.6)] {
-        // The kept distribution in f64, as the host sampler walks it.
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let w: Vec<f64> = logits.iter().map(|&l| ((l as f64 - max) / t).exp()).collect();
-        let mut order: Vec<usize> = (0..w.len()).collect();
-        order.sort_by(|&a, &b| w[b].total_cmp(&w[a]).then(a.cmp(&b)));
-        if k > 0 {
-            order.truncate(k);
-        }
-        let top: f64 = order.iter().map(|&i| w[i]).sum();
-        let (mut acc, mut keep) = (0.0, order.len());
-        for (n, &i) in order.iter().enumerate() {
-            acc += w[i] / top;
-            if acc >= p {
-                keep = n + 1;
-                break;
-            }
-        }
-        let kept: f64 = order[..keep].iter().map(|&i| w[i]).sum();
-        let mut want = vec![0.0; w.len()];
-        for &i in &order[..keep] {
-            want[i] = w[i] / kept;
-        }
-        let draws = 6000;
-        let params: Vec<RowSampling> = (0..draws)
-            .map(|i| {
-                let sp = SamplingParams {
-                    temperature: t,
-                    top_k: k,
-                    top_p: p,
-                    seed: 1000 + i as u64 % 97,
-                    ..SamplingParams::default()
-                };
-                RowSampling::new(&sp, i as u64).unwrap()
-            })
-            .collect();
-        let block = Tensor::new(logits.clone(), &gpu())?.unsqueeze(0)?.repeat((draws, 1))?;
-        let tokens = sample_rows(&block, &params)?.to_vec1::<u32>()?;
-        let mut counts = vec![0usize; logits.len()];
-        for &tok in &tokens {
-            counts[tok as usize] += 1;
-        }
-        for (i, (&c, &p_i)) in counts.iter().zip(&want).enumerate() {
-            let f = c as f64 / draws as f64;
-            if p_i == 0.0 {
-                assert_eq!(
-                    c, 0,
-                    "(T {t}, k {k}, p {p}): token {i} is outside the kept set, drawn {c} times"
-                );
-            } else {
-                let sd = (p_i * (1.0 - p_i) / draws as f64).sqrt();
-                assert!(
-                    (f - p_i).abs() <= 5.0 * sd,
-                    "(T {t}, k {k}, p {p}): token {i} frequency {f} against probability {p_i}"
-                );
-            }
-        }
-    }
-    Ok(())
+    common::sampling::draws_follow_the_kept_distribution(&gpu())
 }
 
 /// Sampled generation through the CUDA-graph decode (the step replayed, `sample_rows` after each

@@ -744,3 +744,10 @@ fn paged_batch_keeps_finished_prefixes() {
     paged.reset();
     assert_eq!((paged.prefix_cache_pages(), paged.free_pages()), (Some(0), Some(8)));
 }
+
+/// The host's `sample_rows` draws follow the kept distribution (temperature, top-k, top-p): the
+/// same check as the GPU's (tests/common/sampling.rs).
+#[test]
+fn sample_rows_draws_the_kept_distribution() -> candle_core::Result<()> {
+    common::sampling::draws_follow_the_kept_distribution(&Device::Cpu)
+}

@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
+pub mod sampling;
+
 pub const VOCAB: usize = 64;
 pub const HIDDEN: usize = 32;
 pub const HEADS: usize = 4;
