@@ -47,7 +47,7 @@ while (($#)); do
         --variant)
             [[ ${2:-} =~ ^[A-Za-z0-9_-]+=.+$ ]] || die "--variant needs NAME=FLAGS (a name of letters, digits, - or _), got '${2:-}'"
             VARIANTS+=("$2"); shift ;;
-        -h | --help) sed -n '2,28p' "$0"; exit 0 ;;
+        -h | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
         *) die "unknown argument: $1 (usage: $0 [--anchors] [--fp8] [--attn] [--baseline REV] [--variant NAME=FLAGS]...)" ;;
     esac
     shift
