@@ -19,7 +19,7 @@
 set -euo pipefail
 
 case ${1:-} in
-    -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
 esac
 DIR=${1:-.device/fp8}
 mkdir -p "$DIR"

@@ -49,7 +49,7 @@ for arg in "$@"; do
         --graphs) GRAPHS=1 ;;
         --sanitize) SANITIZE=1 ;;
         --model) MODEL=1 ;;
-        -h | --help) sed -n '2,34p' "$0"; exit 0 ;;
+        -h | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
         *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache] [--graphs])" >&2; exit 2 ;;
     esac
 done
