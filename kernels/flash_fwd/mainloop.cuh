@@ -275,9 +275,61 @@ __device__ __forceinline__ void probs_to_a_operand(const float (&sc)[Tr::kSRegs]
     }
 }
 
+// Whether every row of consumer warpgroup wg lies past the tile's last query: in decode a packed
+// GQA group (seqlen_q x group rows, 8 for one query and 8 q heads per kv head) fills part of the
+// first warpgroup's 64 rows, and the second one's rows are all padding. (Packed rows run in query
+// order, so the warpgroup's first row decides.)
+template <class Tr> __device__ __forceinline__ bool rows_past_end(const FwdParams& p, const TileInfo& t, int wg) {
+    int query, head;
+    row_position(p, t, wg * 64, query, head);
+    return query >= t.seqlen_q;
+}
+
+// The tile of a warpgroup whose rows are all past the end (rows_past_end): no GEMM, no softmax, no
+// output. It keeps every handshake of consumer_pingpong in the same order, so the others run as
+// before without its turns: the pingpong barriers (its turn is passed on at once), and the K/V
+// ring's and Q's releases, each after the wait for the load it releases (an arrival before the
+// load could count towards the slot's previous phase).
+template <class Tr> __device__ void consumer_idle(SharedStorage<Tr>& s, const TileInfo& t, int wg, int& it, int tc) {
+    constexpr int kWGs = Tr::kConsumerWGs;
+    const int my_bar = sched_barrier(wg), next_bar = sched_barrier(wg + 1 == kWGs ? 0 : wg + 1);
+    constexpr int kBoth = 256;
+    const int qs = tc % Tr::kQStages;
+    mbar_wait(&s.bar_q[qs], (tc / Tr::kQStages) & 1);
+    {
+        const int stage = it % Tr::kStages;
+        mbar_wait(&s.full_k[stage], (it / Tr::kStages) & 1);
+        named_barrier_sync(my_bar, kBoth);
+        named_barrier_arrive(next_bar, kBoth);
+        mbar_arrive(&s.empty_k[stage]);
+    }
+    for (int n = t.n_max - 1; n > t.n_min; --n, ++it) {
+        const int stage = it % Tr::kStages, next = (it + 1) % Tr::kStages;
+        mbar_wait(&s.full_k[next], ((it + 1) / Tr::kStages) & 1);
+        named_barrier_sync(my_bar, kBoth);
+        mbar_wait(&s.full_v[stage], (it / Tr::kStages) & 1);
+        named_barrier_arrive(next_bar, kBoth);
+        mbar_arrive(&s.empty_k[next]);
+        mbar_arrive(&s.empty_v[stage]);
+    }
+    mbar_arrive(&s.q_empty[qs]);
+    {
+        const int stage = it % Tr::kStages;
+        mbar_wait(&s.full_v[stage], (it / Tr::kStages) & 1);
+        named_barrier_sync(my_bar, kBoth);
+        named_barrier_arrive(next_bar, kBoth);
+        mbar_arrive(&s.empty_v[stage]);
+        ++it;
+    }
+}
+
 template <class Tr>
 __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid,
                                   int& it, int tc) {
+    if (rows_past_end<Tr>(p, t, wg)) {
+        consumer_idle<Tr>(s, t, wg, it, tc);
+        return;
+    }
     const int warp = tid / 32, lane = tid % 32;
     const int row_in_tile = wg * 64 + warp * 16 + lane / 4;
     const int quad_lane = lane % 4;
