@@ -12,7 +12,12 @@
 #
 # Env: PASSES (fwd, fp8, bwd, kvcache, comma-separated; default fwd), SEQS (default 512..8192), HD
 # (head dims, default 64,128,256), ROUNDS (default 2), TESTS (a test filter; empty: every test;
-# "none": no tests). Prints the failing tests (if any), then per cell every build's best run and
+# "none": no tests), DEADLINE (seconds for the whole script, default 540: keep it under the device
+# call's limit, so that the tables still print), RUN_TIMEOUT (seconds per benchmark run, default
+# 240) and TEST_TIMEOUT (the tests, default 360). Each run's whole output goes to $OUT/ab-*.log
+# (the device tool brings $OUT back; /tmp/gpu-ab without it), so a run that hangs or fails still
+# leaves its log; a run that hits its limit or the deadline is reported as such (the rows it
+# printed before count). Prints the failing tests (if any), then per cell every build's best run and
 # its ratio to the first build (base if packed, else new); backward cells use the op-alone
 # TFLOP/s (FlashAttn::backward); kvcache rows (the decode grid, d128) the µs of the contiguous,
 # paged (16 / 64 / 256) and graph-replayed calls.
@@ -22,6 +27,28 @@ export BENCH_DECODE=0 BENCH_SEQS=${SEQS:-512,1024,2048,4096,8192} BENCH_HDIMS=${
 export BENCH_PASSES=${PASSES:-fwd}
 WORK=/tmp/gpu-ab
 rm -rf "$WORK" && mkdir -p "$WORK"
+LOGS=${OUT:-$WORK}
+mkdir -p "$LOGS"
+START=$SECONDS
+DEADLINE=${DEADLINE:-540}
+# limited NAME LIMIT CMD...: CMD with its output in $LOGS/ab-NAME.log, stopped after LIMIT seconds
+# or at the deadline (whichever comes first); returns CMD's status, 124 when stopped.
+limited() {
+    local name=$1 limit=$2 left rc
+    shift 2
+    left=$((DEADLINE - (SECONDS - START)))
+    : >"$LOGS/ab-$name.log"
+    if ((left < 5)); then
+        echo "gpu-ab: $name not run (deadline)" >&2
+        return 124
+    fi
+    ((left < limit)) && limit=$left
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$LOGS/ab-$name.log" 2>&1
+    rc=$?
+    ((rc == 124 || rc == 137)) && echo "gpu-ab: $name stopped after $limit s (log: $LOGS/ab-$name.log, last line: $(tail -n 1 "$LOGS/ab-$name.log"))" >&2
+    ((rc != 0 && rc != 124 && rc != 137)) && echo "gpu-ab: $name failed (rc $rc; log: $LOGS/ab-$name.log): $(grep -m1 -E 'Error|panicked' "$LOGS/ab-$name.log")" >&2
+    return $rc
+}
 BUILDS=()
 unpack() { xz -dc "$1" >"$WORK/$2" && chmod +x "$WORK/$2" && BUILDS+=("$2"); }
 [[ -f .device-base/gpu-bench.xz ]] && unpack .device-base/gpu-bench.xz base
@@ -34,11 +61,15 @@ done
 ((${#BUILDS[@]} >= 2)) || { echo "gpu-ab: one build only (pack a --baseline or a --variant)" >&2; exit 2; }
 [[ -f .device-base/manifest.txt ]] && cat .device-base/manifest.txt
 for r in $(seq "${ROUNDS:-2}"); do
-    for b in "${BUILDS[@]}"; do "$WORK/$b" | grep -E "^ours|^\| [0-9]" >"$WORK/$b.$r.txt"; done
+    for b in "${BUILDS[@]}"; do
+        limited "$b.$r" "${RUN_TIMEOUT:-240}" "$WORK/$b"
+        grep -E "^ours|^\| [0-9]" "$LOGS/ab-$b.$r.log" >"$WORK/$b.$r.txt"
+    done
 done
 if [[ ${TESTS:-} != none ]] && xz -dc .device/gpu-test.xz >"$WORK/test" && chmod +x "$WORK/test"; then
     # shellcheck disable=SC2086 # TESTS is a word list
-    "$WORK/test" --test-threads=1 ${TESTS:-} 2>&1 | grep -E "^test |test result" | grep -v " ok$"
+    limited tests "${TEST_TIMEOUT:-360}" "$WORK/test" --test-threads=1 ${TESTS:-}
+    grep -E "^test |test result" "$LOGS/ab-tests.log" | grep -v " ok$"
 fi
 python3 - "$WORK" "${ROUNDS:-2}" "${BUILDS[@]}" <<'PY'
 import collections, re, sys
