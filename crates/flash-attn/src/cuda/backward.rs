@@ -17,8 +17,8 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 
 use super::{
-    bind_context, check_tma_head_dims, device_addr, geometry, launch_with_params, load_kernel, optional_ptr_mut,
-    tensor_map, TmaDesc,
+    bind_context, check_tma_head_dims, device_addr, geometry, launch_with_params, load_kernel, offsets_addr,
+    optional_ptr_mut, tensor_map, TmaDesc,
 };
 use crate::params::{AttnParams, Dims, Varlen};
 
@@ -289,20 +289,14 @@ fn backward_t<T: CudaDType + DeviceRepr>(
     // Varlen offsets: the caller's u32 device tensors when contiguous, else a fresh upload.
     let mut uploads = Vec::new();
     let mut cu_addr = |t: Option<&Tensor>, host: &[usize]| -> Result<u64> {
-        let Some(t) = t else { return Ok(0) };
-        let (storage, layout) = t.storage_and_layout();
-        if let (Storage::Cuda(cs), true) = (&*storage, layout.is_contiguous()) {
-            if cs.device.id() == dev.id() {
-                return Ok(device_addr(cs.as_cuda_slice::<u32>()?, &stream, layout));
-            }
-        }
-        let host: Vec<u32> = host.iter().map(|&x| x as u32).collect();
-        let up = stream
-            .clone_htod(&host)
-            .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {e:?}")))?;
-        let (ptr, _) = up.device_ptr(&stream);
-        uploads.push(up);
-        Ok(ptr)
+        let guard = t.map(|t| t.storage_and_layout());
+        offsets_addr(
+            &dev,
+            &stream,
+            guard.as_ref().map(|(s, l)| (&**s, *l)),
+            host,
+            &mut uploads,
+        )
     };
     let cu_q = cu_addr(varlen.map(|v| &v.seqlens_q), varlen.map_or(&[][..], |v| &v.cu_q))?;
     let cu_k = cu_addr(varlen.map(|v| &v.seqlens_k), varlen.map_or(&[][..], |v| &v.cu_k))?;

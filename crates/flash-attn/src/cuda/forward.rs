@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 use super::{
     bind_context, check_tma_head_dims, device_addr, fp8, gcd, geometry, input_ptr, is_capturing, kernel, kvcache,
-    launch_with_params, optional_ptr_mut, sm_count, tensor_map_nd, tile_counter, TmaDesc, WG_ROWS,
+    launch_with_params, offsets_addr, optional_ptr_mut, sm_count, tensor_map_nd, tile_counter, TmaDesc, WG_ROWS,
 };
 use crate::descale::Fp8Call;
 use crate::params::{l2_section_pairs, split_count, AttnParams, Dims, FastDiv, Varlen};
@@ -586,28 +586,19 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         None => (None, None),
     };
     let mut uploads = Vec::new();
-    let mut cu_addr = |t: Option<(&candle_core::Storage, &Layout)>, host: &[usize]| -> Result<u64> {
-        let Some((storage, layout)) = t else { return Ok(0) };
-        if let (candle_core::Storage::Cuda(cs), true) = (storage, layout.is_contiguous()) {
-            if cs.device.id() == dev.id() {
-                return Ok(device_addr(cs.as_cuda_slice::<u32>()?, &stream, layout));
-            }
-        }
-        let host: Vec<u32> = host.iter().map(|&x| x as u32).collect();
-        let up = stream
-            .clone_htod(&host)
-            .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {e:?}")))?;
-        let (ptr, _) = up.device_ptr(&stream);
-        uploads.push(up);
-        Ok(ptr)
-    };
-    let cu_q = cu_addr(
+    let cu_q = offsets_addr(
+        &dev,
+        &stream,
         cu_q_t.as_ref().map(|(s, l)| (&**s, *l)),
         varlen.map_or(&[][..], |v| &v.cu_q),
+        &mut uploads,
     )?;
-    let cu_k = cu_addr(
+    let cu_k = offsets_addr(
+        &dev,
+        &stream,
         cu_k_t.as_ref().map(|(s, l)| (&**s, *l)),
         varlen.map_or(&[][..], |v| &v.cu_k),
+        &mut uploads,
     )?;
 
     // V as the kernel reads it: the caller's (keys, head_dim_v) rows, or for fp8 outside KV caches

@@ -377,6 +377,31 @@ pub(crate) fn device_address(t: &candle_core::Tensor) -> Result<u64> {
     Ok(addr)
 }
 
+/// The device address of a launch's u32 varlen offsets: the caller's tensor (`t`) when it is
+/// contiguous on `dev`, else `host` uploaded into a buffer pushed onto `uploads`, which the caller
+/// keeps until the launch is queued. None gives 0 (a fixed-length call).
+fn offsets_addr(
+    dev: &CudaDevice,
+    stream: &Arc<CudaStream>,
+    t: Option<(&candle_core::Storage, &Layout)>,
+    host: &[usize],
+    uploads: &mut Vec<CudaSlice<u32>>,
+) -> Result<u64> {
+    let Some((storage, layout)) = t else { return Ok(0) };
+    if let (candle_core::Storage::Cuda(cs), true) = (storage, layout.is_contiguous()) {
+        if cs.device.id() == dev.id() {
+            return Ok(device_addr(cs.as_cuda_slice::<u32>()?, stream, layout));
+        }
+    }
+    let host: Vec<u32> = host.iter().map(|&x| x as u32).collect();
+    let up = stream
+        .clone_htod(&host)
+        .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {e:?}")))?;
+    let (ptr, _) = up.device_ptr(stream);
+    uploads.push(up);
+    Ok(ptr)
+}
+
 fn device_addr<T>(s: &CudaSlice<T>, stream: &CudaStream, layout: &Layout) -> u64 {
     let (ptr, _sync) = s.device_ptr(stream);
     ptr + (layout.start_offset() * std::mem::size_of::<T>()) as u64
