@@ -10,7 +10,7 @@
 #   here:  scripts/gpu-pack.sh --attn [--baseline REV] [--variant NAME=FLAGS]...
 #   run    carry [".device", ".device-base"]  command "bash scripts/gpu-ab.sh"
 #
-# Env: PASSES (fwd, fp8, bwd, kvcache, comma-separated; default fwd), SEQS (default 512..8192), HD
+# Env: PASSES (fwd, fp8, bwd, kvcache, kvcache_fp8, comma-separated; default fwd), SEQS (default 512..8192), HD
 # (head dims, default 64,128,256), ROUNDS (default 2), TESTS (a test filter; empty: every test;
 # "none": no tests), DEADLINE (seconds for the whole script, default 540: keep it under the device
 # call's limit, so that the tables still print), RUN_TIMEOUT (seconds per benchmark run, default
@@ -117,4 +117,27 @@ if kv:
         for b in builds:
             vals = " | ".join(f"{best[b][i]:.1f}" + ("" if b == ref else f" ({best[b][i] / best[ref][i]:.2f})") for i in range(len(cols)))
             print("| %d | %d | %d | " % key + f"{b} | {vals} |")
+# The kvcache_fp8 pass's rows (kvcache_fp8_table): batch | seqlen_k | bf16 us | fp8 us | ratio |
+# bf16 page 64 us | fp8 page 64 us | ratio | bf16 graph us | fp8 graph us | ratio.
+cols8 = {"bf16": 2, "fp8": 3, "bf16 page 64": 5, "fp8 page 64": 6, "bf16 graph": 8, "fp8 graph": 9}
+kv8 = collections.defaultdict(lambda: collections.defaultdict(list))
+for b in builds:
+    for line in lines[b]:
+        c = [x.strip() for x in line.strip().strip("|").split("|")]
+        if len(c) == 11 and c[0].isdigit():
+            try:
+                kv8[tuple(int(x) for x in c[:2])][b].append([float(c[i]) for i in cols8.values()])
+            except ValueError:
+                pass
+if kv8:
+    print(f"\nkvcache_fp8 µs (d128, heads 32/4, seqlen_q 1), best of {rounds} runs (ratio to {ref}); eager calls but for `graph`")
+    print("| batch | seqlen_k | build | " + " | ".join(cols8) + " |")
+    print("|---|---|---|" + "---|" * len(cols8))
+    for key, v in sorted(kv8.items()):
+        if not all(v[b] for b in builds):
+            continue
+        best = {b: [min(x[i] for x in v[b]) for i in range(len(cols8))] for b in builds}
+        for b in builds:
+            vals = " | ".join(f"{best[b][i]:.1f}" + ("" if b == ref else f" ({best[b][i] / best[ref][i]:.2f})") for i in range(len(cols8)))
+            print("| %d | %d | " % key + f"{b} | {vals} |")
 PY

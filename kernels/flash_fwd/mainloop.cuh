@@ -167,21 +167,24 @@ struct TileScales {
 template <class Tr>
 __device__ __forceinline__ TileScales tile_scales(const FwdParams& p, const TileInfo& t, int wg) {
     TileScales ts;
-    const int kv_heads = p.group.div(p.heads);
     const int q_blocks = max(p.q_descale_blocks, 1), k_blocks = max(p.k_descale_blocks, 1);
     // A warpgroup whose rows all lie past the sequence's end (the last tile) reads the last
     // block's descale: its rows are never stored.
     const int q_block = p.q_descale_blocks > 0 ? min(t.m_block * Tr::kConsumerWGs + wg, p.q_descale_blocks - 1) : 0;
-    const float qd = p.q_descale[((int64_t)t.batch * p.heads + t.head) * q_blocks + q_block];
-    const int64_t kv = (int64_t)t.batch * kv_heads + t.kv_head;
-    float qk = qd;
-    if (p.k_descale_blocks > 0) {
-        ts.k_block_descale = p.k_descale + kv * k_blocks;
-    } else {
-        ts.k_block_descale = nullptr;
-        qk *= p.k_descale[kv];
+    const int q_head = p.q_descale_per_kv_head ? t.kv_head : t.head;
+    float qk = p.q_descale == nullptr
+                   ? 1.f
+                   : p.q_descale[(int64_t)t.batch * p.q_descale_batch_stride + q_head * q_blocks + q_block];
+    ts.k_block_descale = nullptr;
+    if (p.k_descale != nullptr) {
+        const float* k_descale = p.k_descale + (int64_t)t.batch * p.k_descale_batch_stride + t.kv_head * k_blocks;
+        if (p.k_descale_blocks > 0) {
+            ts.k_block_descale = k_descale;
+        } else {
+            qk *= *k_descale;
+        }
     }
-    ts.v_descale = p.v_descale[kv];
+    ts.v_descale = p.v_descale == nullptr ? 1.f : p.v_descale[(int64_t)t.batch * p.v_descale_batch_stride + t.kv_head];
     ts.softcap_pre = p.softcap_pre * qk;
     ts.negate = p.negate ^ (qk < 0.f);
     ts.scale_log2 = p.softcap_pre != 0.f ? p.scale_log2 : fmaxf(p.scale_log2 * fabsf(qk), 1e-30f);

@@ -83,14 +83,20 @@ struct alignas(64) FwdParams {
     float* lse_accum;       // (num_splits, total_q, heads)
     // FP8 kernels only (FwdTraits::kFp8). tma_v then maps V^T, (keys, head_dim_v, kv heads,
     // sequences), written by the pre-pass (fp8_prepass.cuh). Descales (f32, x = e4m3 value ·
-    // descale): q (batch, heads, q_descale_blocks), k (batch, kv_heads, k_descale_blocks),
-    // v (batch, kv_heads); a block count of 0 means one value per (batch, head), else one per
-    // block of kFp8QBlockRows query rows / kFp8KBlockKeys keys.
+    // descale), null meaning 1.0: q (sequences, heads or kv heads, q_descale_blocks), k
+    // (sequences, kv_heads, k_descale_blocks), v (sequences, kv_heads); a block count of 0 means
+    // one value per (sequence, head), else one per block of kFp8QBlockRows query rows /
+    // kFp8KBlockKeys keys. A sequence's descales start at batch * *_batch_stride (0: one set for
+    // every sequence); q_descale_per_kv_head: q's are one per kv head, shared by its group.
     const float* q_descale;
     const float* k_descale;
     const float* v_descale;
     int q_descale_blocks;
     int k_descale_blocks;
+    int q_descale_batch_stride;
+    int k_descale_batch_stride;
+    int v_descale_batch_stride;
+    int q_descale_per_kv_head;
     int out_f16;            // 1: out is f16, 0: bf16
     // KV cache calls (flash_attn_with_kvcache, crates/flash-attn/src/kvcache.rs; fixed-length
     // layout, p.seqlen_k = the keys one sequence's cache can hold). K and V are then the caches:

@@ -601,3 +601,81 @@ fn check_fp8(rng: &mut TestRng, c: &Fp8Case, splits: usize) -> Result<()> {
     super::fp8::assert_fp8_close(&out_cpu, &want, (&sq, &sk, &sv), opts.scale, &format!("{what}: out"))?;
     assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))
 }
+
+/// An fp8 cache call as flash-llama's decode makes it: q descale per (sequence, kv head), so a
+/// tile holds a whole GQA group (pack-GQA), k and v descales per (sequence, kv head), one query
+/// per sequence, eager against the CPU path and then captured in a CUDA graph and replayed (as
+/// the model's graph decode does), which must give the eager call's bits.
+#[test]
+fn kvcache_fp8_group_descale_eager_and_graph() -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-kvcache-fp8-group");
+    let (b, h, hk, d) = (3, 16, 2, 128);
+    let lens = [700usize, 1, 2049];
+    let sk = 2100;
+    let e4m3 = |x: Tensor| -> Result<Tensor> { x.to_dtype(DType::F8E4M3) };
+    let mut normal = |shape: &[usize]| -> Result<Tensor> {
+        let x: Vec<f32> = (0..shape.iter().product()).map(|_| rng.normal() as f32).collect();
+        Tensor::from_vec(x, shape, &Device::Cpu)
+    };
+    let q = e4m3(normal(&[b, 1, h, d])?)?;
+    let k = e4m3(normal(&[b, sk, hk, d])?)?;
+    let v = e4m3(normal(&[b, sk, hk, d])?)?;
+    let mut descale = || -> Result<Tensor> {
+        let x: Vec<f32> = (0..b * hk).map(|_| 0.75 + 0.5 * rng.uniform() as f32).collect();
+        Tensor::from_vec(x, (b, hk), &Device::Cpu)
+    };
+    let (dq, dk, dv) = (descale()?, descale()?, descale()?);
+    let lens_u32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+    let scale = 1.0 / (d as f32).sqrt();
+    let call = |dev: &Device| -> Result<Tensor> {
+        let attn = FlashAttn::new(scale).causal(true).descale(
+            Some(&dq.to_device(dev)?),
+            Some(&dk.to_device(dev)?),
+            Some(&dv.to_device(dev)?),
+        );
+        let lens = Tensor::new(lens_u32.as_slice(), dev)?;
+        let (q, k, v) = (q.to_device(dev)?, k.to_device(dev)?, v.to_device(dev)?);
+        attn.kv_cache(&k, &v, &lens).forward(&q)
+    };
+    let want = call(&Device::Cpu)?;
+    // The bound's magnitudes: the values times the largest descale (1.25), each q head with its
+    // group's descale.
+    let scaled = |x: &Tensor| x.to_dtype(DType::F32)? * 1.25;
+    let what = format!("fp8 cache, q descale per kv head, lens {lens:?}, seed {}", rng.seed());
+    eprintln!("{what}: CPU reference done");
+    let eager = call(&dev)?.to_device(&Device::Cpu)?;
+    eprintln!("{what}: eager GPU call done");
+    super::fp8::assert_fp8_close(&eager, &want, (&scaled(&q)?, &scaled(&k)?, &scaled(&v)?), scale, &what)?;
+
+    // The same call captured and replayed: its inputs (descales included) made before capture.
+    let attn = FlashAttn::new(scale).causal(true).descale(
+        Some(&dq.to_device(&dev)?),
+        Some(&dk.to_device(&dev)?),
+        Some(&dv.to_device(&dev)?),
+    );
+    let (lens_d, qd, kd, vd) =
+        (Tensor::new(lens_u32.as_slice(), &dev)?, q.to_device(&dev)?, k.to_device(&dev)?, v.to_device(&dev)?);
+    let stream = dev.as_cuda_device()?.cuda_stream();
+    dev.synchronize()?;
+    let err = |e| candle_core::Error::Msg(format!("{e:?}"));
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(err)?;
+    let out = attn.kv_cache(&kd, &vd, &lens_d).forward(&qd);
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+    let (out, graph) = match (out, graph) {
+        (Ok(out), Ok(Some(graph))) => (out, graph),
+        (out, graph) => panic!("{what}: capture failed: {:?} / {:?}", out.err(), graph.err()),
+    };
+    eprintln!("{what}: captured");
+    for _ in 0..3 {
+        graph.launch().map_err(err)?;
+    }
+    dev.synchronize()?;
+    eprintln!("{what}: replayed");
+    let replayed = out.to_device(&Device::Cpu)?;
+    let (a, g) = (to_f64_vec(&eager)?, to_f64_vec(&replayed)?);
+    let differ = a.iter().zip(&g).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    assert_eq!(differ, 0, "{what}: {differ} of {} graph-replayed values differ from the eager call's", a.len());
+    Ok(())
+}

@@ -1,5 +1,5 @@
 //! FP8 (e4m3) attention calls: the descales a caller gives ([`crate::FlashAttn::descale`]),
-//! checked against the call's shapes and brought into the one layout every path reads.
+//! checked against the call's shapes and read in place (the kernels index them by strides).
 //!
 //! A descale turns an e4m3 value back into the value it stands for (x = e4m3 · descale). The
 //! kernels fold q's and k's into the softmax scale and v's into the output normalisation, so a
@@ -25,18 +25,24 @@ pub(crate) struct Descales {
     pub v: Option<Tensor>,
 }
 
-/// An fp8 call's descales in the layout the kernels read: contiguous f32 on the inputs' device,
-/// q (batch, heads, q_blocks.max(1)), k (batch, kv_heads, k_blocks.max(1)), v (batch, kv_heads).
+/// An fp8 call's descales as the kernels read them: the caller's tensors, reshaped (a view, no
+/// copy) to q (batch or 1, heads or kv_heads, q_blocks.max(1)), k (batch or 1, kv_heads,
+/// k_blocks.max(1)), v (batch or 1, kv_heads), absent meaning 1.0. The kernels index them with
+/// the strides below, so a call launches nothing for its descales, and a call captured in a CUDA
+/// graph holds no buffer made during the capture (a broadcast copy made there would be freed
+/// after it while the replays still read it).
 #[derive(Debug, Clone)]
 pub(crate) struct Fp8Call {
-    pub q_descale: Tensor,
-    pub k_descale: Tensor,
-    pub v_descale: Tensor,
+    pub q_descale: Option<Tensor>,
+    pub k_descale: Option<Tensor>,
+    pub v_descale: Option<Tensor>,
+    /// q's descale is one per kv head, shared by the q heads of its group (FA3's form).
+    pub q_per_kv_head: bool,
     /// Per-block descales: blocks per (batch, head); 0 means one per (batch, head).
     pub q_blocks: usize,
     pub k_blocks: usize,
     /// Every q head of a GQA group has the same descale, so a tile may hold the whole group
-    /// (pack-GQA): true for FA3's (batch, kv_heads) form.
+    /// (pack-GQA): q's descale absent or per kv head.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub q_shared_by_group: bool,
     /// bf16 or f16.
@@ -64,21 +70,17 @@ impl Fp8Call {
         let (batch, heads, kv_heads) = (dims.batch, dims.heads, dims.kv_heads);
         let q_blocks = dims.seqlen_q.div_ceil(Q_BLOCK_ROWS);
         let k_blocks = dims.seqlen_k.div_ceil(K_BLOCK_ROWS);
-        let ones = |shape: &[usize]| Tensor::ones(shape, DType::F32, device);
+        // (A caller's strided descale is copied here; a contiguous one, the usual case, is not.)
+        let compact = |t: &Tensor, shape: (usize, usize, usize)| t.contiguous()?.reshape(shape);
 
-        let (q_descale, q_per_block, q_shared_by_group) = match &descales.q {
-            None => (ones(&[batch, heads, 1])?, false, true),
+        let (q_descale, q_per_block, q_per_kv_head) = match &descales.q {
+            None => (None, false, false),
             Some(t) => {
                 let b = check_descale("q", t, batch, device)?;
-                let t = t.clone();
                 match t.dims()[1..] {
-                    [h] if h == kv_heads => {
-                        let group = heads / kv_heads;
-                        let t = t.reshape((b, kv_heads, 1))?.broadcast_as((b, kv_heads, group))?;
-                        (t.reshape((b, heads, 1))?, false, true)
-                    }
-                    [h] if h == heads => (t.reshape((b, heads, 1))?, false, false),
-                    [h, n] if h == heads && n == q_blocks && !varlen => (t, true, false),
+                    [h] if h == kv_heads => (Some(compact(t, (b, kv_heads, 1))?), false, true),
+                    [h] if h == heads => (Some(compact(t, (b, heads, 1))?), false, false),
+                    [h, n] if h == heads && n == q_blocks && !varlen => (Some(compact(t, (b, h, n))?), true, false),
                     _ => bail!(
                         "flash-attn3: q_descale must be (batch, kv_heads) = ({batch}, {kv_heads}), (batch, heads) = ({batch}, {heads}) or, per block of {Q_BLOCK_ROWS} queries of a fixed-length call, (batch, heads, ceil(seqlen_q / {Q_BLOCK_ROWS})) = ({batch}, {heads}, {q_blocks}); batch may be 1; got {:?}",
                         t.dims()
@@ -87,13 +89,12 @@ impl Fp8Call {
             }
         };
         let (k_descale, k_per_block) = match &descales.k {
-            None => (ones(&[batch, kv_heads, 1])?, false),
+            None => (None, false),
             Some(t) => {
                 let b = check_descale("k", t, batch, device)?;
-                let t = t.clone();
                 match t.dims()[1..] {
-                    [h] if h == kv_heads => (t.reshape((b, kv_heads, 1))?, false),
-                    [h, n] if h == kv_heads && n == k_blocks && !varlen => (t, true),
+                    [h] if h == kv_heads => (Some(compact(t, (b, kv_heads, 1))?), false),
+                    [h, n] if h == kv_heads && n == k_blocks && !varlen => (Some(compact(t, (b, h, n))?), true),
                     _ => bail!(
                         "flash-attn3: k_descale must be (batch, kv_heads) = ({batch}, {kv_heads}) or, per block of {K_BLOCK_ROWS} keys of a fixed-length call, (batch, kv_heads, ceil(seqlen_k / {K_BLOCK_ROWS})) = ({batch}, {kv_heads}, {k_blocks}); batch may be 1; got {:?}",
                         t.dims()
@@ -102,33 +103,58 @@ impl Fp8Call {
             }
         };
         let v_descale = match &descales.v {
-            None => ones(&[batch, kv_heads])?,
+            None => None,
             Some(t) => {
                 let b = check_descale("v", t, batch, device)?;
-                let t = t.clone();
                 if t.dims()[1..] != [kv_heads] {
                     bail!(
                         "flash-attn3: v_descale must be (batch, kv_heads) = ({batch}, {kv_heads}) (batch may be 1): the output's scale is one per kv head; got {:?}",
                         t.dims()
                     )
                 }
-                t.reshape((b, kv_heads))?
+                Some(t.contiguous()?.reshape((b, kv_heads))?)
             }
         };
-        let expand = |t: Tensor| -> Result<Tensor> {
-            let mut shape = t.dims().to_vec();
-            shape[0] = batch;
-            t.broadcast_as(shape)?.contiguous()
-        };
         Ok(Self {
-            q_descale: expand(q_descale)?,
-            k_descale: expand(k_descale)?,
-            v_descale: expand(v_descale)?,
+            q_descale,
+            k_descale,
+            v_descale,
+            q_per_kv_head,
             q_blocks: if q_per_block { q_blocks } else { 0 },
             k_blocks: if k_per_block { k_blocks } else { 0 },
-            q_shared_by_group,
+            q_shared_by_group: !q_per_block && (descales.q.is_none() || q_per_kv_head),
             out_dtype,
         })
+    }
+
+    /// Elements between two sequences' descales in `t`: 0 where one value serves every sequence
+    /// (absent, or a first dimension of 1).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn batch_stride(t: Option<&Tensor>) -> usize {
+        match t {
+            Some(t) if t.dim(0).unwrap_or(1) > 1 => t.elem_count() / t.dims()[0],
+            _ => 0,
+        }
+    }
+
+    /// One descale tensor in the (batch, heads, blocks.max(1)) shape the CPU path reads: `t`
+    /// broadcast over the batch, over the group's q heads where it holds one per kv head, ones
+    /// where absent.
+    fn expanded(t: Option<&Tensor>, batch: usize, heads: usize, group: usize, blocks: usize) -> Result<Tensor> {
+        let blocks = blocks.max(1);
+        let Some(t) = t else {
+            return Tensor::ones((batch, heads, blocks), DType::F32, &Device::Cpu);
+        };
+        let t = t.to_device(&Device::Cpu)?;
+        let t = t.reshape((t.dim(0)?, (), blocks))?;
+        let t = match t.dim(1)? {
+            h if h == heads => t,
+            kv => t
+                .unsqueeze(2)?
+                .broadcast_as((t.dim(0)?, kv, group, blocks))?
+                .reshape((t.dim(0)?, kv * group, blocks))?,
+        };
+        t.broadcast_as((batch, heads, blocks))?.contiguous()
     }
 
     /// The dequantised inputs in f32 (x = e4m3 · descale, exact): the CPU path runs the f32
@@ -162,9 +188,13 @@ impl Fp8Call {
             let flat = x32.reshape(((), x32.dim(x32.rank() - 2)?, x32.dim(x32.rank() - 1)?))?;
             flat.broadcast_mul(&factors)?.reshape(x.shape())?.to_device(x.device())
         };
-        let qf = per_token(&self.q_descale, dims.heads, self.q_blocks, Q_BLOCK_ROWS, cu_q)?;
-        let kf = per_token(&self.k_descale, dims.kv_heads, self.k_blocks, K_BLOCK_ROWS, cu_k)?;
-        let vf = per_token(&self.v_descale, dims.kv_heads, 0, 1, cu_k)?;
+        let group = dims.heads / dims.kv_heads;
+        let qd = Self::expanded(self.q_descale.as_ref(), dims.batch, dims.heads, group, self.q_blocks)?;
+        let kd = Self::expanded(self.k_descale.as_ref(), dims.batch, dims.kv_heads, 1, self.k_blocks)?;
+        let vd = Self::expanded(self.v_descale.as_ref(), dims.batch, dims.kv_heads, 1, 0)?;
+        let qf = per_token(&qd, dims.heads, self.q_blocks, Q_BLOCK_ROWS, cu_q)?;
+        let kf = per_token(&kd, dims.kv_heads, self.k_blocks, K_BLOCK_ROWS, cu_k)?;
+        let vf = per_token(&vd, dims.kv_heads, 0, 1, cu_k)?;
         Ok((scale(q, qf)?, scale(k, kf)?, scale(v, vf)?))
     }
 }

@@ -112,19 +112,26 @@ pub(super) fn transpose_v(dev: &CudaDevice, dims: &Dims, v: (&CudaStorage, &Layo
     Ok(TransposedV { vt, keys_padded })
 }
 
-/// The device addresses of an fp8 call's descales; the storages stay borrowed (alive) while
-/// this lives.
+/// The device addresses of an fp8 call's descales (0 where absent: the kernel reads 1.0) and their
+/// strides; the storages stay borrowed (alive) while this lives.
 pub(super) struct DescalePtrs {
     pub q: u64,
     pub k: u64,
     pub v: u64,
-    _keep: [Tensor; 3],
+    /// Elements between two sequences' descales (0: one for all).
+    pub q_batch_stride: i32,
+    pub k_batch_stride: i32,
+    pub v_batch_stride: i32,
+    /// q's descales are one per kv head.
+    pub q_per_kv_head: i32,
+    _keep: [Option<Tensor>; 3],
 }
 
 impl DescalePtrs {
     pub fn new(dev: &CudaDevice, call: &Fp8Call) -> Result<Self> {
         let stream = dev.cuda_stream();
-        let addr = |t: &Tensor| -> Result<u64> {
+        let addr = |t: Option<&Tensor>| -> Result<u64> {
+            let Some(t) = t else { return Ok(0) };
             let (storage, layout) = t.storage_and_layout();
             match &*storage {
                 Storage::Cuda(cs) if cs.device.id() == dev.id() => {
@@ -133,11 +140,19 @@ impl DescalePtrs {
                 _ => bail!("flash-attn3: the fp8 descales must be on the GPU of q"),
             }
         };
+        let stride = |t: Option<&Tensor>| -> Result<i32> {
+            i32::try_from(Fp8Call::batch_stride(t)).map_err(|_| candle_core::Error::Msg("flash-attn3: fp8 descales too large".into()))
+        };
+        let (q, k, v) = (call.q_descale.as_ref(), call.k_descale.as_ref(), call.v_descale.as_ref());
         Ok(Self {
-            q: addr(&call.q_descale)?,
-            k: addr(&call.k_descale)?,
-            v: addr(&call.v_descale)?,
-            _keep: [call.q_descale.clone(), call.k_descale.clone(), call.v_descale.clone()],
+            q: addr(q)?,
+            k: addr(k)?,
+            v: addr(v)?,
+            q_batch_stride: stride(q)?,
+            k_batch_stride: stride(k)?,
+            v_batch_stride: stride(v)?,
+            q_per_kv_head: call.q_per_kv_head as i32,
+            _keep: [q.cloned(), k.cloned(), v.cloned()],
         })
     }
 }
