@@ -219,8 +219,14 @@ __device__ void store_e4m3(const T* __restrict__ x, int tokens, int d, const uin
 // projections). At batch 1 such an op is a few µs of launch and ramp for a few KB of data; here
 // it runs while the block's first weight loads are in flight, and gives the same bits as its own
 // kernel (the same code: silu_times, add_rms_norm_row_vec).
-constexpr int kMatvecWarps = 8;
+constexpr int kMatvecWarps = 8;  // outputs per block
 constexpr int kMatvecUnroll = 4;
+// Warps per output of the projections without a norm prologue (o: PlainInput; down: SiluMulInput):
+// two, each summing half of the row, in blocks of 2 x 8 warps. Their blocks then stream twice the
+// rows at a time for the same prologue (a third of down's time was its SiLU x up prologue and
+// the tail of 256 blocks). The add + RMSNorm projections keep one warp per output: more blocks
+// means more prologues, measured slower (docs/kernels/model-fused.md, session 28).
+constexpr int kMatvecSplit = 2;
 
 // Programmatic dependent launch (sm_90; PTX `griddepcontrol`). The host launches linear_vector
 // with the launch attribute that lets its blocks start while the kernel before it on the stream
@@ -283,46 +289,57 @@ struct AddNormInput : StagedInput<T> {
     }
 };
 
-template <typename T, typename Input>
+// kSplit warps per output (blocks of kMatvecWarps x kSplit warps): warp w sums slice w % kSplit of
+// output w / kSplit's row, and the slices' sums are added in order through shared memory.
+template <typename T, int kSplit = 1, typename Input>
 __device__ void linear_vector(const Input& in, const T* __restrict__ w, const T* __restrict__ bias,
                               T* __restrict__ y, int n, int k) {
     constexpr int kVec = 16 / sizeof(T);
-    const int lane = threadIdx.x % 32;
-    const int col = blockIdx.x * kMatvecWarps + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int col = blockIdx.x * kMatvecWarps + warp / kSplit, slice = warp % kSplit;
     const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)min(col, n - 1) * k);
     const int vecs = k / kVec;
+    const int v_begin = slice * vecs / kSplit, v_end = (slice + 1) * vecs / kSplit;
     uint4 wv[kMatvecUnroll];
     auto load_round = [&](int v0) {
 #pragma unroll
         for (int u = 0; u < kMatvecUnroll; ++u) {
             const int v = v0 + u * 32;
-            wv[u] = v < vecs ? __ldg(wrow + v) : make_uint4(0, 0, 0, 0);
+            wv[u] = v < v_end ? __ldg(wrow + v) : make_uint4(0, 0, 0, 0);
         }
     };
     let_next_kernel_start();
     // The first weights are requested before the input is ready: they do not depend on it.
-    load_round(lane);
+    load_round(v_begin + lane);
     wait_for_earlier_kernels();
     in.prepare(k);
-    if (col >= n) return;
     float acc = 0.f;
-    for (int v0 = lane;;) {
+    if (col < n) {
+        for (int v0 = v_begin + lane;;) {
 #pragma unroll
-        for (int u = 0; u < kMatvecUnroll; ++u) {
-            const int v = v0 + u * 32;
-            if (v >= vecs) break;
-            const uint4 xu = in.vec(v);
-            const T* we = reinterpret_cast<const T*>(&wv[u]);
-            const T* xe = reinterpret_cast<const T*>(&xu);
+            for (int u = 0; u < kMatvecUnroll; ++u) {
+                const int v = v0 + u * 32;
+                if (v >= v_end) break;
+                const uint4 xu = in.vec(v);
+                const T* we = reinterpret_cast<const T*>(&wv[u]);
+                const T* xe = reinterpret_cast<const T*>(&xu);
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) acc = fmaf(to_f(we[e]), to_f(xe[e]), acc);
+                for (int e = 0; e < kVec; ++e) acc = fmaf(to_f(we[e]), to_f(xe[e]), acc);
+            }
+            v0 += 32 * kMatvecUnroll;
+            if (v0 >= v_end) break;
+            load_round(v0);
         }
-        v0 += 32 * kMatvecUnroll;
-        if (v0 >= vecs) break;
-        load_round(v0);
     }
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) y[col] = from_f<T>(acc + (bias != nullptr ? to_f(bias[col]) : 0.f));
+    if constexpr (kSplit > 1) {
+        __shared__ float slice_sums[kMatvecWarps * kSplit];
+        if (lane == 0) slice_sums[warp] = acc;
+        __syncthreads();
+        if (slice != 0) return;
+        for (int i = 1; i < kSplit; ++i) acc += slice_sums[warp + i];
+    }
+    if (lane == 0 && col < n) y[col] = from_f<T>(acc + (bias != nullptr ? to_f(bias[col]) : 0.f));
 }
 
 // The greedy choice of each row of logits x (rows, cols), contiguous: out[row] = the index of the
@@ -407,18 +424,18 @@ __device__ void argmax_rows(const T* __restrict__ x, uint32_t* __restrict__ out,
                                                                                     int cols) {                       \
         argmax_rows<T>(x, out, cols);                                                                                 \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32) linear_vector_##SUFFIX(                           \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * kMatvecSplit * 32) linear_vector_##SUFFIX(            \
         const T* x, const T* w, const T* bias, T* y, int n, int k) {                                                  \
-        linear_vector<T>(PlainInput<T>{x}, w, bias, y, n, k);                                                         \
+        linear_vector<T, kMatvecSplit>(PlainInput<T>{x}, w, bias, y, n, k);                                           \
     }                                                                                                                 \
     /* The staged input (k elements of T) is the dynamic shared memory. */                                           \
-    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32) linear_vector_silu_##SUFFIX(                     \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * kMatvecSplit * 32) linear_vector_silu_##SUFFIX(      \
         const T* gate_up, const T* w, const T* bias, T* y, int n, int k) {                                            \
         extern __shared__ uint4 staged_silu_##SUFFIX[];                                                               \
         SiluMulInput<T> in;                                                                                           \
         in.staged = reinterpret_cast<T*>(staged_silu_##SUFFIX);                                                       \
         in.y = gate_up;                                                                                               \
-        linear_vector<T>(in, w, bias, y, n, k);                                                                       \
+        linear_vector<T, kMatvecSplit>(in, w, bias, y, n, k);                                                         \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32) linear_vector_add_norm_##SUFFIX(                 \
         const T* a, const T* b, const T* norm_w, float eps, T* res, const T* w, const T* bias, T* y, int n, int k) {  \

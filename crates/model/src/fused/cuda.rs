@@ -23,6 +23,9 @@ const NORM_THREADS: u32 = 256;
 const ARGMAX_THREADS: u32 = 512;
 /// Warps (outputs) per block of `linear_vector` (`kMatvecWarps`).
 const MATVEC_WARPS: u32 = 8;
+/// Warps per output of `linear_vector` and `linear_vector_silu` (`kMatvecSplit`); the add + norm
+/// form keeps one.
+const MATVEC_SPLIT: u32 = 2;
 /// Threads per block of the elementwise kernels (grid-stride loops).
 const THREADS: u32 = 256;
 
@@ -308,7 +311,10 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
         let ya = res + (res_len * std::mem::size_of::<T>()) as u64;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(MATVEC_WARPS as usize) as u32, 1, 1),
-            block_dim: (MATVEC_WARPS * 32, 1, 1),
+            block_dim: match input {
+                VectorInput::AddNorm { .. } => (MATVEC_WARPS * 32, 1, 1),
+                _ => (MATVEC_WARPS * MATVEC_SPLIT * 32, 1, 1),
+            },
             // The fused inputs' row, staged (sizes checked by their `_fits`).
             shared_mem_bytes: match input {
                 VectorInput::Plain => 0,
