@@ -62,6 +62,51 @@ __device__ __forceinline__ void load_paged_rows(const FwdParams& p, const TmaDes
     }
 }
 
+// A paged key block of at most two boxes (pages of kBlockN / 2 keys or more): its page indices,
+// looked up once for K and kept for V of the same block (the producer issues K one block ahead
+// of V), and looked up before the producer waits for K's ring slot, so that the lookup's latency
+// runs under the wait instead of between the wait and the issues. Smaller pages keep
+// load_paged_rows (up to 8 boxes a block: their indices would not fit the producer's registers,
+// docs/kernels/kvcache.md).
+struct BlockPages {
+    int page[2];
+};
+
+template <class Tr> __device__ __forceinline__ bool few_block_pages(const FwdParams& p) {
+#ifdef FA3_NO_FEW_PAGES
+    return false;
+#endif
+    return p.page_table != nullptr && 2 * p.page_box_rows >= Tr::kBlockN;
+}
+
+template <class Tr> __device__ __forceinline__ BlockPages lookup_block_pages(const FwdParams& p, int n, const TileInfo& t) {
+    const uint32_t* pages = p.page_table + (int64_t)t.batch * p.max_pages;
+    BlockPages bp;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = i * p.page_box_rows, key = n * Tr::kBlockN + r;
+        bp.page[i] = r < Tr::kBlockN && key < t.seqlen_k ? (int)__ldg(pages + p.page_size.div(key)) : 0;
+    }
+    return bp;
+}
+
+// The boxes of key block n from the pages `bp` names (load_paged_rows' issues).
+template <class Tr>
+__device__ __forceinline__ void issue_block_pages(const FwdParams& p, const TmaDesc* desc, typename Tr::Elem* dst,
+                                                  uint64_t* bar, int n, const TileInfo& t, const BlockPages& bp) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = i * p.page_box_rows, key = n * Tr::kBlockN + r;
+        if (r >= Tr::kBlockN) break;
+        int row = p.page_size.d;  // past the page: TMA's zero fill
+        if (key < t.seqlen_k) p.page_size.divmod(key, row);
+#pragma unroll
+        for (int c = 0; c < Tr::kColBlocks; ++c)
+            tma_load_4d(desc, dst + (c * Tr::kBlockN + r) * Tr::kColElems, bar, c * Tr::kColElems, row, t.kv_head,
+                        bp.page[i]);
+    }
+}
+
 // K or V key block n: the caller's rows, a contiguous cache's row, or a paged cache's pages.
 template <class Tr>
 __device__ __forceinline__ void load_kv_block(const FwdParams& p, const TmaDesc* desc, typename Tr::Elem* dst,
@@ -138,18 +183,27 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     // K runs one block ahead of V (the order the consumers need them in: Q·Kᵀ of block j+1 is
     // issued with P·V of block j). A K slot frees as soon as its Q·Kᵀ retired, a V slot only after
     // its P·V, so K(j+1) must not queue behind the wait for V(j)'s slot.
+    // Pages of kBlockN / 2 keys or more: block n's page indices, from K(n)'s lookup (BlockPages).
+    const bool few_pages = few_block_pages<Tr>(p);
+    BlockPages pages_k{}, pages_v{};
     const auto load_k = [&](int n, int at) {
         const int stage = at % Tr::kStages;
+        if (few_pages) pages_k = lookup_block_pages<Tr>(p, n, t);
         trace_stamp(0, at, 0);
         // A slot is free once the consumers released it last round (passes at once in round 0).
         mbar_wait(&s.empty_k[stage], ((at / Tr::kStages) & 1) ^ 1);
         trace_stamp(0, at, 1);
         mbar_arrive_expect_tx(&s.full_k[stage], Tr::kKVBytes);
-        load_kv_block<Tr>(p, &p.tma_k, s.k[stage], &s.full_k[stage], n, t);
+        if (few_pages) {
+            issue_block_pages<Tr>(p, &p.tma_k, s.k[stage], &s.full_k[stage], n, t, pages_k);
+        } else {
+            load_kv_block<Tr>(p, &p.tma_k, s.k[stage], &s.full_k[stage], n, t);
+        }
     };
     load_k(t.n_max - 1, it);
     trace_edge(0, tc, 2);
     for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
+        pages_v = pages_k;  // block n's (before K(n - 1) replaces them)
         if (n > t.n_min) load_k(n - 1, it + 1);
         if (!role.v) continue;  // the V thread loads V
         // kTransposeV: V goes to the transposer warps' ring (transpose_v.cuh), which fills the V ring.
@@ -164,6 +218,8 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
         mbar_arrive_expect_tx(full, kRaw ? Tr::kKVBytes : Tr::kVStageBytes);
         if constexpr (Tr::kFp8 && !kRaw) {
             load_vt_block<Tr>(p, s.v[stage], full, n, t);
+        } else if (few_pages) {
+            issue_block_pages<Tr>(p, &p.tma_v, kRaw ? s.v_raw[stage] : s.v[stage], full, n, t, pages_v);
         } else {
             load_kv_block<Tr>(p, &p.tma_v, kRaw ? s.v_raw[stage] : s.v[stage], full, n, t);
         }
