@@ -73,9 +73,6 @@ struct BlockPages {
 };
 
 template <class Tr> __device__ __forceinline__ bool few_block_pages(const FwdParams& p) {
-#ifdef FA3_NO_FEW_PAGES
-    return false;
-#endif
     return p.page_table != nullptr && 2 * p.page_box_rows >= Tr::kBlockN;
 }
 
