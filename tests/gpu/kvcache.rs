@@ -655,12 +655,18 @@ fn kvcache_fp8_group_descale_eager_and_graph() -> Result<()> {
         Some(&dk.to_device(&dev)?),
         Some(&dv.to_device(&dev)?),
     );
-    let (lens_d, qd, kd, vd) =
-        (Tensor::new(lens_u32.as_slice(), &dev)?, q.to_device(&dev)?, k.to_device(&dev)?, v.to_device(&dev)?);
+    let (lens_d, qd, kd, vd) = (
+        Tensor::new(lens_u32.as_slice(), &dev)?,
+        q.to_device(&dev)?,
+        k.to_device(&dev)?,
+        v.to_device(&dev)?,
+    );
     let stream = dev.as_cuda_device()?.cuda_stream();
     dev.synchronize()?;
     let err = |e| candle_core::Error::Msg(format!("{e:?}"));
-    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(err)?;
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(err)?;
     let out = attn.kv_cache(&kd, &vd, &lens_d).forward(&qd);
     let graph = stream.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
     let (out, graph) = match (out, graph) {
@@ -676,6 +682,11 @@ fn kvcache_fp8_group_descale_eager_and_graph() -> Result<()> {
     let replayed = out.to_device(&Device::Cpu)?;
     let (a, g) = (to_f64_vec(&eager)?, to_f64_vec(&replayed)?);
     let differ = a.iter().zip(&g).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-    assert_eq!(differ, 0, "{what}: {differ} of {} graph-replayed values differ from the eager call's", a.len());
+    assert_eq!(
+        differ,
+        0,
+        "{what}: {differ} of {} graph-replayed values differ from the eager call's",
+        a.len()
+    );
     Ok(())
 }

@@ -149,10 +149,11 @@ impl Fp8Call {
         let t = t.reshape((t.dim(0)?, (), blocks))?;
         let t = match t.dim(1)? {
             h if h == heads => t,
-            kv => t
-                .unsqueeze(2)?
-                .broadcast_as((t.dim(0)?, kv, group, blocks))?
-                .reshape((t.dim(0)?, kv * group, blocks))?,
+            kv => t.unsqueeze(2)?.broadcast_as((t.dim(0)?, kv, group, blocks))?.reshape((
+                t.dim(0)?,
+                kv * group,
+                blocks,
+            ))?,
         };
         t.broadcast_as((batch, heads, blocks))?.contiguous()
     }

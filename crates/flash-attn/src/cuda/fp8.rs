@@ -141,9 +141,14 @@ impl DescalePtrs {
             }
         };
         let stride = |t: Option<&Tensor>| -> Result<i32> {
-            i32::try_from(Fp8Call::batch_stride(t)).map_err(|_| candle_core::Error::Msg("flash-attn3: fp8 descales too large".into()))
+            i32::try_from(Fp8Call::batch_stride(t))
+                .map_err(|_| candle_core::Error::Msg("flash-attn3: fp8 descales too large".into()))
         };
-        let (q, k, v) = (call.q_descale.as_ref(), call.k_descale.as_ref(), call.v_descale.as_ref());
+        let (q, k, v) = (
+            call.q_descale.as_ref(),
+            call.k_descale.as_ref(),
+            call.v_descale.as_ref(),
+        );
         Ok(Self {
             q: addr(q)?,
             k: addr(k)?,
