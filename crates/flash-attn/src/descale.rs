@@ -37,6 +37,7 @@ pub(crate) struct Fp8Call {
     pub k_descale: Option<Tensor>,
     pub v_descale: Option<Tensor>,
     /// q's descale is one per kv head, shared by the q heads of its group (FA3's form).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub q_per_kv_head: bool,
     /// Per-block descales: blocks per (batch, head); 0 means one per (batch, head).
     pub q_blocks: usize,
