@@ -31,6 +31,28 @@ __device__ __forceinline__ void load_tile_rows(const TmaDesc* desc, typename Tr:
 // as the box's bytes. A page index past the pool is out of the map too: zeros, never a fault
 // (the append kernel reports it, kernels/kvcache/append.cu). Box offsets are multiples of 16 rows
 // of 64 or 128 bytes, so the swizzle pattern (1024-byte period) is the whole tile's.
+
+// The page index of the box at row r of key block n (0, not looked up, for a box past the block
+// or past the sequence's keys). `pages`: the sequence's row of the page table.
+template <class Tr>
+__device__ __forceinline__ int box_page(const FwdParams& p, const uint32_t* pages, int n, int r, const TileInfo& t) {
+    const int key = n * Tr::kBlockN + r;
+    return r < Tr::kBlockN && key < t.seqlen_k ? (int)__ldg(pages + p.page_size.div(key)) : 0;
+}
+
+// The box at row r of key block n, from page `page` (one TMA issue per column block).
+template <class Tr>
+__device__ __forceinline__ void issue_paged_box(const FwdParams& p, const TmaDesc* desc, typename Tr::Elem* dst,
+                                                uint64_t* bar, int n, int r, const TileInfo& t, int page) {
+    const int key = n * Tr::kBlockN + r;
+    int row = p.page_size.d;  // past the page: TMA's zero fill
+    if (key < t.seqlen_k) p.page_size.divmod(key, row);
+#pragma unroll
+    for (int c = 0; c < Tr::kColBlocks; ++c)
+        tma_load_4d(desc, dst + (c * Tr::kBlockN + r) * Tr::kColElems, bar, c * Tr::kColElems, row, t.kv_head, page);
+}
+
+// Key block n's boxes, their page indices looked up a batch at a time.
 template <class Tr>
 __device__ __forceinline__ void load_paged_rows(const FwdParams& p, const TmaDesc* desc, typename Tr::Elem* dst,
                                                 uint64_t* bar, int n, const TileInfo& t) {
@@ -44,20 +66,12 @@ __device__ __forceinline__ void load_paged_rows(const FwdParams& p, const TmaDes
     for (int r0 = 0; r0 < Tr::kBlockN; r0 += kBatch * box_rows) {
         int page[kBatch];
 #pragma unroll
-        for (int i = 0; i < kBatch; ++i) {
-            const int r = r0 + i * box_rows, key = n * Tr::kBlockN + r;
-            page[i] = r < Tr::kBlockN && key < t.seqlen_k ? (int)__ldg(pages + p.page_size.div(key)) : 0;
-        }
+        for (int i = 0; i < kBatch; ++i) page[i] = box_page<Tr>(p, pages, n, r0 + i * box_rows, t);
 #pragma unroll
         for (int i = 0; i < kBatch; ++i) {
-            const int r = r0 + i * box_rows, key = n * Tr::kBlockN + r;
+            const int r = r0 + i * box_rows;
             if (r >= Tr::kBlockN) break;
-            int row = p.page_size.d;  // past the page: TMA's zero fill
-            if (key < t.seqlen_k) p.page_size.divmod(key, row);
-#pragma unroll
-            for (int c = 0; c < Tr::kColBlocks; ++c)
-                tma_load_4d(desc, dst + (c * Tr::kBlockN + r) * Tr::kColElems, bar, c * Tr::kColElems, row, t.kv_head,
-                            page[i]);
+            issue_paged_box<Tr>(p, desc, dst, bar, n, r, t, page[i]);
         }
     }
 }
@@ -80,27 +94,19 @@ template <class Tr> __device__ __forceinline__ BlockPages lookup_block_pages(con
     const uint32_t* pages = p.page_table + (int64_t)t.batch * p.max_pages;
     BlockPages bp;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = i * p.page_box_rows, key = n * Tr::kBlockN + r;
-        bp.page[i] = r < Tr::kBlockN && key < t.seqlen_k ? (int)__ldg(pages + p.page_size.div(key)) : 0;
-    }
+    for (int i = 0; i < 2; ++i) bp.page[i] = box_page<Tr>(p, pages, n, i * p.page_box_rows, t);
     return bp;
 }
 
-// The boxes of key block n from the pages `bp` names (load_paged_rows' issues).
+// The boxes of key block n from the pages `bp` names.
 template <class Tr>
 __device__ __forceinline__ void issue_block_pages(const FwdParams& p, const TmaDesc* desc, typename Tr::Elem* dst,
                                                   uint64_t* bar, int n, const TileInfo& t, const BlockPages& bp) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const int r = i * p.page_box_rows, key = n * Tr::kBlockN + r;
+        const int r = i * p.page_box_rows;
         if (r >= Tr::kBlockN) break;
-        int row = p.page_size.d;  // past the page: TMA's zero fill
-        if (key < t.seqlen_k) p.page_size.divmod(key, row);
-#pragma unroll
-        for (int c = 0; c < Tr::kColBlocks; ++c)
-            tma_load_4d(desc, dst + (c * Tr::kBlockN + r) * Tr::kColElems, bar, c * Tr::kColElems, row, t.kv_head,
-                        bp.page[i]);
+        issue_paged_box<Tr>(p, desc, dst, bar, n, r, t, bp.page[i]);
     }
 }
 
