@@ -42,10 +42,6 @@ pub(crate) struct Fp8Call {
     /// Per-block descales: blocks per (batch, head); 0 means one per (batch, head).
     pub q_blocks: usize,
     pub k_blocks: usize,
-    /// Every q head of a GQA group has the same descale, so a tile may hold the whole group
-    /// (pack-GQA): q's descale absent or per kv head.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub q_shared_by_group: bool,
     /// bf16 or f16.
     pub out_dtype: DType,
 }
@@ -123,9 +119,15 @@ impl Fp8Call {
             q_per_kv_head,
             q_blocks: if q_per_block { q_blocks } else { 0 },
             k_blocks: if k_per_block { k_blocks } else { 0 },
-            q_shared_by_group: !q_per_block && (descales.q.is_none() || q_per_kv_head),
             out_dtype,
         })
+    }
+
+    /// Every q head of a GQA group has the same descale, so a tile may hold the whole group
+    /// (pack-GQA): q's descale absent or one per kv head.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn q_shared_by_group(&self) -> bool {
+        self.q_descale.is_none() || self.q_per_kv_head
     }
 
     /// Elements between two sequences' descales in `t`: 0 where one value serves every sequence

@@ -427,7 +427,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let group = dims.group();
     // FP8: a packed tile holds a whole GQA group, so its q heads must share one descale.
     let tuning = params.tuning;
-    let pack_gqa = pack_gqa(group, dims.seqlen_q, tuning.pack_gqa) && fp8.is_none_or(|f| f.q_shared_by_group);
+    let pack_gqa = pack_gqa(group, dims.seqlen_q, tuning.pack_gqa) && fp8.is_none_or(|f| f.q_shared_by_group());
     let rows = tuning.d64_tile_rows;
     let variant = match fp8 {
         Some(_) => Variant::pick_fp8(
