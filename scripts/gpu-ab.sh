@@ -93,51 +93,42 @@ if cells:
         best = {b: max(v[b]) for b in builds}
         row = [f"{best[ref]:.0f}"] + [f"{best[b]:.0f} ({best[b] / best[ref]:.3f})" for b in builds[1:]]
         print("| %s | %s | %d | %d | %d | " % key + " | ".join(row) + " |")
-# The kvcache pass's rows (gpu_attention.rs, kvcache_table): batch | seqlen_q | seqlen_k |
-# contiguous us | TB/s | % copy | graph us | TB/s | graph, max splits us | then per page size
-# (16, 64, 256): us | x contiguous | graph x contiguous graph.
-cols = {"contiguous": 3, "graph": 6, "page 16": 9, "page 64": 12, "page 256": 15}
-kv = collections.defaultdict(lambda: collections.defaultdict(list))
-for b in builds:
-    for line in lines[b]:
-        c = [x.strip() for x in line.strip().strip("|").split("|")]
-        if len(c) == 18 and c[0].isdigit():
-            try:
-                kv[tuple(int(x) for x in c[:3])][b].append([float(c[i]) for i in cols.values()])
-            except ValueError:
-                pass
-if kv:
-    print(f"\nkvcache µs, best of {rounds} runs (ratio to {ref}); eager calls but for `graph`")
-    print("| batch | seqlen_q | seqlen_k | build | " + " | ".join(cols) + " |")
-    print("|---|---|---|---|" + "---|" * len(cols))
-    for key, v in sorted(kv.items()):
+
+def us_table(title, width, key_names, cols):
+    """The microsecond rows of one benchmark pass: table rows of `width` cells whose first
+    len(key_names) cells are the shape; per shape each build's best of its runs in the columns
+    `cols` (name: cell index), with the ratio to the first build."""
+    keys = len(key_names)
+    rows = collections.defaultdict(lambda: collections.defaultdict(list))
+    for b in builds:
+        for line in lines[b]:
+            c = [x.strip() for x in line.strip().strip("|").split("|")]
+            if len(c) == width and c[0].isdigit():
+                try:
+                    rows[tuple(int(x) for x in c[:keys])][b].append([float(c[i]) for i in cols.values()])
+                except ValueError:
+                    pass
+    if not rows:
+        return
+    print(f"\n{title}, best of {rounds} runs (ratio to {ref}); eager calls but for `graph`")
+    print("| " + " | ".join(key_names) + " | build | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (keys + 1 + len(cols)))
+    for key, v in sorted(rows.items()):
         if not all(v[b] for b in builds):
             continue
         best = {b: [min(x[i] for x in v[b]) for i in range(len(cols))] for b in builds}
         for b in builds:
             vals = " | ".join(f"{best[b][i]:.1f}" + ("" if b == ref else f" ({best[b][i] / best[ref][i]:.2f})") for i in range(len(cols)))
-            print("| %d | %d | %d | " % key + f"{b} | {vals} |")
+            print("| " + " | ".join(str(k) for k in key) + f" | {b} | {vals} |")
+
+
+# The kvcache pass's rows (gpu_attention.rs, kvcache_table): batch | seqlen_q | seqlen_k |
+# contiguous us | TB/s | % copy | graph us | TB/s | graph, max splits us | then per page size
+# (16, 64, 256): us | x contiguous | graph x contiguous graph.
+us_table("kvcache µs", 18, ["batch", "seqlen_q", "seqlen_k"],
+         {"contiguous": 3, "graph": 6, "page 16": 9, "page 64": 12, "page 256": 15})
 # The kvcache_fp8 pass's rows (kvcache_fp8_table): batch | seqlen_k | bf16 us | fp8 us | ratio |
 # bf16 page 64 us | fp8 page 64 us | ratio | bf16 graph us | fp8 graph us | ratio.
-cols8 = {"bf16": 2, "fp8": 3, "bf16 page 64": 5, "fp8 page 64": 6, "bf16 graph": 8, "fp8 graph": 9}
-kv8 = collections.defaultdict(lambda: collections.defaultdict(list))
-for b in builds:
-    for line in lines[b]:
-        c = [x.strip() for x in line.strip().strip("|").split("|")]
-        if len(c) == 11 and c[0].isdigit():
-            try:
-                kv8[tuple(int(x) for x in c[:2])][b].append([float(c[i]) for i in cols8.values()])
-            except ValueError:
-                pass
-if kv8:
-    print(f"\nkvcache_fp8 µs (d128, heads 32/4, seqlen_q 1), best of {rounds} runs (ratio to {ref}); eager calls but for `graph`")
-    print("| batch | seqlen_k | build | " + " | ".join(cols8) + " |")
-    print("|---|---|---|" + "---|" * len(cols8))
-    for key, v in sorted(kv8.items()):
-        if not all(v[b] for b in builds):
-            continue
-        best = {b: [min(x[i] for x in v[b]) for i in range(len(cols8))] for b in builds}
-        for b in builds:
-            vals = " | ".join(f"{best[b][i]:.1f}" + ("" if b == ref else f" ({best[b][i] / best[ref][i]:.2f})") for i in range(len(cols8)))
-            print("| %d | %d | " % key + f"{b} | {vals} |")
+us_table("kvcache_fp8 µs (d128, heads 32/4, seqlen_q 1)", 11, ["batch", "seqlen_k"],
+         {"bf16": 2, "fp8": 3, "bf16 page 64": 5, "fp8 page 64": 6, "bf16 graph": 8, "fp8 graph": 9})
 PY
