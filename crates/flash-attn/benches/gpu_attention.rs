@@ -20,8 +20,10 @@
 //! GPU fp8 quantizer against candle's copy and the fp8 forward. BENCH_FP8_ACC_DIR=dir first runs
 //! the FA3-paper accuracy protocol on the inputs scripts/fp8_anchors.py stored there.
 //! `kvcache` times `flash_attn_with_kvcache` on the decode grid of kvcache_shapes() (contiguous
-//! and paged caches, pages of 16 / 64 / 256 in shuffled order) next to the device's copy
-//! bandwidth; scripts/kvcache_anchor.py times FA3 on the same shapes. `kvcache_fp8` times fp8
+//! and paged caches, pages of 16 / 64 / 256 in shuffled order; BENCH_PAGE_SIZES="16,32" for other
+//! page sizes in those three columns, BENCH_PAGES_IN_ORDER=1 for each sequence's pages in order
+//! in the pool) next to the device's copy bandwidth; scripts/kvcache_anchor.py times FA3 on the
+//! same shapes. `kvcache_fp8` times fp8
 //! (e4m3) caches against bf16 ones on a few decode shapes.
 
 use candle_core::Var;
@@ -276,7 +278,8 @@ fn graph_time(dev: &Device, f: impl Fn() -> Result<Tensor>) -> Result<Option<f64
 /// `flash_attn_with_kvcache` without append (the attention over the cache; FA3's decode kernel
 /// is timed the same way): 32 q heads on 4 kv heads (GQA 8), d128, bf16, every sequence at
 /// seqlen_k keys; causal for seqlen_q > 1. Contiguous, then paged with pages of 16, 64 and 256
-/// tokens in a shuffled pool; K+V bytes read per second, and paged / contiguous time.
+/// tokens (BENCH_PAGE_SIZES) in a shuffled pool (BENCH_PAGES_IN_ORDER: in order); K+V bytes read
+/// per second, and paged / contiguous time.
 fn kvcache_table(dev: &Device) -> Result<()> {
     // One stream: cudarc's per-tensor event tracking only costs host time here, and its event
     // waits would not be capturable (graph_time).
@@ -288,12 +291,27 @@ fn kvcache_table(dev: &Device) -> Result<()> {
     let copy = time(dev, || src.copy())?;
     let copy_tbs = 2.0 * (1u64 << 30) as f64 / copy / 1e12;
     drop(src);
+    // Three page sizes (the table's columns), each a power of two from 16 to 256 that divides
+    // every shape's seqlen_k.
+    let page_sizes: Vec<usize> = match std::env::var("BENCH_PAGE_SIZES") {
+        Ok(v) => v.split(',').map(|x| x.trim().parse().expect("BENCH_PAGE_SIZES: page sizes")).collect(),
+        Err(_) => vec![16, 64, 256],
+    };
+    assert!(page_sizes.len() == 3, "BENCH_PAGE_SIZES: three page sizes, got {page_sizes:?}");
+    let in_order = std::env::var_os("BENCH_PAGES_IN_ORDER").is_some_and(|v| v != "0");
     println!("\nflash_attn_with_kvcache, d128, bf16, heads 32/4, no append: us per call, K+V TB/s");
     println!("(device copy: {copy_tbs:.2} TB/s read + write)");
     println!("graph: the contiguous call captured in a CUDA graph and replayed (GPU time, as FA3's graph column)");
     println!("graph, max splits: the same with num_splits(128) (a share per key block, up to 128)");
-    println!("page N: eager us and × the eager contiguous call, then the paged call's graph × the contiguous graph");
-    println!("| batch | seqlen_q | seqlen_k | contiguous us | TB/s | % copy | graph us | TB/s | graph, max splits us | page 16 us | ×contig | graph ×contig | page 64 us | ×contig | graph ×contig | page 256 us | ×contig | graph ×contig |");
+    println!(
+        "page N: eager us and × the eager contiguous call, then the paged call's graph × the contiguous graph ({})",
+        if in_order { "each sequence's pages in order" } else { "pages shuffled in the pool" }
+    );
+    let page_columns: String = page_sizes
+        .iter()
+        .map(|p| format!(" page {p} us | ×contig | graph ×contig |"))
+        .collect();
+    println!("| batch | seqlen_q | seqlen_k | contiguous us | TB/s | % copy | graph us | TB/s | graph, max splits us |{page_columns}");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     for (b, sq, sk) in kvcache_shapes() {
@@ -322,12 +340,16 @@ fn kvcache_table(dev: &Device) -> Result<()> {
             Some(g) => row += &format!(" {:.1} |", g * 1e6),
             None => row += " – |",
         }
-        for page in [16, 64, 256] {
-            // The same keys in a shuffled pool of pages: page i of sequence s at pool[perm].
+        for &page in &page_sizes {
+            // The same keys in a shuffled pool of pages: page i of sequence s at pool[perm] (or
+            // in order with BENCH_PAGES_IN_ORDER: what the shuffle itself costs).
             let per_seq = sk / page;
             let pages = b * per_seq;
             let mut perm: Vec<u32> = (0..pages as u32).collect();
             for i in (1..pages).rev() {
+                if in_order {
+                    break;
+                }
                 seed ^= seed << 13;
                 seed ^= seed >> 7;
                 seed ^= seed << 17;
