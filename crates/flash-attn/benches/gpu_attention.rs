@@ -22,7 +22,8 @@
 //! `kvcache` times `flash_attn_with_kvcache` on the decode grid of kvcache_shapes() (contiguous
 //! and paged caches, pages of 16 / 64 / 256 in shuffled order; BENCH_PAGE_SIZES="16,32" for other
 //! page sizes in those three columns, BENCH_PAGES_IN_ORDER=1 for each sequence's pages in order
-//! in the pool) next to the device's copy bandwidth; scripts/kvcache_anchor.py times FA3 on the
+//! in the pool, BENCH_KV_SPLITS=N for N key shares in every call instead of the per-call choice)
+//! next to the device's copy bandwidth; scripts/kvcache_anchor.py times FA3 on the
 //! same shapes. `kvcache_fp8` times fp8
 //! (e4m3) caches against bf16 ones on a few decode shapes.
 
@@ -320,7 +321,10 @@ fn kvcache_table(dev: &Device) -> Result<()> {
         let k = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?.to_dtype(DType::BF16)?;
         let v = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?.to_dtype(DType::BF16)?;
         let lens = Tensor::new(vec![sk as u32; b].as_slice(), dev)?;
-        let attn = attn(1.0 / (d as f32).sqrt()).causal(sq > 1);
+        let mut attn = attn(1.0 / (d as f32).sqrt()).causal(sq > 1);
+        if let Some(splits) = std::env::var("BENCH_KV_SPLITS").ok().and_then(|v| v.parse().ok()) {
+            attn = attn.num_splits(splits);
+        }
         let contiguous = time(dev, || attn.kv_cache(&k, &v, &lens).forward(&q))?;
         let mut row = format!(
             "| {b} | {sq} | {sk} | {:.1} | {:.2} | {:.0}% |",
