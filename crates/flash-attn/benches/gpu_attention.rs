@@ -295,10 +295,16 @@ fn kvcache_table(dev: &Device) -> Result<()> {
     // Three page sizes (the table's columns), each a power of two from 16 to 256 that divides
     // every shape's seqlen_k.
     let page_sizes: Vec<usize> = match std::env::var("BENCH_PAGE_SIZES") {
-        Ok(v) => v.split(',').map(|x| x.trim().parse().expect("BENCH_PAGE_SIZES: page sizes")).collect(),
+        Ok(v) => v
+            .split(',')
+            .map(|x| x.trim().parse().expect("BENCH_PAGE_SIZES: page sizes"))
+            .collect(),
         Err(_) => vec![16, 64, 256],
     };
-    assert!(page_sizes.len() == 3, "BENCH_PAGE_SIZES: three page sizes, got {page_sizes:?}");
+    assert!(
+        page_sizes.len() == 3,
+        "BENCH_PAGE_SIZES: three page sizes, got {page_sizes:?}"
+    );
     let in_order = std::env::var_os("BENCH_PAGES_IN_ORDER").is_some_and(|v| v != "0");
     println!("\nflash_attn_with_kvcache, d128, bf16, heads 32/4, no append: us per call, K+V TB/s");
     println!("(device copy: {copy_tbs:.2} TB/s read + write)");
@@ -306,7 +312,11 @@ fn kvcache_table(dev: &Device) -> Result<()> {
     println!("graph, max splits: the same with num_splits(128) (a share per key block, up to 128)");
     println!(
         "page N: eager us and × the eager contiguous call, then the paged call's graph × the contiguous graph ({})",
-        if in_order { "each sequence's pages in order" } else { "pages shuffled in the pool" }
+        if in_order {
+            "each sequence's pages in order"
+        } else {
+            "pages shuffled in the pool"
+        }
     );
     let page_columns: String = page_sizes
         .iter()
