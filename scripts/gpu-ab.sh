@@ -124,7 +124,8 @@ def us_table(title, width, key_names, cols):
 
 # The kvcache pass's rows (gpu_attention.rs, kvcache_table): batch | seqlen_q | seqlen_k |
 # contiguous us | TB/s | % copy | graph us | TB/s | graph, max splits us | then per page size
-# (16, 64, 256): us | x contiguous | graph x contiguous graph.
+# (16, 64, 256; labelled so even when BENCH_PAGE_SIZES ran others): us | x contiguous | graph x
+# contiguous graph.
 us_table("kvcache µs", 18, ["batch", "seqlen_q", "seqlen_k"],
          {"contiguous": 3, "graph": 6, "page 16": 9, "page 64": 12, "page 256": 15})
 # The kvcache_fp8 pass's rows (kvcache_fp8_table): batch | seqlen_k | bf16 us | fp8 us | ratio |

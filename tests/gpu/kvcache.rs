@@ -285,9 +285,9 @@ fn kvcache_paged_every_page_size() -> Result<()> {
             (128, true, Opts::new(0.1).causal(), Some((128, false))),
             (64, true, Opts::new(0.12).window(Some(200), Some(0)), None),
             (256, true, Opts::new(0.06), Some((64, true))),
-            // d192 (key blocks of 112: boxes of 16 rows at every page size) and d96 (64-byte
-            // rows) read V in page-major shared memory from pages of 16 or more; d80 runs on the
-            // d96 kernel with zero-filled columns, so its V keeps one box per column block.
+            // d192 (key blocks of 112: boxes of 16 rows at every page size, a block's V from the
+            // V thread), d96 (64-byte rows, 64B swizzle) and d80 (the d96 kernel, its missing
+            // columns zero-filled by TMA).
             (192, false, Opts::new(0.07).causal(), None),
             (96, true, Opts::new(0.1), None),
             (80, false, Opts::new(0.11), None),

@@ -20,12 +20,12 @@
 //! GPU fp8 quantizer against candle's copy and the fp8 forward. BENCH_FP8_ACC_DIR=dir first runs
 //! the FA3-paper accuracy protocol on the inputs scripts/fp8_anchors.py stored there.
 //! `kvcache` times `flash_attn_with_kvcache` on the decode grid of kvcache_shapes() (contiguous
-//! and paged caches, pages of 16 / 64 / 256 in shuffled order; BENCH_PAGE_SIZES="16,32" for other
-//! page sizes in those three columns, BENCH_PAGES_IN_ORDER=1 for each sequence's pages in order
-//! in the pool, BENCH_KV_SPLITS=N for N key shares in every call instead of the per-call choice)
-//! next to the device's copy bandwidth; scripts/kvcache_anchor.py times FA3 on the
-//! same shapes. `kvcache_fp8` times fp8
-//! (e4m3) caches against bf16 ones on a few decode shapes.
+//! and paged caches, pages of 16 / 64 / 256 in shuffled order) next to the device's copy
+//! bandwidth; scripts/kvcache_anchor.py times FA3 on the same shapes. Its diagnostics:
+//! BENCH_PAGE_SIZES="16,32,64" (three other page sizes), BENCH_PAGES_IN_ORDER=1 (each sequence's
+//! pages in order in the pool), BENCH_KV_SPLITS=N (N key shares in every call instead of the
+//! per-call choice). `kvcache_fp8` times fp8 (e4m3) caches against bf16 ones on a few decode
+//! shapes.
 
 use candle_core::Var;
 
@@ -306,6 +306,9 @@ fn kvcache_table(dev: &Device) -> Result<()> {
         "BENCH_PAGE_SIZES: three page sizes, got {page_sizes:?}"
     );
     let in_order = std::env::var_os("BENCH_PAGES_IN_ORDER").is_some_and(|v| v != "0");
+    let splits: Option<usize> = std::env::var("BENCH_KV_SPLITS")
+        .ok()
+        .map(|v| v.trim().parse().expect("BENCH_KV_SPLITS: a split count"));
     println!("\nflash_attn_with_kvcache, d128, bf16, heads 32/4, no append: us per call, K+V TB/s");
     println!("(device copy: {copy_tbs:.2} TB/s read + write)");
     println!("graph: the contiguous call captured in a CUDA graph and replayed (GPU time, as FA3's graph column)");
@@ -332,7 +335,7 @@ fn kvcache_table(dev: &Device) -> Result<()> {
         let v = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?.to_dtype(DType::BF16)?;
         let lens = Tensor::new(vec![sk as u32; b].as_slice(), dev)?;
         let mut attn = attn(1.0 / (d as f32).sqrt()).causal(sq > 1);
-        if let Some(splits) = std::env::var("BENCH_KV_SPLITS").ok().and_then(|v| v.parse().ok()) {
+        if let Some(splits) = splits {
             attn = attn.num_splits(splits);
         }
         let contiguous = time(dev, || attn.kv_cache(&k, &v, &lens).forward(&q))?;
@@ -360,10 +363,7 @@ fn kvcache_table(dev: &Device) -> Result<()> {
             let per_seq = sk / page;
             let pages = b * per_seq;
             let mut perm: Vec<u32> = (0..pages as u32).collect();
-            for i in (1..pages).rev() {
-                if in_order {
-                    break;
-                }
+            for i in (1..pages).rev().filter(|_| !in_order) {
                 seed ^= seed << 13;
                 seed ^= seed >> 7;
                 seed ^= seed << 17;
