@@ -23,6 +23,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
 
     const int wg = threadIdx.x / 128;
     const int tid = threadIdx.x % 128;
+    if (threadIdx.x == 0) trace_life(0);
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -52,11 +53,15 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         mbar_init_fence();
     }
     __syncthreads();
+    if (threadIdx.x == 0) trace_life(1);
 
     if (wg == 0) {
         warpgroup_reg_dealloc<Tr::kProducerRegs>();
         const bool v_thread = paged_v_thread<Tr>(p);
-        if (tid == 0) producer<Tr>(p, s, {true, !v_thread});  // the TMA thread
+        if (tid == 0) {
+            producer<Tr>(p, s, {true, !v_thread});  // the TMA thread
+            trace_life(2);
+        }
         if (tid == 64 && v_thread) producer<Tr>(p, s, {false, true});  // a paged cache's V
         if (tid == 32) scheduler<Tr>(p, s);      // claims tiles (scheduler.cuh)
         if constexpr (Tr::kTransposeV) {
@@ -93,6 +98,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         }
         pingpong_ring_end(wg - 1);
         epilogue_drain<Tr>(tid);
+        if (wg == 1 && tid == 0) trace_life(3);
     }
 }
 
@@ -146,7 +152,7 @@ FA3_FWD_KERNEL_FP8_TV(flash_fwd_d128_e4m3_tv, 128)
 FA3_FWD_KERNEL_FP8_TV(flash_fwd_d256_e4m3_tv, 256)
 
 #ifdef FA3_TRACE
-extern "C" __global__ void fa3_trace_dump(int) { fa3::trace_dump(); }
+extern "C" __global__ void fa3_trace_dump(int launch) { fa3::trace_dump(launch); }
 #endif
 
 // The fp8 forward's V transpose (fp8_prepass.cuh): grid (key blocks of 64, kv heads, sequences).

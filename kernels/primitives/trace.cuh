@@ -36,9 +36,35 @@ __device__ __forceinline__ void clock_stamp(uint32_t (&buf)[kTraceWGs][kRows][kT
 __device__ __forceinline__ void trace_stamp(int wg, int iter, int point) {
     clock_stamp(trace_buf, wg, iter - kTraceFirst, point);
 }
+#ifdef FA3_TRACE_CTA
+// Per-CTA mode (FA3_NVCC_FLAGS="-DFA3_TRACE -DFA3_TRACE_CTA"), for launches of a single tile per
+// CTA such as split-KV decode calls: every CTA stamps the global timer (ns, comparable across SMs)
+// at the tile-boundary points of its first tile and at its life points (trace_life: entry, the
+// barriers initialised, the producer's and the first consumer's exits); the dump prints, per
+// point, the min / mean / max over the CTAs relative to the first CTA's entry.
+constexpr int kTraceCtas = 264, kTraceLife = 4;
+__device__ unsigned long long trace_cta_edges[kTraceCtas][kTraceWGs][kTracePoints];
+__device__ unsigned long long trace_cta_life[kTraceCtas][kTraceLife];
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    return t;
+}
+__device__ __forceinline__ void trace_edge(int wg, int tile, int point) {
+    if (tile == 0 && threadIdx.x % 128 == 0 && blockIdx.x < kTraceCtas)
+        trace_cta_edges[blockIdx.x][wg][point] = global_ns();
+}
+// Point 0: entry, 1: barriers initialised (thread 0); 2: the TMA thread done; 3: the first
+// consumer warpgroup done.
+__device__ __forceinline__ void trace_life(int point) {
+    if (blockIdx.x < kTraceCtas) trace_cta_life[blockIdx.x][point] = global_ns();
+}
+#else
 __device__ __forceinline__ void trace_edge(int wg, int tile, int point) {
     clock_stamp(trace_edge_buf, wg, tile - kTraceFirstTile, point);
 }
+__device__ __forceinline__ void trace_life(int) {}
+#endif
 
 // One line per (warpgroup, row): "TAG wg index t0 .. t7", index = first + row.
 template <int kRows>
@@ -53,13 +79,57 @@ __device__ __forceinline__ void print_stamps(const char* tag, const uint32_t (&b
 }
 // Prints both buffers (a kernel of its own, launched after the traced one when FA3_TRACE is set in
 // the environment: a printf inside a wgmma kernel makes ptxas serialise every wgmma).
-__device__ __forceinline__ void trace_dump() {
+#ifdef FA3_TRACE_CTA
+// One line per recorded point: "FA3C name ctas min mean max" (ns after the first entry), for the
+// launch numbered `launch` when it is a multiple of 64; the buffers are cleared for the next
+// launch either way.
+__device__ __forceinline__ void trace_dump_ctas(int launch) {
+    unsigned long long base = ~0ull;
+    for (int c = 0; c < kTraceCtas; ++c)
+        if (trace_cta_life[c][0] != 0 && trace_cta_life[c][0] < base) base = trace_cta_life[c][0];
+    const bool show = launch % 64 == 0 && base != ~0ull;
+    if (show) printf("FA3C launch %d\n", launch);
+    auto summary = [&](const char* name, int wg, int point, bool life) {
+        unsigned long long lo = ~0ull, hi = 0, sum = 0;
+        int n = 0;
+        for (int c = 0; c < kTraceCtas; ++c) {
+            unsigned long long& v = life ? trace_cta_life[c][point] : trace_cta_edges[c][wg][point];
+            if (v != 0 && v >= base) {
+                const unsigned long long d = v - base;
+                lo = d < lo ? d : lo;
+                hi = d > hi ? d : hi;
+                sum += d;
+                ++n;
+            }
+            v = 0;
+        }
+        if (show && n > 0) printf("FA3C %s %d %llu %llu %llu\n", name, n, lo, sum / n, hi);
+    };
+    // The consumers' and the TMA thread's tile points first (they read the life entries' base),
+    // then the life points, whose entry stamp is cleared last.
+    const char* producer[4] = {"p.tile", "p.q_issued", "p.k_issued", "p.v_issued"};
+    const char* consumer[7] = {"c.tile", "c.q_landed", "c.s_retired", "c.softmax", "c.loop_exit", "c.pv_retired",
+                               "c.epilogue"};
+    for (int i = 0; i < 4; ++i) summary(producer[i], 0, i, false);
+    for (int w = 1; w < kTraceWGs; ++w)
+        for (int i = 0; i < 7; ++i) summary(consumer[i], w, i, false);
+    const char* life[kTraceLife] = {"entry", "init", "producer_exit", "consumer_exit"};
+    for (int i = kTraceLife - 1; i >= 0; --i) summary(life[i], 0, i, true);
+}
+#endif
+__device__ __forceinline__ void trace_dump(int launch) {
+#ifdef FA3_TRACE_CTA
+    trace_dump_ctas(launch);
+#else
+    (void)launch;
     print_stamps("FA3T", trace_buf, kTraceFirst);
     print_stamps("FA3E", trace_edge_buf, kTraceFirstTile);
+#endif
 }
 #else
 __device__ __forceinline__ void trace_stamp(int, int, int) {}
 __device__ __forceinline__ void trace_edge(int, int, int) {}
+__device__ __forceinline__ void trace_life(int) {}
 #endif
 
 }  // namespace fa3

@@ -24,8 +24,8 @@
 //! bandwidth; scripts/kvcache_anchor.py times FA3 on the same shapes. Its diagnostics:
 //! BENCH_PAGE_SIZES="16,32,64" (three other page sizes), BENCH_PAGES_IN_ORDER=1 (each sequence's
 //! pages in order in the pool), BENCH_KV_SPLITS=N (N key shares in every call instead of the
-//! per-call choice). `kvcache_fp8` times fp8 (e4m3) caches against bf16 ones on a few decode
-//! shapes.
+//! per-call choice), BENCH_KV_SHAPES="1:1:1024,8:1:1024" (only these batch:seqlen_q:seqlen_k).
+//! `kvcache_fp8` times fp8 (e4m3) caches against bf16 ones on a few decode shapes.
 
 use candle_core::Var;
 
@@ -227,6 +227,21 @@ fn decode_shapes(dev: &Device) -> Result<()> {
 /// seqlen_q 1 and 4, seqlen_k 1k..128k with at most 1M cached tokens per call (2 GiB of K+V at
 /// 4 kv heads of d128). scripts/kvcache_anchor.py has the same list.
 fn kvcache_shapes() -> Vec<(usize, usize, usize)> {
+    // BENCH_KV_SHAPES="batch:seqlen_q:seqlen_k,...": only these (a diagnostic, e.g. with a
+    // FA3_TRACE build).
+    if let Ok(list) = std::env::var("BENCH_KV_SHAPES") {
+        return list
+            .split(',')
+            .map(|shape| {
+                let v: Vec<usize> = shape
+                    .split(':')
+                    .map(|x| x.trim().parse().expect("BENCH_KV_SHAPES: batch:seqlen_q:seqlen_k"))
+                    .collect();
+                assert!(v.len() == 3, "BENCH_KV_SHAPES: batch:seqlen_q:seqlen_k, got {shape:?}");
+                (v[0], v[1], v[2])
+            })
+            .collect();
+    }
     let mut shapes = Vec::new();
     for b in [1, 8, 32, 128] {
         for sq in [1, 4] {

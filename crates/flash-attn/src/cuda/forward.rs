@@ -330,7 +330,8 @@ fn pack_gqa(group: usize, seqlen_q: usize, forced: Option<bool>) -> bool {
 }
 
 /// FA3_TRACE=1 in the environment: print CTA 0's timeline after each forward launch (needs a
-/// build with FA3_NVCC_FLAGS=-DFA3_TRACE; kernels/primitives/trace.cuh, scripts/trace_timeline.py).
+/// build with FA3_NVCC_FLAGS=-DFA3_TRACE; kernels/primitives/trace.cuh, scripts/trace_timeline.py),
+/// or with `-DFA3_TRACE -DFA3_TRACE_CTA` every CTA's first tile summarised every 64th launch.
 fn trace_requested() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("FA3_TRACE").is_some_and(|v| v != "0"))
@@ -347,8 +348,11 @@ fn dump_trace(dev: &CudaDevice) -> Result<()> {
         block_dim: (1, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the dump kernel reads only its own module's trace buffer.
-    unsafe { launch_with_params(&dev.cuda_stream(), &func, "fa3_trace_dump", cfg, &0i32) }
+    // The launch's number (the per-CTA trace prints every 64th launch).
+    static LAUNCHES: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+    let launch = LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    // SAFETY: the dump kernel reads only its own module's trace buffers.
+    unsafe { launch_with_params(&dev.cuda_stream(), &func, "fa3_trace_dump", cfg, &launch) }
 }
 
 /// Launches the split-KV combine over `rows` (token, head) rows (kernels/flash_fwd/combine.cuh).
