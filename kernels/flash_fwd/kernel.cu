@@ -57,6 +57,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
 
     if (wg == 0) {
         warpgroup_reg_dealloc<Tr::kProducerRegs>();
+        if (tid == 0) trace_life(4);
         const bool v_thread = paged_v_thread<Tr>(p);
         if (tid == 0) {
             producer<Tr>(p, s, {true, !v_thread});  // the TMA thread
@@ -69,6 +70,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         }
     } else {
         warpgroup_reg_alloc<Tr::kConsumerRegs>();
+        if (wg == 1 && tid == 0) trace_life(7);
         // it: K/V blocks consumed so far (ring position); tc: tiles with keys so far (Q parity).
         int it = 0, tc = 0;
         pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);

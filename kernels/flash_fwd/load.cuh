@@ -236,9 +236,11 @@ template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<T
     tma_prefetch_desc(&p.tma_q);
     tma_prefetch_desc(&p.tma_k);
     tma_prefetch_desc(&p.tma_v);
+    if (role.q_and_k) trace_life(5);
     int it = 0, tc = 0;
     for (int k = 0;; ++k) {
         const int tile = receive_tile<Tr>(s, k, false);
+        if (k == 0 && role.q_and_k) trace_life(6);
         if (tile >= num_tiles(p)) break;  // the consumers stop on the same index
         TileInfo t;
         if (get_tile<Tr>(p, tile, t) && t.n_max > t.n_min) {  // else the consumers skip it too

@@ -42,7 +42,7 @@ __device__ __forceinline__ void trace_stamp(int wg, int iter, int point) {
 // at the tile-boundary points of its first tile and at its life points (trace_life: entry, the
 // barriers initialised, the producer's and the first consumer's exits); the dump prints, per
 // point, the min / mean / max over the CTAs relative to the first CTA's entry.
-constexpr int kTraceCtas = 264, kTraceLife = 4;
+constexpr int kTraceCtas = 264, kTraceLife = 8;
 __device__ unsigned long long trace_cta_edges[kTraceCtas][kTraceWGs][kTracePoints];
 __device__ unsigned long long trace_cta_life[kTraceCtas][kTraceLife];
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -55,7 +55,8 @@ __device__ __forceinline__ void trace_edge(int wg, int tile, int point) {
         trace_cta_edges[blockIdx.x][wg][point] = global_ns();
 }
 // Point 0: entry, 1: barriers initialised (thread 0); 2: the TMA thread done; 3: the first
-// consumer warpgroup done.
+// consumer warpgroup done; the TMA thread's start: 4 registers handed over, 5 descriptors
+// prefetched, 6 first tile index received; 7: the first consumer warpgroup's registers taken.
 __device__ __forceinline__ void trace_life(int point) {
     if (blockIdx.x < kTraceCtas) trace_cta_life[blockIdx.x][point] = global_ns();
 }
@@ -113,7 +114,8 @@ __device__ __forceinline__ void trace_dump_ctas(int launch) {
     for (int i = 0; i < 4; ++i) summary(producer[i], 0, i, false);
     for (int w = 1; w < kTraceWGs; ++w)
         for (int i = 0; i < 7; ++i) summary(consumer[i], w, i, false);
-    const char* life[kTraceLife] = {"entry", "init", "producer_exit", "consumer_exit"};
+    const char* life[kTraceLife] = {"entry",        "init",          "producer_exit",   "consumer_exit",
+                                    "p.regs_given", "p.desc_prefetched", "p.tile_index", "c.regs_taken"};
     for (int i = kTraceLife - 1; i >= 0; --i) summary(life[i], 0, i, true);
 }
 #endif
