@@ -23,9 +23,8 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
 
     const int wg = threadIdx.x / 128;
     const int tid = threadIdx.x % 128;
-    if (threadIdx.x == 0) trace_life(0);
-
     if (threadIdx.x == 0) {
+        trace_life(0);
 #pragma unroll
         for (int i = 0; i < Tr::kQStages; ++i) {
             mbar_init(&s.bar_q[i], 1);

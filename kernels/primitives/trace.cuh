@@ -39,9 +39,8 @@ __device__ __forceinline__ void trace_stamp(int wg, int iter, int point) {
 #ifdef FA3_TRACE_CTA
 // Per-CTA mode (FA3_NVCC_FLAGS="-DFA3_TRACE -DFA3_TRACE_CTA"), for launches of a single tile per
 // CTA such as split-KV decode calls: every CTA stamps the global timer (ns, comparable across SMs)
-// at the tile-boundary points of its first tile and at its life points (trace_life: entry, the
-// barriers initialised, the producer's and the first consumer's exits); the dump prints, per
-// point, the min / mean / max over the CTAs relative to the first CTA's entry.
+// at the tile-boundary points of its first tile and at its life points (trace_life, below); the
+// dump prints, per point, the min / mean / max over the CTAs relative to the first CTA's entry.
 constexpr int kTraceCtas = 264, kTraceLife = 8;
 __device__ unsigned long long trace_cta_edges[kTraceCtas][kTraceWGs][kTracePoints];
 __device__ unsigned long long trace_cta_life[kTraceCtas][kTraceLife];
@@ -78,8 +77,6 @@ __device__ __forceinline__ void print_stamps(const char* tag, const uint32_t (&b
                    t[7]);
         }
 }
-// Prints both buffers (a kernel of its own, launched after the traced one when FA3_TRACE is set in
-// the environment: a printf inside a wgmma kernel makes ptxas serialise every wgmma).
 #ifdef FA3_TRACE_CTA
 // One line per recorded point: "FA3C name ctas min mean max" (ns after the first entry), for the
 // launch numbered `launch` when it is a multiple of 64; the buffers are cleared for the next
@@ -119,6 +116,8 @@ __device__ __forceinline__ void trace_dump_ctas(int launch) {
     for (int i = kTraceLife - 1; i >= 0; --i) summary(life[i], 0, i, true);
 }
 #endif
+// Prints the buffers (a kernel of its own, launched after the traced one when FA3_TRACE is set in
+// the environment: a printf inside a wgmma kernel makes ptxas serialise every wgmma).
 __device__ __forceinline__ void trace_dump(int launch) {
 #ifdef FA3_TRACE_CTA
     trace_dump_ctas(launch);
