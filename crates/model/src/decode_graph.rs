@@ -22,9 +22,9 @@
 //!   and leave between steps.
 //!
 //! Requirements ([`DecodeGraph::fits`]): [`Llama::decodes_on_device`] (fused kernels, bf16 or f16,
-//! a contiguous cache of the model's dtype), and cudarc's per-tensor event tracking off on the
-//! model's device (its event waits cannot be captured; the examples turn it off, see
-//! `examples/common`).
+//! a contiguous cache of the model's dtype, or of e4m3 once the prefill fixed its scales), and
+//! cudarc's per-tensor event tracking off on the model's device (its event waits cannot be
+//! captured; the examples turn it off, see `examples/common`).
 
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
 use candle_core::{bail, DType, Device, Result, Tensor};

@@ -23,8 +23,9 @@ pub struct GenerateOptions {
     pub kv_cache_dtype: Option<DType>,
     /// Decoding on the GPU without a repeat penalty: capture the decode step once into a CUDA
     /// graph and replay it for every later token (one launch per step instead of hundreds; see
-    /// `crate::decode_graph` for when it applies: fused kernels, bf16/f16, a cache of the
-    /// model's dtype, cudarc's event tracking off). Ignored elsewhere.
+    /// `crate::decode_graph` for when it applies: fused kernels, bf16/f16, a contiguous cache of
+    /// the model's dtype or of e4m3, cudarc's event tracking off;
+    /// [`Llama::decodes_through_cuda_graphs`]). Ignored elsewhere.
     pub cuda_graphs: bool,
 }
 

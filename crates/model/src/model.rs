@@ -687,6 +687,21 @@ impl Llama {
         KvCache::new(&self.cfg, batch, max_seq, self.dtype, &self.device)
     }
 
+    /// Whether [`crate::generate()`] and [`crate::Batcher`] (with CUDA graphs on) decode over
+    /// `cache` by replaying one captured CUDA graph per step: fused kernels on a GPU whose
+    /// cudarc event tracking is off, bf16 or f16, and a contiguous cache of the model's dtype, or
+    /// of e4m3 once its first write (the prefill) fixed its scales. Otherwise each step launches
+    /// its kernels.
+    pub fn decodes_through_cuda_graphs(&self, cache: &KvCache) -> bool {
+        #[cfg(feature = "cuda")]
+        return crate::decode_graph::DecodeGraph::fits(self, cache);
+        #[cfg(not(feature = "cuda"))]
+        return {
+            let _ = cache;
+            false
+        };
+    }
+
     /// An empty cache on this model's device holding keys and values in `dtype`: the model's
     /// own, or `F8E4M3` (half the bytes of bf16; see [`KvCache`]).
     pub fn new_cache_of(&self, batch: usize, max_seq: usize, dtype: DType) -> Result<KvCache> {
@@ -826,9 +841,15 @@ impl Llama {
             && self.kernels == Kernels::Fused
             && self.inv_freq_heads.is_some()
             && matches!(self.dtype, DType::BF16 | DType::F16)
-            && cache.dtype == self.dtype
+            && (cache.dtype == self.dtype || cache.dtype == DType::F8E4M3)
             && cache.paging.is_none()
-            && cache.layers.iter().all(|l| matches!(l, LayerKv::Rows(_)))
+            // An fp8 layer once its first write fixed its scales: the fused RoPE + e4m3 store
+            // then takes each new key, and the attention quantizes q on the device.
+            && cache.layers.iter().all(|l| match l {
+                LayerKv::Rows(_) => true,
+                LayerKv::E4m3 { scales, .. } => scales.get().is_some(),
+                LayerKv::Planes(_) => false,
+            })
     }
 
     /// A decode step of the first `rows` sequences of `cache` in which nothing comes from the

@@ -453,13 +453,24 @@ fn gpu_untracked() -> Device {
 /// the varlen kernel, the graph through the kvcache kernel, so near-ties may go either way).
 /// Returns how many tokens are the eager argmax exactly.
 fn assert_follows_the_eager_steps(model: &Llama, prompts: &[Vec<u32>], tokens: &[Vec<u32>], what: &str) -> usize {
+    assert_follows_the_eager_steps_of(model, prompts, tokens, what, model.dtype())
+}
+
+/// [`assert_follows_the_eager_steps`] with the eager steps over a cache of `cache_dtype`.
+fn assert_follows_the_eager_steps_of(
+    model: &Llama,
+    prompts: &[Vec<u32>],
+    tokens: &[Vec<u32>],
+    what: &str,
+    cache_dtype: DType,
+) -> usize {
     let longest = prompts
         .iter()
         .zip(tokens)
         .map(|(p, t)| p.len() + t.len())
         .max()
         .unwrap();
-    let mut cache = model.new_cache(prompts.len(), longest).unwrap();
+    let mut cache = model.new_cache_of(prompts.len(), longest, cache_dtype).unwrap();
     let mut inputs = prompts.to_vec();
     let (mut exact, mut worst) = (0, 0f32);
     for n in 0..tokens.iter().map(Vec::len).max().unwrap() {
@@ -904,6 +915,48 @@ fn fp8_cache_follows_the_bf16_cache_on_the_gpu() {
         }
     }
     assert_eq!(on_device, on_host);
+}
+
+/// `generate`'s CUDA-graph decode over an fp8 cache (the prefill eager, which fixes the scales;
+/// then each step's fused RoPE + e4m3 store, q quantized on the device and the `_tv` kvcache call,
+/// captured once and replayed) against the eager steps over an fp8 cache fed the graph's tokens:
+/// each token within two roundings of the eager argmax, and at least 90% of them exactly (the
+/// captured calls split their keys, the eager ones do not).
+#[test]
+fn fp8_cache_graph_decode_follows_the_eager_steps() {
+    let dev = gpu_untracked();
+    let dir = hf_model(Family::WideHeads);
+    let model = load_hf_dir(&dir, DType::BF16, &dev, Kernels::Fused).unwrap();
+    let max_tokens = 16;
+    let opts = GenerateOptions {
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_tokens: vec![],
+        kv_cache_dtype: Some(DType::F8E4M3),
+        cuda_graphs: true,
+    };
+    // The graph applies once the prefill fixed the scales, not before.
+    let mut cache = model.new_cache_of(1, 40, DType::F8E4M3).unwrap();
+    assert!(
+        !model.decodes_through_cuda_graphs(&cache),
+        "an fp8 cache before its first write"
+    );
+    model.step(&[tokens(5, 9)], &mut cache).unwrap();
+    assert!(
+        model.decodes_through_cuda_graphs(&cache),
+        "an fp8 cache after the prefill"
+    );
+    for prompts in [vec![tokens(5, 1), tokens(9, 2), tokens(70, 3)], vec![tokens(33, 4)]] {
+        let what = format!("fp8 cache, graph decode, batch {}", prompts.len());
+        let g = generate(&model, &prompts, &opts, |_, _| Ok(Flow::Continue)).unwrap();
+        assert!(g.tokens.iter().all(|t| t.len() == max_tokens), "{what}: {:?}", g.tokens);
+        let exact = assert_follows_the_eager_steps_of(&model, &prompts, &g.tokens, &what, DType::F8E4M3);
+        let total = max_tokens * prompts.len();
+        assert!(
+            exact * 10 >= total * 9,
+            "{what}: only {exact} of {total} tokens are the eager argmax"
+        );
+    }
 }
 
 /// The paged KV cache on the GPU (flash_attn_with_kvcache's paged kernels, the e4m3 store into
