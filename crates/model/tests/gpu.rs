@@ -618,6 +618,48 @@ fn batcher_cuda_graphs_follow_the_eager_steps() {
     }
 }
 
+/// The continuous batcher with CUDA graphs over an fp8 cache: requests that all join at the first
+/// step (one prefill fixes the scales, as the eager reference's does), then graph replays; each
+/// request's greedy tokens follow the eager steps over an fp8 cache
+/// ([`assert_follows_the_eager_steps_of`]).
+#[test]
+fn batcher_cuda_graphs_over_an_fp8_cache() {
+    let dev = gpu_untracked();
+    let dir = hf_model(Family::WideHeads);
+    let model = load_hf_dir(&dir, DType::BF16, &dev, Kernels::Fused).unwrap();
+    let mut batcher = Batcher::new(&model, 4, 128, DType::F8E4M3).unwrap().cuda_graphs(true);
+    let requests: Vec<(Vec<u32>, usize)> = vec![(tokens(7, 1), 20), (tokens(30, 2), 12), (tokens(5, 3), 16)];
+    for (r, (prompt, max_tokens)) in requests.iter().enumerate() {
+        let request = Request {
+            prompt: prompt.clone(),
+            max_tokens: *max_tokens,
+            sampling: SamplingParams::default(),
+            stop_tokens: vec![],
+        };
+        batcher.join(r as u64, request).unwrap();
+    }
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+    let mut steps = 0;
+    while batcher.running() > 0 {
+        for e in batcher.step().unwrap() {
+            got[e.id as usize].push(e.token);
+        }
+        steps += 1;
+        assert!(steps < 100, "the batch does not drain");
+    }
+    for (r, (_, max_tokens)) in requests.iter().enumerate() {
+        assert_eq!(got[r].len(), *max_tokens, "request {r}");
+    }
+    let prompts: Vec<Vec<u32>> = requests.iter().map(|r| r.0.clone()).collect();
+    let what = "batcher with graphs over an fp8 cache";
+    let exact = assert_follows_the_eager_steps_of(&model, &prompts, &got, what, DType::F8E4M3);
+    let total: usize = got.iter().map(Vec::len).sum();
+    assert!(
+        exact * 10 >= total * 9,
+        "{what}: only {exact} of {total} tokens are the eager argmax"
+    );
+}
+
 /// `generate`'s greedy decoding on the GPU (tokens chosen on the device, the next step queued
 /// before the host reads them) gives the host loop's tokens: a batch of prompts of different
 /// lengths, without stop tokens and with one that ends a sequence mid-batch (its queued step's
