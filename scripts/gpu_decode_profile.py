@@ -11,6 +11,7 @@ the graph timed alone, the last replay's kernels summed), with the captured call
 split and its combine.
 
     python3 scripts/gpu_decode_profile.py --bin /tmp/gpu-run-bin/generate [--batch 1] [--prompt 512] [--graph]
+        [--kv-cache-dtype fp8]
 """
 import argparse
 import collections
@@ -35,6 +36,7 @@ ap.add_argument("--no-flush", action="store_true",
                 help="leave the caches alone between kernels (ncu --cache-control none): closer to a replayed step")
 ap.add_argument("--graph", action="store_true",
                 help="profile the last replay of the CUDA-graph decode step (each kernel node timed alone)")
+ap.add_argument("--kv-cache-dtype", default=None, help="generate's --kv-cache-dtype (e.g. fp8)")
 args = ap.parse_args()
 
 cfg = g.MODELS[args.model]
@@ -45,7 +47,8 @@ rng = np.random.default_rng(5)
 cmd = (["ncu", "--clock-control", "none"] + (["--cache-control", "none"] if args.no_flush else [])
        + (["--graph-profiling", "node"] if args.graph else [])
        + ["--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base",
-          args.bin, "--model", d, "-n", "4" if args.graph else "2", "--dtype", "bf16", "--ignore-eos"])
+          args.bin, "--model", d, "-n", "4" if args.graph else "2", "--dtype", "bf16", "--ignore-eos"]
+       + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []))
 for b in range(args.batch):
     path = os.path.join(args.work, f"profile-prompt-{b}.txt")
     with open(path, "w") as f:

@@ -365,8 +365,11 @@ impl Attention {
                         // makes each group one "head" of the quantizer. A q descale shared by
                         // the group lets the kernel pack the group's heads into one tile
                         // (pack-GQA), reading K and V once per kv head instead of once per q
-                        // head.
-                        let grouped = quantize(&qg.reshape((g.batch * hk, h / hk, 1, d))?, Granularity::Head)?;
+                        // head. Asked for as one block of the group's rows, the same scale as
+                        // per head, the GPU quantizer takes one launch instead of two and a
+                        // memset (session 32: 89 µs of a 2 ms decode step at batch 8, 8k keys).
+                        let group = h / hk;
+                        let grouped = quantize(&qg.reshape((g.batch * hk, group, 1, d))?, Granularity::Block(group))?;
                         (
                             grouped.data.reshape((g.batch, 1, h, d))?,
                             grouped.descale.reshape((g.batch, hk))?,
@@ -694,12 +697,14 @@ impl Llama {
     /// its kernels.
     pub fn decodes_through_cuda_graphs(&self, cache: &KvCache) -> bool {
         #[cfg(feature = "cuda")]
-        return crate::decode_graph::DecodeGraph::fits(self, cache);
+        {
+            crate::decode_graph::DecodeGraph::fits(self, cache)
+        }
         #[cfg(not(feature = "cuda"))]
-        return {
-            let _ = cache;
+        {
+            let _ = cache; // no graphs without the `cuda` feature
             false
-        };
+        }
     }
 
     /// An empty cache on this model's device holding keys and values in `dtype`: the model's

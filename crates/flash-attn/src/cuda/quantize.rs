@@ -87,20 +87,30 @@ pub(crate) fn run(x: &Tensor, groups: &Groups, signs: Option<&[u64]>) -> Result<
     let mut out = unsafe { dev.alloc_uninit(x.shape(), DType::F8E4M3)? };
     let mut descale = unsafe { dev.alloc::<f32>(entries)? };
     let whole_tensor = groups.granularity == Granularity::Tensor;
-    let mut amax = dev.alloc_zeros::<u32>(if whole_tensor { 1 } else { entries })?;
+    // Per block, a CTA holds exactly one group (one launch, no amax buffer); otherwise CHUNK_ROWS
+    // positions of one, the groups' amax gathered by a first launch into a zeroed buffer.
+    let own_group = matches!(groups.granularity, Granularity::Block(_));
+    let mut amax = match own_group {
+        true => None,
+        false => Some(dev.alloc_zeros::<u32>(if whole_tensor { 1 } else { entries })?),
+    };
     {
         let CudaStorageSlice::F8E4M3(out_slice) = &mut out.slice else {
             bail!("flash-attn3: fp8 quantize: candle allocated no e4m3 slice")
         };
         let (out_addr, _out_sync) = out_slice.device_ptr_mut(&stream);
         let (descale_addr, _d_sync) = descale.device_ptr_mut(&stream);
-        let (amax_addr, _a_sync) = amax.device_ptr_mut(&stream);
+        let (amax_addr, _a_sync) = match &mut amax {
+            Some(a) => {
+                let (addr, sync) = a.device_ptr_mut(&stream);
+                (addr, Some(sync))
+            }
+            None => (0, None), // unused by the own-group mode
+        };
         let mut sign_words = [0u64; 4];
         if let Some(s) = signs {
             sign_words[..s.len()].copy_from_slice(s);
         }
-        // Per block, a CTA holds exactly one group; otherwise CHUNK_ROWS positions of one.
-        let own_group = matches!(groups.granularity, Granularity::Block(_));
         let chunk_rows = if own_group { groups.rows } else { CHUNK_ROWS };
         let staged_bytes = chunk_rows * groups.head_dim * 4;
         let staged = own_group && signs.is_some() && staged_bytes <= MAX_STAGED_BYTES;
