@@ -10,13 +10,15 @@
 // 2 and 4 apart, through lane shuffles beyond), then 1/sqrt(block).
 //
 // Three modes, chosen by the host per granularity:
-//  - kOwnGroup (per block): the CTA's rows are exactly one scale group. Rotated groups of up to
-//    32 KiB of f32 keep their rows in shared memory between the amax and the store ("staged", the
-//    rotation runs once); the others read them again, from L2 (a group is at most 128 rows x 256
-//    dims), and rotate them again if asked. HBM sees one pass either way. (Keeping the rows in registers instead, 16 warps x
-//    4 rows, measured slower: 85 registers a thread left one CTA per SM; forward-fp8.md.)
-//  - kAmaxOnly then kGiven (per head, per tensor): a group spans the whole sequence, so a first
-//    launch atomically maxes every CTA's amax into its group and a second one quantizes.
+//  - kOwnGroup (per block, and per head when the sequence fits one chunk of 64 positions): the
+//    CTA's rows are exactly one scale group. Rotated groups of up to 32 KiB of f32 keep their rows
+//    in shared memory between the amax and the store ("staged", the rotation runs once); the
+//    others read them again, from L2 (a group is at most 128 rows x 256 dims), and rotate them
+//    again if asked. HBM sees one pass either way. (Keeping the rows in registers instead, 16
+//    warps x 4 rows, measured slower: 85 registers a thread left one CTA per SM; forward-fp8.md.)
+//  - kAmaxOnly then kGiven (per tensor, per head over longer sequences): a group spans the whole
+//    sequence, so a first launch atomically maxes every CTA's amax into its group and a second
+//    one quantizes.
 //
 // Non-finite input cannot raise an error here without a host sync: its group's amax becomes NaN
 // (bits 0x7fffffff, above every finite float's as an integer), so its descale is NaN and the

@@ -615,6 +615,26 @@ fn fp8_quantize_gpu_matches_host() -> Result<()> {
             }
         }
     }
+    // Per head with the whole sequence in one CTA (seqlen <= 64: one launch, no amax buffer;
+    // a decode step's q), rotated or not.
+    for d in [64, 128, 256] {
+        for seqlen in [1, 4, 37, 64, 65] {
+            let x = rng.randn((3, seqlen, 2, d), DType::F32, &dev)?.to_dtype(DType::BF16)?;
+            for seed in [None, Some(rng.seed() ^ n)] {
+                let quantizer = match seed {
+                    Some(s) => Quantizer::new(Granularity::Head).incoherent(s),
+                    None => Quantizer::new(Granularity::Head),
+                };
+                let on_gpu = quantizer.quantize(&x)?;
+                let on_host = quantizer.quantize(&x.to_device(&Device::Cpu)?)?;
+                let what = format!("per head, d{d} seqlen {seqlen} rotation {seed:?}, seed {}", rng.seed());
+                assert_eq!(on_gpu.descale.dims(), on_host.descale.dims(), "{what}: descale shape");
+                assert_eq!(bits(&on_gpu.descale)?, bits(&on_host.descale)?, "{what}: descale");
+                assert_eq!(bits(&on_gpu.data)?, bits(&on_host.data)?, "{what}: data");
+                n += 1;
+            }
+        }
+    }
     eprintln!("{n} quantizations bit-identical to the host");
 
     // A NaN or an infinity: its group's descale is NaN, the other groups' are finite.

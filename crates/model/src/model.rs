@@ -365,11 +365,8 @@ impl Attention {
                         // makes each group one "head" of the quantizer. A q descale shared by
                         // the group lets the kernel pack the group's heads into one tile
                         // (pack-GQA), reading K and V once per kv head instead of once per q
-                        // head. Asked for as one block of the group's rows, the same scale as
-                        // per head, the GPU quantizer takes one launch instead of two and a
-                        // memset (session 32: 89 µs of a 2 ms decode step at batch 8, 8k keys).
-                        let group = h / hk;
-                        let grouped = quantize(&qg.reshape((g.batch * hk, group, 1, d))?, Granularity::Block(group))?;
+                        // head.
+                        let grouped = quantize(&qg.reshape((g.batch * hk, h / hk, 1, d))?, Granularity::Head)?;
                         (
                             grouped.data.reshape((g.batch, 1, h, d))?,
                             grouped.descale.reshape((g.batch, hk))?,

@@ -87,9 +87,15 @@ pub(crate) fn run(x: &Tensor, groups: &Groups, signs: Option<&[u64]>) -> Result<
     let mut out = unsafe { dev.alloc_uninit(x.shape(), DType::F8E4M3)? };
     let mut descale = unsafe { dev.alloc::<f32>(entries)? };
     let whole_tensor = groups.granularity == Granularity::Tensor;
-    // Per block, a CTA holds exactly one group (one launch, no amax buffer); otherwise CHUNK_ROWS
-    // positions of one, the groups' amax gathered by a first launch into a zeroed buffer.
-    let own_group = matches!(groups.granularity, Granularity::Block(_));
+    // A CTA holds exactly one group (one launch, no amax buffer) per block, and per head when the
+    // whole sequence fits one chunk (a decode step's q: the two-launch path would run the same
+    // one CTA per head twice, after a memset). Otherwise each CTA takes CHUNK_ROWS positions of a
+    // group, whose amax a first launch gathers into a zeroed buffer.
+    let own_group = match groups.granularity {
+        Granularity::Block(_) => true,
+        Granularity::Head => groups.seqlen <= CHUNK_ROWS,
+        Granularity::Tensor => false,
+    };
     let mut amax = match own_group {
         true => None,
         false => Some(dev.alloc_zeros::<u32>(if whole_tensor { 1 } else { entries })?),
