@@ -11,7 +11,7 @@
 #   run    carry [".device", ".device-base"]  command "bash scripts/gpu-ab.sh"
 #
 # Env: PASSES (fwd, fp8, bwd, kvcache, kvcache_fp8, comma-separated; default fwd), SEQS (default 512..8192), HD
-# (head dims, default 64,128,256), ROUNDS (default 2), TESTS (a test filter; empty: every test;
+# (head dims, default 64,128,256), KV_FP8_D (the kvcache_fp8 pass's head dim: 128, or 64), ROUNDS (default 2), TESTS (a test filter; empty: every test;
 # "none": no tests), DEADLINE (seconds for the whole script, default 540: keep it under the device
 # call's limit, so that the tables still print), RUN_TIMEOUT (seconds per benchmark run, default
 # 240) and TEST_TIMEOUT (the tests, default 360). Each run's whole output goes to $OUT/ab-*.log
@@ -25,6 +25,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 export BENCH_DECODE=0 BENCH_SEQS=${SEQS:-512,1024,2048,4096,8192} BENCH_HDIMS=${HD:-64,128,256}
 export BENCH_PASSES=${PASSES:-fwd}
+# The kvcache_fp8 pass's head dim: 128 (heads 32/4) or 64 (the Llama-3.2-1B shape, 32/8); one per
+# A/B, since the table below keys its rows by batch and seqlen_k.
+export BENCH_KV_FP8_D=${KV_FP8_D:-128}
 WORK=/tmp/gpu-ab
 rm -rf "$WORK" && mkdir -p "$WORK"
 LOGS=${OUT:-$WORK}
@@ -130,6 +133,8 @@ us_table("kvcache µs", 18, ["batch", "seqlen_q", "seqlen_k"],
          {"contiguous": 3, "graph": 6, "page 16": 9, "page 64": 12, "page 256": 15})
 # The kvcache_fp8 pass's rows (kvcache_fp8_table): batch | seqlen_k | bf16 us | fp8 us | ratio |
 # bf16 page 64 us | fp8 page 64 us | ratio | bf16 graph us | fp8 graph us | ratio.
-us_table("kvcache_fp8 µs (d128, heads 32/4, seqlen_q 1)", 11, ["batch", "seqlen_k"],
+import os
+kv_fp8_heads = {"128": "32/4", "64": "32/8"}.get(os.environ["BENCH_KV_FP8_D"], "?")
+us_table(f"kvcache_fp8 µs (d{os.environ['BENCH_KV_FP8_D']}, heads {kv_fp8_heads}, seqlen_q 1)", 11, ["batch", "seqlen_k"],
          {"bf16": 2, "fp8": 3, "bf16 page 64": 5, "fp8 page 64": 6, "bf16 graph": 8, "fp8 graph": 9})
 PY

@@ -23,32 +23,36 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
 
     const int wg = threadIdx.x / 128;
     const int tid = threadIdx.x % 128;
+    // One consumer warpgroup computes; with kTransposeV the other transposes V (params.cuh).
+    const bool solo = solo_consumer<Tr>(p);
+    const int consumers = solo ? 1 : Tr::kConsumerWGs;
+    const int transposers = transposer_threads<Tr>(p);
     if (threadIdx.x == 0) {
         trace_life(0);
 #pragma unroll
         for (int i = 0; i < Tr::kQStages; ++i) {
             mbar_init(&s.bar_q[i], 1);
-            mbar_init(&s.q_empty[i], 128 * Tr::kConsumerWGs);
+            mbar_init(&s.q_empty[i], 128 * consumers);
         }
 #pragma unroll
         for (int i = 0; i < Tr::kStages; ++i) {
             mbar_init(&s.full_k[i], 1);
-            mbar_init(&s.empty_k[i], 128 * Tr::kConsumerWGs);
-            // V lands by TMA (one arrival and its bytes) or from the transposer warps.
-            mbar_init(&s.full_v[i], Tr::kTransposeV ? Tr::kTransposeThreads : 1);
-            mbar_init(&s.empty_v[i], 128 * Tr::kConsumerWGs);
+            mbar_init(&s.empty_k[i], 128 * consumers);
+            // V lands by TMA (one arrival and its bytes) or from the transposer threads.
+            mbar_init(&s.full_v[i], Tr::kTransposeV ? transposers : 1);
+            mbar_init(&s.empty_v[i], 128 * consumers);
         }
         if constexpr (Tr::kTransposeV) {
 #pragma unroll
             for (int i = 0; i < Tr::kVRawStages; ++i) {
                 mbar_init(&s.full_v_raw[i], 1);
-                mbar_init(&s.empty_v_raw[i], Tr::kTransposeThreads);
+                mbar_init(&s.empty_v_raw[i], transposers);
             }
             s.transpose_stop = -1;  // set by the TMA thread at the end (transpose_v.cuh)
         }
         mbar_init(&s.tile_full, 1);
         // The consumers, the TMA thread and (paged caches) the V thread release a tile index.
-        mbar_init(&s.tile_empty, 128 * Tr::kConsumerWGs + 1 + (paged_v_thread<Tr>(p) ? 1 : 0));
+        mbar_init(&s.tile_empty, 128 * consumers + 1 + (paged_v_thread<Tr>(p) ? 1 : 0));
         mbar_init_fence();
     }
     __syncthreads();
@@ -65,14 +69,17 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         if (tid == 64 && v_thread) producer<Tr>(p, s, {false, true});  // a paged cache's V
         if (tid == 32) scheduler<Tr>(p, s);      // claims tiles (scheduler.cuh)
         if constexpr (Tr::kTransposeV) {
-            if (tid >= 64) v_transposer<Tr>(s, tid - 64);  // V -> V^T (transpose_v.cuh)
+            if (tid >= 64) v_transposer<Tr>(s, tid - 64, transposers);  // V -> V^T (transpose_v.cuh)
         }
+    } else if (solo && wg == 2) {
+        // The second consumer warpgroup of a solo call: the transposer's threads 64..191.
+        v_transposer<Tr>(s, Tr::kTransposeThreads + tid, transposers);
     } else {
         warpgroup_reg_alloc<Tr::kConsumerRegs>();
         if (wg == 1 && tid == 0) trace_life(7);
         // it: K/V blocks consumed so far (ring position); tc: tiles with keys so far (Q parity).
         int it = 0, tc = 0;
-        pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);
+        if (!solo) pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);
         for (int k = 0;; ++k) {
             const int tile = receive_tile<Tr>(s, k, true);  // claimed by the scheduler thread
             if (tile >= num_tiles(p)) break;
@@ -97,7 +104,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
             consumer_pingpong<Tr>(p, s, t, wg - 1, tid, it, tc);
             ++tc;
         }
-        pingpong_ring_end(wg - 1);
+        if (!solo) pingpong_ring_end(wg - 1);
         epilogue_drain<Tr>(tid);
         if (wg == 1 && tid == 0) trace_life(3);
     }

@@ -10,6 +10,7 @@
 #include "../primitives/wgmma.cuh"
 #include "epilogue.cuh"
 #include "params.cuh"
+#include "transpose_v.cuh"
 #include "scheduler.cuh"
 #include "softmax.cuh"
 #include "traits.cuh"
@@ -339,6 +340,8 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     constexpr int kWGs = Tr::kConsumerWGs;
     const int my_bar = sched_barrier(wg), next_bar = sched_barrier(wg + 1 == kWGs ? 0 : wg + 1);
     constexpr int kBoth = 256;  // a warpgroup waiting on its barrier + the one before it arriving
+    // A solo call (transpose_v.cuh, solo_consumer) has one computing warpgroup: no turns to take.
+    const bool pingpong = !solo_consumer<Tr>(p);
     trace_edge(wg + 1, tc, 0);
 
     RowMask held_mask;  // unused with kRowMaskPerBlock
@@ -365,11 +368,11 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     {
         const int stage = it % Tr::kStages;
         mbar_wait(&s.full_k[stage], (it / Tr::kStages) & 1);
-        named_barrier_sync(my_bar, kBoth);
+        if (pingpong) named_barrier_sync(my_bar, kBoth);
         wgmma_fence();
         issue_qk<Tr>(sc, desc.q(), desc.k(stage));
         wgmma_commit();
-        named_barrier_arrive(next_bar, kBoth);
+        if (pingpong) named_barrier_arrive(next_bar, kBoth);
         wgmma_wait<0>();
         fence_operand(sc);
         trace_edge(wg + 1, tc, 2);
@@ -390,7 +393,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         trace_stamp(wg + 1, it, 0);
         if (!k_ready) mbar_wait(&s.full_k[next], next_phase);
         trace_stamp(wg + 1, it, 1);
-        named_barrier_sync(my_bar, kBoth);
+        if (pingpong) named_barrier_sync(my_bar, kBoth);
         trace_stamp(wg + 1, it, 2);
         wgmma_fence();
         issue_qk<Tr>(sc, desc.q(), desc.k(next));  // S of block n-1
@@ -403,7 +406,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         wgmma_fence();
         issue_pv<Tr>(o, pa, desc.v(stage));  // O += P·V of block n
         wgmma_commit();
-        named_barrier_arrive(next_bar, kBoth);
+        if (pingpong) named_barrier_arrive(next_bar, kBoth);
         trace_stamp(wg + 1, it, 3);
         wgmma_wait<1>();  // S done; P·V may still run
         fence_operand(sc);
@@ -451,12 +454,12 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         const uint32_t phase = (it / Tr::kStages) & 1;
         if constexpr (kWGs == 3) rescale_o<Tr>(o, corr);
         mbar_wait(&s.full_v[stage], phase);
-        named_barrier_sync(my_bar, kBoth);
+        if (pingpong) named_barrier_sync(my_bar, kBoth);
         fence_operand(o);
         wgmma_fence();
         issue_pv<Tr>(o, pa, desc.v(stage));
         wgmma_commit();
-        named_barrier_arrive(next_bar, kBoth);
+        if (pingpong) named_barrier_arrive(next_bar, kBoth);
         // The row sums' reduction and the LSE need only the softmax state: under the tail P·V.
         float sink_log2[2];
         row_sinks_log2(p, t, row_in_tile, sink_log2);

@@ -114,6 +114,10 @@ struct alignas(64) FwdParams {
     // that joins every row's softmax denominator and never the output; null: none. The LSE
     // includes it (so the backward needs nothing else). Split-KV partials leave it to the combine.
     const float* sinks;
+    // kTransposeV kernels only: 1 when every tile's rows fit the first consumer warpgroup's 64
+    // (decode: seqlen_q x group <= 64 packed rows), so the second one, idle otherwise, joins the
+    // V transposer (transpose_v.cuh) and the first runs without pingpong. Set by the host.
+    int solo_consumer;
 };
 
 // Query rows per Q descale block of the fp8 kernels (one consumer warpgroup's rows): mirrored

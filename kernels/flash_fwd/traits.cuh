@@ -59,7 +59,8 @@ template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2, bool 
     // Bytes of one V stage: V (16 bits), or V^T's column blocks (fp8).
     static constexpr uint32_t kVStageBytes = kFp8 ? kVtColBlocks * 128 * kHeadDim : kKVBytes;
     // kTransposeV: V lands (TMA) in K's layout in the `v_raw` ring (two stages, one at d256 for
-    // room), and warps 2 and 3 of the producer warpgroup write it transposed into the V ring.
+    // room), and warps 2 and 3 of the producer warpgroup (with the second consumer warpgroup in
+    // decode calls, transpose_v.cuh) write it transposed into the V ring.
     static constexpr int kTransposeThreads = kTransposeV ? 64 : 0;
     static constexpr int kVRawStages = kTransposeV && kHeadDim_ <= 128 ? 2 : 1;
     static constexpr int kVRawElems = kTransposeV ? kBlockN * kHeadDim : 16;

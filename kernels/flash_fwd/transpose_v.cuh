@@ -1,7 +1,9 @@
 // FP8 (FwdTraits::kTransposeV): V^T in shared memory. fp8 wgmma reads its B operand K-major only,
 // so O += P·V needs V with the keys contiguous. TMA lands each V block in K's layout (the `v_raw`
 // ring); warps 2 and 3 of the producer warpgroup, idle otherwise, write it transposed into the
-// `v` ring that the consumers read. Any V the kernel can load this way works, contiguous and
+// `v` ring that the consumers read. In a call whose tiles all fit the first consumer warpgroup
+// (decode, FwdParams::solo_consumer) the second one would idle, so its four warps transpose too:
+// six warps, three times the two's rate. Any V the kernel can load this way works, contiguous and
 // paged KV caches included, with no pass over V before the call; the KV-cache calls use it
 // (version 3 in docs/kernels/forward-fp8.md: on long prefill-shaped calls the two warps cap the
 // kernel near 600 TFLOP/s, so those keep the pre-pass, fp8_prepass.cuh).
@@ -21,6 +23,7 @@
 #include "../primitives/mbarrier.cuh"
 #include "../primitives/tma.cuh"
 #include "../primitives/warp.cuh"
+#include "params.cuh"
 #include "traits.cuh"
 
 namespace fa3 {
@@ -40,9 +43,22 @@ template <class Tr> __device__ __forceinline__ uint32_t vt_offset(int row, int p
     return off ^ (((off >> 7) & 7) << 4);
 }
 
-// One V block: v_raw -> v (both shared-memory addresses). t: 0..63, the transposer thread.
-template <class Tr> __device__ __forceinline__ void transpose_v_block(uint32_t raw, uint32_t vt, int t) {
-    const int lane = t % 32, warp = t / 32;
+// Whether this call's second consumer warpgroup transposes V instead of computing (params.cuh).
+template <class Tr> __device__ __forceinline__ bool solo_consumer(const FwdParams& p) {
+    return Tr::kTransposeV && p.solo_consumer != 0;
+}
+
+// Threads that transpose V: the producer's warps 2 and 3, and the second consumer warpgroup of a
+// solo call.
+template <class Tr> __device__ __forceinline__ int transposer_threads(const FwdParams& p) {
+    return Tr::kTransposeThreads + (solo_consumer<Tr>(p) ? 128 : 0);
+}
+
+// One V block: v_raw -> v (both shared-memory addresses). t: the transposer thread, of
+// `threads` (a multiple of 32).
+template <class Tr>
+__device__ __forceinline__ void transpose_v_block(uint32_t raw, uint32_t vt, int t, int threads) {
+    const int lane = t % 32, warp = t / 32, warps = threads / 32;
     const int m = lane / 8, r = lane % 8, p = lane / 4;
     // This lane's ldmatrix row: key r (+8 in matrices 1 and 3) of the group, in the step's first
     // (matrices 0, 1) or second (2, 3) 16-byte column chunk.
@@ -55,7 +71,7 @@ template <class Tr> __device__ __forceinline__ void transpose_v_block(uint32_t r
     const uint32_t first = p < 4 ? 0x6420 : 0x7531, second = p < 4 ? 0x7531 : 0x6420;
     constexpr int kGroups = Tr::kBlockN / 16, kSteps = kGroups * (Tr::kHeadDim / 32);
 #pragma unroll 2
-    for (int step = warp; step < kSteps; step += 2) {
+    for (int step = warp; step < kSteps; step += warps) {
         const int g = step % kGroups, pair = step / kGroups;
         uint32_t x[4], w[4];
         ldmatrix_x4_trans(raw + v_raw_offset<Tr>(16 * g + ld_key, 16 * (2 * pair + ld_chunk)), x);
@@ -68,8 +84,8 @@ template <class Tr> __device__ __forceinline__ void transpose_v_block(uint32_t r
 }
 
 // The transposer warps' loop: the V ring in the TMA thread's order (ring position it, continued
-// across tiles), until the position the TMA thread names in transpose_stop.
-template <class Tr> __device__ void v_transposer(SharedStorage<Tr>& s, int t) {
+// across tiles), until the position the TMA thread names in transpose_stop. t: 0..threads-1.
+template <class Tr> __device__ void v_transposer(SharedStorage<Tr>& s, int t, int threads) {
     for (int it = 0;; ++it) {
         const int raw = it % Tr::kVRawStages, stage = it % Tr::kStages;
         mbar_wait(&s.full_v_raw[raw], (it / Tr::kVRawStages) & 1);
@@ -81,7 +97,7 @@ template <class Tr> __device__ void v_transposer(SharedStorage<Tr>& s, int t) {
         if (atomicOr(&s.transpose_stop, 0) == it) break;
         // V^T's slot is free once both consumer warpgroups retired its last P·V.
         mbar_wait(&s.empty_v[stage], ((it / Tr::kStages) & 1) ^ 1);
-        transpose_v_block<Tr>(smem_u32(s.v_raw[raw]), smem_u32(s.v[stage]), t);
+        transpose_v_block<Tr>(smem_u32(s.v_raw[raw]), smem_u32(s.v[stage]), t, threads);
         // The as-loaded slot is free (TMA may refill it); the generic-proxy stores of V^T are
         // read next by wgmma (the async proxy).
         mbar_arrive(&s.empty_v_raw[raw]);

@@ -478,7 +478,8 @@ fn kvcache_gpu_errors() -> Result<()> {
 /// CPU path on the same bytes (exact f32 on the dequantised values, which tests/cpu_kvcache.rs
 /// checks): the caches bit-equal after the append, the output to the fp8 bound of
 /// tests/gpu/fp8.rs, the LSE to LSE_TOL. Head dims 64, 128, 256, GQA, zero-length sequences,
-/// splits chosen per call and forced to 3.
+/// splits chosen per call and forced to 3, tiles of at most 64 rows (one computing warpgroup, the
+/// other transposing) and of more.
 #[test]
 fn kvcache_fp8_contiguous_and_paged() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-kvcache-fp8");
@@ -533,6 +534,18 @@ fn kvcache_fp8_contiguous_and_paged() -> Result<()> {
             d: 64,
             causal: false,
         },
+        // 72 query rows per tile: both consumer warpgroups compute (every case above has at most
+        // 64, so the second one transposes V: FwdParams::solo_consumer).
+        Fp8Case {
+            page: Some(64),
+            lens: vec![90, 200],
+            sq: 72,
+            sn: 72,
+            h: 4,
+            hk: 2,
+            d: 64,
+            causal: true,
+        },
     ];
     for case in &cases {
         for splits in [0, 3] {
@@ -542,12 +555,12 @@ fn kvcache_fp8_contiguous_and_paged() -> Result<()> {
     Ok(())
 }
 
-/// One small fp8 case for compute-sanitizer: pages of 16, an append, d128 (the `_tv` kernel and
-/// the e4m3 append).
+/// Small fp8 cases for compute-sanitizer: pages of 16 with an append at d128, and a contiguous
+/// d64 cache (the `_tv` kernels, the second one with its deeper rings, and the e4m3 append).
 #[test]
 fn kvcache_fp8_small_for_sanitizer() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-kvcache-fp8-small");
-    let case = Fp8Case {
+    let paged = Fp8Case {
         page: Some(16),
         lens: vec![40, 3],
         sq: 2,
@@ -557,7 +570,18 @@ fn kvcache_fp8_small_for_sanitizer() -> Result<()> {
         d: 128,
         causal: true,
     };
-    check_fp8(&mut rng, &case, 0)
+    check_fp8(&mut rng, &paged, 0)?;
+    let contiguous = Fp8Case {
+        page: None,
+        lens: vec![700, 5],
+        sq: 1,
+        sn: 1,
+        h: 8,
+        hk: 2,
+        d: 64,
+        causal: true,
+    };
+    check_fp8(&mut rng, &contiguous, 0)
 }
 
 /// The sizes of one fp8 kvcache check.

@@ -400,15 +400,27 @@ fn kvcache_table(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-/// FP8 KV caches against bf16 ones: the same decode shapes (d128, heads 32/4, seqlen_q 1, no
-/// append), contiguous and paged by 64, µs per call and the ratio, then the contiguous calls
-/// replayed from a CUDA graph (GPU time only). The fp8 calls pass descales of ones per (sequence,
-/// kv head), as the model does. The fp8 call's kernel transposes V tiles in shared memory
-/// (kernels/flash_fwd/transpose_v.cuh).
-fn kvcache_fp8_table(dev: &Device) -> Result<()> {
-    let (h, hk, d) = (32, 4, 128);
+/// FP8 KV caches against bf16 ones: the same decode shapes (seqlen_q 1, no append), contiguous
+/// and paged by 64, µs per call and the ratio, then the contiguous calls replayed from a CUDA
+/// graph (GPU time only). The fp8 calls pass descales of ones per (sequence, kv head), as the
+/// model does. The fp8 call's kernel transposes V tiles in shared memory
+/// (kernels/flash_fwd/transpose_v.cuh). Head dims from BENCH_KV_FP8_D (comma-separated, default
+/// 128): 128 with heads 32/4, 64 with the Llama-3.2-1B shape's 32/8.
+fn kvcache_fp8_tables(dev: &Device) -> Result<()> {
+    let dims = std::env::var("BENCH_KV_FP8_D").unwrap_or_else(|_| "128".into());
+    for d in dims.split(',').filter(|d| !d.is_empty()) {
+        match d.trim() {
+            "128" => kvcache_fp8_table(dev, 32, 4, 128)?,
+            "64" => kvcache_fp8_table(dev, 32, 8, 64)?,
+            other => candle_core::bail!("BENCH_KV_FP8_D: head dim {other} (64 or 128)"),
+        }
+    }
+    Ok(())
+}
+
+fn kvcache_fp8_table(dev: &Device, h: usize, hk: usize, d: usize) -> Result<()> {
     let e4m3 = |t: &Tensor| -> Result<Tensor> { t.to_device(&Device::Cpu)?.to_dtype(DType::F8E4M3)?.to_device(dev) };
-    println!("\nflash_attn_with_kvcache, d128, heads 32/4, seqlen_q 1, no append: fp8 (e4m3) caches against bf16, us per call");
+    println!("\nflash_attn_with_kvcache, d{d}, heads {h}/{hk}, seqlen_q 1, no append: fp8 (e4m3) caches against bf16, us per call");
     println!("| batch | seqlen_k | bf16 us | fp8 us | fp8 / bf16 | bf16 page 64 us | fp8 page 64 us | fp8 / bf16 | bf16 graph us | fp8 graph us | fp8 / bf16 |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for (b, sk) in [(1, 8192), (8, 8192), (8, 32768), (32, 8192), (32, 32768), (128, 8192)] {
@@ -661,7 +673,7 @@ fn main() -> Result<()> {
         kvcache_table(&dev)?;
     }
     if passes.split(',').any(|p| p.trim() == "kvcache_fp8") {
-        kvcache_fp8_table(&dev)?;
+        kvcache_fp8_tables(&dev)?;
     }
     if !passes.split(',').any(|p| p.trim() == "fwd") {
         return Ok(());

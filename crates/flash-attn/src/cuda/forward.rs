@@ -76,6 +76,7 @@ struct FwdParams {
     page_size: FastDiv,
     page_box_rows: i32,
     sinks: u64,
+    solo_consumer: i32,
 }
 
 /// Mirror of `fa3::CombineParams` (kernels/flash_fwd/params.cuh).
@@ -521,6 +522,12 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     )?;
 
     let num_m_blocks = dims.seqlen_q.div_ceil(q_tile_queries);
+    // A kernel that transposes V in shared memory (fp8 over a KV cache) with every tile's rows in
+    // the first consumer warpgroup's 64 (decode: one tile of seqlen_q x group packed rows): the
+    // second warpgroup would idle, so it transposes V beside the producer's two warps
+    // (`fa3::FwdParams::solo_consumer`, kernels/flash_fwd/transpose_v.cuh).
+    let tile_rows = if pack_gqa { dims.seqlen_q * group } else { dims.seqlen_q };
+    let solo_consumer = variant.transpose_v && tile_rows <= WG_ROWS;
     let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
     let sms = sm_count(&dev)?;
     // A call captured into a CUDA graph does not pay a split's host time on replay.
@@ -716,6 +723,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             page_size: FastDiv::new(cache.map_or(1, |c| c.page_size.max(1)))?,
             page_box_rows: kv_box_rows as i32,
             sinks: extras.sinks,
+            solo_consumer: solo_consumer as i32,
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
