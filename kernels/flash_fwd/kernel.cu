@@ -72,7 +72,9 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
             if (tid >= 64) v_transposer<Tr>(s, tid - 64, transposers);  // V -> V^T (transpose_v.cuh)
         }
     } else if (solo && wg == 2) {
-        // The second consumer warpgroup of a solo call: the transposer's threads 64..191.
+        // The second consumer warpgroup of a solo call: the transposer's threads 64..191. It keeps
+        // the launch's register count (no setmaxnreg): the transposer needs few, and the first
+        // warpgroup's increase is still covered by what the producer gave away.
         v_transposer<Tr>(s, Tr::kTransposeThreads + tid, transposers);
     } else {
         warpgroup_reg_alloc<Tr::kConsumerRegs>();

@@ -10,10 +10,10 @@
 #include "../primitives/wgmma.cuh"
 #include "epilogue.cuh"
 #include "params.cuh"
-#include "transpose_v.cuh"
 #include "scheduler.cuh"
 #include "softmax.cuh"
 #include "traits.cuh"
+#include "transpose_v.cuh"
 
 namespace fa3 {
 

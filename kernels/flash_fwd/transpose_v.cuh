@@ -95,7 +95,8 @@ template <class Tr> __device__ void v_transposer(SharedStorage<Tr>& s, int t, in
         // for an earlier position (a benign race, but a race: compute-sanitizer's racecheck
         // reported the plain store and volatile load).
         if (atomicOr(&s.transpose_stop, 0) == it) break;
-        // V^T's slot is free once both consumer warpgroups retired its last P·V.
+        // V^T's slot is free once the computing warpgroups (both, or the first of a solo call)
+        // retired its last P·V.
         mbar_wait(&s.empty_v[stage], ((it / Tr::kStages) & 1) ^ 1);
         transpose_v_block<Tr>(smem_u32(s.v_raw[raw]), smem_u32(s.v[stage]), t, threads);
         // The as-loaded slot is free (TMA may refill it); the generic-proxy stores of V^T are
