@@ -408,8 +408,8 @@ fn kvcache_table(dev: &Device) -> Result<()> {
 /// 128): 128 with heads 32/4, 64 with the Llama-3.2-1B shape's 32/8.
 fn kvcache_fp8_tables(dev: &Device) -> Result<()> {
     let dims = std::env::var("BENCH_KV_FP8_D").unwrap_or_else(|_| "128".into());
-    for d in dims.split(',').filter(|d| !d.is_empty()) {
-        match d.trim() {
+    for d in dims.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        match d {
             "128" => kvcache_fp8_table(dev, 32, 4, 128)?,
             "64" => kvcache_fp8_table(dev, 32, 8, 64)?,
             other => candle_core::bail!("BENCH_KV_FP8_D: head dim {other} (64 or 128)"),
