@@ -538,6 +538,7 @@ fn invalid_tuning_is_rejected() {
         per_tile: true,
         l2_section: Some(3),
         fp8_d128_block_n: Some(224),
+        global_combine: true,
     };
     let a = FlashAttn::new(0.25).forward(&q, &q, &q).unwrap();
     let b = FlashAttn::new(0.25).tuning(tuned).forward(&q, &q, &q).unwrap();

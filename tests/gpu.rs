@@ -483,9 +483,67 @@ fn split_kv_every_option() -> Result<()> {
 }
 
 #[test]
+fn split_kv_merged_in_a_cluster() -> Result<()> {
+    // Decode-shaped split calls (every tile's rows in the first consumer warpgroup, at most 8
+    // shares, head dims up to 128, CTAs for at most half the SMs: these shapes' 4-32) merge their
+    // shares inside the forward launch, each tile's
+    // shares one thread-block cluster (kernels/flash_fwd/cluster_combine.cuh); the same calls with
+    // `Tuning::global_combine` take the combine kernel, and 9 shares always do. Both against the
+    // reference: every share count from 2 to 9, every option, pack-GQA and plain tiles, padded
+    // head dims, and shares without keys (5 key blocks in 4 shares: the last one sees none).
+    let mut rng = TestRng::fresh("gpu-split-kv-cluster");
+    let dev = gpu()?;
+    let global = Tuning {
+        global_combine: true,
+        ..Tuning::default()
+    };
+    let mut n = 0;
+    for splits in [2, 3, 4, 5, 6, 7, 8, 9, 4] {
+        let d = rng.pick(&[64, 128, 96, 40]);
+        let options = variants(d, &mut rng);
+        let (name, o) = rng.pick(&options);
+        let dtype = rng.pick(&[DType::BF16, DType::F16]);
+        let group = rng.pick(&[1, 4, 8]);
+        let sq = if group == 8 {
+            rng.pick(&[1, 2])
+        } else {
+            rng.pick(&[1, 3])
+        };
+        // 9 to 16 key blocks, or (the last case) 5 blocks in 4 shares.
+        let sk = if n == 16 {
+            rng.range(513, 640)
+        } else {
+            rng.odd_len(1100, 2040)
+        };
+        let shape = AttnShape::new((rng.range(1, 3), sq, sk, 2 * group, 2, d, d));
+        let (q, k, v) = shape.random_qkv(&mut rng, dtype, &dev)?;
+        let (want, want_lse) = attention_ref(&q, &k, &v, &o.reference())?;
+        for tuning in [Tuning::default(), global] {
+            poison(&dev, 2 * want.elem_count())?;
+            let (out, lse) = o
+                .builder()
+                .tuning(tuning)
+                .num_splits(splits)
+                .forward_with_lse(&q, &k, &v)?;
+            let what = format!(
+                "split-kv {splits} shares, {name} {shape:?} {dtype:?} global_combine {} seed {}",
+                tuning.global_combine,
+                rng.seed()
+            );
+            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+            n += 1;
+        }
+    }
+    println!("split_kv_merged_in_a_cluster: {n} checks passed");
+    Ok(())
+}
+
+#[test]
 fn split_kv_small_for_sanitizer() -> Result<()> {
-    // One small split-KV call of each kind (fixed-length with pack-GQA, varlen), for
-    // compute-sanitizer memcheck and racecheck.
+    // One small split-KV call of each kind (fixed-length with pack-GQA, whose 3 shares merge in
+    // a thread-block cluster; varlen, through the combine kernel), for compute-sanitizer memcheck
+    // and racecheck.
     let mut rng = TestRng::fresh("gpu-split-kv-small");
     let o = Opts {
         right: Some(0),

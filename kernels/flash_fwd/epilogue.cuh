@@ -9,31 +9,16 @@
 // (4 bytes) of its two rows, skipping rows past the sequence end and padding columns.
 #pragma once
 
-#include "../primitives/convert.cuh"
 #include "../primitives/tma.cuh"
 #include "../primitives/warp.cuh"
 #include "../primitives/wgmma.cuh"
+#include "cluster_combine.cuh"
+#include "output.cuh"
 #include "params.cuh"
 #include "scheduler.cuh"
 #include "traits.cuh"
 
 namespace fa3 {
-
-// Named barriers: 1..3 order the consumer warpgroups' GEMMs (mainloop.cuh), 4..6 are each
-// consumer warpgroup's own epilogue barrier.
-constexpr int kPingpongBarrier0 = 1;
-constexpr int kEpilogueBarrier0 = 4;
-__device__ __forceinline__ int epilogue_barrier(int wg) { return kEpilogueBarrier0 + wg; }
-
-// A pair of output values as 16 bits each: the kernel's dtype, or for fp8 kernels bf16 or f16 as
-// the call asks (a uniform select in the epilogue).
-template <class Tr> __device__ __forceinline__ uint32_t pack_out(const FwdParams& p, float lo, float hi) {
-    if constexpr (Tr::kFp8) {
-        return p.out_f16 ? pack16x2<DT_F16>(lo, hi) : pack16x2<DT_BF16>(lo, hi);
-    } else {
-        return pack16x2<Tr::kDtype>(lo, hi);
-    }
-}
 
 template <class Tr>
 __device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInfo& t, const float (&o)[Tr::kORegs],
@@ -87,7 +72,11 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
                                          const float (&o)[Tr::kORegs], const float (&inv_sum)[2],
                                          const float (&lse)[2], int wg, int tid, int row_in_tile, int quad_lane) {
     if (p.num_splits.d > 1) {
-        store_split_partial<Tr>(p, t, o, inv_sum, lse, row_in_tile, quad_lane);
+        if (Tr::kClusterCombine && p.cluster_combine) {
+            cluster_combine<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane);
+        } else {
+            store_split_partial<Tr>(p, t, o, inv_sum, lse, row_in_tile, quad_lane);
+        }
         return;
     }
     const int wg_row0 = t.m_block * Tr::kBlockM + wg * 64;  // first query row of this warpgroup

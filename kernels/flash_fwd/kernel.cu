@@ -5,6 +5,7 @@
 // TMA copies, one claims tiles; the warpgroup gives its registers away with setmaxnreg), the
 // others are consumers that each own 64 rows of the 128- or 192-row query tile.
 // See docs/kernels/forward-sm90.md.
+#include "../primitives/cluster.cuh"
 #include "../primitives/warp.cuh"
 #include "combine.cuh"
 #include "fp8_prepass.cuh"
@@ -143,6 +144,16 @@ FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 80, fa3::DT_F16)
 // except short masked calls (crates/flash-attn/src/cuda/forward.rs, Variant::pick).
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_bf16, 64, 128, fa3::DT_BF16, 3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_f16, 64, 128, fa3::DT_F16, 3)
+// Split-KV decode calls whose shares merge in a thread-block cluster (cluster_combine.cuh; the host's
+// rule in crates/flash-attn/src/cuda/forward.rs): the d64 and d128 kernels with the merge compiled in.
+#define FA3_FWD_KERNEL_CM(NAME, D, DT)                                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ fa3::FwdParams p) { \
+        fa3::flash_fwd<fa3::FwdTraits<D, 128, DT, 2, false, true>>(p);                                 \
+    }
+FA3_FWD_KERNEL_CM(flash_fwd_d64_bf16_cm, 64, fa3::DT_BF16)
+FA3_FWD_KERNEL_CM(flash_fwd_d128_bf16_cm, 128, fa3::DT_BF16)
+FA3_FWD_KERNEL_CM(flash_fwd_d64_f16_cm, 64, fa3::DT_F16)
+FA3_FWD_KERNEL_CM(flash_fwd_d128_f16_cm, 128, fa3::DT_F16)
 // FP8 (e4m3 inputs, bf16 or f16 output): 128-key blocks (whole 128-byte rows of V^T); head dims
 // 96 and 192 run on d128 and d256 with zero-filled columns; d64 also on 192-row tiles, chosen as
 // for 16 bits; d128 also on 224-key blocks (FA3's tile) for calls of 8k keys or more

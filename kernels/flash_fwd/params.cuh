@@ -118,6 +118,11 @@ struct alignas(64) FwdParams {
     // (decode: seqlen_q x group <= 64 packed rows), so the second one, idle otherwise, joins the
     // V transposer (transpose_v.cuh) and the first runs without pingpong. Set by the host.
     int solo_consumer;
+    // Split-KV calls of the `_cm` kernels only: 1 when the key shares of each tile run as one
+    // thread-block cluster and merge through distributed shared memory (cluster_combine.cuh),
+    // instead of partials in o_accum / lse_accum and the combine kernel. Set by the host with the
+    // launch's cluster size (num_splits), a grid of one CTA per (tile, share), static tile order.
+    int cluster_combine;
 };
 
 // Query rows per Q descale block of the fp8 kernels (one consumer warpgroup's rows): mirrored

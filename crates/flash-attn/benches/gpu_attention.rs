@@ -37,7 +37,7 @@ use flash_attn3::fp8::{self, Granularity, Quantizer};
 use flash_attn3::{FlashAttn, Tuning};
 
 /// BENCH_TUNING="pack_gqa=0|1,d64_rows=128|192,direct_store,per_tile,l2_section=N,
-/// fp8_d128_keys=128|224": the
+/// fp8_d128_keys=128|224,global_combine": the
 /// `Tuning` of every call of the benchmark (unset: chosen per call), for comparisons.
 fn tuning() -> Tuning {
     let mut t = Tuning::default();
@@ -52,6 +52,7 @@ fn tuning() -> Tuning {
             "per_tile" => t.per_tile = true,
             "l2_section" => t.l2_section = num,
             "fp8_d128_keys" => t.fp8_d128_block_n = num,
+            "global_combine" => t.global_combine = true,
             other => panic!("BENCH_TUNING: unknown item {other:?}"),
         }
     }

@@ -30,6 +30,10 @@ pub struct Tuning {
     /// `None` takes 224 from 8192 keys (the longest key sequence of the call). KV cache calls
     /// always run on 128.
     pub fp8_d128_block_n: Option<usize>,
+    /// Split-KV calls merge their key shares in the combine kernel even where the forward launch
+    /// could merge them itself, each tile's shares as one thread-block cluster
+    /// (kernels/flash_fwd/cluster_combine.cuh: decode-shaped calls of up to 8 shares).
+    pub global_combine: bool,
 }
 
 impl Tuning {

@@ -13,7 +13,8 @@ use half::{bf16, f16};
 
 use super::{
     bind_context, check_tma_head_dims, device_addr, fp8, gcd, geometry, input_ptr, is_capturing, kernel, kvcache,
-    launch_with_params, offsets_addr, optional_ptr_mut, sm_count, tensor_map_nd, tile_counter, TmaDesc, WG_ROWS,
+    launch_in_clusters, launch_with_params, max_active_clusters, offsets_addr, optional_ptr_mut, sm_count,
+    tensor_map_nd, tile_counter, TmaDesc, WG_ROWS,
 };
 use crate::descale::Fp8Call;
 use crate::params::{l2_section_pairs, split_count, AttnParams, Dims, FastDiv, Varlen};
@@ -77,7 +78,16 @@ struct FwdParams {
     page_box_rows: i32,
     sinks: u64,
     solo_consumer: i32,
+    cluster_combine: i32,
 }
+
+/// The most key shares merged in one thread-block cluster (`fa3::kClusterMaxShares`): the
+/// portable cluster size.
+const MAX_CLUSTER_SHARES: usize = 8;
+
+/// The most rows of a tile whose shares merge in a cluster: single-query decode with GQA groups
+/// up to 16 (at 32 rows the merge measured slower than the combine kernel).
+const MAX_CLUSTER_ROWS: usize = 16;
 
 /// Mirror of `fa3::CombineParams` (kernels/flash_fwd/params.cuh).
 #[repr(C)]
@@ -299,6 +309,22 @@ impl Variant {
             64
         } else {
             32
+        }
+    }
+
+    /// The instantiation of this variant that merges split-KV shares in a thread-block cluster
+    /// (`fa3::FwdTraits::kClusterCombine`, the `_cm` kernels: 16 bits, two consumer warpgroups,
+    /// head dims 64 and 128), if there is one. Same shared-memory layout.
+    fn cluster_kernel_name(&self, dtype: DType) -> Option<&'static str> {
+        if self.fp8 || self.consumer_wgs != 2 {
+            return None;
+        }
+        match (self.head_dim, dtype == DType::BF16) {
+            (64, true) => Some("flash_fwd_d64_bf16_cm"),
+            (128, true) => Some("flash_fwd_d128_bf16_cm"),
+            (64, false) => Some("flash_fwd_d64_f16_cm"),
+            (128, false) => Some("flash_fwd_d128_f16_cm"),
+            _ => None,
         }
     }
 
@@ -540,6 +566,38 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         captured,
     );
     let num_tiles = num_m_blocks * tile_heads * dims.batch * splits;
+    // The shares of each tile merged inside the launch, as one thread-block cluster
+    // (kernels/flash_fwd/cluster_combine.cuh, the `_cm` kernels): single-query decode shapes (a
+    // tile's rows at most MAX_CLUSTER_ROWS) whose shares fit a portable cluster and whose CTAs fill
+    // at most half the SMs, with every cluster resident at once. Measured on an H200
+    // (docs/kernels/kvcache.md, session 34) against the combine kernel: batch 1 over 1k keys (32
+    // CTAs) 0.90x graph-replayed and 0.75x eager, the 1B model's batch-1 graph decode +0.8%;
+    // where the rule leaves it out it measured slower: 4 queries x group 8 (32 rows) 1.07x, grids
+    // of 128 CTAs (batch 8) 1.02-1.07x, a second wave of clusters up to 2x. Each CTA then takes
+    // exactly one (tile, share), in static order.
+    let mut name = variant.kernel_name(dtype);
+    let smem = variant.smem_bytes();
+    let cluster_name = match variant.cluster_kernel_name(dtype) {
+        Some(cm)
+            if splits > 1
+                && splits <= MAX_CLUSTER_SHARES
+                && !tuning.global_combine
+                && varlen.is_none()
+                && tile_rows <= MAX_CLUSTER_ROWS
+                && 2 * num_tiles <= sms =>
+        {
+            let func = kernel(&dev, cm, smem)?;
+            let fits = num_tiles / splits
+                <= max_active_clusters(&dev, &func, cm, splits as u32, variant.threads(), smem as u32)?;
+            fits.then_some(cm)
+        }
+        _ => None,
+    };
+    let cluster_combine = cluster_name.is_some();
+    if let Some(cm) = cluster_name {
+        name = cm;
+    }
+    let func = kernel(&dev, name, smem)?;
     // Tile order: uneven tiles run longest first across the pairs of an L2-sized section; even
     // tiles keep one pair per section (each pair's tiles in a row).
     let pairs = tile_heads * dims.batch;
@@ -561,7 +619,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // Split-KV partials: (splits, total_q, heads, head_dim_v) f32 and (splits, total_q, heads).
     // SAFETY (both): every split writes every row of its tiles (zeros and -inf for a share
     // without keys), and the combine reads only those rows.
-    let (mut o_accum, mut lse_accum) = match splits > 1 {
+    let (mut o_accum, mut lse_accum) = match splits > 1 && !cluster_combine {
         true => (
             Some(unsafe { dev.alloc::<f32>(splits * out_len)? }),
             Some(unsafe { dev.alloc::<f32>(splits * lse_len)? }),
@@ -574,7 +632,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // are claimed through an atomic counter, longest first (kernels/flash_fwd/scheduler.cuh).
     // `Tuning::per_tile` launches one CTA per uneven tile instead (the hardware's block
     // scheduler balances them; the path before the counter, kept for comparison).
-    let grid = if uneven && tuning.per_tile {
+    let grid = if cluster_combine || (uneven && tuning.per_tile) {
         num_tiles
     } else {
         num_tiles.min(sms)
@@ -586,7 +644,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // The dynamic scheduler's counters: one zeroed buffer per device and thread, which every
     // launch leaves zeroed (kernels/flash_fwd/scheduler.cuh), so no memset per call.
     let counter = tile_counter(&dev)?;
-    let counter_addr = match uneven && grid < num_tiles {
+    let counter_addr = match uneven && grid < num_tiles && !cluster_combine {
         true => counter,
         false => 0,
     };
@@ -659,9 +717,6 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         None => (dims.seqlen_q as i64, (dims.heads * dims.seqlen_q) as i64),
     };
 
-    let name = variant.kernel_name(dtype);
-    let smem = variant.smem_bytes();
-    let func = kernel(&dev, name, smem)?;
     {
         let (out_ptr, _out_sync) = out.device_ptr_mut(&stream);
         let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
@@ -724,6 +779,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             page_box_rows: kv_box_rows as i32,
             sinks: extras.sinks,
             solo_consumer: solo_consumer as i32,
+            cluster_combine: cluster_combine as i32,
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
@@ -732,7 +788,10 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         };
         // SAFETY: the params describe live device buffers (q, k, v, out, lse, cu_*) whose
         // guards are held until after the launch is queued on candle's stream.
-        unsafe { launch_with_params(&stream, &func, name, cfg, &p) }?;
+        match cluster_combine {
+            true => unsafe { launch_in_clusters(&stream, &func, name, cfg, splits as u32, &p) }?,
+            false => unsafe { launch_with_params(&stream, &func, name, cfg, &p) }?,
+        }
     }
     if trace_requested() {
         dump_trace(&dev)?;

@@ -211,6 +211,103 @@ unsafe fn launch_with_params<P: DeviceRepr>(
     Ok(())
 }
 
+/// How many clusters of `cluster_x` CTAs (`threads` threads and `smem` bytes of dynamic shared
+/// memory each) of the kernel `name` run at once on `dev` (cuOccupancyMaxActiveClusters: the
+/// CTAs of a cluster must fit one GPC together, so this is less than the SMs over `cluster_x`
+/// where a GPC's SM count is no multiple of it). Cached per device, kernel and cluster size.
+fn max_active_clusters(
+    dev: &CudaDevice,
+    func: &CudaFunction,
+    name: &'static str,
+    cluster_x: u32,
+    threads: u32,
+    smem: u32,
+) -> Result<usize> {
+    type Cache = Mutex<HashMap<(DeviceId, &'static str, u32), usize>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let key = (dev.id(), name, cluster_x);
+    if let Some(&n) = CACHE.get_or_init(Default::default).lock().unwrap().get(&key) {
+        return Ok(n);
+    }
+    let stream = dev.cuda_stream();
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
+    // SAFETY: a zeroed attribute and a config that describe a launch of `func`; the call only
+    // reads them.
+    let n = unsafe {
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim.x = cluster_x;
+        attr.value.clusterDim.y = 1;
+        attr.value.clusterDim.z = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cluster_x,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        match sys::cuOccupancyMaxActiveClusters(&mut n, func.cu_function(), &config) {
+            sys::CUresult::CUDA_SUCCESS => n.max(0) as usize,
+            e => bail!("flash-attn3: {name}: cuOccupancyMaxActiveClusters({cluster_x}): {e:?}"),
+        }
+    };
+    CACHE.get_or_init(Default::default).lock().unwrap().insert(key, n);
+    Ok(n)
+}
+
+/// [`launch_with_params`] for a grid of thread-block clusters of `cluster_x` CTAs along x (sm_90;
+/// `gridDimX` a multiple of it). cudarc's launch builder has no launch attributes, hence the
+/// driver call.
+///
+/// # Safety
+/// As for [`launch_with_params`].
+unsafe fn launch_in_clusters<P: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    func: &CudaFunction,
+    name: &str,
+    cfg: LaunchConfig,
+    cluster_x: u32,
+    params: &P,
+) -> Result<()> {
+    let failed = |e: sys::CUresult| candle_core::Error::Msg(format!("flash-attn3: {name} launch: {e:?}"));
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = cluster_x;
+    attr.value.clusterDim.y = 1;
+    attr.value.clusterDim.z = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut args = [params as *const P as *mut std::ffi::c_void];
+    let rc = sys::cuLaunchKernelEx(&config, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut());
+    match rc {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        e => Err(failed(e)),
+    }
+}
+
 /// A 4-D TMA map (head_dim, rows, heads, batch) over 16-bit elements at `addr` with element
 /// strides `strides` = (row, head, batch), moving boxes of 64 columns x `box_rows` rows in the
 /// 128-byte swizzle the wgmma descriptors expect.
