@@ -37,11 +37,4 @@ __device__ __forceinline__ float2 ld_cluster_f32x2(uint32_t remote) {
     return v;
 }
 
-// This CTA's rank in its cluster.
-__device__ __forceinline__ uint32_t cluster_rank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-
 }  // namespace fa3

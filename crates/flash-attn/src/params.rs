@@ -31,8 +31,8 @@ pub struct Tuning {
     /// always run on 128.
     pub fp8_d128_block_n: Option<usize>,
     /// Split-KV calls merge their key shares in the combine kernel even where the forward launch
-    /// could merge them itself, each tile's shares as one thread-block cluster
-    /// (kernels/flash_fwd/cluster_combine.cuh: decode-shaped calls of up to 8 shares).
+    /// would merge them itself, each tile's shares as one thread-block cluster
+    /// (kernels/flash_fwd/cluster_combine.cuh: single-query decode over short caches).
     pub global_combine: bool,
 }
 

@@ -211,6 +211,33 @@ unsafe fn launch_with_params<P: DeviceRepr>(
     Ok(())
 }
 
+/// The driver's launch description of `cfg` on `stream` in thread-block clusters of `cluster_x`
+/// CTAs along x, with `attr` (filled here) as its one attribute. cudarc's launch builder has no
+/// launch attributes, hence the driver structs.
+fn cluster_launch_config(
+    stream: &CudaStream,
+    cfg: &LaunchConfig,
+    cluster_x: u32,
+    attr: &mut sys::CUlaunchAttribute,
+) -> sys::CUlaunchConfig {
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = cluster_x;
+    attr.value.clusterDim.y = 1;
+    attr.value.clusterDim.z = 1;
+    sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: attr,
+        numAttrs: 1,
+    }
+}
+
 /// How many clusters of `cluster_x` CTAs (`threads` threads and `smem` bytes of dynamic shared
 /// memory each) of the kernel `name` run at once on `dev` (cuOccupancyMaxActiveClusters: the
 /// CTAs of a cluster must fit one GPC together, so this is less than the SMs over `cluster_x`
@@ -229,31 +256,17 @@ fn max_active_clusters(
     if let Some(&n) = CACHE.get_or_init(Default::default).lock().unwrap().get(&key) {
         return Ok(n);
     }
-    let stream = dev.cuda_stream();
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
-    // SAFETY: a zeroed attribute and a config that describe a launch of `func`; the call only
-    // reads them.
+    bind_context(dev)?;
+    let cfg = LaunchConfig {
+        grid_dim: (cluster_x, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    // SAFETY: a zeroed attribute (filled by cluster_launch_config) and a config that describe a
+    // launch of `func`; the call only reads them.
     let n = unsafe {
         let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attr.value.clusterDim.x = cluster_x;
-        attr.value.clusterDim.y = 1;
-        attr.value.clusterDim.z = 1;
-        let config = sys::CUlaunchConfig {
-            gridDimX: cluster_x,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: threads,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
+        let config = cluster_launch_config(&dev.cuda_stream(), &cfg, cluster_x, &mut attr);
         let mut n: std::ffi::c_int = 0;
         match sys::cuOccupancyMaxActiveClusters(&mut n, func.cu_function(), &config) {
             sys::CUresult::CUDA_SUCCESS => n.max(0) as usize,
@@ -265,8 +278,7 @@ fn max_active_clusters(
 }
 
 /// [`launch_with_params`] for a grid of thread-block clusters of `cluster_x` CTAs along x (sm_90;
-/// `gridDimX` a multiple of it). cudarc's launch builder has no launch attributes, hence the
-/// driver call.
+/// `cfg.grid_dim.0` a multiple of it).
 ///
 /// # Safety
 /// As for [`launch_with_params`].
@@ -278,33 +290,16 @@ unsafe fn launch_in_clusters<P: DeviceRepr>(
     cluster_x: u32,
     params: &P,
 ) -> Result<()> {
-    let failed = |e: sys::CUresult| candle_core::Error::Msg(format!("flash-attn3: {name} launch: {e:?}"));
     stream
         .context()
         .bind_to_thread()
-        .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
+        .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: binding the CUDA context: {e:?}")))?;
     let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim.x = cluster_x;
-    attr.value.clusterDim.y = 1;
-    attr.value.clusterDim.z = 1;
-    let config = sys::CUlaunchConfig {
-        gridDimX: cfg.grid_dim.0,
-        gridDimY: cfg.grid_dim.1,
-        gridDimZ: cfg.grid_dim.2,
-        blockDimX: cfg.block_dim.0,
-        blockDimY: cfg.block_dim.1,
-        blockDimZ: cfg.block_dim.2,
-        sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
+    let config = cluster_launch_config(stream, &cfg, cluster_x, &mut attr);
     let mut args = [params as *const P as *mut std::ffi::c_void];
-    let rc = sys::cuLaunchKernelEx(&config, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut());
-    match rc {
+    match sys::cuLaunchKernelEx(&config, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) {
         sys::CUresult::CUDA_SUCCESS => Ok(()),
-        e => Err(failed(e)),
+        e => Err(candle_core::Error::Msg(format!("flash-attn3: {name} launch: {e:?}"))),
     }
 }
 
