@@ -11,10 +11,10 @@ namespace fa3 {
 // kDtype: DT_BF16, DT_F16 or DT_E4M3 (fp8 inputs, bf16/f16 output); kConsumerWGs: consumer
 // warpgroups of 64 query rows each; kTransposeV (fp8): V as the caller laid it out, transposed in
 // shared memory by the kernel (transpose_v.cuh), instead of V^T from the pre-pass.
-// kClusterMerge: split-KV shares merged in a thread-block cluster (cluster_combine.cuh), in
+// kClusterCombine: split-KV shares merged in a thread-block cluster (cluster_combine.cuh), in
 // kernels of their own.
 template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2, bool kTransposeV_ = false,
-          bool kClusterMerge_ = false>
+          bool kClusterCombine_ = false>
 struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockN = kBlockN_;
@@ -82,8 +82,8 @@ struct FwdTraits {
     // (the `_cm` instantiations in kernel.cu), since compiled into the others the code moved their
     // register allocation and made them 2-6% slower (docs/kernels/kvcache.md, session 34). The
     // merge stages a share's rows in the O staging tile.
-    static constexpr bool kClusterCombine = kClusterMerge_;
-    static_assert(!kClusterMerge_ || (kTmaStoreO && kConsumerWGs_ == 2 && !kFp8), "cluster merge: 16-bit, 2 WGs, staged O");
+    static constexpr bool kClusterCombine = kClusterCombine_;
+    static_assert(!kClusterCombine || (kTmaStoreO && kConsumerWGs_ == 2 && !kFp8), "cluster merge: 16-bit, 2 WGs, staged O");
     // The softmax's lazy running max and the O rescale it lets the consumers skip (softmax.cuh,
     // mainloop.cuh rescale_o; version 29): two consumer warpgroups only, the three-warpgroup d64
     // kernel's 160 registers measured 4-7% slower with it.

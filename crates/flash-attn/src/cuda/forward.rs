@@ -575,9 +575,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // where the rule leaves it out it measured slower: 4 queries x group 8 (32 rows) 1.07x, grids
     // of 128 CTAs (batch 8) 1.02-1.07x, a second wave of clusters up to 2x. Each CTA then takes
     // exactly one (tile, share), in static order.
-    let mut name = variant.kernel_name(dtype);
     let smem = variant.smem_bytes();
-    let cluster_name = match variant.cluster_kernel_name(dtype) {
+    let cluster_kernel = match variant.cluster_kernel_name(dtype) {
         Some(cm)
             if splits > 1
                 && splits <= MAX_CLUSTER_SHARES
@@ -589,15 +588,18 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             let func = kernel(&dev, cm, smem)?;
             let fits = num_tiles / splits
                 <= max_active_clusters(&dev, &func, cm, splits as u32, variant.threads(), smem as u32)?;
-            fits.then_some(cm)
+            fits.then_some((cm, func))
         }
         _ => None,
     };
-    let cluster_combine = cluster_name.is_some();
-    if let Some(cm) = cluster_name {
-        name = cm;
-    }
-    let func = kernel(&dev, name, smem)?;
+    let cluster_combine = cluster_kernel.is_some();
+    let (name, func) = match cluster_kernel {
+        Some(cluster) => cluster,
+        None => {
+            let name = variant.kernel_name(dtype);
+            (name, kernel(&dev, name, smem)?)
+        }
+    };
     // Tile order: uneven tiles run longest first across the pairs of an L2-sized section; even
     // tiles keep one pair per section (each pair's tiles in a row).
     let pairs = tile_heads * dims.batch;
