@@ -51,9 +51,17 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
             }
             s.transpose_stop = -1;  // set by the TMA thread at the end (transpose_v.cuh)
         }
+        if constexpr (Tr::kPageWarp) {
+#pragma unroll
+            for (int i = 0; i < Tr::kPageSlots; ++i) {
+                mbar_init(&s.pages_full[i], 32);  // every lane of the page warp
+                mbar_init(&s.pages_empty[i], 2);  // the TMA thread (K) and the V thread
+            }
+        }
         mbar_init(&s.tile_full, 1);
-        // The consumers, the TMA thread and (paged caches) the V thread release a tile index.
-        mbar_init(&s.tile_empty, 128 * consumers + 1 + (paged_v_thread<Tr>(p) ? 1 : 0));
+        // The consumers, the TMA thread and (paged caches) the V thread release a tile index;
+        // with kPageWarp the page warp too.
+        mbar_init(&s.tile_empty, 128 * consumers + 1 + (paged_v_thread<Tr>(p) ? (Tr::kPageWarp ? 2 : 1) : 0));
         mbar_init_fence();
     }
     __syncthreads();
@@ -68,6 +76,9 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
             trace_life(2);
         }
         if (tid == 64 && v_thread) producer<Tr>(p, s, {false, true});  // a paged cache's V
+        if constexpr (Tr::kPageWarp) {
+            if (tid >= 96 && v_thread) page_warp<Tr>(p, s, tid - 96);  // and its page indices
+        }
         if (tid == 32) scheduler<Tr>(p, s);      // claims tiles (scheduler.cuh)
         if constexpr (Tr::kTransposeV) {
             if (tid >= 64) v_transposer<Tr>(s, tid - 64, transposers);  // V -> V^T (transpose_v.cuh)
@@ -154,6 +165,17 @@ FA3_FWD_KERNEL_CM(flash_fwd_d64_bf16_cm, 64, fa3::DT_BF16)
 FA3_FWD_KERNEL_CM(flash_fwd_d128_bf16_cm, 128, fa3::DT_BF16)
 FA3_FWD_KERNEL_CM(flash_fwd_d64_f16_cm, 64, fa3::DT_F16)
 FA3_FWD_KERNEL_CM(flash_fwd_d128_f16_cm, 128, fa3::DT_F16)
+
+// Paged caches of small pages (16 and 32 keys) with the page warp (load.cuh page_warp): head dims
+// 64 and 128; the other head dims' small pages keep their lookups in the issuing threads.
+#define FA3_FWD_KERNEL_PW(NAME, D, DT)                                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ fa3::FwdParams p) { \
+        fa3::flash_fwd<fa3::FwdTraits<D, 128, DT, 2, false, false, true>>(p);                         \
+    }
+FA3_FWD_KERNEL_PW(flash_fwd_d64_bf16_pw, 64, fa3::DT_BF16)
+FA3_FWD_KERNEL_PW(flash_fwd_d128_bf16_pw, 128, fa3::DT_BF16)
+FA3_FWD_KERNEL_PW(flash_fwd_d64_f16_pw, 64, fa3::DT_F16)
+FA3_FWD_KERNEL_PW(flash_fwd_d128_f16_pw, 128, fa3::DT_F16)
 // FP8 (e4m3 inputs, bf16 or f16 output): 128-key blocks (whole 128-byte rows of V^T); head dims
 // 96 and 192 run on d128 and d256 with zero-filled columns; d64 also on 192-row tiles, chosen as
 // for 16 bits; d128 also on 224-key blocks (FA3's tile) for calls of 8k keys or more

@@ -1,5 +1,6 @@
 // The producer: one thread of the producer warpgroup issues every TMA copy of the tile (with a
-// paged 16-bit cache, a second thread issues V's: paged_v_thread below).
+// paged 16-bit cache, a second thread issues V's: paged_v_thread below; in the `_pw` kernels a
+// warp looks the pages up: page_warp).
 // Q is loaded once; K and V go through kStages-deep rings, each slot guarded by a "full"
 // barrier (TMA bytes landed) and an "empty" barrier (both consumer warpgroups are done with it).
 // K and V have separate barriers: Q·Kᵀ can start while V is still landing, and a K slot is
@@ -8,6 +9,7 @@
 #include "../primitives/mbarrier.cuh"
 #include "../primitives/tma.cuh"
 #include "../primitives/trace.cuh"
+#include "../primitives/warp.cuh"
 #include "params.cuh"
 #include "scheduler.cuh"
 #include "traits.cuh"
@@ -143,6 +145,48 @@ template <class Tr> __device__ __forceinline__ bool paged_v_thread(const FwdPara
     return !Tr::kFp8 && p.page_table != nullptr && p.page_box_rows < 64;
 }
 
+// The page warp (kPageWarp kernels, small pages: paged_v_thread): per key block, in the producers'
+// order, lane i looks up the page of the block's box i, all in one round trip, into a ring of
+// kPageSlots slots in shared memory (pages_full: 32 arrivals, each lane's after its store;
+// pages_empty: the TMA thread after K's issues and the V thread after V's). Without it the
+// issuing threads look 8 indices a block up themselves, two dependent round trips per block on
+// their path (their 40 registers hold 4 at a time, load_paged_rows); here the lookups run up to
+// kPageSlots blocks ahead and the first block's take one.
+template <class Tr> __device__ void page_warp(const FwdParams& p, SharedStorage<Tr>& s, int lane) {
+    int it = 0;
+    for (int k = 0;; ++k) {
+        const int tile = receive_tile<Tr>(s, k, false, 0xffffffffu);
+        if (tile >= num_tiles(p)) break;
+        TileInfo t;
+        if (get_tile<Tr>(p, tile, t) && t.n_max > t.n_min) {
+            const uint32_t* pages = p.page_table + (int64_t)t.batch * p.max_pages;
+            for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
+                const int slot = it % Tr::kPageSlots;
+                mbar_wait(&s.pages_empty[slot], ((it / Tr::kPageSlots) & 1) ^ 1);
+                if (lane < Tr::kMaxBlockBoxes)
+                    st_shared_u32(smem_u32(&s.block_pages[slot][lane]), box_page<Tr>(p, pages, n, lane * p.page_box_rows, t));
+                mbar_arrive(&s.pages_full[slot]);
+            }
+        }
+        if (lane == 0) mbar_arrive(&s.tile_empty);
+    }
+}
+
+// Key block n (ring position `at`) of a small-page cache in a kPageWarp kernel, from the page
+// warp's slot: waits for the slot, issues the boxes, releases the slot (two releases: K's, V's).
+template <class Tr>
+__device__ __forceinline__ void issue_staged_pages(const FwdParams& p, SharedStorage<Tr>& s, const TmaDesc* desc,
+                                                   typename Tr::Elem* dst, uint64_t* bar, int n, int at, const TileInfo& t) {
+    const int slot = at % Tr::kPageSlots;
+    mbar_wait(&s.pages_full[slot], (at / Tr::kPageSlots) & 1);
+    const uint32_t pages = smem_u32(s.block_pages[slot]);
+    const int box_rows = p.page_box_rows;
+#pragma unroll 1
+    for (int i = 0, r = 0; r < Tr::kBlockN; ++i, r += box_rows)
+        issue_paged_box<Tr>(p, desc, dst, bar, n, r, t, (int)ld_shared_u32(pages + 4 * i));
+    mbar_arrive(&s.pages_empty[slot]);
+}
+
 // Which loads a producer thread issues: the TMA thread Q and K, and V unless a V thread does.
 struct ProducerRole {
     bool q_and_k, v;
@@ -159,7 +203,11 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
             const int stage = it % Tr::kStages;
             mbar_wait(&s.empty_v[stage], ((it / Tr::kStages) & 1) ^ 1);
             mbar_arrive_expect_tx(&s.full_v[stage], Tr::kKVBytes);
-            load_paged_rows<Tr>(p, &p.tma_v, s.v[stage], &s.full_v[stage], n, t);
+            if constexpr (Tr::kPageWarp) {
+                issue_staged_pages<Tr>(p, s, &p.tma_v, s.v[stage], &s.full_v[stage], n, it, t);
+            } else {
+                load_paged_rows<Tr>(p, &p.tma_v, s.v[stage], &s.full_v[stage], n, t);
+            }
         }
         return;
     }
@@ -188,6 +236,8 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     // its P·V, so K(j+1) must not queue behind the wait for V(j)'s slot.
     // Pages of kBlockN / 2 keys or more: block n's page indices, from K(n)'s lookup (BlockPages).
     const bool few_pages = few_block_pages<Tr>(p);
+    // kPageWarp kernels, small pages: block n's page indices from the page warp.
+    const bool staged_pages = Tr::kPageWarp && paged_v_thread<Tr>(p);
     BlockPages pages_k{}, pages_v{};
     const auto load_k = [&](int n, int at) {
         const int stage = at % Tr::kStages;
@@ -199,6 +249,8 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
         mbar_arrive_expect_tx(&s.full_k[stage], Tr::kKVBytes);
         if (few_pages) {
             issue_block_pages<Tr>(p, &p.tma_k, s.k[stage], &s.full_k[stage], n, t, pages_k);
+        } else if (staged_pages) {
+            issue_staged_pages<Tr>(p, s, &p.tma_k, s.k[stage], &s.full_k[stage], n, at, t);
         } else {
             load_kv_block<Tr>(p, &p.tma_k, s.k[stage], &s.full_k[stage], n, t);
         }

@@ -189,7 +189,9 @@ template <class Tr> __device__ void scheduler(const FwdParams& p, SharedStorage<
 
 // The k-th tile index of this CTA, for the TMA thread and the consumer threads. The consumers
 // release the slot at once (release = true); the TMA thread after issuing the tile's loads.
-template <class Tr> __device__ __forceinline__ int receive_tile(SharedStorage<Tr>& s, int k, bool release) {
+// `lanes`: the calling warp's lanes (one thread, or the page warp's 32).
+template <class Tr>
+__device__ __forceinline__ int receive_tile(SharedStorage<Tr>& s, int k, bool release, unsigned lanes = 1u) {
     mbar_wait(&s.tile_full, k & 1);
     const int tile = s.tile_idx;
     if (release) mbar_arrive(&s.tile_empty);
@@ -197,7 +199,7 @@ template <class Tr> __device__ __forceinline__ int receive_tile(SharedStorage<Tr
     // redux.sync's result lives in a uniform register, so the tile's fields, loop bounds and ring
     // counters stay on the uniform datapath as they did with blockIdx-based striding (without it
     // the whole kernel ran 5-8% slower, full and causal).
-    return (int)__reduce_max_sync(release ? 0xffffffffu : 1u, (unsigned)tile);
+    return (int)__reduce_max_sync(release ? 0xffffffffu : lanes, (unsigned)tile);
 }
 
 }  // namespace fa3

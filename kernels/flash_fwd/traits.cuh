@@ -12,9 +12,10 @@ namespace fa3 {
 // warpgroups of 64 query rows each; kTransposeV (fp8): V as the caller laid it out, transposed in
 // shared memory by the kernel (transpose_v.cuh), instead of V^T from the pre-pass.
 // kClusterCombine: split-KV shares merged in a thread-block cluster (cluster_combine.cuh), in
-// kernels of their own.
+// kernels of their own. kPageWarp: small-page caches' page indices looked up by a warp of their
+// own (load.cuh page_warp), in kernels of their own.
 template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2, bool kTransposeV_ = false,
-          bool kClusterCombine_ = false>
+          bool kClusterCombine_ = false, bool kPageWarp_ = false>
 struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockN = kBlockN_;
@@ -95,6 +96,16 @@ struct FwdTraits {
     // +1..+7%). The other kernels measured -3.5..+5% with it (noise-level or worse), and keep it held.
     static constexpr bool kRowMaskPerBlock = kFp8 && !kTransposeV && kHeadDim_ == 256;
     static constexpr int kExp2FmaEvery = kFp8 && !kTransposeV && kHeadDim_ == 128 && kBlockN_ == 128 ? 4 : 0;
+    // Paged caches of small pages, 16 bits (load.cuh page_warp): warp 3 of the producer
+    // warpgroup looks up each key block's page indices into a ring kPageSlots blocks deep, a box
+    // of at least 16 rows each. Kernels of their own (the `_pw` instantiations in kernel.cu):
+    // compiled into the default ones it left their SASS rescheduled and their contiguous split
+    // calls 2-5% slower (docs/kernels/kvcache.md, session 35).
+    static constexpr bool kPageWarp = kPageWarp_;
+    static_assert(!kPageWarp || (!kFp8 && !kClusterCombine_), "page warp: 16-bit kernels without the cluster merge");
+    static constexpr int kPageSlots = kPageWarp ? 4 : 1;
+    static constexpr int kMaxBlockBoxes = kPageWarp ? kBlockN / 16 : 1;
+    static_assert(kMaxBlockBoxes <= 32, "one page warp lane per box");
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     // P as wgmma's register A operand: per k-step 4 registers of 2 (16-bit) or 4 (e4m3) values.
@@ -121,6 +132,10 @@ template <class Tr> struct SharedStorage {
     int tile_idx;                                 // the tile index, scheduler -> TMA thread, consumers
     int transpose_stop;                           // kTransposeV: the V ring position past the last block, or -1
     float cluster_lse[Tr::kClusterCombine ? 64 : 1];  // cluster_combine.cuh: this share's row LSEs
+    // kPageWarp (last, so that the other kernels' layout stays as it was):
+    alignas(8) uint64_t pages_full[Tr::kPageSlots];   // the page warp wrote a block's page indices
+    alignas(8) uint64_t pages_empty[Tr::kPageSlots];  // K's and V's boxes of that block went out
+    int block_pages[Tr::kPageSlots][Tr::kMaxBlockBoxes];  // a block's page indices, box by box
 };
 
 }  // namespace fa3

@@ -35,6 +35,13 @@ __device__ __forceinline__ void st_shared_u32(uint32_t smem_addr, uint32_t value
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem_addr), "r"(value) : "memory");
 }
 
+// 4-byte load from shared memory through its 32-bit shared-window address.
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t smem_addr) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr) : "memory");
+    return v;
+}
+
 // Four 8x8 matrices of 16-bit elements, each row 16 contiguous bytes whose shared-memory address
 // lane 8m + r gives (matrix m, row r), loaded transposed: the thread's register m holds the
 // elements (row 2·(lane % 4), column lane / 4) in its low half and (row 2·(lane % 4) + 1, same

@@ -323,7 +323,6 @@ fn kvcache_split_counts_and_long_caches() -> Result<()> {
     Ok(())
 }
 
-/// f16 caches: the same kernels' other element type (append, rotary and attention).
 /// Read-only calls over strided cache views (k and v heads interleaved in one buffer, as
 /// flash-llama's contiguous cache holds them, read by its CUDA-graph decode): the GPU reads the
 /// views as they are (TMA with the views' strides) and agrees with the CPU path, which
@@ -376,13 +375,15 @@ fn kvcache_strided_views() -> Result<()> {
     Ok(())
 }
 
+/// f16 caches: the same kernels' other element type (append, rotary and attention); pages of 32
+/// at d128 and of 16 at d64 run the f16 `_pw` kernels (their page warp).
 #[test]
 fn kvcache_f16() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-kvcache-f16");
-    for page_size in [None, Some(32)] {
-        let mut s = Spec::new(&mut rng, page_size, vec![700, 33], 2, 2, 8, 2, 128, 128);
+    for (page_size, d) in [(None, 128), (Some(32), 128), (Some(16), 64)] {
+        let mut s = Spec::new(&mut rng, page_size, vec![700, 33], 2, 2, 8, 2, d, d);
         s.dtype = DType::F16;
-        check(&mut rng, &s, Opts::new(0.1).causal(), Some((128, false)), 0)?;
+        check(&mut rng, &s, Opts::new(0.1).causal(), Some((d, false)), 0)?;
     }
     Ok(())
 }

@@ -328,6 +328,22 @@ impl Variant {
         }
     }
 
+    /// The instantiation of this variant whose page warp looks a small-page cache's page indices
+    /// up (`fa3::FwdTraits::kPageWarp`, the `_pw` kernels: 16 bits, two consumer warpgroups, head
+    /// dims 64 and 128), if there is one. Same shared-memory layout.
+    fn page_warp_kernel_name(&self, dtype: DType) -> Option<&'static str> {
+        if self.fp8 || self.consumer_wgs != 2 {
+            return None;
+        }
+        match (self.head_dim, dtype == DType::BF16) {
+            (64, true) => Some("flash_fwd_d64_bf16_pw"),
+            (128, true) => Some("flash_fwd_d128_bf16_pw"),
+            (64, false) => Some("flash_fwd_d64_f16_pw"),
+            (128, false) => Some("flash_fwd_d128_f16_pw"),
+            _ => None,
+        }
+    }
+
     /// Query rows per tile: 64 per consumer warpgroup.
     fn block_m(&self) -> usize {
         WG_ROWS * self.consumer_wgs
@@ -593,9 +609,18 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         _ => None,
     };
     let cluster_combine = cluster_kernel.is_some();
-    let (name, func) = match cluster_kernel {
-        Some(cluster) => cluster,
-        None => {
+    // A paged cache of pages smaller than 64 keys (up to 8 boxes per key block): the `_pw` kernels,
+    // whose page warp looks each block's page indices up ahead of the threads that issue its
+    // boxes (kernels/flash_fwd/load.cuh, page_warp). Measured on an H200 (docs/kernels/kvcache.md,
+    // session 35) against the lookups in the issuing threads: pages of 16 at 0.85-0.95x the time
+    // where HBM sets it, 0.94-0.97x at the latency-bound cells. The cluster merge goes first (its
+    // kernels look the pages up the old way).
+    let small_pages = matches!(cache, Some(c) if c.page_table != 0) && kv_box_rows < 64;
+    let page_warp_kernel = variant.page_warp_kernel_name(dtype).filter(|_| small_pages);
+    let (name, func) = match (cluster_kernel, page_warp_kernel) {
+        (Some(cluster), _) => cluster,
+        (None, Some(name)) => (name, kernel(&dev, name, smem)?),
+        (None, None) => {
             let name = variant.kernel_name(dtype);
             (name, kernel(&dev, name, smem)?)
         }
