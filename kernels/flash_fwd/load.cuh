@@ -163,8 +163,10 @@ template <class Tr> __device__ void page_warp(const FwdParams& p, SharedStorage<
             for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
                 const int slot = it % Tr::kPageSlots;
                 mbar_wait(&s.pages_empty[slot], ((it / Tr::kPageSlots) & 1) ^ 1);
-                if (lane < Tr::kMaxBlockBoxes)
-                    st_shared_u32(smem_u32(&s.block_pages[slot][lane]), box_page<Tr>(p, pages, n, lane * p.page_box_rows, t));
+                if (lane < Tr::kMaxBlockBoxes) {
+                    const int page = box_page<Tr>(p, pages, n, lane * p.page_box_rows, t);
+                    st_shared_u32(smem_u32(&s.block_pages[slot][lane]), page);
+                }
                 mbar_arrive(&s.pages_full[slot]);
             }
         }

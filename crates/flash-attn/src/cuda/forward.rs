@@ -611,10 +611,11 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let cluster_combine = cluster_kernel.is_some();
     // A paged cache of pages smaller than 64 keys (up to 8 boxes per key block): the `_pw` kernels,
     // whose page warp looks each block's page indices up ahead of the threads that issue its
-    // boxes (kernels/flash_fwd/load.cuh, page_warp). Measured on an H200 (docs/kernels/kvcache.md,
-    // session 35) against the lookups in the issuing threads: pages of 16 at 0.85-0.95x the time
-    // where HBM sets it, 0.94-0.97x at the latency-bound cells. The cluster merge goes first (its
-    // kernels look the pages up the old way).
+    // boxes (kernels/flash_fwd/load.cuh, page_warp). Measured against the lookups in the issuing
+    // threads (docs/kernels/kvcache.md, session 35): pages of 16 graph-replayed at 0.81-1.00x the
+    // time on an H200 (0.81-0.96x where HBM sets it), 0.95-1.02x on an H100. Kernels of their own:
+    // compiled into the default ones, the code made contiguous split calls 2-5% slower. The
+    // cluster merge goes first (its kernels look the pages up the old way).
     let small_pages = matches!(cache, Some(c) if c.page_table != 0) && kv_box_rows < 64;
     let page_warp_kernel = variant.page_warp_kernel_name(dtype).filter(|_| small_pages);
     let (name, func) = match (cluster_kernel, page_warp_kernel) {
