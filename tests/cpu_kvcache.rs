@@ -432,8 +432,9 @@ fn kvcache_function_form() -> Result<()> {
 }
 
 /// A read-only call over strided cache views (k and v heads interleaved in one buffer, as
-/// flash-llama's contiguous cache holds them) gives what the same call over dense copies gives;
-/// a call that would write into such a view, or one whose head dim is strided, is refused.
+/// flash-llama's caches hold them), contiguous or paged, gives what the same call over dense
+/// copies gives; a call that would write into such a view, or one whose head dim is strided, is
+/// refused.
 #[test]
 fn kvcache_strided_views() -> Result<()> {
     let dev = Device::Cpu;
@@ -450,24 +451,24 @@ fn kvcache_strided_views() -> Result<()> {
     let want = attn.kv_cache(&k.contiguous()?, &v.contiguous()?, &lens).forward(&q)?;
     assert_eq!(to_f64_vec(&got)?, to_f64_vec(&want)?);
     assert!(to_f64_vec(&got)?.iter().any(|&x| x != 0.0));
-    // Writing into a view, or reading one through pages, is refused.
+    // Writing into a view is refused.
     let kn = rng.randn((b, 1, hk, d), DType::F32, &dev)?;
     assert_err(
         attn.kv_cache(&k, &v, &lens).append(&kn, &kn).forward(&q),
         &["k_cache must be contiguous when the call appends"],
     );
-    let table = Tensor::new(&[[0u32], [1], [2]], &dev)?;
-    let paged = rng.randn((3, 16, 2 * hk, d), DType::F32, &dev)?;
-    assert_err(
-        attn.kv_cache(
-            &paged.narrow(2, 0, hk)?,
-            &paged.narrow(2, hk, hk)?,
-            &Tensor::new(&[3u32, 4, 5], &dev)?,
-        )
+    // Paged views (pages out of order, a page shared by two sequences) read as dense copies do.
+    let table = Tensor::new(&[[2u32, 0], [1, 0], [3, 2]], &dev)?;
+    let paged = rng.randn((4, 16, 2 * hk, d), DType::F32, &dev)?;
+    let (kp, vp) = (paged.narrow(2, 0, hk)?, paged.narrow(2, hk, hk)?);
+    let paged_lens = Tensor::new(&[19u32, 5, 32], &dev)?;
+    let got = attn.kv_cache(&kp, &vp, &paged_lens).page_table(&table).forward(&q)?;
+    let want = attn
+        .kv_cache(&kp.contiguous()?, &vp.contiguous()?, &paged_lens)
         .page_table(&table)
-        .forward(&q),
-        &["must be contiguous when the call appends, is paged"],
-    );
+        .forward(&q)?;
+    assert_eq!(to_f64_vec(&got)?, to_f64_vec(&want)?);
+    assert!(to_f64_vec(&got)?.iter().any(|&x| x != 0.0));
     // Any other strides with a dense head dim (heads outermost), and a strided head dim.
     let ks = k.contiguous()?;
     let vt = v.transpose(1, 2)?.contiguous()?.transpose(1, 2)?;

@@ -328,7 +328,7 @@ fn kvcache_split_counts_and_long_caches() -> Result<()> {
 /// views as they are (TMA with the views' strides) and agrees with the CPU path, which
 /// tests/cpu_kvcache.rs checks against dense copies. Head dims 64 and 128, GQA with and without
 /// pack-GQA, causal and not, seqlen_q 1 and 4, a sequence without keys, split-KV chosen per call,
-/// forced to 1 and to 3.
+/// forced to 1 and to 3; the same keys through a page table (flash-llama's paged cache).
 #[test]
 fn kvcache_strided_views() -> Result<()> {
     let dev = gpu()?;
@@ -371,6 +371,28 @@ fn kvcache_strided_views() -> Result<()> {
             "{what}"
         );
         assert_eq!(to_f64_vec(&kv_dev)?, to_f64_vec(&kv)?, "{what}: the cache changed");
+        // The same keys as a paged cache's strided views (flash-llama's paged cache): pages of
+        // 16 (the `_pw` kernels at d64 / d128) and 64, shuffled in the pool.
+        for page in [16, 64] {
+            let per_seq = rows.div_ceil(page);
+            let pages = batch * per_seq;
+            let table = Tensor::from_vec(rng.permutation(pages), (batch, per_seq), &cpu)?;
+            let pool = rng.randn((pages, page, 2 * kv_heads, d), DType::BF16, &cpu)?;
+            let (k, v) = views(&pool)?;
+            let what = format!("{what}, pages of {page}");
+            let (want, want_lse) = attn.kv_cache(&k, &v, &lens).page_table(&table).forward_with_lse(&q)?;
+            let pool_dev = pool.to_device(&dev)?;
+            let (k, v) = views(&pool_dev)?;
+            poison(&dev, 1 << 22)?;
+            let (out, lse) = attn
+                .clone()
+                .num_splits(splits)
+                .kv_cache(&k, &v, &lens.to_device(&dev)?)
+                .page_table(&table.to_device(&dev)?)
+                .forward_with_lse(&q.to_device(&dev)?)?;
+            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+        }
     }
     Ok(())
 }

@@ -25,10 +25,10 @@
 //! `cache_batch_idx` (batch,) u32 picks the cache row of each batch entry (contiguous caches
 //! only; a page table already maps sequences to pages).
 //!
-//! A contiguous 16-bit (or f32) cache read by a call that does not append may be a strided view
-//! whose head dim is contiguous: k and v heads interleaved in one buffer (flash-llama's cache,
-//! read this way by its CUDA-graph decode) are read in place, without a copy. Calls that append,
-//! paged caches and fp8 caches need dense caches.
+//! A 16-bit (or f32) cache, contiguous or paged, read by a call that does not append may be a
+//! strided view whose head dim is contiguous: k and v heads interleaved in one buffer
+//! (flash-llama's caches, read this way by its CUDA-graph decode) are read in place, without a
+//! copy. Calls that append and fp8 caches need dense caches.
 //!
 //! The CPU path computes every option exactly (in f32, the cache gathered per sequence and run
 //! through the CPU attention) and reports bad indices (a page past the pool, keys past the
@@ -259,12 +259,12 @@ impl<'a> KvCacheAttn<'a> {
                     t.device().location()
                 )
             }
-            // A call that writes into the cache, or reads it through pages, needs it dense; one
-            // that only reads a contiguous cache takes any view whose head dim is contiguous
-            // (k and v heads interleaved in one buffer, as flash-llama's cache holds them).
+            // A call that writes into the cache needs it dense; one that only reads a 16-bit
+            // cache, contiguous or paged, takes any view whose head dim is contiguous (k and v
+            // heads interleaved in one buffer, as flash-llama's caches hold them).
             if !t.is_contiguous() {
-                if self.new.is_some() || self.page_table.is_some() || dtype == DType::F8E4M3 {
-                    bail!("{E}: {name} must be contiguous when the call appends, is paged or is fp8 (a strided view is read only by 16-bit calls without append)")
+                if self.new.is_some() || dtype == DType::F8E4M3 {
+                    bail!("{E}: {name} must be contiguous when the call appends or is fp8 (a strided view is read only by 16-bit calls without append)")
                 }
                 if t.stride().last() != Some(&1) {
                     bail!(

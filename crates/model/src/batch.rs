@@ -115,11 +115,13 @@ impl<'m> Batcher<'m> {
 
     /// On the GPU, runs a step in which every running sequence decodes one token as the replay
     /// of a CUDA graph of that step (one launch instead of a few hundred; `crate::decode_graph`
-    /// says where it applies: fused kernels, bf16/f16, a contiguous cache of the model's dtype,
-    /// cudarc's event tracking off). A graph decodes the first rows of the cache, a power of two
-    /// that covers the last occupied slot (empty slots among them decode a dummy token into
-    /// their own, empty, slot); the first step of each size runs eagerly and is captured. Steps
-    /// with a prompt going in run eagerly. Off by default; no effect on the CPU.
+    /// says where it applies: fused kernels, bf16/f16, a contiguous or paged cache of the model's
+    /// dtype, cudarc's event tracking off). A graph decodes the first rows of the cache, a power
+    /// of two that covers the last occupied slot (empty slots among them decode a dummy token
+    /// into their own, empty, slot, or over a paged cache into a scratch page the cache then
+    /// holds for good: one page less for sequences); the first step of each size runs eagerly
+    /// and is captured. Steps with a prompt going in run eagerly. Off by default; no effect on
+    /// the CPU.
     pub fn cuda_graphs(mut self, on: bool) -> Self {
         self.cuda_graphs = on;
         self
@@ -172,6 +174,19 @@ impl<'m> Batcher<'m> {
             _ => true,
         };
         tokens <= self.cache.max_seq() && pages
+    }
+
+    /// The batch sizes (rows) whose decode step has been captured into a CUDA graph so far
+    /// ([`Batcher::cuda_graphs`]), in increasing order; empty without graphs.
+    pub fn cuda_graph_rows(&self) -> Vec<usize> {
+        #[cfg(feature = "cuda")]
+        {
+            self.graphs.keys().copied().collect()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            Vec::new()
+        }
     }
 
     /// Sequences in the batch.
@@ -381,7 +396,7 @@ impl<'m> Batcher<'m> {
     fn graph_step(&mut self) -> Result<Option<Vec<Emitted>>> {
         use crate::decode_graph::{DecodeGraph, Sampling};
         use std::collections::btree_map::Entry;
-        if !self.cuda_graphs || !DecodeGraph::fits(self.model, &self.cache) {
+        if !self.cuda_graphs || !DecodeGraph::fits_fed(self.model, &self.cache) {
             return Ok(None);
         }
         if self
@@ -400,12 +415,21 @@ impl<'m> Batcher<'m> {
             .iter()
             .map(|s| s.as_ref().map_or(0, |s| s.next[0]))
             .collect();
-        // Empty slots hold no keys (cleared when their sequence ended).
+        // Empty slots hold no keys (cleared when their sequence ended). Over a paged cache they
+        // write their dummy token into its scratch page; without one (no free page for it) the
+        // step runs eagerly.
         let lens: Vec<usize> = self.cache.lens()[..rows].to_vec();
+        let scratch = match self.cache.page_size() {
+            Some(_) => match self.cache.scratch_page() {
+                Some(page) => Some(page),
+                None => return Ok(None),
+            },
+            None => None,
+        };
         let graph = match self.graphs.entry(rows) {
             Entry::Occupied(e) => {
                 let graph = e.into_mut();
-                graph.set_inputs(&tokens, &lens)?;
+                graph.set_inputs(&tokens, &lens, &self.cache, scratch)?;
                 graph.launch(&self.cache, &lens)?;
                 graph
             }
@@ -417,6 +441,7 @@ impl<'m> Batcher<'m> {
                     Sampling::Logits,
                     &tokens,
                     &lens,
+                    scratch,
                 )?)
             }
         };

@@ -8,8 +8,11 @@
 //! from them on the device. The tensors a step allocates are taken and freed inside the graph
 //! (stream-ordered allocation is captured as graph memory nodes).
 //!
-//! A graph decodes the first `rows` sequences of a contiguous cache and advances the length
-//! buffer. Two ways to use it:
+//! A graph decodes the first `rows` sequences of a cache and advances the length buffer. Over a
+//! paged cache the host writes each step's cache rows and page table into the graph's buffers
+//! before the replay ([`DecodeGraph::set_inputs`], so only [`crate::Batcher`], which feeds every
+//! step from the host, decodes a paged cache through graphs); an empty slot among the rows writes
+//! its dummy token into the cache's scratch page ([`KvCache::scratch_page`]). Two ways to use it:
 //! - [`Sampling::Greedy`] ([`crate::generate()`]'s greedy decoding): the step ends with the
 //!   argmax of each row, written over the token buffer, so replays follow each other with
 //!   nothing from the host;
@@ -22,14 +25,15 @@
 //!   and leave between steps.
 //!
 //! Requirements ([`DecodeGraph::fits`]): [`Llama::decodes_on_device`] (fused kernels, bf16 or f16,
-//! a contiguous cache of the model's dtype, or of e4m3 once the prefill fixed its scales), and
-//! cudarc's per-tensor event tracking off on the model's device (its event waits cannot be
-//! captured; the examples turn it off, see `examples/common`).
+//! a cache of the model's dtype, or of e4m3 once the prefill fixed its scales), a contiguous
+//! cache unless every step's inputs come from the host ([`DecodeGraph::fits_fed`]), and cudarc's
+//! per-tensor event tracking off on the model's device (its event waits cannot be captured; the
+//! examples turn it off, see `examples/common`).
 
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
 use candle_core::{bail, DType, Device, Result, Tensor};
 
-use crate::model::{KvCache, Llama};
+use crate::model::{DecodeRows, KvCache, Llama};
 
 /// Where a step's tokens are chosen (module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,16 +50,24 @@ pub(crate) struct DecodeGraph {
     ids: Tensor,
     /// (rows,) u32: the keys each sequence holds before the next step.
     lens: Tensor,
-    /// (rows,) u32, i × max_seq: read by the graph, so kept alive with it.
-    _slot_starts: Tensor,
+    /// Where the new keys go (read by the graph, so kept alive with it; a paged cache's are
+    /// rewritten before each step).
+    rows_in: DecodeRows,
     /// [`Sampling::Logits`] (`None`: [`Sampling::Greedy`]): (rows, vocab) f32, the last step's
     /// logits.
     logits: Option<Tensor>,
 }
 
 impl DecodeGraph {
-    /// Whether `model` can decode over `cache` through a graph.
+    /// Whether `model` can decode over `cache` through a graph that replays without the host
+    /// (a contiguous cache).
     pub(crate) fn fits(model: &Llama, cache: &KvCache) -> bool {
+        cache.paging.is_none() && Self::fits_fed(model, cache)
+    }
+
+    /// Whether `model` can decode over `cache` through a graph whose every step's inputs come
+    /// from the host ([`DecodeGraph::set_inputs`]): a contiguous or a paged cache.
+    pub(crate) fn fits_fed(model: &Llama, cache: &KvCache) -> bool {
         match model.device() {
             Device::Cuda(dev) => model.decodes_on_device(cache) && !dev.cuda_stream().context().is_event_tracking(),
             _ => false,
@@ -68,14 +80,17 @@ impl DecodeGraph {
     /// step's result is in [`DecodeGraph::tokens`] or [`DecodeGraph::logits`] and the cache
     /// holds each sequence's new key (`cache.lens`, the host's count, is the caller's to
     /// advance).
+    /// A paged cache needs [`Sampling::Logits`] and its `scratch` page ([`KvCache::scratch_page`]).
     pub(crate) fn start(
         model: &Llama,
         cache: &KvCache,
         sampling: Sampling,
         tokens: &Tensor,
         lens: &[usize],
+        scratch: Option<u32>,
     ) -> Result<Self> {
-        if !Self::fits(model, cache) {
+        let paged = cache.paging.is_some();
+        if !Self::fits_fed(model, cache) || (paged && (sampling != Sampling::Logits || scratch.is_none())) {
             bail!("internal error: a decode graph for a model or cache it does not fit")
         }
         let rows = lens.len();
@@ -89,8 +104,21 @@ impl DecodeGraph {
         }
         check_room(cache, lens)?;
         let dev = model.device();
-        let slot_starts: Vec<u32> = (0..rows).map(|i| (i * cache.max_seq()) as u32).collect();
-        let slot_starts = Tensor::new(slot_starts, dev)?;
+        let rows_in = match scratch.filter(|_| paged) {
+            Some(scratch) => {
+                let (cache_rows, table) = cache.paged_decode_inputs(lens, scratch)?;
+                DecodeRows::Pages {
+                    cache_rows: Tensor::new(cache_rows, dev)?,
+                    page_table: Tensor::from_vec(table.clone(), (rows, table.len() / rows), dev)?,
+                }
+            }
+            None => {
+                let slot_starts: Vec<u32> = (0..rows).map(|i| (i * cache.max_seq()) as u32).collect();
+                DecodeRows::Slots {
+                    slot_starts: Tensor::new(slot_starts, dev)?,
+                }
+            }
+        };
         let ids = tokens.copy()?;
         let lens = Tensor::new(lens.iter().map(|&l| l as u32).collect::<Vec<u32>>(), dev)?;
         let logits = match sampling {
@@ -98,7 +126,7 @@ impl DecodeGraph {
             Sampling::Logits => Some(Tensor::zeros((rows, model.config().vocab_size), DType::F32, dev)?),
         };
         let body = || -> Result<()> {
-            let step = model.decode_on_device(&ids, &lens, &slot_starts, cache)?;
+            let step = model.decode_on_device(&ids, &lens, &rows_in, cache)?;
             match &logits {
                 None => ids.slice_set(&crate::fused::argmax_rows(&step)?, 0, 0)?,
                 Some(buf) => buf.slice_set(&step.to_dtype(DType::F32)?, 0, 0)?,
@@ -135,7 +163,7 @@ impl DecodeGraph {
             graph,
             ids,
             lens,
-            _slot_starts: slot_starts,
+            rows_in,
             logits,
         })
     }
@@ -146,12 +174,27 @@ impl DecodeGraph {
     }
 
     /// [`Sampling::Logits`]: the next step's inputs from the host, each sequence's last token and
-    /// the keys it holds (uploaded here, outside the graph).
-    pub(crate) fn set_inputs(&self, tokens: &[u32], lens: &[usize]) -> Result<()> {
+    /// the keys it holds, and over a paged cache their cache rows and page table from `cache`'s
+    /// page lists (uploaded here, outside the graph).
+    pub(crate) fn set_inputs(
+        &self,
+        tokens: &[u32],
+        lens: &[usize],
+        cache: &KvCache,
+        scratch: Option<u32>,
+    ) -> Result<()> {
         if self.logits.is_none() || tokens.len() != self.rows() || lens.len() != self.rows() {
             bail!("internal error: decode graph inputs for {} rows", self.rows())
         }
         let dev = self.ids.device();
+        if let DecodeRows::Pages { cache_rows, page_table } = &self.rows_in {
+            let Some(scratch) = scratch else {
+                bail!("internal error: a paged decode graph's inputs without a scratch page")
+            };
+            let (rows, table) = cache.paged_decode_inputs(lens, scratch)?;
+            cache_rows.slice_set(&Tensor::new(rows, dev)?, 0, 0)?;
+            page_table.slice_set(&Tensor::from_vec(table, page_table.dims(), dev)?, 0, 0)?;
+        }
         self.ids.slice_set(&Tensor::new(tokens, dev)?, 0, 0)?;
         let lens: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
         self.lens.slice_set(&Tensor::new(lens, dev)?, 0, 0)

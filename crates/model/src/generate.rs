@@ -403,7 +403,7 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
         None => Sampling::Greedy,
         Some(_) => Sampling::Logits,
     };
-    let graph = DecodeGraph::start(model, cache, mode, &first, cache.lens())?;
+    let graph = DecodeGraph::start(model, cache, mode, &first, cache.lens(), None)?;
     draw(&graph, 1)?;
     cache.advance_all();
     loop {

@@ -76,6 +76,9 @@ pub(crate) struct Paging {
     holders: Vec<u32>,
     /// Pages one sequence may hold (max_seq / page_size): the page table's width.
     pub(crate) max_pages: usize,
+    /// A page held for the cache's lifetime once a CUDA-graph decode step asked for it
+    /// ([`KvCache::scratch_page`]): where the graph's empty slots write their dummy token.
+    scratch: Option<u32>,
     /// Finished sequences' whole pages of keys, kept for later prompts that start the same way,
     /// least recently used first; given back (oldest first) when the pool runs short.
     retired: VecDeque<RetiredPrefix>,
@@ -151,14 +154,12 @@ pub(crate) const E4M3_MAX: f64 = 448.0;
 /// One layer's cached keys and values.
 #[derive(Debug)]
 pub(crate) enum LayerKv {
-    /// In the model's dtype: (batch × max_seq, 2 × kv_heads, head_dim), k heads first.
+    /// In the model's dtype: (rows, 2 × kv_heads, head_dim), k heads first (rows: batch ×
+    /// max_seq, or pages × page_size for a paged cache).
     Rows(Tensor),
-    /// e4m3: (2, rows, kv_heads, head_dim), the k plane then the v plane (rows: batch × max_seq,
-    /// or pages × page_size for a paged cache), with the layer's scales, fixed by its first write.
+    /// e4m3: (2, rows, kv_heads, head_dim), the k plane then the v plane, with the layer's
+    /// scales, fixed by its first write.
     E4m3 { kv: Tensor, scales: OnceLock<E4m3Scales> },
-    /// A paged cache in the model's dtype: (2, pages × page_size, kv_heads, head_dim), the k plane
-    /// then the v plane.
-    Planes(Tensor),
 }
 
 /// An fp8 cache layer's scales.
@@ -197,7 +198,7 @@ impl LayerKv {
                 let rows = kv.reshape((view.0, view.1, 2 * kv_heads, d))?;
                 (rows.narrow(2, 0, kv_heads)?, rows.narrow(2, kv_heads, kv_heads)?)
             }
-            LayerKv::Planes(kv) | LayerKv::E4m3 { kv, .. } => (
+            LayerKv::E4m3 { kv, .. } => (
                 kv.get(0)?.reshape((view.0, view.1, kv_heads, d))?,
                 kv.get(1)?.reshape((view.0, view.1, kv_heads, d))?,
             ),
@@ -210,11 +211,6 @@ impl LayerKv {
     pub(crate) fn store(&self, kv_new: &Tensor, writes: &[(usize, usize, usize)], rows: Option<&Tensor>) -> Result<()> {
         match self {
             LayerKv::Rows(kv) => write_rows(kv, kv_new, 0, writes),
-            LayerKv::Planes(kv) => {
-                let hk = kv_new.dim(1)? / 2;
-                write_rows(&kv.get(0)?, &kv_new.narrow(1, 0, hk)?, 0, writes)?;
-                write_rows(&kv.get(1)?, &kv_new.narrow(1, hk, hk)?, 0, writes)
-            }
             LayerKv::E4m3 { kv, scales } => {
                 let scales = match scales.get() {
                     Some(s) => s,
@@ -299,14 +295,14 @@ impl KvCache {
         }
         let (hk, d) = (cfg.num_key_value_heads, cfg.head_dim);
         let rows = pages * page_size;
+        // The contiguous cache's layouts over pages × page_size rows: a page is page_size rows.
         let layer = || -> Result<LayerKv> {
-            let kv = Tensor::zeros((2, rows, hk, d), dtype, device)?;
             Ok(match dtype {
                 DType::F8E4M3 => LayerKv::E4m3 {
-                    kv,
+                    kv: Tensor::zeros((2, rows, hk, d), dtype, device)?,
                     scales: OnceLock::new(),
                 },
-                _ => LayerKv::Planes(kv),
+                _ => LayerKv::Rows(Tensor::zeros((rows, 2 * hk, d), dtype, device)?),
             })
         };
         Ok(Self {
@@ -323,6 +319,7 @@ impl KvCache {
                 holders: vec![0; pages],
                 max_pages: max_seq / page_size,
                 retired: VecDeque::new(),
+                scratch: None,
             }),
         })
     }
@@ -332,9 +329,10 @@ impl KvCache {
         self.paging.as_ref().map(|p| p.page_size)
     }
 
-    /// A paged cache's pool size in pages (`None` for a contiguous cache).
+    /// A paged cache's pool size in pages that sequences can hold: all of them but the scratch
+    /// page once CUDA-graph decode took it (`None` for a contiguous cache).
     pub fn pool_pages(&self) -> Option<usize> {
-        self.paging.as_ref().map(|p| p.pages)
+        self.paging.as_ref().map(|p| p.pages - p.scratch.is_some() as usize)
     }
 
     /// A paged cache's free pages, counting those that only retired prefixes hold (the pool
@@ -516,6 +514,52 @@ impl KvCache {
         Ok(())
     }
 
+    /// A paged cache's scratch page (`None` for a contiguous cache, or when the pool has no free
+    /// page left for it): taken from the pool the first time and held for the cache's lifetime,
+    /// one page less for sequences. A CUDA-graph decode step decodes every row of its batch,
+    /// empty slots too, and an empty slot of a paged cache has no page of its own to write its
+    /// dummy token to (crate::decode_graph).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn scratch_page(&mut self) -> Option<u32> {
+        let p = self.paging.as_mut()?;
+        if p.scratch.is_none() {
+            p.evict_retired(1);
+            let page = p.free.pop()?;
+            p.holders[page as usize] += 1;
+            p.scratch = Some(page);
+        }
+        p.scratch
+    }
+
+    /// A paged CUDA-graph decode step's inputs for the first `lens.len()` sequences, from the
+    /// host's page lists: each sequence's cache row for its key at position `lens[i]`, and the
+    /// page table (rows × max_pages, row-major; unused entries page 0). An empty sequence (no
+    /// keys, no pages) writes to and reads from `scratch`'s first row. Fails for a sequence that
+    /// holds keys but no page for its next one (a batcher's sequences take their pages when they
+    /// join).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn paged_decode_inputs(&self, lens: &[usize], scratch: u32) -> Result<(Vec<u32>, Vec<u32>)> {
+        let Some(p) = &self.paging else {
+            bail!("internal error: paged decode inputs of a contiguous cache")
+        };
+        let mut rows = Vec::with_capacity(lens.len());
+        let mut table = vec![0u32; lens.len() * p.max_pages];
+        for (i, &len) in lens.iter().enumerate() {
+            let owned = &p.owned[i];
+            if len == 0 && owned.is_empty() {
+                rows.push(scratch * p.page_size as u32);
+                table[i * p.max_pages] = scratch;
+                continue;
+            }
+            let Some(&page) = owned.get(len / p.page_size) else {
+                bail!("decode step: sequence {i} holds {len} keys and no page for its next one")
+            };
+            rows.push(page * p.page_size as u32 + (len % p.page_size) as u32);
+            table[i * p.max_pages..i * p.max_pages + owned.len()].copy_from_slice(owned);
+        }
+        Ok((rows, table))
+    }
+
     /// The cache row of sequence `i`'s key at position `pos` (its slot's row, or its page's).
     pub(crate) fn row(&self, i: usize, pos: usize) -> usize {
         match &self.paging {
@@ -624,6 +668,16 @@ impl CacheGroup {
             seqlens,
             cache_idx: None,
             page_table: None,
+        }
+    }
+
+    /// [`CacheGroup::one_token_each`] over a paged cache: the first `batch` sequences' pages,
+    /// (batch, max_pages) u32.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn one_token_each_paged(batch: usize, seqlens: Tensor, page_table: Tensor) -> Self {
+        Self {
+            page_table: Some(page_table),
+            ..Self::one_token_each(batch, seqlens)
         }
     }
 

@@ -61,6 +61,19 @@ enum RopeTables {
     PerHead { cos: Tensor, sin: Tensor },
 }
 
+/// Where a device-side decode step ([`Llama::decode_on_device`]) stores each sequence's new key
+/// and, for a paged cache, which pages the attention reads: device tensors at fixed addresses,
+/// so that a CUDA graph of the step serves every later step.
+#[cfg(feature = "cuda")]
+pub(crate) enum DecodeRows {
+    /// A contiguous cache: (rows,) u32, `i × max_seq`, sequence i's first cache row (the key's
+    /// row is that plus its position, computed on the device).
+    Slots { slot_starts: Tensor },
+    /// A paged cache: (rows,) u32, each new key's cache row, and the (rows, max_pages) u32 page
+    /// table, both written by the host before each step ([`KvCache::paged_decode_inputs`]).
+    Pages { cache_rows: Tensor, page_table: Tensor },
+}
+
 /// Per-call state that every layer reads: the rotary angles of each token, where the keys
 /// come from and where the new keys go in the cache.
 struct Plan {
@@ -201,8 +214,8 @@ impl Attention {
                     let y = if y.device().is_cuda() {
                         // One kernel where the store fuses into the rotation (q and k rotated in
                         // place, v unchanged, k and v stored); otherwise the rotation, then the
-                        // layer's own store: a paged cache's 16-bit planes (no fused store yet)
-                        // and an fp8 cache's first write (its scales come from the rotated values).
+                        // layer's own store: an fp8 cache's first write (its scales come from the
+                        // rotated values).
                         let rows = || {
                             plan.cache_rows.as_ref().ok_or_else(|| {
                                 candle_core::Error::Msg("internal error: a GPU cache write without its rows".into())
@@ -691,7 +704,8 @@ impl Llama {
     /// `cache` by replaying one captured CUDA graph per step: fused kernels on a GPU whose
     /// cudarc event tracking is off, bf16 or f16, and a contiguous cache of the model's dtype, or
     /// of e4m3 once its first write (the prefill) fixed its scales. Otherwise each step launches
-    /// its kernels.
+    /// its kernels. ([`crate::Batcher`] decodes a paged cache through graphs as well, under the
+    /// same conditions; [`crate::Batcher::cuda_graph_rows`] says which it captured.)
     pub fn decodes_through_cuda_graphs(&self, cache: &KvCache) -> bool {
         #[cfg(feature = "cuda")]
         {
@@ -844,21 +858,19 @@ impl Llama {
             && self.inv_freq_heads.is_some()
             && matches!(self.dtype, DType::BF16 | DType::F16)
             && (cache.dtype == self.dtype || cache.dtype == DType::F8E4M3)
-            && cache.paging.is_none()
             // An fp8 layer once its first write fixed its scales: the fused RoPE + e4m3 store
             // then takes each new key, and the attention quantizes q on the device.
             && cache.layers.iter().all(|l| match l {
                 LayerKv::Rows(_) => true,
                 LayerKv::E4m3 { scales, .. } => scales.get().is_some(),
-                LayerKv::Planes(_) => false,
             })
     }
 
     /// A decode step of the first `rows` sequences of `cache` in which nothing comes from the
     /// host, so that the same launches serve every step ([`crate::decode_graph`] captures them
     /// into a CUDA graph): `ids` (rows,) u32 holds each sequence's last token and `lens` (rows,)
-    /// u32 the keys its cache holds before the step (the token's position); `slot_starts`
-    /// (rows,) u32 is `i × max_seq`, sequence i's first cache row. The new keys go into the
+    /// u32 the keys its cache holds before the step (the token's position); `rows` where each
+    /// new key goes and, for a paged cache, the page table ([`DecodeRows`]). The new keys go into the
     /// cache through the fused RoPE + KV store; the attention is one `flash_attn_with_kvcache`
     /// call per layer over the cache's strided k and v views, reading `lens + 1` on the device.
     /// Returns the logits (rows, vocab) in the run dtype. Neither `lens` nor the host's
@@ -873,19 +885,28 @@ impl Llama {
         &self,
         ids: &Tensor,
         lens: &Tensor,
-        slot_starts: &Tensor,
+        rows: &DecodeRows,
         cache: &KvCache,
     ) -> Result<Tensor> {
+        let batch = ids.dim(0)?;
+        let seqlens = lens.affine(1.0, 1.0)?;
+        let (group, cache_rows) = match rows {
+            DecodeRows::Slots { slot_starts } => (CacheGroup::one_token_each(batch, seqlens), (lens + slot_starts)?),
+            DecodeRows::Pages { cache_rows, page_table } => (
+                CacheGroup::one_token_each_paged(batch, seqlens, page_table.clone()),
+                cache_rows.clone(),
+            ),
+        };
         let plan = Plan {
             rope: self.rope_tables(lens)?,
             keys: KeySource::KvCacheCalls {
-                groups: vec![CacheGroup::one_token_each(ids.dim(0)?, lens.affine(1.0, 1.0)?)],
+                groups: vec![group],
                 unpermute: None,
                 view: cache.view_dims(),
             },
             // The fused store writes each token at its cache row; nothing goes through `writes`.
             writes: Vec::new(),
-            cache_rows: Some((lens + slot_starts)?),
+            cache_rows: Some(cache_rows),
         };
         let stream = self.run_layers(ids, &plan, Some(cache))?;
         Ok(stream.project(&self.norm, &self.lm_head, self.kernels)?.1)

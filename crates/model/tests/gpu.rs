@@ -564,14 +564,25 @@ fn cuda_graph_decode_follows_the_eager_steps() {
 /// The continuous batcher with CUDA graphs (`Batcher::cuda_graphs`): requests joining at
 /// different steps (graphs of 1, 2 and 4 rows, empty slots among the rows, the slot of a finished
 /// request taken by a newcomer, steps with a prompt going in run eagerly), each request's greedy
-/// tokens following the eager steps of that request alone ([`assert_follows_the_eager_steps`]).
+/// tokens following the eager steps of that request alone ([`assert_follows_the_eager_steps`]);
+/// over a contiguous cache and over a paged one (pages of 16, shuffled by the requests' comings
+/// and goings; the graphs' empty slots write into the cache's scratch page).
 #[test]
 fn batcher_cuda_graphs_follow_the_eager_steps() {
     let dev = gpu_untracked();
     let dir = hf_model(Family::WideHeads);
-    for dtype in [DType::BF16, DType::F16] {
+    for (dtype, paged) in [
+        (DType::BF16, false),
+        (DType::F16, false),
+        (DType::BF16, true),
+        (DType::F16, true),
+    ] {
         let model = load_hf_dir(&dir, dtype, &dev, Kernels::Fused).unwrap();
-        let mut batcher = Batcher::new(&model, 4, 128, dtype).unwrap().cuda_graphs(true);
+        let cache = match paged {
+            true => model.new_paged_cache(4, 40, 16, 128, dtype).unwrap(),
+            false => model.new_cache_of(4, 128, dtype).unwrap(),
+        };
+        let mut batcher = Batcher::with_cache(&model, cache).unwrap().cuda_graphs(true);
         // (step to join at, prompt, max_tokens)
         let requests: Vec<(usize, Vec<u32>, usize)> = vec![
             (0, tokens(7, 1), 20),
@@ -605,10 +616,15 @@ fn batcher_cuda_graphs_follow_the_eager_steps() {
             assert!(step < 200, "the batch does not drain");
         }
         for (r, (_, _, max_tokens)) in requests.iter().enumerate() {
-            assert_eq!(got[r].len(), *max_tokens, "{dtype:?}: request {r}");
+            assert_eq!(got[r].len(), *max_tokens, "{dtype:?} paged {paged}: request {r}");
         }
+        assert_eq!(
+            batcher.cuda_graph_rows(),
+            vec![1, 2, 4],
+            "{dtype:?} paged {paged}: the decode steps captured"
+        );
         let prompts: Vec<Vec<u32>> = requests.iter().map(|r| r.1.clone()).collect();
-        let what = format!("batcher with graphs, {dtype:?}");
+        let what = format!("batcher with graphs, {dtype:?}, paged {paged}");
         let exact = assert_follows_the_eager_steps(&model, &prompts, &got, &what);
         let total: usize = got.iter().map(Vec::len).sum();
         assert!(
@@ -618,16 +634,26 @@ fn batcher_cuda_graphs_follow_the_eager_steps() {
     }
 }
 
-/// The continuous batcher with CUDA graphs over an fp8 cache: requests that all join at the first
-/// step (one prefill fixes the scales, as the eager reference's does), then graph replays; each
-/// request's greedy tokens follow the eager steps over an fp8 cache
-/// ([`assert_follows_the_eager_steps_of`]).
+/// The continuous batcher with CUDA graphs over an fp8 cache, contiguous and paged (pages of 16):
+/// requests that all join at the first step (one prefill fixes the scales, as the eager
+/// reference's does), then graph replays; each request's greedy tokens follow the eager steps
+/// over an fp8 cache ([`assert_follows_the_eager_steps_of`]).
 #[test]
 fn batcher_cuda_graphs_over_an_fp8_cache() {
     let dev = gpu_untracked();
     let dir = hf_model(Family::WideHeads);
     let model = load_hf_dir(&dir, DType::BF16, &dev, Kernels::Fused).unwrap();
-    let mut batcher = Batcher::new(&model, 4, 128, DType::F8E4M3).unwrap().cuda_graphs(true);
+    for paged in [false, true] {
+        batcher_over_an_fp8_cache(&model, paged);
+    }
+}
+
+fn batcher_over_an_fp8_cache(model: &Llama, paged: bool) {
+    let cache = match paged {
+        true => model.new_paged_cache(4, 40, 16, 128, DType::F8E4M3).unwrap(),
+        false => model.new_cache_of(4, 128, DType::F8E4M3).unwrap(),
+    };
+    let mut batcher = Batcher::with_cache(model, cache).unwrap().cuda_graphs(true);
     let requests: Vec<(Vec<u32>, usize)> = vec![(tokens(7, 1), 20), (tokens(30, 2), 12), (tokens(5, 3), 16)];
     for (r, (prompt, max_tokens)) in requests.iter().enumerate() {
         let request = Request {
@@ -648,11 +674,17 @@ fn batcher_cuda_graphs_over_an_fp8_cache() {
         assert!(steps < 100, "the batch does not drain");
     }
     for (r, (_, max_tokens)) in requests.iter().enumerate() {
-        assert_eq!(got[r].len(), *max_tokens, "request {r}");
+        assert_eq!(got[r].len(), *max_tokens, "paged {paged}: request {r}");
     }
+    // Three sequences in slots 0-2: four rows; two left, then one.
+    assert_eq!(
+        batcher.cuda_graph_rows(),
+        vec![1, 4],
+        "paged {paged}: the decode steps captured"
+    );
     let prompts: Vec<Vec<u32>> = requests.iter().map(|r| r.0.clone()).collect();
-    let what = "batcher with graphs over an fp8 cache";
-    let exact = assert_follows_the_eager_steps_of(&model, &prompts, &got, what, DType::F8E4M3);
+    let what = &format!("batcher with graphs over an fp8 cache, paged {paged}");
+    let exact = assert_follows_the_eager_steps_of(model, &prompts, &got, what, DType::F8E4M3);
     let total: usize = got.iter().map(Vec::len).sum();
     assert!(
         exact * 10 >= total * 9,
