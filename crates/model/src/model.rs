@@ -848,9 +848,9 @@ impl Llama {
     }
 
     /// Whether [`Llama::decode_on_device`] can run over `cache`: a GPU model with the fused
-    /// kernels and per-head rotary tables (no q/k norm), in bf16 or f16, over a contiguous cache
-    /// of the model's dtype (the only cache whose rows the fused store writes from device-side
-    /// positions and whose attention reads device-side lengths).
+    /// kernels and per-head rotary tables (no q/k norm), in bf16 or f16, over a cache of the
+    /// model's dtype (contiguous or paged: the fused RoPE + KV store writes its rows), or of e4m3
+    /// once its first write fixed its scales.
     #[cfg(feature = "cuda")]
     pub(crate) fn decodes_on_device(&self, cache: &KvCache) -> bool {
         self.device.is_cuda()
