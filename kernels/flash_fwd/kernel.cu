@@ -126,16 +126,15 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
 
 }  // namespace fa3
 
-#define FA3_FWD_KERNEL_WG(NAME, D, BN, DT, WGS)                                                       \
+// One kernel: NAME runs flash_fwd over the FwdTraits given last, WGS consumer warpgroups.
+#define FA3_FWD_KERNEL_OF(NAME, WGS, ...)                                                              \
     extern "C" __global__ void __launch_bounds__(128 * (1 + WGS), 1)                                    \
         NAME(const __grid_constant__ fa3::FwdParams p) {                                                \
-        fa3::flash_fwd<fa3::FwdTraits<D, BN, DT, WGS>>(p);                                              \
+        fa3::flash_fwd<__VA_ARGS__>(p);                                                                 \
     }
+#define FA3_FWD_KERNEL_WG(NAME, D, BN, DT, WGS) FA3_FWD_KERNEL_OF(NAME, WGS, fa3::FwdTraits<D, BN, DT, WGS>)
 #define FA3_FWD_KERNEL(NAME, D, BN, DT) FA3_FWD_KERNEL_WG(NAME, D, BN, DT, 2)
-#define FA3_FWD_KERNEL_FP8_TV(NAME, D)                                                                 \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ fa3::FwdParams p) { \
-        fa3::flash_fwd<fa3::FwdTraits<D, 128, fa3::DT_E4M3, 2, true>>(p);                              \
-    }
+#define FA3_FWD_KERNEL_FP8_TV(NAME, D) FA3_FWD_KERNEL_OF(NAME, 2, fa3::FwdTraits<D, 128, fa3::DT_E4M3, 2, true>)
 
 // Instantiations: (padded head dim, key block) per dtype. Any other head dim (a multiple of 8)
 // runs on the next one up with TMA zero-filling the missing columns.
@@ -157,10 +156,7 @@ FA3_FWD_KERNEL_WG(flash_fwd_d64x3_bf16, 64, 128, fa3::DT_BF16, 3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_f16, 64, 128, fa3::DT_F16, 3)
 // Split-KV decode calls whose shares merge in a thread-block cluster (cluster_combine.cuh; the host's
 // rule in crates/flash-attn/src/cuda/forward.rs): the d64 and d128 kernels with the merge compiled in.
-#define FA3_FWD_KERNEL_CM(NAME, D, DT)                                                                 \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ fa3::FwdParams p) { \
-        fa3::flash_fwd<fa3::FwdTraits<D, 128, DT, 2, false, true>>(p);                                 \
-    }
+#define FA3_FWD_KERNEL_CM(NAME, D, DT) FA3_FWD_KERNEL_OF(NAME, 2, fa3::FwdTraits<D, 128, DT, 2, false, true>)
 FA3_FWD_KERNEL_CM(flash_fwd_d64_bf16_cm, 64, fa3::DT_BF16)
 FA3_FWD_KERNEL_CM(flash_fwd_d128_bf16_cm, 128, fa3::DT_BF16)
 FA3_FWD_KERNEL_CM(flash_fwd_d64_f16_cm, 64, fa3::DT_F16)
@@ -168,10 +164,7 @@ FA3_FWD_KERNEL_CM(flash_fwd_d128_f16_cm, 128, fa3::DT_F16)
 
 // Paged caches of small pages (16 and 32 keys) with the page warp (load.cuh page_warp): head dims
 // 64 and 128; the other head dims' small pages keep their lookups in the issuing threads.
-#define FA3_FWD_KERNEL_PW(NAME, D, DT)                                                                 \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ fa3::FwdParams p) { \
-        fa3::flash_fwd<fa3::FwdTraits<D, 128, DT, 2, false, false, true>>(p);                         \
-    }
+#define FA3_FWD_KERNEL_PW(NAME, D, DT) FA3_FWD_KERNEL_OF(NAME, 2, fa3::FwdTraits<D, 128, DT, 2, false, false, true>)
 FA3_FWD_KERNEL_PW(flash_fwd_d64_bf16_pw, 64, fa3::DT_BF16)
 FA3_FWD_KERNEL_PW(flash_fwd_d128_bf16_pw, 128, fa3::DT_BF16)
 FA3_FWD_KERNEL_PW(flash_fwd_d64_f16_pw, 64, fa3::DT_F16)

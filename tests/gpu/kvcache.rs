@@ -328,7 +328,7 @@ fn kvcache_split_counts_and_long_caches() -> Result<()> {
 /// views as they are (TMA with the views' strides) and agrees with the CPU path, which
 /// tests/cpu_kvcache.rs checks against dense copies. Head dims 64 and 128, GQA with and without
 /// pack-GQA, causal and not, seqlen_q 1 and 4, a sequence without keys, split-KV chosen per call,
-/// forced to 1 and to 3; the same keys through a page table (flash-llama's paged cache).
+/// forced to 1 and to 3; the same through a page table (flash-llama's paged cache).
 #[test]
 fn kvcache_strided_views() -> Result<()> {
     let dev = gpu()?;
@@ -349,49 +349,46 @@ fn kvcache_strided_views() -> Result<()> {
         let q = rng.randn((batch, seqlen_q, heads, d), DType::BF16, &cpu)?;
         let lens = Tensor::new(&[37u32, 0, 300], &cpu)?;
         let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(causal);
-        let views = |kv: &Tensor| -> Result<(Tensor, Tensor)> {
-            Ok((kv.narrow(2, 0, kv_heads)?, kv.narrow(2, kv_heads, kv_heads)?))
+        // The call on `dev` over the strided k and v views of `kv` (copied to `dev`), through
+        // `table` for a paged cache: its output and LSE, and the cache it read.
+        let call =
+            |kv: &Tensor, table: Option<&Tensor>, dev: &Device, splits: usize| -> Result<(Tensor, Tensor, Tensor)> {
+                let kv = kv.to_device(dev)?;
+                let (k, v) = (kv.narrow(2, 0, kv_heads)?, kv.narrow(2, kv_heads, kv_heads)?);
+                let (lens, q) = (lens.to_device(dev)?, q.to_device(dev)?);
+                let table = table.map(|t| t.to_device(dev)).transpose()?;
+                let mut cache = attn.clone().num_splits(splits).kv_cache(&k, &v, &lens);
+                if let Some(table) = &table {
+                    cache = cache.page_table(table);
+                }
+                let (out, lse) = cache.forward_with_lse(&q)?;
+                Ok((out, lse, kv))
+            };
+        // The GPU against the CPU path: the sequence without keys reads as empty, the cache is
+        // untouched.
+        let check = |kv: &Tensor, table: Option<&Tensor>, what: &str| -> Result<()> {
+            let (want, want_lse, _) = call(kv, table, &cpu, 0)?;
+            poison(&dev, 1 << 22)?;
+            let (out, lse, kv_dev) = call(kv, table, &dev, splits)?;
+            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+            assert_eq!(
+                out.get(1)?.abs()?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?,
+                0.0,
+                "{what}"
+            );
+            assert_eq!(to_f64_vec(&kv_dev)?, to_f64_vec(kv)?, "{what}: the cache changed");
+            Ok(())
         };
-        let (k, v) = views(&kv)?;
-        let (want, want_lse) = attn.kv_cache(&k, &v, &lens).forward_with_lse(&q)?;
-        let kv_dev = kv.to_device(&dev)?;
-        let (k, v) = views(&kv_dev)?;
-        poison(&dev, 1 << 22)?;
-        let (out, lse) = attn
-            .clone()
-            .num_splits(splits)
-            .kv_cache(&k, &v, &lens.to_device(&dev)?)
-            .forward_with_lse(&q.to_device(&dev)?)?;
-        assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
-        assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
-        // The sequence without keys reads as empty; the cache is untouched.
-        assert_eq!(
-            out.get(1)?.abs()?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?,
-            0.0,
-            "{what}"
-        );
-        assert_eq!(to_f64_vec(&kv_dev)?, to_f64_vec(&kv)?, "{what}: the cache changed");
-        // The same keys as a paged cache's strided views (flash-llama's paged cache): pages of
+        check(&kv, None, &what)?;
+        // The same shapes as a paged cache's strided views (flash-llama's paged cache): pages of
         // 16 (the `_pw` kernels at d64 / d128) and 64, shuffled in the pool.
         for page in [16, 64] {
             let per_seq = rows.div_ceil(page);
             let pages = batch * per_seq;
             let table = Tensor::from_vec(rng.permutation(pages), (batch, per_seq), &cpu)?;
             let pool = rng.randn((pages, page, 2 * kv_heads, d), DType::BF16, &cpu)?;
-            let (k, v) = views(&pool)?;
-            let what = format!("{what}, pages of {page}");
-            let (want, want_lse) = attn.kv_cache(&k, &v, &lens).page_table(&table).forward_with_lse(&q)?;
-            let pool_dev = pool.to_device(&dev)?;
-            let (k, v) = views(&pool_dev)?;
-            poison(&dev, 1 << 22)?;
-            let (out, lse) = attn
-                .clone()
-                .num_splits(splits)
-                .kv_cache(&k, &v, &lens.to_device(&dev)?)
-                .page_table(&table.to_device(&dev)?)
-                .forward_with_lse(&q.to_device(&dev)?)?;
-            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
-            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+            check(&pool, Some(&table), &format!("{what}, pages of {page}"))?;
         }
     }
     Ok(())

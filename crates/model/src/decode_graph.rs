@@ -107,9 +107,10 @@ impl DecodeGraph {
         let rows_in = match scratch.filter(|_| paged) {
             Some(scratch) => {
                 let (cache_rows, table) = cache.paged_decode_inputs(lens, scratch)?;
+                let width = table.len() / rows;
                 DecodeRows::Pages {
                     cache_rows: Tensor::new(cache_rows, dev)?,
-                    page_table: Tensor::from_vec(table.clone(), (rows, table.len() / rows), dev)?,
+                    page_table: Tensor::from_vec(table, (rows, width), dev)?,
                 }
             }
             None => {

@@ -105,6 +105,12 @@ pub(crate) fn shareable_tokens(held: &[u32], prompt: &[u32], page: usize) -> usi
 const MAX_RETIRED_PREFIXES: usize = 256;
 
 impl Paging {
+    /// Sequence `i`'s row of a page table: its pages in position order, then page 0 up to
+    /// max_pages (the kernel reads no page past a sequence's keys).
+    fn table_row(&self, i: usize) -> impl Iterator<Item = u32> + '_ {
+        (0..self.max_pages).map(move |j| self.owned[i].get(j).copied().unwrap_or(0))
+    }
+
     /// Drops one holder of `page`; the page goes back to the pool at 0.
     fn release(&mut self, page: u32) {
         let holders = &mut self.holders[page as usize];
@@ -543,7 +549,7 @@ impl KvCache {
             bail!("internal error: paged decode inputs of a contiguous cache")
         };
         let mut rows = Vec::with_capacity(lens.len());
-        let mut table = vec![0u32; lens.len() * p.max_pages];
+        let mut table: Vec<u32> = (0..lens.len()).flat_map(|i| p.table_row(i)).collect();
         for (i, &len) in lens.iter().enumerate() {
             let owned = &p.owned[i];
             if len == 0 && owned.is_empty() {
@@ -555,7 +561,6 @@ impl KvCache {
                 bail!("decode step: sequence {i} holds {len} keys and no page for its next one")
             };
             rows.push(page * p.page_size as u32 + (len % p.page_size) as u32);
-            table[i * p.max_pages..i * p.max_pages + owned.len()].copy_from_slice(owned);
         }
         Ok((rows, table))
     }
@@ -717,11 +722,7 @@ impl CacheGroup {
             let page_table = match paging {
                 None => None,
                 Some(p) => {
-                    // Unused columns name page 0: the kernel reads no page past a sequence's keys.
-                    let table: Vec<u32> = seqs
-                        .iter()
-                        .flat_map(|&i| (0..p.max_pages).map(move |j| p.owned[i].get(j).copied().unwrap_or(0)))
-                        .collect();
+                    let table: Vec<u32> = seqs.iter().flat_map(|&i| p.table_row(i)).collect();
                     Some(Tensor::from_vec(table, (seqs.len(), p.max_pages), dev)?)
                 }
             };

@@ -137,6 +137,19 @@ struct Variant {
     transpose_v: bool,
 }
 
+/// Kernels compiled beside the default instantiations for one kind of call: compiled into the
+/// default kernels, their code made those kernels' other calls slower, so they have their own
+/// (`Variant::own_kernel_name`).
+#[derive(Clone, Copy)]
+enum OwnKernel {
+    /// Split-KV shares merged in a thread-block cluster (`fa3::FwdTraits::kClusterCombine`, the
+    /// `_cm` kernels).
+    ClusterMerge,
+    /// A small-page cache's page indices looked up by the page warp (`fa3::FwdTraits::kPageWarp`,
+    /// the `_pw` kernels).
+    PageWarp,
+}
+
 impl Variant {
     /// Head dims round up to the next instantiation; TMA zero-fills the padding columns.
     /// `uneven`: a causal/windowed/varlen call (tiles of unequal work). d64 runs on 192-row tiles
@@ -312,36 +325,33 @@ impl Variant {
         }
     }
 
-    /// The instantiation of this variant that merges split-KV shares in a thread-block cluster
-    /// (`fa3::FwdTraits::kClusterCombine`, the `_cm` kernels: 16 bits, two consumer warpgroups,
-    /// head dims 64 and 128), if there is one. Same shared-memory layout.
-    fn cluster_kernel_name(&self, dtype: DType) -> Option<&'static str> {
+    /// This variant's instantiation of a kind of its own ([`OwnKernel`]), if there is one: 16
+    /// bits, two consumer warpgroups, head dims 64 and 128. Same shared-memory layout.
+    fn own_kernel_name(&self, dtype: DType, kind: OwnKernel) -> Option<&'static str> {
         if self.fp8 || self.consumer_wgs != 2 {
             return None;
         }
-        match (self.head_dim, dtype == DType::BF16) {
-            (64, true) => Some("flash_fwd_d64_bf16_cm"),
-            (128, true) => Some("flash_fwd_d128_bf16_cm"),
-            (64, false) => Some("flash_fwd_d64_f16_cm"),
-            (128, false) => Some("flash_fwd_d128_f16_cm"),
-            _ => None,
-        }
-    }
-
-    /// The instantiation of this variant whose page warp looks a small-page cache's page indices
-    /// up (`fa3::FwdTraits::kPageWarp`, the `_pw` kernels: 16 bits, two consumer warpgroups, head
-    /// dims 64 and 128), if there is one. Same shared-memory layout.
-    fn page_warp_kernel_name(&self, dtype: DType) -> Option<&'static str> {
-        if self.fp8 || self.consumer_wgs != 2 {
-            return None;
-        }
-        match (self.head_dim, dtype == DType::BF16) {
-            (64, true) => Some("flash_fwd_d64_bf16_pw"),
-            (128, true) => Some("flash_fwd_d128_bf16_pw"),
-            (64, false) => Some("flash_fwd_d64_f16_pw"),
-            (128, false) => Some("flash_fwd_d128_f16_pw"),
-            _ => None,
-        }
+        // d64 bf16, d128 bf16, d64 f16, d128 f16 (kernels/flash_fwd/kernel.cu).
+        let names = match kind {
+            OwnKernel::ClusterMerge => [
+                "flash_fwd_d64_bf16_cm",
+                "flash_fwd_d128_bf16_cm",
+                "flash_fwd_d64_f16_cm",
+                "flash_fwd_d128_f16_cm",
+            ],
+            OwnKernel::PageWarp => [
+                "flash_fwd_d64_bf16_pw",
+                "flash_fwd_d128_bf16_pw",
+                "flash_fwd_d64_f16_pw",
+                "flash_fwd_d128_f16_pw",
+            ],
+        };
+        let head_dim = match self.head_dim {
+            64 => 0,
+            128 => 1,
+            _ => return None,
+        };
+        Some(names[head_dim + if dtype == DType::BF16 { 0 } else { 2 }])
     }
 
     /// Query rows per tile: 64 per consumer warpgroup.
@@ -592,7 +602,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // of 128 CTAs (batch 8) 1.02-1.07x, a second wave of clusters up to 2x. Each CTA then takes
     // exactly one (tile, share), in static order.
     let smem = variant.smem_bytes();
-    let cluster_kernel = match variant.cluster_kernel_name(dtype) {
+    let cluster_kernel = match variant.own_kernel_name(dtype, OwnKernel::ClusterMerge) {
         Some(cm)
             if splits > 1
                 && splits <= MAX_CLUSTER_SHARES
@@ -617,7 +627,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // compiled into the default ones, the code made contiguous split calls 2-5% slower. The
     // cluster merge goes first (its kernels look the pages up the old way).
     let small_pages = matches!(cache, Some(c) if c.page_table != 0) && kv_box_rows < 64;
-    let page_warp_kernel = variant.page_warp_kernel_name(dtype).filter(|_| small_pages);
+    let page_warp_kernel = variant
+        .own_kernel_name(dtype, OwnKernel::PageWarp)
+        .filter(|_| small_pages);
     let (name, func) = match (cluster_kernel, page_warp_kernel) {
         (Some(cluster), _) => cluster,
         (None, Some(name)) => (name, kernel(&dev, name, smem)?),
