@@ -706,3 +706,120 @@ fn kvcache_every_sequence_empty() -> Result<()> {
     assert_eq!(to_f64_vec(&lse)?, want, "lse with sinks");
     Ok(())
 }
+
+/// Varlen queries (`KvCacheAttn::varlen_q`, FA3's cu_seqlens_q): sequences with 0, 1 or many
+/// queries in one call over contiguous and paged caches, against the f64 reference over each
+/// sequence's keys (its queries the last of its keys, bottom-right); then its errors.
+#[test]
+fn kvcache_varlen_queries() -> Result<()> {
+    let dev = Device::Cpu;
+    let mut rng = TestRng::fresh("cpu-kvcache-varlen-q");
+    for page_size in [None, Some(16), Some(64)] {
+        for opts in [
+            Opts::new(0.125).causal(),
+            Opts::new(0.1),
+            Opts::new(0.09).window(Some(40), Some(0)).softcap(6.0),
+        ] {
+            let case = Case::random(&mut rng, page_size, false);
+            let (b, hk, d, dv, h) = (case.batch, case.kv_heads, case.d, case.dv, case.heads);
+            let what = format!("{} opts {opts:?} seed {}", case.describe(), rng.seed());
+            // Query counts: none, one (a decode token) or a chunk, at most the keys held.
+            let q_lens: Vec<usize> = (0..b)
+                .map(|i| match rng.range(0, 3) {
+                    0 => 0,
+                    1 => case.lens[i].min(1),
+                    _ => rng.range(0, case.lens[i] + 1).min(37),
+                })
+                .collect();
+            let total_q: usize = q_lens.iter().sum();
+            if total_q == 0 {
+                continue;
+            }
+            let (slots, rows) = case.cache_dims;
+            let k_cache = rng.randn((slots, rows, hk, d), DType::F32, &dev)?;
+            let v_cache = rng.randn((slots, rows, hk, dv), DType::F32, &dev)?;
+            let q = rng.randn((total_q, h, d), DType::F32, &dev)?;
+            let lens: Vec<u32> = case.lens.iter().map(|&l| l as u32).collect();
+            let cache_seqlens = Tensor::new(lens.as_slice(), &dev)?;
+            let cu = flash_attn3::SeqOffsets::from_lengths(q_lens.iter().copied(), &dev)?;
+            let page_table = match &case.page_table {
+                Some(t) => Some(Tensor::from_vec(t.clone(), (b, case.max_pages), &dev)?),
+                None => None,
+            };
+            let batch_idx = match &case.batch_idx {
+                Some(i) => Some(Tensor::new(i.as_slice(), &dev)?),
+                None => None,
+            };
+            let mut call = opts
+                .builder()
+                .kv_cache(&k_cache, &v_cache, &cache_seqlens)
+                .varlen_q(&cu);
+            if let Some(pt) = &page_table {
+                call = call.page_table(pt);
+            }
+            if let Some(idx) = &batch_idx {
+                call = call.cache_batch_idx(idx);
+            }
+            let (out, lse) = call.forward_with_lse(&q)?;
+            assert_eq!(out.dims(), &[total_q, h, dv], "{what}: out shape");
+            assert_eq!(lse.dims(), &[h, total_q], "{what}: lse shape");
+
+            // The reference: each sequence's keys gathered through the host model of the cache.
+            let (kc, vc) = (to_f64_vec(&k_cache)?, to_f64_vec(&v_cache)?);
+            let (mut k_seq, mut v_seq) = (Vec::new(), Vec::new());
+            for (seq, &n) in case.slots.iter().zip(&case.lens) {
+                for &(slot, row) in &seq[..n] {
+                    let at = (slot * rows + row) * hk;
+                    k_seq.extend_from_slice(&kc[at * d..(at + hk) * d]);
+                    v_seq.extend_from_slice(&vc[at * dv..(at + hk) * dv]);
+                }
+            }
+            let total_k: usize = case.lens.iter().sum();
+            let k_ref = Tensor::from_vec(k_seq, (total_k, hk, d), &dev)?;
+            let v_ref = Tensor::from_vec(v_seq, (total_k, hk, dv), &dev)?;
+            let q_ref = Tensor::from_vec(to_f64_vec(&q)?, (total_q, h, d), &dev)?;
+            let (want, want_lse) = attention_ref_varlen(
+                &q_ref,
+                &k_ref,
+                &v_ref,
+                &cumulative(&q_lens),
+                &cumulative(&case.lens),
+                &opts.reference(),
+            )?;
+            assert_close(&out, &want, F32_TOL, &format!("{what}: out"))?;
+            assert_close(&lse, &want_lse, F32_TOL, &format!("{what}: lse"))?;
+        }
+    }
+
+    // Errors: q not packed, offsets that do not end at q's tokens or do not match the batch,
+    // and the options a varlen call cannot take.
+    let kc = rng.randn((2, 32, 2, 32), DType::F32, &dev)?;
+    let lens = Tensor::new(&[3u32, 5], &dev)?;
+    let cu = flash_attn3::SeqOffsets::new(&[0, 1, 3], &dev)?;
+    let attn = FlashAttn::new(0.1);
+    let q4 = rng.randn((1, 3, 4, 32), DType::F32, &dev)?;
+    assert_err(
+        attn.kv_cache(&kc, &kc, &lens).varlen_q(&cu).forward(&q4),
+        &["q must be (total_q, heads, head_dim)"],
+    );
+    let q5 = rng.randn((5, 4, 32), DType::F32, &dev)?;
+    assert_err(
+        attn.kv_cache(&kc, &kc, &lens).varlen_q(&cu).forward(&q5),
+        &["cu_seqlens_q ends at 3 but q holds 5 tokens"],
+    );
+    let q3 = rng.randn((3, 4, 32), DType::F32, &dev)?;
+    let three = flash_attn3::SeqOffsets::new(&[0, 1, 2, 3], &dev)?;
+    assert_err(
+        attn.kv_cache(&kc, &kc, &lens).varlen_q(&three).forward(&q3),
+        &["cache_seqlens must be a u32 tensor of shape [3]"],
+    );
+    let kn = rng.randn((2, 1, 2, 32), DType::F32, &dev)?;
+    assert_err(
+        attn.kv_cache(&kc, &kc, &lens)
+            .append(&kn, &kn)
+            .varlen_q(&cu)
+            .forward(&q3),
+        &["store the new keys first"],
+    );
+    Ok(())
+}

@@ -118,16 +118,19 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
         t.q_row0 = 0;
         t.k_row0 = 0;
         t.tma_batch = t.batch;
-        if (p.seqused_k != nullptr) {
-            // A KV cache's key count, clamped to what the cache holds. The load's value differs
-            // per lane as far as ptxas knows; redux.sync over the lanes running this code (all
-            // of a consumer warp, the one TMA thread) puts it in a uniform register, as
-            // receive_tile does for the tile index.
-            const uint32_t used = __reduce_max_sync(__activemask(), p.seqused_k[t.batch]);
-            t.seqlen_k = (int)min(used, (uint32_t)p.seqlen_k);
-        }
         t.out_tok0 = (int64_t)t.batch * p.seqlen_q;
         t.lse_row0 = (int64_t)t.batch * p.lse_batch_stride + (int64_t)t.head * p.lse_head_stride;
+    }
+    if (p.seqused_k != nullptr) {
+        // A KV cache's key count, clamped to what the cache holds; its keys start at the cache
+        // row's (or page table's) first. Varlen queries over a cache come with cu_k = cu_q (the
+        // host's), whose key fields this replaces, and a contiguous cache's rows through
+        // kv_batch_idx. The load's value differs per lane as far as ptxas knows; redux.sync over
+        // the lanes running this code (all of a consumer warp, the one TMA thread) puts it in a
+        // uniform register, as receive_tile does for the tile index.
+        const uint32_t used = __reduce_max_sync(__activemask(), p.seqused_k[t.batch]);
+        t.seqlen_k = (int)min(used, (uint32_t)p.seqlen_k);
+        t.k_row0 = 0;
     }
     t.kv_batch = t.tma_batch;
     if (p.kv_batch_idx != nullptr) t.kv_batch = (int)__reduce_max_sync(__activemask(), p.kv_batch_idx[t.batch]);

@@ -8,7 +8,7 @@
 //! caches of every page size with shuffled pages and a prefix page shared by two sequences, append
 //! with and without rotary (interleaved or not), zero-length sequences, GQA with and without
 //! pack-GQA, causal, windows and softcap, split-KV forced to 1, 3 and 16, head dims 64 / 128 /
-//! 256, keys over many blocks; then the device's defined outcome for bad indices (the sequence
+//! 256, keys over many blocks, varlen queries (cu_seqlens_q); then the device's defined outcome for bad indices (the sequence
 //! reads as empty, a status bit is set) and the host errors.
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -324,6 +324,65 @@ fn kvcache_split_counts_and_long_caches() -> Result<()> {
     let lens = vec![rng.range(500, 2000); 3];
     let s = Spec::new(&mut rng, Some(32), lens, 9, 2, 8, 8, 128, 128);
     check(&mut rng, &s, Opts::new(0.1).causal(), None, 0)?;
+    Ok(())
+}
+
+/// Varlen queries (`KvCacheAttn::varlen_q`: a serving step's prefill chunks beside single decode
+/// tokens, in one call): sequences with 0, 1 or many queries over contiguous caches and pages of
+/// 16 and 64, d64 and d128, GQA with and without pack-GQA, causal / window + softcap / none,
+/// split-KV chosen per call and forced to 3; GPU against the CPU path on the same values.
+#[test]
+fn kvcache_varlen_queries() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-kvcache-varlen-q");
+    for page_size in [None, Some(16), Some(64)] {
+        for (d, heads, kv_heads, opts, splits) in [
+            (128, 32, 4, Opts::new(0.1).causal(), 0),
+            (64, 9, 3, Opts::new(0.12).causal(), 3),
+            (128, 8, 8, Opts::new(0.09).window(Some(100), Some(0)).softcap(7.0), 0),
+            (64, 8, 2, Opts::new(0.11), 0),
+        ] {
+            let batch = rng.range(2, 6);
+            let lens: Vec<usize> = (0..batch).map(|_| rng.range(0, 1500)).collect();
+            let q_lens: Vec<usize> = lens
+                .iter()
+                .map(|&l| match rng.range(0, 3) {
+                    0 => 0,
+                    1 => l.min(1),
+                    _ => rng.range(0, l + 1).min(300),
+                })
+                .collect();
+            let total_q: usize = q_lens.iter().sum();
+            if total_q == 0 {
+                continue;
+            }
+            let s = Spec::new(&mut rng, page_size, lens, 1, 0, heads, kv_heads, d, d);
+            let what = format!(
+                "{s:?} q_lens {q_lens:?} opts {opts:?} splits {splits} seed {}",
+                rng.seed()
+            );
+            let host = Inputs::random(&mut rng, &s, None)?;
+            let device = host.to_device(&dev)?;
+            let q = rng.randn((total_q, heads, d), DType::BF16, &Device::Cpu)?;
+            let run = |x: &Inputs, q: &Tensor, attn: &FlashAttn| -> Result<(Tensor, Tensor)> {
+                let cu = flash_attn3::SeqOffsets::from_lengths(q_lens.iter().copied(), q.device())?;
+                let mut call = attn.kv_cache(&x.k_cache, &x.v_cache, &x.lens).varlen_q(&cu);
+                if let Some(pt) = &x.page_table {
+                    call = call.page_table(pt);
+                }
+                if let Some(idx) = &x.batch_idx {
+                    call = call.cache_batch_idx(idx);
+                }
+                call.forward_with_lse(q)
+            };
+            poison(&dev, 1 << 22)?;
+            let (out, lse) = run(&device, &q.to_device(&dev)?, &opts.builder().num_splits(splits))?;
+            let (want, want_lse) = run(&host, &q, &opts.builder())?;
+            assert_eq!(out.dims(), &[total_q, heads, d], "{what}: out shape");
+            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+        }
+    }
     Ok(())
 }
 

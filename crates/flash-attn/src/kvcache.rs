@@ -25,6 +25,13 @@
 //! `cache_batch_idx` (batch,) u32 picks the cache row of each batch entry (contiguous caches
 //! only; a page table already maps sequences to pages).
 //!
+//! With [`KvCacheAttn::varlen_q`] (FA3's `cu_seqlens_q`) each sequence brings its own number of
+//! queries, packed: q (total_q, heads, d) with [`SeqOffsets`] of batch + 1 offsets, so a serving
+//! step's prefill chunks and single decode tokens attend in one call. The output is then
+//! (total_q, heads, head_dim_v) and the LSE (heads, total_q), as in the varlen forward. Such a
+//! call reads the cache as it stands: keys already stored, no append or rotary (16-bit and f32
+//! caches).
+//!
 //! A 16-bit (or f32) cache, contiguous or paged, read by a call that does not append may be a
 //! strided view whose head dim is contiguous: k and v heads interleaved in one buffer
 //! (flash-llama's caches, read this way by its CUDA-graph decode) are read in place, without a
@@ -83,6 +90,7 @@ pub struct KvCacheAttn<'a> {
     cache_batch_idx: Option<&'a Tensor>,
     rotary: Option<Rotary<'a>>,
     status: Option<&'a Tensor>,
+    varlen_q: Option<&'a SeqOffsets>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -134,6 +142,7 @@ impl FlashAttn {
             cache_batch_idx: None,
             rotary: None,
             status: None,
+            varlen_q: None,
         }
     }
 }
@@ -197,12 +206,23 @@ impl<'a> KvCacheAttn<'a> {
         self
     }
 
-    /// The attention output, (batch, seqlen_q, heads, head_dim_v).
+    /// Queries of different lengths per sequence, packed: q (total_q, heads, head_dim) and
+    /// `cu_seqlens_q` its batch + 1 offsets (module docs). The output is (total_q, heads,
+    /// head_dim_v) and the LSE (heads, total_q). Not with [`KvCacheAttn::append`] or
+    /// [`KvCacheAttn::rotary`] (store the keys first), nor with fp8 caches.
+    pub fn varlen_q(mut self, cu_seqlens_q: &'a SeqOffsets) -> Self {
+        self.varlen_q = Some(cu_seqlens_q);
+        self
+    }
+
+    /// The attention output, (batch, seqlen_q, heads, head_dim_v), or (total_q, heads,
+    /// head_dim_v) with [`KvCacheAttn::varlen_q`].
     pub fn forward(&self, q: &Tensor) -> Result<Tensor> {
         Ok(self.forward_with_lse(q)?.0)
     }
 
-    /// The output and the f32 log-sum-exp of each query row, (batch, heads, seqlen_q).
+    /// The output and the f32 log-sum-exp of each query row, (batch, heads, seqlen_q), or
+    /// (heads, total_q) with [`KvCacheAttn::varlen_q`].
     pub fn forward_with_lse(&self, q: &Tensor) -> Result<(Tensor, Tensor)> {
         let shape = self.check(q)?;
         // FP8 caches: the builder's descales, one per (batch, kv head) (or per (batch, head) for
@@ -225,6 +245,7 @@ impl<'a> KvCacheAttn<'a> {
                 cache_batch_idx: self.cache_batch_idx,
                 rotary: self.rotary.map(|r| (r.cos, r.sin, r.interleaved)),
                 status: self.status,
+                varlen_q: self.varlen_q,
                 sinks: self.attn.sinks_f32(q, shape.heads)?.as_ref(),
                 fp8: fp8.as_ref(),
             }),
@@ -238,11 +259,27 @@ impl<'a> KvCacheAttn<'a> {
     /// Shapes, dtypes and devices: everything the host can check without reading a tensor.
     fn check(&self, q: &Tensor) -> Result<CacheShape> {
         const E: &str = "flash-attn3: kvcache";
-        let (batch, seqlen_q, heads, head_dim) = match *q.dims() {
-            [b, s, h, d] => (b, s, h, d),
-            _ => bail!("{E}: q must be (batch, seqlen_q, heads, head_dim), got {:?}", q.dims()),
-        };
         let dtype = q.dtype();
+        let (batch, seqlen_q, total_q, heads, head_dim) = match (self.varlen_q, q.dims()) {
+            (None, &[b, s, h, d]) => (b, s, b * s, h, d),
+            (None, _) => bail!("{E}: q must be (batch, seqlen_q, heads, head_dim), got {:?}", q.dims()),
+            (Some(cu), &[t, h, d]) => {
+                if self.new.is_some() || self.rotary.is_some() {
+                    bail!("{E}: varlen queries (cu_seqlens_q) read the cache as it stands: store the new keys first, without append or rotary")
+                }
+                if dtype == DType::F8E4M3 {
+                    bail!("{E}: varlen queries (cu_seqlens_q) are not supported with fp8 caches; call once per query count")
+                }
+                if cu.total() != t {
+                    bail!("{E}: cu_seqlens_q ends at {} but q holds {t} tokens", cu.total())
+                }
+                (cu.batch(), cu.max_len(), t, h, d)
+            }
+            (Some(_), _) => bail!(
+                "{E}: with cu_seqlens_q, q must be (total_q, heads, head_dim), got {:?}",
+                q.dims()
+            ),
+        };
         if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3) {
             bail!("{E}: q must be f32, f16, bf16 or f8e4m3, got {dtype:?}")
         }
@@ -384,6 +421,8 @@ impl<'a> KvCacheAttn<'a> {
         Ok(CacheShape {
             batch,
             seqlen_q,
+            total_q,
+            varlen_q: self.varlen_q.is_some(),
             seqlen_new,
             heads,
             kv_heads,
@@ -492,12 +531,18 @@ impl<'a> KvCacheAttn<'a> {
         let flat = |t: &Tensor, d: usize| t.reshape((s.slots * s.rows, s.kv_heads, d));
         let k = flat(self.k_cache, s.head_dim)?.index_select(&gather, 0)?;
         let v = flat(self.v_cache, s.head_dim_v)?.index_select(&gather, 0)?;
-        let cu_q = SeqOffsets::from_lengths(std::iter::repeat_n(s.seqlen_q, s.batch), &Device::Cpu)?;
+        let cu_q = match self.varlen_q {
+            Some(cu) => SeqOffsets::new(cu.as_slice(), &Device::Cpu)?,
+            None => SeqOffsets::from_lengths(std::iter::repeat_n(s.seqlen_q, s.batch), &Device::Cpu)?,
+        };
         let cu_k = SeqOffsets::from_lengths(keys.iter().copied(), &Device::Cpu)?;
-        let q = q.reshape((s.batch * s.seqlen_q, s.heads, s.head_dim))?;
+        let q = q.reshape((s.total_q, s.heads, s.head_dim))?;
         let (out, lse) = self
             .attn
             .forward_varlen_offsets_with_lse(&q, &k, &v, &cu_q, &cu_k, s.seqlen_q, max_k)?;
+        if s.varlen_q {
+            return Ok((out, lse));
+        }
         let out = out.reshape((s.batch, s.seqlen_q, s.heads, s.head_dim_v))?;
         // (heads, batch × seqlen_q) → (batch, heads, seqlen_q).
         let lse = lse
@@ -511,10 +556,23 @@ impl<'a> KvCacheAttn<'a> {
 impl KvCacheAttn<'_> {
     /// The result of a call in which no sequence sees a key.
     fn empty_rows(&self, q: &Tensor, s: &CacheShape, out_dtype: DType) -> Result<(Tensor, Tensor)> {
-        let out = Tensor::zeros((s.batch, s.seqlen_q, s.heads, s.head_dim_v), out_dtype, q.device())?;
-        let lse_shape = (s.batch, s.heads, s.seqlen_q);
+        // Fixed length: out (batch, seqlen_q, heads, dv), LSE (batch, heads, seqlen_q); varlen
+        // queries: out (total_q, heads, dv), LSE (heads, total_q).
+        let (out_shape, lse_shape, sink_shape) = match s.varlen_q {
+            false => (
+                vec![s.batch, s.seqlen_q, s.heads, s.head_dim_v],
+                vec![s.batch, s.heads, s.seqlen_q],
+                vec![1, s.heads, 1],
+            ),
+            true => (
+                vec![s.total_q, s.heads, s.head_dim_v],
+                vec![s.heads, s.total_q],
+                vec![s.heads, 1],
+            ),
+        };
+        let out = Tensor::zeros(out_shape, out_dtype, q.device())?;
         let lse = match self.attn.sinks_f32(q, s.heads)? {
-            Some(sinks) => sinks.reshape((1, s.heads, 1))?.broadcast_as(lse_shape)?.contiguous()?,
+            Some(sinks) => sinks.reshape(sink_shape)?.broadcast_as(lse_shape)?.contiguous()?,
             None => Tensor::full(f32::NEG_INFINITY, lse_shape, q.device())?,
         };
         Ok((out, lse))
@@ -525,7 +583,12 @@ impl KvCacheAttn<'_> {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct CacheShape {
     pub batch: usize,
+    /// Queries per sequence, or with varlen queries the longest sequence's.
     pub seqlen_q: usize,
+    /// Packed query rows: batch × seqlen_q, or the varlen offsets' total.
+    pub total_q: usize,
+    /// The queries are packed per [`KvCacheAttn::varlen_q`].
+    pub varlen_q: bool,
     pub seqlen_new: usize,
     pub heads: usize,
     pub kv_heads: usize,
@@ -552,7 +615,7 @@ impl CacheShape {
             batch: self.batch,
             seqlen_q: self.seqlen_q,
             seqlen_k: self.capacity(),
-            total_q: self.batch * self.seqlen_q,
+            total_q: self.total_q,
             total_k: self.batch * self.capacity(),
             heads: self.heads,
             kv_heads: self.kv_heads,

@@ -690,7 +690,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     };
 
     // Varlen offsets: the caller's u32 device tensors when contiguous, else a fresh upload of
-    // the host copies that validation already read.
+    // the host copies that validation already read. (A KV-cache call with varlen queries passes
+    // q's offsets for k too: the kernel takes each sequence's keys from the cache instead,
+    // kernels/flash_fwd/scheduler.cuh get_tile.)
     let (cu_q_t, cu_k_t) = match varlen {
         Some(vl) => (
             Some(vl.seqlens_q.storage_and_layout()),

@@ -82,6 +82,8 @@ pub(crate) struct GpuCall<'a> {
     /// cos, sin, interleaved.
     pub rotary: Option<(&'a Tensor, &'a Tensor, bool)>,
     pub status: Option<&'a Tensor>,
+    /// Varlen queries: q packed (total_q, heads, d) at these offsets.
+    pub varlen_q: Option<&'a crate::SeqOffsets>,
     /// (heads,) f32, contiguous.
     pub sinks: Option<&'a Tensor>,
     /// FP8 (e4m3) q and caches: their descales and the output dtype.
@@ -220,13 +222,31 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
     }
 
     // The attention over the cache.
+    //
+    // Varlen queries: q's offsets for q and k alike (the kernel takes each sequence's key count
+    // from seqused_k and its keys from the cache, kernels/flash_fwd/scheduler.cuh get_tile), and
+    // a contiguous cache's rows through kv_batch_idx (the identity unless the caller gave
+    // cache_batch_idx: varlen calls have no batch coordinate of their own).
+    let varlen = c.varlen_q.map(|cu| {
+        let host: Vec<usize> = cu.as_slice().iter().map(|&x| x as usize).collect();
+        crate::params::Varlen {
+            seqlens_q: cu.tensor().clone(),
+            seqlens_k: cu.tensor().clone(),
+            cu_q: host.clone(),
+            cu_k: host,
+        }
+    });
+    let identity_rows = match (c.varlen_q, &cache_batch_idx, &page_table) {
+        (Some(_), None, None) => Some(Tensor::arange(0u32, s.batch as u32, c.q.device())?),
+        _ => None,
+    };
     let dims = s.dims();
     let launch = CacheLaunch {
         seqused_k: match &seqused {
             Some(b) => b.device_ptr(&stream).0,
             None => addr_of(&cache_seqlens, "cache_seqlens")?,
         },
-        kv_batch_idx: addr(cache_batch_idx.as_ref(), "cache_batch_idx")?,
+        kv_batch_idx: addr(cache_batch_idx.as_ref().or(identity_rows.as_ref()), "cache_batch_idx")?,
         page_table: addr(page_table.as_ref(), "page_table")?,
         max_pages: s.paged.unwrap_or(0),
         page_size: s.rows,
@@ -239,7 +259,7 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         super::forward(
             &dims,
             c.params,
-            None,
+            varlen.as_ref(),
             (cuda_of(&q_st, "q")?, q_l),
             (cuda_of(&k_st, "k_cache")?, k_l),
             (cuda_of(&v_st, "v_cache")?, v_l),
@@ -252,17 +272,17 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
     };
     // Freed in stream order after the kernels.
     drop((seqused, scratch_status));
-    let out = Tensor::from_storage(
-        Storage::Cuda(out),
-        Shape::from((s.batch, s.seqlen_q, s.heads, s.head_dim_v)),
-        BackpropOp::none(),
-        false,
-    );
-    let lse = Tensor::from_storage(
-        Storage::Cuda(lse),
-        Shape::from((s.batch, s.heads, s.seqlen_q)),
-        BackpropOp::none(),
-        false,
-    );
+    let (out_shape, lse_shape) = match s.varlen_q {
+        false => (
+            Shape::from((s.batch, s.seqlen_q, s.heads, s.head_dim_v)),
+            Shape::from((s.batch, s.heads, s.seqlen_q)),
+        ),
+        true => (
+            Shape::from((s.total_q, s.heads, s.head_dim_v)),
+            Shape::from((s.heads, s.total_q)),
+        ),
+    };
+    let out = Tensor::from_storage(Storage::Cuda(out), out_shape, BackpropOp::none(), false);
+    let lse = Tensor::from_storage(Storage::Cuda(lse), lse_shape, BackpropOp::none(), false);
     Ok((out, lse))
 }
