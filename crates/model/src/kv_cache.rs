@@ -647,7 +647,8 @@ impl KvCache {
     }
 }
 
-/// Sequences of one step with the same number of new tokens, for one kvcache call.
+/// Sequences of one step with the same number of new tokens, for one kvcache call; or (a paged
+/// 16-bit cache, [`CacheGroup::varlen`]) every sequence of the step with its own count.
 pub(crate) struct CacheGroup {
     /// Their queries' packed rows, (batch × new,) u32; `None`: every packed row, in order.
     pub(crate) rows: Option<Tensor>,
@@ -659,6 +660,9 @@ pub(crate) struct CacheGroup {
     pub(crate) cache_idx: Option<Tensor>,
     /// Their pages, (batch, max_pages) u32 (paged caches).
     pub(crate) page_table: Option<Tensor>,
+    /// Varlen queries: every sequence's new tokens at these offsets of the packed rows
+    /// (`KvCacheAttn::varlen_q`); `new` is then the most any sequence has.
+    pub(crate) cu_q: Option<flash_attn3::SeqOffsets>,
 }
 
 impl CacheGroup {
@@ -673,6 +677,7 @@ impl CacheGroup {
             seqlens,
             cache_idx: None,
             page_table: None,
+            cu_q: None,
         }
     }
 
@@ -684,6 +689,24 @@ impl CacheGroup {
             page_table: Some(page_table),
             ..Self::one_token_each(batch, seqlens)
         }
+    }
+
+    /// A step over a paged 16-bit cache as one group: sequence `i` (holding `lens[i]` keys before
+    /// the step) brings `new[i]` queries, packed in order, through one kvcache call with varlen
+    /// queries, where [`CacheGroup::plan`] would make one call per distinct count (a prefill chunk
+    /// beside decode tokens: two calls, and the rows gathered and put back around them).
+    pub(crate) fn varlen(lens: &[usize], new: &[usize], paging: &Paging, dev: &Device) -> Result<Self> {
+        let seqlens: Vec<u32> = lens.iter().zip(new).map(|(&l, &n)| (l + n) as u32).collect();
+        let table: Vec<u32> = (0..new.len()).flat_map(|i| paging.table_row(i)).collect();
+        Ok(Self {
+            rows: None,
+            batch: new.len(),
+            new: new.iter().copied().max().unwrap_or(0),
+            seqlens: Tensor::new(seqlens, dev)?,
+            cache_idx: None,
+            page_table: Some(Tensor::from_vec(table, (new.len(), paging.max_pages), dev)?),
+            cu_q: Some(flash_attn3::SeqOffsets::from_lengths(new.iter().copied(), dev)?),
+        })
     }
 
     /// The groups of a step that appends `new[i]` tokens to sequence `i`, holding `lens[i]`
@@ -737,6 +760,7 @@ impl CacheGroup {
                 } else {
                     Some(Tensor::new(seqs.iter().map(|&i| i as u32).collect::<Vec<_>>(), dev)?)
                 },
+                cu_q: None,
             });
         }
         let unpermute = if single {

@@ -35,7 +35,7 @@ enum KeySource {
     },
     /// Attend to an fp8 or paged cache (see [`KvCache`]), after the new tokens were written into
     /// it: one `flash_attn_with_kvcache` call per group of sequences with the same number of new
-    /// tokens.
+    /// tokens (fp8), or one call with varlen queries (paged 16-bit caches).
     KvCacheCalls {
         groups: Vec<CacheGroup>,
         /// With several groups: the packed row of each output row once the groups' outputs
@@ -365,6 +365,15 @@ impl Attention {
         };
         let mut outs = Vec::with_capacity(groups.len());
         for g in groups {
+            if let Some(cu_q) = &g.cu_q {
+                // Varlen queries: q packed as it is, the output likewise (tokens, heads, d).
+                let mut call = self.attn.kv_cache(k_cache, v_cache, &g.seqlens).varlen_q(cu_q);
+                if let Some(table) = &g.page_table {
+                    call = call.page_table(table);
+                }
+                outs.push(call.forward(q)?);
+                continue;
+            }
             let qg = match &g.rows {
                 None => q.clone(),
                 Some(rows) => q.contiguous()?.index_select(rows, 0)?,
@@ -963,7 +972,14 @@ impl Llama {
                 max_len: max_new,
             }
         } else if cache.dtype == DType::F8E4M3 || cache.paging.is_some() {
-            let (groups, unpermute) = CacheGroup::plan(lens, new, cache.paging.as_ref(), dev)?;
+            // A paged 16-bit cache: one call, each sequence with its own query count; an fp8
+            // cache: a call per count (its q is quantized per group).
+            let (groups, unpermute) = match &cache.paging {
+                Some(paging) if cache.dtype != DType::F8E4M3 => {
+                    (vec![CacheGroup::varlen(lens, new, paging, dev)?], None)
+                }
+                paging => CacheGroup::plan(lens, new, paging.as_ref(), dev)?,
+            };
             KeySource::KvCacheCalls {
                 groups,
                 unpermute,
