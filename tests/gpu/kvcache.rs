@@ -333,7 +333,6 @@ fn kvcache_split_counts_and_long_caches() -> Result<()> {
 /// split-KV chosen per call and forced to 3; GPU against the CPU path on the same values.
 #[test]
 fn kvcache_varlen_queries() -> Result<()> {
-    let dev = gpu()?;
     let mut rng = TestRng::fresh("gpu-kvcache-varlen-q");
     for page_size in [None, Some(16), Some(64)] {
         for (d, heads, kv_heads, opts, splits) in [
@@ -352,37 +351,56 @@ fn kvcache_varlen_queries() -> Result<()> {
                     _ => rng.range(0, l + 1).min(300),
                 })
                 .collect();
-            let total_q: usize = q_lens.iter().sum();
-            if total_q == 0 {
-                continue;
-            }
             let s = Spec::new(&mut rng, page_size, lens, 1, 0, heads, kv_heads, d, d);
-            let what = format!(
-                "{s:?} q_lens {q_lens:?} opts {opts:?} splits {splits} seed {}",
-                rng.seed()
-            );
-            let host = Inputs::random(&mut rng, &s, None)?;
-            let device = host.to_device(&dev)?;
-            let q = rng.randn((total_q, heads, d), DType::BF16, &Device::Cpu)?;
-            let run = |x: &Inputs, q: &Tensor, attn: &FlashAttn| -> Result<(Tensor, Tensor)> {
-                let cu = flash_attn3::SeqOffsets::from_lengths(q_lens.iter().copied(), q.device())?;
-                let mut call = attn.kv_cache(&x.k_cache, &x.v_cache, &x.lens).varlen_q(&cu);
-                if let Some(pt) = &x.page_table {
-                    call = call.page_table(pt);
-                }
-                if let Some(idx) = &x.batch_idx {
-                    call = call.cache_batch_idx(idx);
-                }
-                call.forward_with_lse(q)
-            };
-            poison(&dev, 1 << 22)?;
-            let (out, lse) = run(&device, &q.to_device(&dev)?, &opts.builder().num_splits(splits))?;
-            let (want, want_lse) = run(&host, &q, &opts.builder())?;
-            assert_eq!(out.dims(), &[total_q, heads, d], "{what}: out shape");
-            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
-            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+            check_varlen(&mut rng, &s, &q_lens, opts, splits)?;
         }
     }
+    Ok(())
+}
+
+/// One small varlen-query call of each cache kind, for compute-sanitizer.
+#[test]
+fn kvcache_varlen_small_for_sanitizer() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-varlen-sanitizer");
+    for page_size in [None, Some(16)] {
+        let s = Spec::new(&mut rng, page_size, vec![70, 0, 200], 1, 0, 8, 2, 128, 128);
+        check_varlen(&mut rng, &s, &[5, 0, 1], Opts::new(0.1).causal(), 0)?;
+    }
+    Ok(())
+}
+
+/// Runs `s`'s caches with `q_lens[b]` queries for sequence b (packed) on the GPU and on the CPU
+/// with the same values, and compares.
+fn check_varlen(rng: &mut TestRng, s: &Spec, q_lens: &[usize], opts: Opts, splits: usize) -> Result<()> {
+    let total_q: usize = q_lens.iter().sum();
+    if total_q == 0 {
+        return Ok(());
+    }
+    let dev = gpu()?;
+    let what = format!(
+        "{s:?} q_lens {q_lens:?} opts {opts:?} splits {splits} seed {}",
+        rng.seed()
+    );
+    let host = Inputs::random(rng, s, None)?;
+    let device = host.to_device(&dev)?;
+    let q = rng.randn((total_q, s.heads, s.d), DType::BF16, &Device::Cpu)?;
+    let run = |x: &Inputs, q: &Tensor, attn: &FlashAttn| -> Result<(Tensor, Tensor)> {
+        let cu = flash_attn3::SeqOffsets::from_lengths(q_lens.iter().copied(), q.device())?;
+        let mut call = attn.kv_cache(&x.k_cache, &x.v_cache, &x.lens).varlen_q(&cu);
+        if let Some(pt) = &x.page_table {
+            call = call.page_table(pt);
+        }
+        if let Some(idx) = &x.batch_idx {
+            call = call.cache_batch_idx(idx);
+        }
+        call.forward_with_lse(q)
+    };
+    poison(&dev, 1 << 22)?;
+    let (out, lse) = run(&device, &q.to_device(&dev)?, &opts.builder().num_splits(splits))?;
+    let (want, want_lse) = run(&host, &q, &opts.builder())?;
+    assert_eq!(out.dims(), &[total_q, s.heads, s.dv], "{what}: out shape");
+    assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+    assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
     Ok(())
 }
 
