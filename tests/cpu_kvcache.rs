@@ -124,6 +124,39 @@ impl Case {
             self.page_size
         )
     }
+
+    /// The call's index tensors on `dev`: cache_seqlens, and the page table or the cache rows.
+    fn index_tensors(&self, dev: &Device) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+        let lens: Vec<u32> = self.lens.iter().map(|&l| l as u32).collect();
+        let page_table = match &self.page_table {
+            Some(t) => Some(Tensor::from_vec(t.clone(), (self.batch, self.max_pages), dev)?),
+            None => None,
+        };
+        let batch_idx = match &self.batch_idx {
+            Some(i) => Some(Tensor::new(i.as_slice(), dev)?),
+            None => None,
+        };
+        Ok((Tensor::new(lens.as_slice(), dev)?, page_table, batch_idx))
+    }
+
+    /// The first `keys[b]` keys of each sequence, packed (total keys, kv_heads, d / dv), from
+    /// caches `k` / `v` given as f64 values in the caches' layout.
+    fn gather_keys(&self, k: &[f64], v: &[f64], keys: &[usize]) -> Result<(Tensor, Tensor)> {
+        let (rows, hk, d, dv) = (self.cache_dims.1, self.kv_heads, self.d, self.dv);
+        let (mut k_seq, mut v_seq) = (Vec::new(), Vec::new());
+        for (seq, &n) in self.slots.iter().zip(keys) {
+            for &(slot, row) in &seq[..n] {
+                let at = (slot * rows + row) * hk;
+                k_seq.extend_from_slice(&k[at * d..(at + hk) * d]);
+                v_seq.extend_from_slice(&v[at * dv..(at + hk) * dv]);
+            }
+        }
+        let total_k: usize = keys.iter().sum();
+        Ok((
+            Tensor::from_vec(k_seq, (total_k, hk, d), &Device::Cpu)?,
+            Tensor::from_vec(v_seq, (total_k, hk, dv), &Device::Cpu)?,
+        ))
+    }
 }
 
 /// Rotary tables (positions, rotary_dim / 2), f32, of a base-10000 RoPE.
@@ -172,16 +205,7 @@ fn check(rng: &mut TestRng, case: &Case, opts: Opts, rotary: Option<(usize, bool
     let q = rng.randn((b, case.seqlen_q, case.heads, d), DType::F32, &dev)?;
     let k_new = rng.randn((b, case.seqlen_new, hk, d), DType::F32, &dev)?;
     let v_new = rng.randn((b, case.seqlen_new, hk, dv), DType::F32, &dev)?;
-    let lens_u32: Vec<u32> = case.lens.iter().map(|&l| l as u32).collect();
-    let cache_seqlens = Tensor::new(lens_u32.as_slice(), &dev)?;
-    let page_table = match &case.page_table {
-        Some(t) => Some(Tensor::from_vec(t.clone(), (b, case.max_pages), &dev)?),
-        None => None,
-    };
-    let batch_idx = match &case.batch_idx {
-        Some(i) => Some(Tensor::new(i.as_slice(), &dev)?),
-        None => None,
-    };
+    let (cache_seqlens, page_table, batch_idx) = case.index_tensors(&dev)?;
     let max_keys = case.lens.iter().map(|l| l + case.seqlen_new).max().unwrap();
     let tables = match rotary {
         Some((rd, _)) => Some(rotary_tables(max_keys + rng.range(0, 5), rd)?),
@@ -280,17 +304,7 @@ fn check(rng: &mut TestRng, case: &Case, opts: Opts, rotary: Option<(usize, bool
 
     // The reference: each sequence's keys gathered from the model, one varlen f64 call.
     let keys: Vec<usize> = case.lens.iter().map(|l| l + case.seqlen_new).collect();
-    let (mut k_seq, mut v_seq) = (Vec::new(), Vec::new());
-    for (seq, &n) in case.slots.iter().zip(&keys) {
-        for &(slot, row) in &seq[..n] {
-            let at = (slot * rows + row) * hk;
-            k_seq.extend_from_slice(&k_model[at * d..(at + hk) * d]);
-            v_seq.extend_from_slice(&v_model[at * dv..(at + hk) * dv]);
-        }
-    }
-    let total_k: usize = keys.iter().sum();
-    let k_ref = Tensor::from_vec(k_seq, (total_k, hk, d), &dev)?;
-    let v_ref = Tensor::from_vec(v_seq, (total_k, hk, dv), &dev)?;
+    let (k_ref, v_ref) = case.gather_keys(&k_model, &v_model, &keys)?;
     let q_ref = Tensor::from_vec(q_rot, (b * case.seqlen_q, case.heads, d), &dev)?;
     let cu_q = cumulative(&vec![case.seqlen_q; b]);
     let cu_k = cumulative(&keys);
@@ -739,17 +753,8 @@ fn kvcache_varlen_queries() -> Result<()> {
             let k_cache = rng.randn((slots, rows, hk, d), DType::F32, &dev)?;
             let v_cache = rng.randn((slots, rows, hk, dv), DType::F32, &dev)?;
             let q = rng.randn((total_q, h, d), DType::F32, &dev)?;
-            let lens: Vec<u32> = case.lens.iter().map(|&l| l as u32).collect();
-            let cache_seqlens = Tensor::new(lens.as_slice(), &dev)?;
+            let (cache_seqlens, page_table, batch_idx) = case.index_tensors(&dev)?;
             let cu = flash_attn3::SeqOffsets::from_lengths(q_lens.iter().copied(), &dev)?;
-            let page_table = match &case.page_table {
-                Some(t) => Some(Tensor::from_vec(t.clone(), (b, case.max_pages), &dev)?),
-                None => None,
-            };
-            let batch_idx = match &case.batch_idx {
-                Some(i) => Some(Tensor::new(i.as_slice(), &dev)?),
-                None => None,
-            };
             let mut call = opts
                 .builder()
                 .kv_cache(&k_cache, &v_cache, &cache_seqlens)
@@ -765,18 +770,7 @@ fn kvcache_varlen_queries() -> Result<()> {
             assert_eq!(lse.dims(), &[h, total_q], "{what}: lse shape");
 
             // The reference: each sequence's keys gathered through the host model of the cache.
-            let (kc, vc) = (to_f64_vec(&k_cache)?, to_f64_vec(&v_cache)?);
-            let (mut k_seq, mut v_seq) = (Vec::new(), Vec::new());
-            for (seq, &n) in case.slots.iter().zip(&case.lens) {
-                for &(slot, row) in &seq[..n] {
-                    let at = (slot * rows + row) * hk;
-                    k_seq.extend_from_slice(&kc[at * d..(at + hk) * d]);
-                    v_seq.extend_from_slice(&vc[at * dv..(at + hk) * dv]);
-                }
-            }
-            let total_k: usize = case.lens.iter().sum();
-            let k_ref = Tensor::from_vec(k_seq, (total_k, hk, d), &dev)?;
-            let v_ref = Tensor::from_vec(v_seq, (total_k, hk, dv), &dev)?;
+            let (k_ref, v_ref) = case.gather_keys(&to_f64_vec(&k_cache)?, &to_f64_vec(&v_cache)?, &case.lens)?;
             let q_ref = Tensor::from_vec(to_f64_vec(&q)?, (total_q, h, d), &dev)?;
             let (want, want_lse) = attention_ref_varlen(
                 &q_ref,

@@ -172,15 +172,9 @@ impl Inputs {
 
     /// The call (appending when seqlen_new > 0), output and LSE; `status` for GPU calls.
     fn call(&self, attn: &FlashAttn, append: bool, status: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-        let mut call = attn.kv_cache(&self.k_cache, &self.v_cache, &self.lens);
+        let mut call = self.cache_call(attn);
         if append {
             call = call.append(&self.k_new, &self.v_new);
-        }
-        if let Some(pt) = &self.page_table {
-            call = call.page_table(pt);
-        }
-        if let Some(idx) = &self.batch_idx {
-            call = call.cache_batch_idx(idx);
         }
         if let Some((cos, sin, interleaved)) = &self.rotary {
             call = call.rotary(cos, sin, *interleaved);
@@ -189,6 +183,18 @@ impl Inputs {
             call = call.status(st);
         }
         call.forward_with_lse(&self.q)
+    }
+
+    /// `attn` against these caches, with their page table or cache rows.
+    fn cache_call<'a>(&'a self, attn: &FlashAttn) -> flash_attn3::KvCacheAttn<'a> {
+        let mut call = attn.kv_cache(&self.k_cache, &self.v_cache, &self.lens);
+        if let Some(pt) = &self.page_table {
+            call = call.page_table(pt);
+        }
+        if let Some(idx) = &self.batch_idx {
+            call = call.cache_batch_idx(idx);
+        }
+        call
     }
 }
 
@@ -386,14 +392,7 @@ fn check_varlen(rng: &mut TestRng, s: &Spec, q_lens: &[usize], opts: Opts, split
     let q = rng.randn((total_q, s.heads, s.d), DType::BF16, &Device::Cpu)?;
     let run = |x: &Inputs, q: &Tensor, attn: &FlashAttn| -> Result<(Tensor, Tensor)> {
         let cu = flash_attn3::SeqOffsets::from_lengths(q_lens.iter().copied(), q.device())?;
-        let mut call = attn.kv_cache(&x.k_cache, &x.v_cache, &x.lens).varlen_q(&cu);
-        if let Some(pt) = &x.page_table {
-            call = call.page_table(pt);
-        }
-        if let Some(idx) = &x.batch_idx {
-            call = call.cache_batch_idx(idx);
-        }
-        call.forward_with_lse(q)
+        x.cache_call(attn).varlen_q(&cu).forward_with_lse(q)
     };
     poison(&dev, 1 << 22)?;
     let (out, lse) = run(&device, &q.to_device(&dev)?, &opts.builder().num_splits(splits))?;
