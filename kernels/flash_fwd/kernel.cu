@@ -162,8 +162,9 @@ FA3_FWD_KERNEL_CM(flash_fwd_d128_bf16_cm, 128, fa3::DT_BF16)
 FA3_FWD_KERNEL_CM(flash_fwd_d64_f16_cm, 64, fa3::DT_F16)
 FA3_FWD_KERNEL_CM(flash_fwd_d128_f16_cm, 128, fa3::DT_F16)
 
-// Paged caches of small pages (16 and 32 keys) with the page warp (load.cuh page_warp): head dims
-// 64 and 128; the other head dims' small pages keep their lookups in the issuing threads.
+// Paged caches of small pages (16 and 32 keys) with the page warp (load.cuh page_warp) and K / V
+// tiles in 8-row groups, one TMA box per page (traits.cuh kKVRowGroups): head dims 64 and 128; the
+// other head dims' small pages keep their lookups in the issuing threads.
 #define FA3_FWD_KERNEL_PW(NAME, D, DT) FA3_FWD_KERNEL_OF(NAME, 2, fa3::FwdTraits<D, 128, DT, 2, false, false, true>)
 FA3_FWD_KERNEL_PW(flash_fwd_d64_bf16_pw, 64, fa3::DT_BF16)
 FA3_FWD_KERNEL_PW(flash_fwd_d128_bf16_pw, 128, fa3::DT_BF16)

@@ -142,6 +142,7 @@ __device__ __forceinline__ void load_vt_block(const FwdParams& p, uint8_t* dst, 
 // call) and keep one thread. FP8 caches go through the in-kernel V transpose (kTransposeV), which keeps warps 2 and
 // 3 for itself; their V stays with the TMA thread.
 template <class Tr> __device__ __forceinline__ bool paged_v_thread(const FwdParams& p) {
+    if constexpr (Tr::kPageWarp) return true;  // the host launches them for small pages only
     return !Tr::kFp8 && p.page_table != nullptr && p.page_box_rows < 64;
 }
 
@@ -174,6 +175,26 @@ template <class Tr> __device__ void page_warp(const FwdParams& p, SharedStorage<
     }
 }
 
+// The box at row r of key block n in a kPageWarp kernel, from page `page`: page_box_rows rows
+// (a whole page of 16 or 32 keys) with every column, in one TMA issue. Their tiles are stored in
+// 8-row groups (traits.cuh kKVRowGroups), and the host's 5-D map (columns, 8 rows, column
+// block, 8-row group, page · page_units + kv head: PagedKvMaps in crates/flash-attn/src/cuda/
+// kvcache.rs) lands the box as [group][column block][8 rows][columns] at the box's first group.
+// A box past the sequence's keys has its group coordinate past the page, and a page past the
+// pool its last coordinate past the map (clamped, so it cannot wrap into range): TMA's zero
+// fill, as in issue_paged_box.
+template <class Tr>
+__device__ __forceinline__ void issue_page_box(const FwdParams& p, const TmaDesc* desc, typename Tr::Elem* dst,
+                                               uint64_t* bar, int n, int r, const TileInfo& t, int page) {
+    static_assert(Tr::kKVRowGroups, "tiles in 8-row groups");
+    const int key = n * Tr::kBlockN + r;
+    int row = p.page_size.d;  // past the page: TMA's zero fill
+    if (key < t.seqlen_k) p.page_size.divmod(key, row);
+    const int64_t unit = (int64_t)(uint32_t)page * p.page_units + t.kv_head;
+    tma_load_5d(desc, dst + r * Tr::kColBlocks * Tr::kColElems, bar, 0, 0, 0, row / 8,
+                (int)min(unit, (int64_t)INT32_MAX));
+}
+
 // Key block n (ring position `at`) of a small-page cache in a kPageWarp kernel, from the page
 // warp's slot: waits for the slot, issues the boxes, releases the slot (two releases: K's, V's).
 template <class Tr>
@@ -185,7 +206,7 @@ __device__ __forceinline__ void issue_staged_pages(const FwdParams& p, SharedSto
     const int box_rows = p.page_box_rows;
 #pragma unroll 1
     for (int i = 0, r = 0; r < Tr::kBlockN; ++i, r += box_rows)
-        issue_paged_box<Tr>(p, desc, dst, bar, n, r, t, (int)ld_shared_u32(pages + 4 * i));
+        issue_page_box<Tr>(p, desc, dst, bar, n, r, t, (int)ld_shared_u32(pages + 4 * i));
     mbar_arrive(&s.pages_empty[slot]);
 }
 
@@ -237,9 +258,9 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     // issued with P·V of block j). A K slot frees as soon as its Q·Kᵀ retired, a V slot only after
     // its P·V, so K(j+1) must not queue behind the wait for V(j)'s slot.
     // Pages of kBlockN / 2 keys or more: block n's page indices, from K(n)'s lookup (BlockPages).
-    const bool few_pages = few_block_pages<Tr>(p);
-    // kPageWarp kernels, small pages: block n's page indices from the page warp.
-    const bool staged_pages = Tr::kPageWarp && paged_v_thread<Tr>(p);
+    const bool few_pages = !Tr::kPageWarp && few_block_pages<Tr>(p);
+    // kPageWarp kernels (small pages only): block n's page indices from the page warp.
+    constexpr bool staged_pages = Tr::kPageWarp;
     BlockPages pages_k{}, pages_v{};
     const auto load_k = [&](int n, int at) {
         const int stage = at % Tr::kStages;
@@ -249,10 +270,10 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
         mbar_wait(&s.empty_k[stage], ((at / Tr::kStages) & 1) ^ 1);
         trace_stamp(0, at, 1);
         mbar_arrive_expect_tx(&s.full_k[stage], Tr::kKVBytes);
-        if (few_pages) {
-            issue_block_pages<Tr>(p, &p.tma_k, s.k[stage], &s.full_k[stage], n, t, pages_k);
-        } else if (staged_pages) {
+        if constexpr (staged_pages) {
             issue_staged_pages<Tr>(p, s, &p.tma_k, s.k[stage], &s.full_k[stage], n, at, t);
+        } else if (few_pages) {
+            issue_block_pages<Tr>(p, &p.tma_k, s.k[stage], &s.full_k[stage], n, t, pages_k);
         } else {
             load_kv_block<Tr>(p, &p.tma_k, s.k[stage], &s.full_k[stage], n, t);
         }

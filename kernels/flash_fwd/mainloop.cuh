@@ -102,7 +102,8 @@ __device__ __forceinline__ void pingpong_ring_end(int wg) {
 
 // Descriptor low words (smem_desc_lo) of this warpgroup's Q rows (in Q buffer q_stage) and of
 // stage 0 of the K and V rings; stage s of a ring is kStageStep further. Column blocks are
-// Tr::kSwizzle bytes wide: a tile of `rows` rows keeps block c at c * rows * kSwizzle bytes.
+// Tr::kSwizzle bytes wide: a tile of `rows` rows keeps block c at c * rows * kSwizzle bytes (K and
+// V: at c * kKVColBlockBytes, which differs in the kPageWarp kernels, traits.cuh kKVRowGroups).
 template <class Tr> struct OperandDescs {
     static constexpr uint32_t kStageStep = Tr::kKVBytes >> 4;     // s.k[1] - s.k[0], in 16-byte units
     static constexpr uint32_t kVStageStep = Tr::kVStageBytes >> 4;  // s.v[1] - s.v[0]
@@ -110,7 +111,7 @@ template <class Tr> struct OperandDescs {
     __device__ __forceinline__ OperandDescs(SharedStorage<Tr>& s, int wg, int q_stage)
         : q_(uniform(smem_desc_lo(smem_u32(s.q[q_stage]) + wg * 64 * Tr::kSwizzle, 16))),
           k0(uniform(smem_desc_lo(smem_u32(s.k[0]), 16))),
-          v0(uniform(smem_desc_lo(smem_u32(s.v[0]), Tr::kFp8 ? 16 : Tr::kBlockN * Tr::kSwizzle))) {}
+          v0(uniform(smem_desc_lo(smem_u32(s.v[0]), Tr::kFp8 ? 16 : Tr::kKVColBlockBytes))) {}
     // The ring position lives in per-thread registers; uniform() moves the result back to the
     // uniform datapath so the wgmma loop adds its k-step offsets there.
     // Q's too, re-made uniform at each use: kept across the loop, ptxas holds it in a per-thread
@@ -122,7 +123,8 @@ template <class Tr> struct OperandDescs {
 
 // S = Q·Kᵀ: k-step kk reads column block kk / kSteps and its 32-byte slice kk % kSteps of the rows
 // (kSteps = 4 k-steps of 32 bytes per 128-byte row, 2 per 64-byte row; 16 elements of 16 bits or
-// 32 of e4m3 per k-step).
+// 32 of e4m3 per k-step). K's column blocks and 8-row groups are kKVColBlockBytes and
+// kKVGroupBytes apart (traits.cuh: the kPageWarp kernels store K and V in 8-row groups).
 template <class Tr>
 __device__ __forceinline__ void issue_qk(float (&sc)[Tr::kSRegs], uint32_t q_lo, uint32_t k_lo) {
     constexpr int kSteps = Tr::kSwizzle / 32, W = Tr::kSwizzle;
@@ -130,7 +132,7 @@ __device__ __forceinline__ void issue_qk(float (&sc)[Tr::kSRegs], uint32_t q_lo,
     for (int kk = 0; kk < Tr::kHeadDim / Tr::kStepElems; ++kk) {
         const uint32_t off = (kk / kSteps), in_row = (kk % kSteps) * 32;
         wgmma_ss<Tr::kBlockN, Tr::kDtype>(sc, smem_desc_at<Tr::kAtomBytes, W>(q_lo, off * Tr::kBlockM * W + in_row),
-                                          smem_desc_at<Tr::kAtomBytes, W>(k_lo, off * Tr::kBlockN * W + in_row),
+                                          smem_desc_at<Tr::kKVGroupBytes, W>(k_lo, off * Tr::kKVColBlockBytes + in_row),
                                           kk > 0 ? 1 : 0);
     }
 }
@@ -149,7 +151,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[Tr::kORegs], const uint32_t 
                 o, pa[kk], smem_desc_at<1024, 128>(v_lo, (kk / 4) * Tr::kHeadDim * 128 + (kk % 4) * 32));
         } else {
             wgmma_rs<Tr::kHeadDim, Tr::kDtype>(o, pa[kk],
-                                               smem_desc_at<Tr::kAtomBytes, Tr::kSwizzle>(v_lo, kk * 16 * Tr::kSwizzle));
+                                               smem_desc_at<Tr::kKVGroupBytes, Tr::kSwizzle>(v_lo, kk * 2 * Tr::kKVGroupBytes));
         }
     }
 }

@@ -123,6 +123,9 @@ struct alignas(64) FwdParams {
     // instead of partials in o_accum / lse_accum and the combine kernel. Set by the host with the
     // launch's cluster size (num_splits), a grid of one CTA per (tile, share), static tile order.
     int cluster_combine;
+    // kPageWarp kernels: a paged cache's page stride in kv-head strides (load.cuh issue_page_box;
+    // last, so that the other kernels read their parameters where they did).
+    int page_units;
 };
 
 // Query rows per Q descale block of the fp8 kernels (one consumer warpgroup's rows): mirrored

@@ -106,6 +106,15 @@ struct FwdTraits {
     static constexpr int kPageSlots = kPageWarp ? 4 : 1;
     static constexpr int kMaxBlockBoxes = kPageWarp ? kBlockN / 16 : 1;
     static_assert(kMaxBlockBoxes <= 32, "one page warp lane per box");
+    // K and V tiles in 8-row groups (kPageWarp kernels): [8-row group][column block][8 rows]
+    // [kColElems] instead of [column block][kBlockN rows][kColElems], so that the rows of a page,
+    // every column of them, are one contiguous region that one TMA box fills (load.cuh
+    // issue_page_box): at d128 a page of 16 keys is one issue instead of two. The wgmma
+    // descriptors step between column blocks by kKVColBlockBytes and between 8-row groups (K's
+    // SBO, V's 8-key groups) by kKVGroupBytes. With one column block (d64) both layouts are the same.
+    static constexpr bool kKVRowGroups = kPageWarp;
+    static constexpr uint32_t kKVColBlockBytes = kKVRowGroups ? kAtomBytes : kBlockN * kSwizzle;
+    static constexpr uint32_t kKVGroupBytes = kKVRowGroups ? kColBlocks * kAtomBytes : kAtomBytes;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     // P as wgmma's register A operand: per k-step 4 registers of 2 (16-bit) or 4 (e4m3) values.

@@ -79,6 +79,7 @@ struct FwdParams {
     sinks: u64,
     solo_consumer: i32,
     cluster_combine: i32,
+    page_units: i32,
 }
 
 /// The most key shares merged in one thread-block cluster (`fa3::kClusterMaxShares`): the
@@ -540,7 +541,6 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         Some(c) if c.page_table != 0 => gcd(c.page_size, variant.block_n),
         _ => variant.block_n,
     };
-    let tma_k = map("k", k_addr, dims.head_dim, k_sizes, k_strides, kv_box_rows)?;
     // The output is ours, contiguous (total_q, heads, head_dim_v); the epilogue stores 64-row
     // boxes, one per consumer warpgroup.
     let out_len = dims.total_q * dims.heads * dims.head_dim_v;
@@ -626,17 +626,52 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // time on an H200 (0.81-0.96x where HBM sets it), 0.95-1.02x on an H100. Kernels of their own:
     // compiled into the default ones, the code made contiguous split calls 2-5% slower. The
     // cluster merge goes first (its kernels look the pages up the old way).
+    // The `_pw` kernels store K and V tiles in 8-row groups so that a page is one box, one TMA
+    // issue for all its columns (`kvcache::PagedKvMaps`; session 37: pages of 16 graph-replayed at
+    // 0.92-0.96x the time of two issues per page from 8k keys or batch 8, H200). A cache with no
+    // such map (a head dim padded inside the second column block, pages interleaved with each
+    // other) keeps the default kernel.
     let small_pages = matches!(cache, Some(c) if c.page_table != 0) && kv_box_rows < 64;
-    let page_warp_kernel = variant
-        .own_kernel_name(dtype, OwnKernel::PageWarp)
-        .filter(|_| small_pages);
-    let (name, func) = match (cluster_kernel, page_warp_kernel) {
+    let page_maps = match variant.own_kernel_name(dtype, OwnKernel::PageWarp) {
+        Some(name) if small_pages && cluster_kernel.is_none() => {
+            let k_map = kvcache::PagedKvMaps::new(
+                dtype,
+                k_addr,
+                dims.head_dim,
+                variant.head_dim,
+                k_sizes,
+                k_strides,
+                kv_box_rows,
+            );
+            let v_map = kvcache::PagedKvMaps::new(
+                dtype,
+                v_addr,
+                dims.head_dim_v,
+                variant.head_dim,
+                v_sizes,
+                v_strides,
+                kv_box_rows,
+            );
+            match (k_map, v_map) {
+                (Some(k), Some(v)) if k.page_units == v.page_units => {
+                    Some((name, k.map("k")?, v.map("v")?, k.page_units))
+                }
+                _ => None,
+            }
+        }
+        _ => None,
+    };
+    let (name, func) = match (cluster_kernel, &page_maps) {
         (Some(cluster), _) => cluster,
-        (None, Some(name)) => (name, kernel(&dev, name, smem)?),
+        (None, Some((name, ..))) => (*name, kernel(&dev, name, smem)?),
         (None, None) => {
             let name = variant.kernel_name(dtype);
             (name, kernel(&dev, name, smem)?)
         }
+    };
+    let tma_k = match &page_maps {
+        Some((_, k, ..)) => *k,
+        None => map("k", k_addr, dims.head_dim, k_sizes, k_strides, kv_box_rows)?,
     };
     // Tile order: uneven tiles run longest first across the pairs of an L2-sized section; even
     // tiles keep one pair per section (each pair's tiles in a row).
@@ -724,8 +759,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         Some(_) if !variant.transpose_v => Some(fp8::transpose_v(&dev, dims, v, cu_k)?),
         _ => None,
     };
-    let tma_v = match &vt {
-        Some(vt) => {
+    let tma_v = match (&vt, &page_maps) {
+        (_, Some((_, _, v, _))) => *v,
+        (Some(vt), None) => {
             let padded = vt.keys_padded;
             let slab = padded * dims.head_dim_v;
             tensor_map_nd(
@@ -739,7 +775,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
                 fp8::VT_COL_KEYS as u32,
             )?
         }
-        None => map("v", v_addr, dims.head_dim_v, v_sizes, v_strides, kv_box_rows)?,
+        (None, None) => map("v", v_addr, dims.head_dim_v, v_sizes, v_strides, kv_box_rows)?,
     };
     let descales = match fp8 {
         Some(call) => Some(fp8::DescalePtrs::new(&dev, call)?),
@@ -822,6 +858,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             sinks: extras.sinks,
             solo_consumer: solo_consumer as i32,
             cluster_combine: cluster_combine as i32,
+            page_units: page_maps.as_ref().map_or(0, |m| m.3 as i32),
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),

@@ -9,7 +9,7 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::op::BackpropOp;
 use candle_core::{bail, DType, Result, Shape, Storage, Tensor};
 
-use super::{device_address, launch_with_params, load_kernel};
+use super::{device_address, launch_with_params, load_kernel, tensor_map_nd, TmaDesc};
 use crate::descale::Fp8Call;
 use crate::kvcache::CacheShape;
 use crate::params::AttnParams;
@@ -30,6 +30,90 @@ pub(crate) struct CacheLaunch {
     pub max_pages: usize,
     /// Keys per page (paged caches).
     pub page_size: usize,
+}
+
+/// The TMA maps of a paged K or V cache for the `_pw` forward kernels, which store K and V tiles
+/// in 8-row groups (kernels/flash_fwd/traits.cuh `kKVRowGroups`) so that one box holds a page's
+/// rows with all their columns (load.cuh `issue_page_box`): one TMA issue per page where the
+/// other kernels issue one per page and 64-column block. A 5-D map over the cache (num_pages,
+/// page_size, kv_heads, head_dim): columns (a 128-byte column block), 8 rows, column block, 8-row
+/// group, and last `page · page_units + kv head` in units of the head stride, since TMA's five
+/// dimensions leave no room for the kv head and the page apart.
+pub(super) struct PagedKvMaps {
+    dtype: DType,
+    addr: u64,
+    /// Columns of the first dimension: the head dim, at most one column block (zeros past it).
+    cols: usize,
+    col_blocks: usize,
+    row_stride: usize,
+    head_stride: usize,
+    groups: usize,
+    box_groups: usize,
+    units: usize,
+    /// A page's stride in head strides.
+    pub(super) page_units: usize,
+}
+
+/// Columns per column block of the `_pw` kernels (128-byte rows of 16-bit elements).
+const PW_COL_ELEMS: usize = 64;
+
+impl PagedKvMaps {
+    /// The maps of a cache of `sizes` (page_size, kv_heads, num_pages) and element `strides` (row,
+    /// head, page) for a kernel of head dim `kernel_head_dim`, read in boxes of `box_rows` rows;
+    /// `None` where the layout has no such map: a head dim padded inside a column block past the
+    /// first (TMA zero-fills only past a dimension's end), a page stride that is no multiple of
+    /// the head stride or smaller than a page's heads (a page past the pool must fall outside the
+    /// map), rows not in whole 8-row groups, or coordinates past i32.
+    pub(super) fn new(
+        dtype: DType,
+        addr: u64,
+        head_dim: usize,
+        kernel_head_dim: usize,
+        sizes: [usize; 3],
+        strides: [usize; 3],
+        box_rows: usize,
+    ) -> Option<Self> {
+        let [page_size, kv_heads, num_pages] = sizes;
+        let [row_stride, head_stride, page_stride] = strides;
+        let col_blocks = kernel_head_dim / PW_COL_ELEMS;
+        let whole_columns = col_blocks == 1 || head_dim == kernel_head_dim;
+        if !whole_columns || head_stride == 0 || page_size % 8 != 0 || box_rows % 8 != 0 || num_pages == 0 {
+            return None;
+        }
+        if page_stride % head_stride != 0 || page_stride / head_stride < kv_heads {
+            return None;
+        }
+        let page_units = page_stride / head_stride;
+        let units = (num_pages - 1).checked_mul(page_units)?.checked_add(kv_heads)?;
+        if units > i32::MAX as usize {
+            return None;
+        }
+        Some(Self {
+            dtype,
+            addr,
+            cols: head_dim.min(PW_COL_ELEMS),
+            col_blocks,
+            row_stride,
+            head_stride,
+            groups: page_size / 8,
+            box_groups: box_rows / 8,
+            units,
+            page_units,
+        })
+    }
+
+    pub(super) fn map(&self, name: &str) -> Result<TmaDesc> {
+        tensor_map_nd(
+            name,
+            self.dtype,
+            self.addr,
+            self.cols,
+            &[8, self.col_blocks, self.groups, self.units],
+            &[self.row_stride, PW_COL_ELEMS, 8 * self.row_stride, self.head_stride],
+            &[8, self.col_blocks as u32, self.box_groups as u32, 1],
+            PW_COL_ELEMS as u32,
+        )
+    }
 }
 
 /// Mirror of `fa3::KvAppendParams` (kernels/kvcache/append.cu).
