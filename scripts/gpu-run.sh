@@ -18,8 +18,10 @@
 #               inputs and f64 reference), then the benchmark's fp8 grid and our RMSE on those
 #               inputs (BENCH_PASSES=fp8 BENCH_FP8_ACC_DIR=/tmp/fp8_acc; FP8_BENCH_ENV adds env)
 #   --kvcache   FA3's flash_attn_with_kvcache on the decode grid (scripts/kvcache_anchor.py, the
-#               fa3-fwd wheel of .device/fp8), then the benchmark's kvcache pass on the same grid
-#               and its kvcache_fp8 pass (e4m3 caches against bf16 on a few decode shapes)
+#               fa3-fwd wheel of .device/fp8), PyTorch FlexAttention over a page pool (the paged
+#               anchor: scripts/flex_paged_anchor.py, the machine's torch; FLEX_SHAPES / FLEX_PAGES
+#               narrow it), then the benchmark's kvcache pass on the same grid and its kvcache_fp8
+#               pass (e4m3 caches against bf16 on a few decode shapes)
 #   --fp8-cache scripts/gpu_fp8_cache.py with the packed generate example: flash-llama's decode
 #               tokens/s with an fp8 KV cache against the bf16 cache (random-weight Llama-3.2-1B
 #               shape, 8k and 32k context), and the perplexity of both with the default GGUF if
@@ -258,6 +260,9 @@ if ((KVCACHE)); then
     else
         skip_step kvcache-anchor "no .device/fp8/fa3_fwd*.whl: run scripts/gpu-pack.sh --fp8"
     fi
+    # FA3's wheel has paged KV compiled out: FlexAttention is the paged anchor (torch's own).
+    step kvcache-flex env PYTHONUNBUFFERED=1 ${FLEX_SHAPES:+SHAPES=$FLEX_SHAPES} ${FLEX_PAGES:+PAGES=$FLEX_PAGES} \
+        python3 scripts/flex_paged_anchor.py
     if [[ -n $BENCH_BIN ]]; then
         step kvcache-bench env BENCH_PASSES=kvcache,kvcache_fp8 BENCH_DECODE=0 "$BENCH_BIN"
     fi
