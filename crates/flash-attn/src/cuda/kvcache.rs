@@ -370,3 +370,35 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
     let lse = Tensor::from_storage(Storage::Cuda(lse), lse_shape, BackpropOp::none(), false);
     Ok((out, lse))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::PagedKvMaps;
+    use candle_core::DType;
+
+    /// Which paged caches get the `_pw` kernels' 5-D maps (host logic only: no map is encoded).
+    #[test]
+    fn paged_kv_maps_need_whole_columns_and_pages_apart() {
+        let maps = |head_dim, kernel, sizes, strides, box_rows| {
+            PagedKvMaps::new(DType::BF16, 0, head_dim, kernel, sizes, strides, box_rows)
+        };
+        // A contiguous pool (pages, 16, 4 kv heads, 128): a page is 16 rows of 4 heads.
+        let m = maps(128, 128, [16, 4, 100], [512, 128, 16 * 512], 16).expect("contiguous pool");
+        assert_eq!((m.page_units, m.units, m.col_blocks, m.cols), (64, 99 * 64 + 4, 2, 64));
+        // flash-llama's layout: k and v heads interleaved in one pool (a view of every other 4 heads).
+        let m = maps(128, 128, [16, 4, 10], [1024, 128, 16 * 1024], 16).expect("strided views");
+        assert_eq!(m.page_units, 128);
+        // d64 kernel, head dim 48: one column block, zero-filled past column 48.
+        let m = maps(48, 64, [32, 2, 10], [96, 48, 32 * 96], 32).expect("d48");
+        assert_eq!((m.cols, m.col_blocks, m.groups, m.box_groups), (48, 1, 4, 4));
+        // d112 on the d128 kernel: the second column block would read past the head's columns.
+        assert!(maps(112, 128, [16, 4, 10], [448, 112, 16 * 448], 16).is_none());
+        // A page stride that is no multiple of the head stride, or smaller than a page's heads.
+        assert!(maps(128, 128, [16, 4, 10], [512, 128, 16 * 512 + 64], 16).is_none());
+        assert!(maps(128, 128, [16, 4, 10], [512, 128, 2 * 128], 16).is_none());
+        // Coordinates past i32.
+        assert!(maps(128, 128, [16, 4, 1 << 26], [512, 128, 16 * 512], 16).is_none());
+        // No pages.
+        assert!(maps(128, 128, [16, 4, 0], [512, 128, 16 * 512], 16).is_none());
+    }
+}
