@@ -82,6 +82,16 @@ struct FwdParams {
     page_units: i32,
 }
 
+/// A small-page call on a `_pw` kernel: the kernel and its K / V maps of one box per page
+/// (`kvcache::PagedKvMaps`), with the page stride in head strides that the kernel's box
+/// coordinates need (`fa3::FwdParams::page_units`).
+struct PageWarpLaunch {
+    name: &'static str,
+    tma_k: TmaDesc,
+    tma_v: TmaDesc,
+    page_units: usize,
+}
+
 /// The most key shares merged in one thread-block cluster (`fa3::kClusterMaxShares`): the
 /// portable cluster size.
 const MAX_CLUSTER_SHARES: usize = 8;
@@ -653,9 +663,12 @@ fn forward_t<T: CudaDType + DeviceRepr>(
                 kv_box_rows,
             );
             match (k_map, v_map) {
-                (Some(k), Some(v)) if k.page_units == v.page_units => {
-                    Some((name, k.map("k")?, v.map("v")?, k.page_units))
-                }
+                (Some(k), Some(v)) if k.page_units == v.page_units => Some(PageWarpLaunch {
+                    name,
+                    tma_k: k.map("k")?,
+                    tma_v: v.map("v")?,
+                    page_units: k.page_units,
+                }),
                 _ => None,
             }
         }
@@ -663,14 +676,14 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     };
     let (name, func) = match (cluster_kernel, &page_maps) {
         (Some(cluster), _) => cluster,
-        (None, Some((name, ..))) => (*name, kernel(&dev, name, smem)?),
+        (None, Some(pw)) => (pw.name, kernel(&dev, pw.name, smem)?),
         (None, None) => {
             let name = variant.kernel_name(dtype);
             (name, kernel(&dev, name, smem)?)
         }
     };
     let tma_k = match &page_maps {
-        Some((_, k, ..)) => *k,
+        Some(pw) => pw.tma_k,
         None => map("k", k_addr, dims.head_dim, k_sizes, k_strides, kv_box_rows)?,
     };
     // Tile order: uneven tiles run longest first across the pairs of an L2-sized section; even
@@ -760,7 +773,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         _ => None,
     };
     let tma_v = match (&vt, &page_maps) {
-        (_, Some((_, _, v, _))) => *v,
+        (_, Some(pw)) => pw.tma_v,
         (Some(vt), None) => {
             let padded = vt.keys_padded;
             let slab = padded * dims.head_dim_v;
@@ -858,7 +871,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             sinks: extras.sinks,
             solo_consumer: solo_consumer as i32,
             cluster_combine: cluster_combine as i32,
-            page_units: page_maps.as_ref().map_or(0, |m| m.3 as i32),
+            page_units: page_maps.as_ref().map_or(0, |pw| pw.page_units as i32),
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
