@@ -21,33 +21,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+# The same timing as FA3's anchor (this directory is on sys.path when the script runs).
+from kvcache_anchor import graph_seconds, mean_seconds
+
 H, HK, D = 32, 4, 128
-
-
-def mean_seconds(fn, iters=50, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / 1e3 / iters
-
-
-def graph_seconds(fn, iters=50):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return mean_seconds(g.replay, iters=iters)
 
 
 def main():
@@ -86,7 +63,7 @@ def main():
                 torch.cuda.synchronize()
                 first_s = time.time() - t0
                 err = (out.float() - want.float()).abs().max().item()
-                eager = mean_seconds(call)
+                eager = mean_seconds(call, iters=50, warmup=3)
                 try:
                     graph = graph_seconds(call)
                     graph_cell = f"{graph * 1e6:.1f} | {nbytes / graph / 1e12:.2f}"
