@@ -93,7 +93,8 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         if (wg == 1 && tid == 0) trace_life(7);
         // it: K/V blocks consumed so far (ring position); tc: tiles with keys so far (Q parity).
         int it = 0, tc = 0;
-        if (!solo) pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);
+        const bool pingpong = Tr::kConsumerWGs > 1 && !solo;
+        if (pingpong) pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);
         for (int k = 0;; ++k) {
             const int tile = receive_tile<Tr>(s, k, true);  // claimed by the scheduler thread
             if (tile >= num_tiles(p)) break;
@@ -118,7 +119,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
             consumer_pingpong<Tr>(p, s, t, wg - 1, tid, it, tc);
             ++tc;
         }
-        if (!solo) pingpong_ring_end(wg - 1);
+        if (pingpong) pingpong_ring_end(wg - 1);
         epilogue_drain<Tr>(tid);
         if (wg == 1 && tid == 0) trace_life(3);
     }
@@ -126,9 +127,10 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
 
 }  // namespace fa3
 
-// One kernel: NAME runs flash_fwd over the FwdTraits given last, WGS consumer warpgroups.
+// One kernel: NAME runs flash_fwd over the FwdTraits given last, WGS consumer warpgroups (one:
+// two CTAs per SM, FwdTraits::kCtasPerSm).
 #define FA3_FWD_KERNEL_OF(NAME, WGS, ...)                                                              \
-    extern "C" __global__ void __launch_bounds__(128 * (1 + WGS), 1)                                    \
+    extern "C" __global__ void __launch_bounds__(128 * (1 + WGS), WGS == 1 ? 2 : 1)                     \
         NAME(const __grid_constant__ fa3::FwdParams p) {                                                \
         fa3::flash_fwd<__VA_ARGS__>(p);                                                                 \
     }
@@ -185,6 +187,9 @@ FA3_FWD_KERNEL(flash_fwd_d256_e4m3, 256, 128, fa3::DT_E4M3)
 // Slower than the pre-pass design on long prefill-shaped calls (docs/kernels/forward-fp8.md,
 // version 3), so the other fp8 calls keep the pre-pass.
 FA3_FWD_KERNEL_FP8_TV(flash_fwd_d64_e4m3_tv, 64)
+// d64 fp8 decode (a sequence's query rows within one warpgroup's 64) on one consumer warpgroup,
+// two CTAs per SM: two chains of key blocks per SM (forward.rs, `one_warpgroup`).
+FA3_FWD_KERNEL_OF(flash_fwd_d64x1_e4m3_tv, 1, fa3::FwdTraits<64, 128, fa3::DT_E4M3, 1, true>)
 FA3_FWD_KERNEL_FP8_TV(flash_fwd_d128_e4m3_tv, 128)
 FA3_FWD_KERNEL_FP8_TV(flash_fwd_d256_e4m3_tv, 256)
 

@@ -286,6 +286,7 @@ __device__ __forceinline__ void probs_to_a_operand(const float (&sc)[Tr::kSRegs]
 // first warpgroup's 64 rows, and the second one's rows are all padding. (Packed rows run in query
 // order, so the warpgroup's first row decides.)
 template <class Tr> __device__ __forceinline__ bool rows_past_end(const FwdParams& p, const TileInfo& t, int wg) {
+    if constexpr (Tr::kConsumerWGs == 1) return false;  // a tile exists only where its first row does
     int query, head;
     row_position(p, t, wg * 64, query, head);
     return query >= t.seqlen_q;
@@ -342,8 +343,9 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     constexpr int kWGs = Tr::kConsumerWGs;
     const int my_bar = sched_barrier(wg), next_bar = sched_barrier(wg + 1 == kWGs ? 0 : wg + 1);
     constexpr int kBoth = 256;  // a warpgroup waiting on its barrier + the one before it arriving
-    // A solo call (transpose_v.cuh, solo_consumer) has one computing warpgroup: no turns to take.
-    const bool pingpong = !solo_consumer<Tr>(p);
+    // One computing warpgroup (a one-warpgroup kernel, or a solo call: transpose_v.cuh,
+    // solo_consumer): no turns to take.
+    const bool pingpong = kWGs > 1 && !solo_consumer<Tr>(p);
     trace_edge(wg + 1, tc, 0);
 
     RowMask held_mask;  // unused with kRowMaskPerBlock
@@ -430,7 +432,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
 #pragma unroll
         for (int kk = 0; kk < Tr::kPSteps; ++kk) fence_operand(pa[kk]);
         mbar_arrive(&s.empty_v[stage]);
-        if constexpr (kWGs == 2) {
+        if constexpr (kWGs != 3) {
             // The next iteration issues against ring position it + 2: with two stages, this
             // iteration's K slot (its S retired one iteration ago), refilled.
             static_assert(Tr::kStages == 2, "the K probe assumes a two-stage ring");
@@ -441,7 +443,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         // wait (FA3's order), not between the two GEMMs' issue, where the multiplies delay P·V and
         // the other warpgroup's turn. Measured (same call, interleaved): d128 and d256 +0..3%;
         // d64 on three warpgroups lost 1.5..3% with it, so that kernel keeps the other place.
-        if constexpr (kWGs == 2) rescale_o<Tr>(o, corr);
+        if constexpr (kWGs != 3) rescale_o<Tr>(o, corr);
         trace_stamp(wg + 1, it, 7);
     }
 

@@ -9,7 +9,7 @@ namespace fa3 {
 
 // kHeadDim: the (padded) head dim of q, k and v; kBlockN: keys per pipeline stage;
 // kDtype: DT_BF16, DT_F16 or DT_E4M3 (fp8 inputs, bf16/f16 output); kConsumerWGs: consumer
-// warpgroups of 64 query rows each; kTransposeV (fp8): V as the caller laid it out, transposed in
+// warpgroups of 64 query rows each (one: the decode kernels, two CTAs per SM, kCtasPerSm); kTransposeV (fp8): V as the caller laid it out, transposed in
 // shared memory by the kernel (transpose_v.cuh), instead of V^T from the pre-pass.
 // kClusterCombine: split-KV shares merged in a thread-block cluster (cluster_combine.cuh), in
 // kernels of their own. kPageWarp: small-page caches' page indices looked up by a warp of their
@@ -35,15 +35,21 @@ struct FwdTraits {
     // on the current one (no room at d256: fp8's O staging tile takes the second buffer's place).
     // (fp8's one-byte tiles leave room for both next to d128's 224-key K and V^T rings.)
     static constexpr int kQStages = kHeadDim_ <= 128 && (kBlockN_ <= 128 || kFp8) ? 2 : 1;
-    // setmaxnreg split of the 64K registers (128 producer + 128·kConsumerWGs consumer threads).
+    // CTAs resident per SM: one (a CTA's shared memory fills most of the SM), or two for the
+    // one-warpgroup decode kernels, whose tiles are a sequence's few query rows: two CTAs run two
+    // independent chains of key blocks per SM (docs/kernels/kvcache.md, session 38).
+    static constexpr int kCtasPerSm = kConsumerWGs == 1 ? 2 : 1;
+    // setmaxnreg split of a CTA's registers (128 producer + 128·kConsumerWGs consumer threads;
+    // 64K per SM over kCtasPerSm CTAs).
     // 2 consumer warpgroups: 40 / 232 leaves the producer's TMA loop spill-free; d256's consumers
     // need 240 (they spill at 232), so its producer gets 24 (and spills a few values to local
-    // memory). 3 consumer warpgroups: 32 / 160 (128·32 + 384·160 = 65536).
+    // memory). 3 consumer warpgroups: 32 / 160 (128·32 + 384·160 = 65536). 1 (two CTAs per SM):
+    // 40 / 216 (128·40 + 128·216 = 32768).
     static constexpr bool kWideConsumers = kHeadDim_ > 128 || kBlockN_ > 128;  // also fp8 d128's 224 keys
     static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kWideConsumers ? 24 : 40;
-    static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kWideConsumers ? 240 : 232;
-    static_assert(kConsumerWGs == 2 || kConsumerWGs == 3, "2 or 3 consumer warpgroups");
-    static_assert(128 * kProducerRegs + 128 * kConsumerWGs * kConsumerRegs <= 65536, "register split");
+    static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kConsumerWGs == 1 ? 216 : kWideConsumers ? 240 : 232;
+    static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1, 2 or 3 consumer warpgroups");
+    static_assert(128 * kProducerRegs + 128 * kConsumerWGs * kConsumerRegs <= 65536 / kCtasPerSm, "register split");
     // Tiles are stored as column blocks of [rows][kColElems] elements, swizzled by TMA, the layout
     // wgmma reads through its descriptors: 128-byte rows (1024-byte atoms of 8 rows) when a row
     // of the head dim is a multiple of 128 bytes, else 64-byte rows (64B swizzle, 512-byte atoms):
@@ -88,7 +94,7 @@ struct FwdTraits {
     // The softmax's lazy running max and the O rescale it lets the consumers skip (softmax.cuh,
     // mainloop.cuh rescale_o; version 29): two consumer warpgroups only, the three-warpgroup d64
     // kernel's 160 registers measured 4-7% slower with it.
-    static constexpr bool kLazyMax = kConsumerWGs == 2;
+    static constexpr bool kLazyMax = kConsumerWGs != 3;
     // Every 4th exponential on the FMA pipe (softmax.cuh kExp2FmaEvery): fp8 d128 on 128-key
     // blocks only, +2..+4% there; every other kernel measured 1-14% slower with it (forward-fp8.md).
     // The boundary blocks' row masks made per block instead of held (mainloop.cuh row_mask): fp8

@@ -45,7 +45,7 @@ template <class Tr> __device__ __forceinline__ uint32_t vt_offset(int row, int p
 
 // Whether this call's second consumer warpgroup transposes V instead of computing (params.cuh).
 template <class Tr> __device__ __forceinline__ bool solo_consumer(const FwdParams& p) {
-    return Tr::kTransposeV && p.solo_consumer != 0;
+    return Tr::kTransposeV && Tr::kConsumerWGs == 2 && p.solo_consumer != 0;
 }
 
 // Threads that transpose V: the producer's warps 2 and 3, and the second consumer warpgroup of a

@@ -13,7 +13,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::kvcache::{PAGE_SIZES, STATUS_BATCH_IDX_PAST_CACHE, STATUS_KEYS_PAST_CACHE, STATUS_PAGE_PAST_POOL};
-use flash_attn3::FlashAttn;
+use flash_attn3::{FlashAttn, Tuning};
 use flash_attn3_tests::{assert_close, assert_err, random_paged_layout, to_f64_vec, Opts, TestRng};
 
 use super::{gpu, poison, LSE_TOL, OUT_TOL};
@@ -655,6 +655,57 @@ fn kvcache_fp8_contiguous_and_paged() -> Result<()> {
     Ok(())
 }
 
+/// d64 fp8 decode (a sequence's query rows within one warpgroup's 64) runs on the one-warpgroup
+/// kernel at two CTAs per SM (`flash_fwd_d64x1_e4m3_tv`) by default, and on the two-warpgroup
+/// kernel (its second warpgroup transposing V) with `Tuning::decode_one_cta_per_sm`: both against
+/// the CPU path. Enough tiles that a CTA claims several (320 at batch 40 with 8 kv heads, over at
+/// most 2 x 132 CTAs), few tiles over long paged caches (split per call), 64 rows exactly (4
+/// queries x 16 q heads) with three shares.
+#[test]
+fn kvcache_fp8_d64_decode_one_and_two_ctas_per_sm() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-fp8-d64-decode");
+    let two_wgs = Tuning {
+        decode_one_cta_per_sm: true,
+        ..Tuning::default()
+    };
+    for tuning in [Tuning::default(), two_wgs] {
+        let many_tiles = Fp8Case {
+            page: None,
+            lens: (0..40).map(|_| rng.range(0, 700)).collect(),
+            sq: 1,
+            sn: 1,
+            h: 32,
+            hk: 8,
+            d: 64,
+            causal: true,
+        };
+        check_fp8_tuned(&mut rng, &many_tiles, 0, tuning)?;
+        let long_paged = Fp8Case {
+            page: Some(64),
+            lens: vec![rng.range(3000, 9000), rng.range(1, 3000), 0],
+            sq: 2,
+            sn: 2,
+            h: 16,
+            hk: 2,
+            d: 64,
+            causal: true,
+        };
+        check_fp8_tuned(&mut rng, &long_paged, 0, tuning)?;
+        let full_warpgroup = Fp8Case {
+            page: Some(256),
+            lens: vec![rng.range(500, 2500), rng.range(500, 2500)],
+            sq: 4,
+            sn: 4,
+            h: 16,
+            hk: 1,
+            d: 64,
+            causal: false,
+        };
+        check_fp8_tuned(&mut rng, &full_warpgroup, 3, tuning)?;
+    }
+    Ok(())
+}
+
 /// Small fp8 cases for compute-sanitizer: pages of 16 with an append at d128, and a contiguous
 /// d64 cache (the `_tv` kernels, the second one with its deeper rings, and the e4m3 append).
 #[test]
@@ -697,6 +748,11 @@ struct Fp8Case {
 }
 
 fn check_fp8(rng: &mut TestRng, c: &Fp8Case, splits: usize) -> Result<()> {
+    check_fp8_tuned(rng, c, splits, Tuning::default())
+}
+
+/// [`check_fp8`] with the GPU call scheduled by `tuning`.
+fn check_fp8_tuned(rng: &mut TestRng, c: &Fp8Case, splits: usize, tuning: Tuning) -> Result<()> {
     let dev = gpu()?;
     let mut s = Spec::new(rng, c.page, c.lens.clone(), c.sq, c.sn, c.h, c.hk, c.d, c.d);
     s.dtype = DType::F8E4M3;
@@ -711,10 +767,14 @@ fn check_fp8(rng: &mut TestRng, c: &Fp8Case, splits: usize) -> Result<()> {
     if c.causal {
         opts = opts.causal();
     }
-    let what = format!("fp8 {s:?} causal {} splits {splits} seed {}", c.causal, rng.seed());
+    let what = format!(
+        "fp8 {s:?} causal {} splits {splits} {tuning:?} seed {}",
+        c.causal,
+        rng.seed()
+    );
     let host = Inputs::random(rng, &s, None)?;
     let on = |dev: &Device| -> Result<FlashAttn> {
-        Ok(opts.builder().num_splits(splits).descale(
+        Ok(opts.builder().num_splits(splits).tuning(tuning).descale(
             Some(&dq.to_device(dev)?),
             Some(&dk.to_device(dev)?),
             Some(&dv.to_device(dev)?),

@@ -37,7 +37,7 @@ use flash_attn3::fp8::{self, Granularity, Quantizer};
 use flash_attn3::{FlashAttn, Tuning};
 
 /// BENCH_TUNING="pack_gqa=0|1,d64_rows=128|192,direct_store,per_tile,l2_section=N,
-/// fp8_d128_keys=128|224,global_combine": the
+/// fp8_d128_keys=128|224,global_combine,decode_one_cta": the
 /// `Tuning` of every call of the benchmark (unset: chosen per call), for comparisons.
 fn tuning() -> Tuning {
     let mut t = Tuning::default();
@@ -53,6 +53,7 @@ fn tuning() -> Tuning {
             "l2_section" => t.l2_section = num,
             "fp8_d128_keys" => t.fp8_d128_block_n = num,
             "global_combine" => t.global_combine = true,
+            "decode_one_cta" => t.decode_one_cta_per_sm = true,
             other => panic!("BENCH_TUNING: unknown item {other:?}"),
         }
     }

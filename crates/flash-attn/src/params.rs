@@ -34,6 +34,11 @@ pub struct Tuning {
     /// would merge them itself, each tile's shares as one thread-block cluster
     /// (kernels/flash_fwd/cluster_combine.cuh: single-query decode over short caches).
     pub global_combine: bool,
+    /// FP8 KV caches at head dims up to 64, calls whose query rows per sequence fit one
+    /// warpgroup's 64 (decode): the two-warpgroup kernel, one CTA per SM, instead of the
+    /// one-warpgroup kernel at two CTAs per SM (two chains of key blocks per SM;
+    /// docs/kernels/kvcache.md, session 38).
+    pub decode_one_cta_per_sm: bool,
 }
 
 impl Tuning {

@@ -12,8 +12,8 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::{
-    bind_context, check_tma_head_dims, device_addr, fp8, gcd, geometry, input_ptr, is_capturing, kernel, kvcache,
-    launch_in_clusters, launch_with_params, max_active_clusters, offsets_addr, optional_ptr_mut, sm_count,
+    bind_context, check_tma_head_dims, ctas_per_sm, device_addr, fp8, gcd, geometry, input_ptr, is_capturing, kernel,
+    kvcache, launch_in_clusters, launch_with_params, max_active_clusters, offsets_addr, optional_ptr_mut, sm_count,
     tensor_map_nd, tile_counter, TmaDesc, WG_ROWS,
 };
 use crate::descale::Fp8Call;
@@ -221,13 +221,16 @@ impl Variant {
 
     /// The fp8 kernels: d64, d128 and d256 (96 and 192 run on the next one up, TMA zero-filling
     /// the columns), 128-key blocks (224 at d128: `fp8::block_n`), two consumer warpgroups (three
-    /// for d64 where `pick` uses three).
+    /// for d64 where `pick` uses three; one for d64 decode over a KV cache, below).
+    /// `tile_rows`: a sequence's query rows in a tile.
+    #[allow(clippy::too_many_arguments)]
     fn pick_fp8(
         head_dim: usize,
         head_dim_v: usize,
         uneven: bool,
         seqlen_q: usize,
         seqlen_k: usize,
+        tile_rows: usize,
         tuning: &crate::Tuning,
         transpose_v: bool,
     ) -> Result<Self> {
@@ -244,6 +247,15 @@ impl Variant {
             block_n: fp8::block_n(head_dim, transpose_v, seqlen_k, tuning.fp8_d128_block_n),
             consumer_wgs: match head_dim {
                 64 if !transpose_v => d64_consumer_wgs(uneven, seqlen_q, tuning.d64_tile_rows),
+                // d64 decode over an fp8 cache (a sequence's query rows within one warpgroup's
+                // 64): `flash_fwd_d64x1_e4m3_tv`, one consumer warpgroup, two CTAs per SM. The
+                // two-warpgroup kernel reads K and V there at about half a 16-bit call's
+                // bandwidth, held by each key block's chain of dependent steps, not by HBM; two
+                // CTAs per SM run two chains. H200, same call (docs/kernels/kvcache.md, session
+                // 38): 0.78-0.84x the time from batch 8, 0.91x graph-replayed at batch 1 over 8k
+                // keys. (16-bit d64 decode on such a kernel measured 1.01-1.13x slower from batch
+                // 8: it already reads at the copy bandwidth.) `Tuning::decode_one_cta_per_sm`: off.
+                64 if transpose_v && tile_rows <= WG_ROWS && !tuning.decode_one_cta_per_sm => 1,
                 _ => 2,
             },
             fp8: true,
@@ -253,6 +265,9 @@ impl Variant {
 
     /// The instantiation's name in kernels/flash_fwd/kernel.cu.
     fn kernel_name(&self, dtype: DType) -> &'static str {
+        if self.consumer_wgs == 1 {
+            return "flash_fwd_d64x1_e4m3_tv"; // fp8 d64 decode (`pick_fp8`)
+        }
         if self.transpose_v {
             return match self.head_dim {
                 64 => "flash_fwd_d64_e4m3_tv",
@@ -497,6 +512,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let tuning = params.tuning;
     let pack_gqa = pack_gqa(group, dims.seqlen_q, tuning.pack_gqa) && fp8.is_none_or(|f| f.q_shared_by_group());
     let rows = tuning.d64_tile_rows;
+    // The query rows of one sequence in a tile (decode: one tile of seqlen_q x group packed rows).
+    let tile_rows = if pack_gqa { dims.seqlen_q * group } else { dims.seqlen_q };
     let variant = match fp8 {
         Some(_) => Variant::pick_fp8(
             dims.head_dim,
@@ -504,6 +521,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             uneven || pack_gqa,
             dims.seqlen_q,
             dims.seqlen_k,
+            tile_rows,
             &tuning,
             cache.is_some(),
         )?,
@@ -584,20 +602,29 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     )?;
 
     let num_m_blocks = dims.seqlen_q.div_ceil(q_tile_queries);
-    // A kernel that transposes V in shared memory (fp8 over a KV cache) with every tile's rows in
-    // the first consumer warpgroup's 64 (decode: one tile of seqlen_q x group packed rows): the
-    // second warpgroup would idle, so it transposes V beside the producer's two warps
-    // (`fa3::FwdParams::solo_consumer`, kernels/flash_fwd/transpose_v.cuh).
-    let tile_rows = if pack_gqa { dims.seqlen_q * group } else { dims.seqlen_q };
-    let solo_consumer = variant.transpose_v && tile_rows <= WG_ROWS;
+    // A two-warpgroup kernel that transposes V in shared memory (fp8 over a KV cache) with every
+    // tile's rows in the first consumer warpgroup's 64: the second warpgroup would idle, so it
+    // transposes V beside the producer's two warps (`fa3::FwdParams::solo_consumer`,
+    // kernels/flash_fwd/transpose_v.cuh).
+    let solo_consumer = variant.transpose_v && variant.consumer_wgs == 2 && tile_rows <= WG_ROWS;
     let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
     let sms = sm_count(&dev)?;
     // A call captured into a CUDA graph does not pay a split's host time on replay.
     let captured = is_capturing(&dev.cuda_stream());
+    let smem = variant.smem_bytes();
+    // CTAs that run at once: one per SM, two for the one-warpgroup kernels (as the occupancy
+    // calculator finds them).
+    let slots = match variant.consumer_wgs {
+        1 => {
+            let name = variant.kernel_name(dtype);
+            sms * ctas_per_sm(&dev, &kernel(&dev, name, smem)?, name, variant.threads(), smem)?
+        }
+        _ => sms,
+    };
     let splits = split_count(
         params.num_splits,
         num_m_blocks * tile_heads * dims.batch,
-        sms,
+        slots,
         dims.seqlen_k.div_ceil(variant.block_n),
         captured,
     );
@@ -611,7 +638,6 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // where the rule leaves it out it measured slower: 4 queries x group 8 (32 rows) 1.07x, grids
     // of 128 CTAs (batch 8) 1.02-1.07x, a second wave of clusters up to 2x. Each CTA then takes
     // exactly one (tile, share), in static order.
-    let smem = variant.smem_bytes();
     let cluster_kernel = match variant.own_kernel_name(dtype, OwnKernel::ClusterMerge) {
         Some(cm)
             if splits > 1
@@ -714,8 +740,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         ),
         false => (None, None),
     };
-    // A persistent grid, one CTA per SM (a CTA's shared memory fills most of an SM), so that a
-    // CTA's next Q and K/V loads overlap its current tile's last P·V and epilogue. Tiles of equal
+    // A persistent grid, one CTA per SM (a CTA's shared memory fills most of an SM; two for the
+    // one-warpgroup kernels), so that a CTA's next Q and K/V loads overlap its current tile's last
+    // P·V and epilogue. Tiles of equal
     // work (no mask, fixed lengths) are strided statically; uneven tiles (causal/windows, varlen)
     // are claimed through an atomic counter, longest first (kernels/flash_fwd/scheduler.cuh).
     // `Tuning::per_tile` launches one CTA per uneven tile instead (the hardware's block
@@ -723,7 +750,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let grid = if cluster_combine || (uneven && tuning.per_tile) {
         num_tiles
     } else {
-        num_tiles.min(sms)
+        num_tiles.min(slots)
     };
     // The counter ends at (tiles past the first grid) + grid: stay inside i32.
     if num_tiles + grid > i32::MAX as usize {

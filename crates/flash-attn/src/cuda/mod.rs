@@ -107,6 +107,24 @@ fn sm_count(dev: &CudaDevice) -> Result<usize> {
     Ok(n)
 }
 
+/// How many CTAs of the kernel `name` (`threads` threads, `smem` bytes of dynamic shared memory)
+/// run at once on one SM of `dev` (cuOccupancyMaxActiveBlocksPerMultiprocessor), at least 1;
+/// cached per device and kernel.
+fn ctas_per_sm(dev: &CudaDevice, func: &CudaFunction, name: &'static str, threads: u32, smem: usize) -> Result<usize> {
+    type Cache = Mutex<HashMap<(DeviceId, &'static str), usize>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let key = (dev.id(), name);
+    if let Some(&n) = CACHE.get_or_init(Default::default).lock().unwrap().get(&key) {
+        return Ok(n);
+    }
+    let n = func
+        .occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)
+        .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: occupancy: {e:?}")))?;
+    let n = (n as usize).max(1);
+    CACHE.get_or_init(Default::default).lock().unwrap().insert(key, n);
+    Ok(n)
+}
+
 type FuncCache = Mutex<HashMap<(DeviceId, &'static str), CudaFunction>>;
 type ModuleCache = Mutex<HashMap<(DeviceId, usize), Arc<CudaModule>>>;
 
