@@ -228,7 +228,7 @@ template <class Tr>
 __device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileScales& ts, const TileInfo& t,
                                                 const RowMask& held_mask, int row_in_tile, Softmax<Tr>& softmax,
                                                 float (&sc)[Tr::kSRegs],
-                                                int n, int quad_lane, float (&corr)[2]) {
+                                                int n, int quad_lane, float (&corr)[2], unsigned live = 3u) {
     float softcap_pre = p.softcap_pre, scale_log2 = p.scale_log2;
     int negate = p.negate;
     if constexpr (Tr::kFp8) {
@@ -248,7 +248,7 @@ __device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileSc
     if (!(k0 >= t.full_lo && k0 + Tr::kBlockN <= t.full_hi)) {
         apply_mask(sc, Tr::kRowMaskPerBlock ? row_mask(p, t, row_in_tile) : held_mask, k0, 2 * quad_lane);
     }
-    softmax.step(sc, scale_log2, corr);
+    softmax.step(sc, scale_log2, corr, live);
 }
 
 // P to 16 bits, laid out as wgmma's register A operand: k-step kk's four registers are the
@@ -361,6 +361,15 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     float corr[2];
     TileScales ts{};
     if constexpr (Tr::kFp8) ts = tile_scales<Tr>(p, t, wg);
+    // Which of this thread's two rows (the same for the whole warp: rows 16·warp + 0..7 and
+    // + 8..15) hold a real query; a tile's real rows are a prefix (row_position).
+    unsigned live = 3u;
+    if constexpr (Tr::kSkipPaddingRows) {
+        const int queries = min(p.q_tile_queries, t.seqlen_q - t.m_block * p.q_tile_queries);
+        const int real_rows = p.pack_gqa ? queries * p.group.d : queries;
+        const int r0 = wg * 64 + warp * 16;
+        live = (r0 < real_rows ? 1u : 0u) | (r0 + 8 < real_rows ? 2u : 0u);
+    }
 
     const int qs = tc % Tr::kQStages;
     const OperandDescs<Tr> desc(s, wg, qs);
@@ -382,7 +391,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         trace_edge(wg + 1, tc, 2);
         mbar_arrive(&s.empty_k[stage]);
     }
-    scores_to_probs<Tr>(p, ts, t, held_mask, row_in_tile, softmax, sc, n, quad_lane, corr);
+    scores_to_probs<Tr>(p, ts, t, held_mask, row_in_tile, softmax, sc, n, quad_lane, corr, live);
     probs_to_a_operand<Tr>(sc, pa);
     trace_edge(wg + 1, tc, 3);
     // Whether the K block the next iteration issues against has already landed (two consumer
@@ -421,7 +430,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         // wait<0> (ptxas places the wait as early as its basic block allows; FA3's SASS has about
         // two thirds of its softmax there too). Forcing all of it above the wait measured ±1.5% on
         // d128/d256 and −7% on d64 (docs/kernels/forward-sm90.md, version 20), so it stays as is.
-        scores_to_probs<Tr>(p, ts, t, held_mask, row_in_tile, softmax, sc, n - 1, quad_lane, corr);
+        scores_to_probs<Tr>(p, ts, t, held_mask, row_in_tile, softmax, sc, n - 1, quad_lane, corr, live);
         trace_stamp(wg + 1, it, 5);
         wgmma_wait<0>();
         fence_operand(o);

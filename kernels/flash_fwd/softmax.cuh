@@ -46,13 +46,17 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0>
     }
 
     // Turns s into unnormalised probabilities; returns the factors by which O must be rescaled
-    // (exactly 1 for a row whose reference max did not move).
-    __device__ __forceinline__ void step(float (&s)[kSRegs], float scale_log2, float (&corr)[2]) {
+    // (exactly 1 for a row whose reference max did not move). `live`, the same in every lane of
+    // the warp: bit h clear when row h of every lane (rows 16w..16w+7, or +8..+15) lies past the
+    // tile's last query, so that its p are only set to 0 (the decode kernels skip padding rows:
+    // FwdTraits::kSkipPaddingRows); 3 elsewhere, which the compiler folds away.
+    __device__ __forceinline__ void step(float (&s)[kSRegs], float scale_log2, float (&corr)[2], unsigned live = 3u) {
         static_assert(kSRegs % 4 == 0 && kSRegs >= 16, "at least 4 column groups per row");
         if constexpr (kLazyMax) {
             float mx[2];
+            // A dead row's max stays -inf, so it never moves its reference max.
 #pragma unroll
-            for (int h = 0; h < 2; ++h) mx[h] = thread_max(s, h);
+            for (int h = 0; h < 2; ++h) mx[h] = (live >> h & 1u) ? thread_max(s, h) : -INFINITY;
             // The reference max moves only past the slack (the first visible key always moves it
             // off -inf). A row's 4 lanes agree through the quad's max, which is needed only when
             // some lane of the warp saw a score past the slack: otherwise no row moves, and the
@@ -73,10 +77,21 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0>
                 }
             }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) exponentiate_row(s, h, scaled_max(h, scale_log2), scale_log2, corr[h]);
+            for (int h = 0; h < 2; ++h) {
+                if (live >> h & 1u) {
+                    exponentiate_row(s, h, scaled_max(h, scale_log2), scale_log2, corr[h]);
+                } else {
+                    zero_row(s, h);
+                }
+            }
         } else {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
+                if (!(live >> h & 1u)) {
+                    corr[h] = 1.f;
+                    zero_row(s, h);
+                    continue;
+                }
                 const float m = quad_max(thread_max(s, h));
                 const float m_unscaled = m == -INFINITY ? 0.f : m * scale_log2;
                 // Old and new p both carry 2^kPScaleLog2: the correction is between the maxes alone.
@@ -126,6 +141,12 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0>
             }
         }
         row_sum[h] = row_sum[h] * corr + ((s4[0] + s4[1]) + (s4[2] + s4[3]));
+    }
+
+    // Row h's p, all 0: a row past the tile's last query (`live` above).
+    __device__ __forceinline__ static void zero_row(float (&s)[kSRegs], int h) {
+#pragma unroll
+        for (int j = 0; j < kSRegs / 4; ++j) s[4 * j + 2 * h] = s[4 * j + 2 * h + 1] = 0.f;
     }
 
     // The final row sums (over the quad) and natural-log LSE; a row with no visible key gets

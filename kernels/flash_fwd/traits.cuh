@@ -95,6 +95,10 @@ struct FwdTraits {
     // mainloop.cuh rescale_o; version 29): two consumer warpgroups only, the three-warpgroup d64
     // kernel's 160 registers measured 4-7% slower with it.
     static constexpr bool kLazyMax = kConsumerWGs != 3;
+    // The one-warpgroup decode kernels: a warp's rows that lie past the tile's last query (decode
+    // tiles: seqlen_q x group rows of 64, 4 for the Llama-3.2-1B shape) skip the softmax, their p
+    // set to 0 (softmax.cuh `live`); with two CTAs per SM their consumers' warp 0 share an SMSP.
+    static constexpr bool kSkipPaddingRows = kConsumerWGs == 1;
     // Every 4th exponential on the FMA pipe (softmax.cuh kExp2FmaEvery): fp8 d128 on 128-key
     // blocks only, +2..+4% there; every other kernel measured 1-14% slower with it (forward-fp8.md).
     // The boundary blocks' row masks made per block instead of held (mainloop.cuh row_mask): fp8
