@@ -127,10 +127,10 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
 
 }  // namespace fa3
 
-// One kernel: NAME runs flash_fwd over the FwdTraits given last, WGS consumer warpgroups (one:
-// two CTAs per SM, FwdTraits::kCtasPerSm).
+// One kernel: NAME runs flash_fwd over the FwdTraits given last, WGS consumer warpgroups, with
+// the traits' CTAs per SM (two for one consumer warpgroup).
 #define FA3_FWD_KERNEL_OF(NAME, WGS, ...)                                                              \
-    extern "C" __global__ void __launch_bounds__(128 * (1 + WGS), WGS == 1 ? 2 : 1)                     \
+    extern "C" __global__ void __launch_bounds__(128 * (1 + WGS), __VA_ARGS__::kCtasPerSm)             \
         NAME(const __grid_constant__ fa3::FwdParams p) {                                                \
         fa3::flash_fwd<__VA_ARGS__>(p);                                                                 \
     }
@@ -188,7 +188,7 @@ FA3_FWD_KERNEL(flash_fwd_d256_e4m3, 256, 128, fa3::DT_E4M3)
 // version 3), so the other fp8 calls keep the pre-pass.
 FA3_FWD_KERNEL_FP8_TV(flash_fwd_d64_e4m3_tv, 64)
 // d64 fp8 decode (a sequence's query rows within one warpgroup's 64) on one consumer warpgroup,
-// two CTAs per SM: two chains of key blocks per SM (forward.rs, `one_warpgroup`).
+// two CTAs per SM: two chains of key blocks per SM (forward.rs, `Variant::pick_fp8`).
 FA3_FWD_KERNEL_OF(flash_fwd_d64x1_e4m3_tv, 1, fa3::FwdTraits<64, 128, fa3::DT_E4M3, 1, true>)
 FA3_FWD_KERNEL_FP8_TV(flash_fwd_d128_e4m3_tv, 128)
 FA3_FWD_KERNEL_FP8_TV(flash_fwd_d256_e4m3_tv, 256)

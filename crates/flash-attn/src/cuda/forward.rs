@@ -949,3 +949,38 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     drop((o_accum, lse_accum));
     Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Variant, WG_ROWS};
+    use crate::Tuning;
+    use candle_core::DType;
+
+    /// Which fp8 calls take the one-warpgroup decode kernel (host logic only), and that two of its
+    /// CTAs fit an SM's 228 KiB of shared memory (1 KiB of each reserved by the driver).
+    #[test]
+    fn fp8_d64_decode_takes_the_two_ctas_per_sm_kernel() {
+        let pick = |d: usize, tile_rows: usize, tuning: &Tuning, cache: bool| {
+            Variant::pick_fp8(d, d, true, 1, 8192, tile_rows, tuning, cache).unwrap()
+        };
+        let default = Tuning::default();
+        // The 1B shape's decode over an fp8 cache: 1 query x 4 q heads per kv head.
+        let v = pick(64, 4, &default, true);
+        assert_eq!((v.consumer_wgs, v.block_m(), v.threads()), (1, 64, 256));
+        assert_eq!(v.kernel_name(DType::F8E4M3), "flash_fwd_d64x1_e4m3_tv");
+        assert!(2 * (v.smem_bytes() + 1024) <= 228 * 1024, "{} bytes", v.smem_bytes());
+        // Head dims up to 64, and rows up to one warpgroup's.
+        assert_eq!(pick(48, WG_ROWS, &default, true).consumer_wgs, 1);
+        // More rows, a larger head dim, no cache (the pre-pass kernels), or the tuning switch: not.
+        assert_eq!(pick(64, WG_ROWS + 1, &default, true).consumer_wgs, 2);
+        assert_eq!(pick(128, 4, &default, true).consumer_wgs, 2);
+        assert_ne!(pick(64, 4, &default, false).consumer_wgs, 1);
+        let off = Tuning {
+            decode_one_cta_per_sm: true,
+            ..default
+        };
+        let v = pick(64, 4, &off, true);
+        assert_eq!(v.consumer_wgs, 2);
+        assert_eq!(v.kernel_name(DType::F8E4M3), "flash_fwd_d64_e4m3_tv");
+    }
+}
