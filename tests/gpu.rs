@@ -371,10 +371,6 @@ fn tuning_choices_agree_with_the_reference() -> Result<()> {
             l2_section: Some(3),
             ..default
         },
-        Tuning {
-            decode_one_cta_per_sm: true,
-            ..default
-        },
     ];
     for tuning in tunings {
         for (d, causal, sq) in [

@@ -93,7 +93,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         if (wg == 1 && tid == 0) trace_life(7);
         // it: K/V blocks consumed so far (ring position); tc: tiles with keys so far (Q parity).
         int it = 0, tc = 0;
-        const bool pingpong = Tr::kConsumerWGs > 1 && !solo;
+        const bool pingpong = takes_turns<Tr>(solo);
         if (pingpong) pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);
         for (int k = 0;; ++k) {
             const int tile = receive_tile<Tr>(s, k, true);  // claimed by the scheduler thread

@@ -86,6 +86,10 @@ template <class Tr> __device__ __forceinline__ void rescale_o(float (&o)[Tr::kOR
 // epilogue's barriers follow, epilogue.cuh).
 __device__ __forceinline__ int sched_barrier(int wg) { return kPingpongBarrier0 + wg; }
 
+// Whether the consumer warpgroups take turns at the tensor cores: not where one computes (a
+// one-warpgroup kernel, or a solo call: `solo`, transpose_v.cuh solo_consumer).
+template <class Tr> __device__ __forceinline__ bool takes_turns(bool solo) { return Tr::kConsumerWGs > 1 && !solo; }
+
 // The ring runs across tiles: each warpgroup takes n + 1 turns per tile of n key blocks (the same
 // n for all), so warpgroup 0's first Q·Kᵀ of the next tile follows the last warpgroup's tail P·V
 // of this one, and each warpgroup's epilogue overlaps the others' GEMMs. (A ring restarted per
@@ -343,9 +347,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     constexpr int kWGs = Tr::kConsumerWGs;
     const int my_bar = sched_barrier(wg), next_bar = sched_barrier(wg + 1 == kWGs ? 0 : wg + 1);
     constexpr int kBoth = 256;  // a warpgroup waiting on its barrier + the one before it arriving
-    // One computing warpgroup (a one-warpgroup kernel, or a solo call: transpose_v.cuh,
-    // solo_consumer): no turns to take.
-    const bool pingpong = kWGs > 1 && !solo_consumer<Tr>(p);
+    const bool pingpong = takes_turns<Tr>(solo_consumer<Tr>(p));
     trace_edge(wg + 1, tc, 0);
 
     RowMask held_mask;  // unused with kRowMaskPerBlock

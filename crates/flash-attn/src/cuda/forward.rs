@@ -742,9 +742,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     };
     // A persistent grid, one CTA per SM (a CTA's shared memory fills most of an SM; two for the
     // one-warpgroup kernels), so that a CTA's next Q and K/V loads overlap its current tile's last
-    // P·V and epilogue. Tiles of equal
-    // work (no mask, fixed lengths) are strided statically; uneven tiles (causal/windows, varlen)
-    // are claimed through an atomic counter, longest first (kernels/flash_fwd/scheduler.cuh).
+    // P·V and epilogue. Tiles of equal work (no mask, fixed lengths) are strided statically;
+    // uneven tiles (causal/windows, varlen) are claimed through an atomic counter, longest first
+    // (kernels/flash_fwd/scheduler.cuh).
     // `Tuning::per_tile` launches one CTA per uneven tile instead (the hardware's block
     // scheduler balances them; the path before the counter, kept for comparison).
     let grid = if cluster_combine || (uneven && tuning.per_tile) {
