@@ -1,7 +1,7 @@
-//! Compiles the Hopper kernels (kernels/ at the workspace root) into four cubins (forward,
-//! backward, fp8 quantizer, KV cache append) when the `cuda` feature is on. The crate embeds them with
-//! `include_bytes!` and loads them at run time through candle's cudarc; nothing links against the
-//! CUDA runtime.
+//! Compiles the Hopper kernels (kernels/ at the workspace root) into five cubins (forward,
+//! backward, fp8 quantizer, KV cache append, single-query decode) when the `cuda` feature is on.
+//! The crate embeds them with `include_bytes!` and loads them at run time through candle's cudarc;
+//! nothing links against the CUDA runtime.
 
 use std::env;
 use std::path::PathBuf;
@@ -30,13 +30,14 @@ fn main() {
     let extra: Vec<String> = env::var("FA3_NVCC_FLAGS")
         .map(|f| f.split_whitespace().map(String::from).collect())
         .unwrap_or_default();
-    // The forward, the backward, the fp8 quantizer and the KV cache's append are separate cubins,
-    // compiled in parallel.
+    // The forward, the backward, the fp8 quantizer, the KV cache's append and its single-query
+    // decode are separate cubins, compiled in parallel.
     let jobs = [
         ("flash_fwd/kernel.cu", "flash_fwd.cubin"),
         ("flash_bwd/kernel.cu", "flash_bwd.cubin"),
         ("fp8/quantize.cu", "fp8_quantize.cubin"),
         ("kvcache/append.cu", "kvcache_append.cubin"),
+        ("kvcache/decode.cu", "kvcache_decode.cubin"),
     ]
     .map(|(src, cubin)| (kernels.join(src), out_dir.join(cubin)));
     compile_cubins("flash-attn3", &jobs, &extra);

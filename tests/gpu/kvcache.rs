@@ -333,6 +333,78 @@ fn kvcache_split_counts_and_long_caches() -> Result<()> {
     Ok(())
 }
 
+/// The single-query decode kernel (kernels/kvcache/decode.cu, `Tuning::decode_kernel`) against
+/// the CPU path, and the forward kernel on the same calls: d64 and d128, bf16 and f16, groups of
+/// 1 to 16 q heads (odd ones too), contiguous caches with cache_batch_idx and pages of 16 / 64 /
+/// 256, sequences of 0 and 1 keys, causal, a window, softcap, append with rotary; short caches
+/// (1 to 8 shares of one chunk or two) and, forced, long ones (many chunks a share).
+#[test]
+fn kvcache_decode_kernel_every_option() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-decode");
+    let cases = [
+        (64, 8, 4, DType::BF16),
+        (128, 4, 8, DType::BF16),
+        (64, 2, 16, DType::F16),
+        (128, 3, 5, DType::BF16),
+        (64, 4, 1, DType::F16),
+        (128, 1, 16, DType::F16),
+        (64, 3, 7, DType::BF16),
+    ];
+    for (i, (d, kv_heads, group, dtype)) in cases.into_iter().enumerate() {
+        for page_size in [None, Some(16), Some(64), Some(256)] {
+            for (max_len, forced) in [(120, false), (900, false), (5000, true)] {
+                let batch = rng.range(1, 5);
+                let lens: Vec<usize> = (0..batch)
+                    .map(|b| match b {
+                        1 => 0,
+                        2 => 1,
+                        _ => rng.range(1, max_len),
+                    })
+                    .collect();
+                let (opts, append, rotary) = match (i + lens[0]) % 4 {
+                    0 => (Opts::new(0.125), false, None),
+                    1 => (Opts::new(0.1).causal(), true, Some((d, false))),
+                    2 => (Opts::new(0.09).window(Some(rng.range(0, 200)), Some(0)), false, None),
+                    _ => (Opts::new(0.11).softcap(6.0), true, Some((d / 2, true))),
+                };
+                let new = append as usize;
+                let mut s = Spec::new(&mut rng, page_size, lens, 1, new, kv_heads * group, kv_heads, d, d);
+                s.dtype = dtype;
+                for choice in [Some(true), Some(false)] {
+                    if choice == Some(false) && forced {
+                        continue; // the forward kernel on long caches: the other tests
+                    }
+                    let tuning = Tuning {
+                        decode_kernel: choice,
+                        ..Default::default()
+                    };
+                    check(&mut rng, &s, opts.tuned(tuning), rotary, 0)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Small, for compute-sanitizer (memcheck, racecheck): the decode kernel over pages of 16 with
+/// append, 3 shares, a sequence without keys.
+#[test]
+fn kvcache_decode_small_for_sanitizer() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-decode-sanitizer");
+    let s = Spec::new(&mut rng, Some(16), vec![130, 0, 60], 1, 1, 8, 2, 64, 64);
+    let tuning = Tuning {
+        decode_kernel: Some(true),
+        ..Default::default()
+    };
+    check(
+        &mut rng,
+        &s,
+        Opts::new(0.1).causal().tuned(tuning),
+        Some((64, false)),
+        0,
+    )
+}
+
 /// Varlen queries (`KvCacheAttn::varlen_q`: a serving step's prefill chunks beside single decode
 /// tokens, in one call): sequences with 0, 1 or many queries over contiguous caches and pages of
 /// 16 and 64, d64 and d128, GQA with and without pack-GQA, causal / window + softcap / none,

@@ -37,7 +37,7 @@ use flash_attn3::fp8::{self, Granularity, Quantizer};
 use flash_attn3::{FlashAttn, Tuning};
 
 /// BENCH_TUNING="pack_gqa=0|1,d64_rows=128|192,direct_store,per_tile,l2_section=N,
-/// fp8_d128_keys=128|224,global_combine,decode_one_cta": the
+/// fp8_d128_keys=128|224,global_combine,decode_one_cta,decode_kernel=0|1": the
 /// `Tuning` of every call of the benchmark (unset: chosen per call), for comparisons.
 fn tuning() -> Tuning {
     let mut t = Tuning::default();
@@ -54,6 +54,7 @@ fn tuning() -> Tuning {
             "fp8_d128_keys" => t.fp8_d128_block_n = num,
             "global_combine" => t.global_combine = true,
             "decode_one_cta" => t.decode_one_cta_per_sm = true,
+            "decode_kernel" => t.decode_kernel = Some(value == "1"),
             other => panic!("BENCH_TUNING: unknown item {other:?}"),
         }
     }
@@ -408,6 +409,82 @@ fn kvcache_table(dev: &Device) -> Result<()> {
 /// model does. The fp8 call's kernel transposes V tiles in shared memory
 /// (kernels/flash_fwd/transpose_v.cuh). Head dims from BENCH_KV_FP8_D (comma-separated, default
 /// 128): 128 with heads 32/4, 64 with the Llama-3.2-1B shape's 32/8.
+/// Single-query decode over short 16-bit caches: the CUDA-core decode kernel
+/// (`Tuning::decode_kernel: Some(true)`) against the forward kernel (`Some(false)`) on the same
+/// calls, µs per call eager and graph-replayed; the 1B model's shape (d64, 32/8 heads) and the
+/// kvcache grid's (d128, 32/4), contiguous and pages of 16. BENCH_DECODE_KEYS /
+/// BENCH_DECODE_BATCHES: the key counts and batches; BENCH_DECODE_ONCE: two untimed calls of
+/// each kernel per cell (for Nsight Compute).
+fn kvcache_decode_table(dev: &Device) -> Result<()> {
+    // SAFETY: every tensor of this pass lives and is used on candle's one stream.
+    unsafe { dev.as_cuda_device()?.disable_event_tracking() };
+    let keys = list("BENCH_DECODE_KEYS", &[128, 640, 1024, 2048, 4096]);
+    let batches = list("BENCH_DECODE_BATCHES", &[1, 8, 32, 128]);
+    println!("\nflash_attn_with_kvcache, seqlen_q 1, bf16, no append: the decode kernel against the forward kernel, us per call");
+    println!("| shape | batch | seqlen_k | cache | forward us | decode us | decode / forward | forward graph us | decode graph us | decode / forward |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (h, hk, d) in [(32, 8, 64), (32, 4, 128)] {
+        for &b in &batches {
+            for &sk in &keys {
+                for page in [None, Some(16)] {
+                    let lens = Tensor::new(vec![sk as u32; b].as_slice(), dev)?;
+                    let q = Tensor::randn(0f32, 1., (b, 1, h, d), dev)?.to_dtype(DType::BF16)?;
+                    let cache = |pages: Option<usize>| -> Result<Tensor> {
+                        let t = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?.to_dtype(DType::BF16)?;
+                        match pages {
+                            Some(ps) => t.reshape((b * sk / ps, ps, hk, d)),
+                            None => Ok(t),
+                        }
+                    };
+                    let (k, v) = (cache(page)?, cache(page)?);
+                    let table = match page {
+                        Some(ps) => Some(Tensor::from_vec(
+                            (0..(b * sk / ps) as u32).collect::<Vec<_>>(),
+                            (b, sk / ps),
+                            dev,
+                        )?),
+                        None => None,
+                    };
+                    let call = |kernel: bool| -> Result<Tensor> {
+                        let mut t = tuning();
+                        t.decode_kernel = Some(kernel);
+                        let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(true).tuning(t);
+                        let c = attn.kv_cache(&k, &v, &lens);
+                        match &table {
+                            Some(table) => c.page_table(table).forward(&q),
+                            None => c.forward(&q),
+                        }
+                    };
+                    if std::env::var_os("BENCH_DECODE_ONCE").is_some() {
+                        // Two calls of each kernel and no timing: for Nsight Compute's kernel
+                        // durations (`ncu -k regex:"kvcache_decode|flash_fwd"`), one cell a line.
+                        println!("cell d{d} {h}/{hk} batch {b} keys {sk} page {page:?}");
+                        for kernel in [false, true, false, true] {
+                            call(kernel)?;
+                        }
+                        dev.synchronize()?;
+                        continue;
+                    }
+                    let (fwd, dec) = (time(dev, || call(false))?, time(dev, || call(true))?);
+                    let graphs = (graph_time(dev, || call(false))?, graph_time(dev, || call(true))?);
+                    let graph_cells = match graphs {
+                        (Some(f), Some(g)) => format!(" {:.1} | {:.1} | {:.2} |", f * 1e6, g * 1e6, g / f),
+                        _ => " – | – | – |".to_string(),
+                    };
+                    let cache_label = page.map_or("contiguous".to_string(), |ps| format!("page {ps}"));
+                    println!(
+                        "| d{d} {h}/{hk} | {b} | {sk} | {cache_label} | {:.1} | {:.1} | {:.2} |{graph_cells}",
+                        fwd * 1e6,
+                        dec * 1e6,
+                        dec / fwd
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn kvcache_fp8_tables(dev: &Device) -> Result<()> {
     let dims = std::env::var("BENCH_KV_FP8_D").unwrap_or_else(|_| "128".into());
     for d in dims.split(',').map(str::trim).filter(|d| !d.is_empty()) {
@@ -673,6 +750,9 @@ fn main() -> Result<()> {
     }
     if passes.split(',').any(|p| p.trim() == "kvcache") {
         kvcache_table(&dev)?;
+    }
+    if passes.split(',').any(|p| p.trim() == "kvcache_decode") {
+        kvcache_decode_table(&dev)?;
     }
     if passes.split(',').any(|p| p.trim() == "kvcache_fp8") {
         kvcache_fp8_tables(&dev)?;

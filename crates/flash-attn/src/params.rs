@@ -39,6 +39,13 @@ pub struct Tuning {
     /// one-warpgroup kernel at two CTAs per SM (two chains of key blocks per SM;
     /// docs/kernels/kvcache.md, session 38).
     pub decode_one_cta_per_sm: bool,
+    /// Single-query calls over a 16-bit KV cache (`flash_attn_with_kvcache`, one query per
+    /// sequence, head dim 64 or 128, at most 16 q heads per kv head, `num_splits` 0): `None` runs
+    /// them on the CUDA-core decode kernel (kernels/kvcache/decode.cu) where it measured faster
+    /// (head dim 64, at most 2,048 keys a sequence, CTAs for at most half the SMs: a batch-1
+    /// decode step; docs/kernels/kvcache.md, session 39), `Some(true)` wherever it applies,
+    /// `Some(false)` never (the forward kernel).
+    pub decode_kernel: Option<bool>,
 }
 
 impl Tuning {

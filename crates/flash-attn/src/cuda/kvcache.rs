@@ -1,7 +1,8 @@
 //! The GPU side of [`crate::kvcache`]: the append kernel (kernels/kvcache/append.cu), which
 //! writes the new keys and values into the cache, turns them and q by the rotary embedding and
-//! checks each sequence's cache rows or pages, then the forward kernel over the cache
-//! (kernels/flash_fwd/, `FwdParams::seqused_k / kv_batch_idx / page_table`).
+//! checks each sequence's cache rows or pages, then the attention over the cache: the forward
+//! kernel (kernels/flash_fwd/, `FwdParams::seqused_k / kv_batch_idx / page_table`), or for
+//! single-query calls over short 16-bit caches the decode kernel (decode.rs).
 
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -336,7 +337,20 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         page_size: s.rows,
     };
     let q_attn = q_rot.as_ref().unwrap_or(&q);
-    let (out, lse) = {
+    let decode_shares = super::decode::plan(
+        s,
+        &c.params,
+        dtype,
+        c.fp8.is_some(),
+        (
+            super::decode::CacheStrides::of(c.k_cache),
+            super::decode::CacheStrides::of(c.v_cache),
+        ),
+        super::sm_count(&dev)?,
+    );
+    let (out, lse) = if let Some(shares) = decode_shares {
+        super::decode::launch(c, q_attn, shares, &launch)?
+    } else {
         let (q_st, q_l) = q_attn.storage_and_layout();
         let (k_st, k_l) = c.k_cache.storage_and_layout();
         let (v_st, v_l) = c.v_cache.storage_and_layout();

@@ -5,7 +5,8 @@
 //! descriptors encoded straight over the caller's storage (any batch/sequence/head strides, no
 //! copies), device addresses, the CUDA context and the dynamic scheduler's counters. Each launch
 //! has its own file: the forward and its split-KV combine (forward.rs), its fp8 pieces (fp8.rs),
-//! the KV-cache calls (kvcache.rs), the backward (backward.rs), the fp8 quantizer (quantize.rs).
+//! the KV-cache calls (kvcache.rs) and their single-query decode kernel (decode.rs), the backward
+//! (backward.rs), the fp8 quantizer (quantize.rs).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -21,6 +22,7 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 mod backward;
+mod decode;
 mod forward;
 mod fp8;
 pub(crate) mod kvcache;

@@ -1,0 +1,356 @@
+//! The single-query decode kernel (kernels/kvcache/decode.cu): `flash_attn_with_kvcache` calls
+//! with one query per sequence over a 16-bit cache that holds few keys per sequence run on small
+//! CUDA-core CTAs, every sequence's key shares merged inside a thread-block cluster, instead of on
+//! the forward kernel, whose big warp-specialised CTAs cost ~10 µs a call at short caches
+//! (docs/kernels/kvcache.md, session 39). [`plan`] says whether a call takes it; [`launch`] runs it.
+
+use candle_core::cuda_backend::cudarc::driver::{sys, DevicePtrMut, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::{CudaDType, CudaDevice};
+use candle_core::{bail, CudaStorage, DType, Result, Tensor};
+use half::{bf16, f16};
+
+use super::kvcache::{CacheLaunch, GpuCall};
+use super::{device_address, launch_in_clusters, load_kernel};
+use crate::kvcache::CacheShape;
+use crate::params::AttnParams;
+
+static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kvcache_decode.cubin"));
+
+/// `fa3::kDecodeMaxGroup`: q heads per kv head (a CTA's rows).
+const MAX_GROUP: usize = 16;
+/// `fa3::kDecodeMaxShares`: a sequence's key shares, one CTA each, in one cluster (the portable
+/// cluster size).
+const MAX_SHARES: usize = 8;
+/// Under `Tuning::decode_kernel: None`, a call takes the kernel at head dim 64 where each share of
+/// a full cache is at most this many chunks of keys (a share's chunks run one after the other in
+/// one CTA, where the forward kernel spreads long caches over the whole GPU) and its grid has CTAs
+/// for at most half the SMs. Elsewhere (more CTAs, head dim 128) the forward kernel measured
+/// faster (docs/kernels/kvcache.md, session 39).
+const MAX_CHUNKS_PER_SHARE: usize = 4;
+
+/// `DecodeTraits::kKeys`: keys per chunk (two chunks in flight per CTA).
+fn keys_per_chunk(head_dim: usize) -> usize {
+    if head_dim == 64 {
+        64
+    } else {
+        32
+    }
+}
+
+/// Mirror of `fa3::DecodeParams` (kernels/kvcache/decode.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DecodeParams {
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    seqused: u64,
+    kv_batch_idx: u64,
+    page_table: u64,
+    sinks: u64,
+    out: u64,
+    lse: u64,
+    k_slot_stride: i64,
+    k_row_stride: i64,
+    k_head_stride: i64,
+    v_slot_stride: i64,
+    v_row_stride: i64,
+    v_head_stride: i64,
+    heads: i32,
+    group: i32,
+    slots: i32,
+    rows: i32,
+    max_pages: i32,
+    capacity: i32,
+    window_left: i32,
+    scale_log2: f32,
+    softcap_pre: f32,
+}
+
+// SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
+unsafe impl DeviceRepr for DecodeParams {}
+
+/// A cache tensor's element strides (slot, row, head) and start offset, for [`plan`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct CacheStrides {
+    pub strides: [usize; 4],
+    pub start_offset: usize,
+}
+
+impl CacheStrides {
+    pub(super) fn of(t: &Tensor) -> Self {
+        let layout = t.layout();
+        let s = layout.stride();
+        Self {
+            strides: [s[0], s[1], s[2], s[3]],
+            start_offset: layout.start_offset(),
+        }
+    }
+
+    /// Every row starts on 16 bytes (the kernel's cp.async copies) and its elements are
+    /// contiguous.
+    fn rows_aligned(&self) -> bool {
+        self.strides[3] == 1
+            && self.strides[..3]
+                .iter()
+                .chain([&self.start_offset])
+                .all(|&x| x % 8 == 0)
+    }
+}
+
+/// The key shares (CTAs per sequence and kv head, one cluster) of a call that runs on the decode
+/// kernel, or None for a call the forward kernel runs: one query per sequence (not varlen), a
+/// 16-bit cache with rows aligned to 16 bytes, head dim 64 or 128 for q, k and v, at most 16 q
+/// heads per kv head, `num_splits` 0 (an explicit split is the forward kernel's), and under
+/// `Tuning::decode_kernel: None` head dim 64, a cache of at most [`MAX_CHUNKS_PER_SHARE`] chunks a
+/// share and a grid of CTAs for at most half the `sms`. Windows, softcap, sinks, pages,
+/// cache_batch_idx and an append before it all apply.
+pub(super) fn plan(
+    shape: &CacheShape,
+    params: &AttnParams,
+    dtype: DType,
+    fp8: bool,
+    (k, v): (CacheStrides, CacheStrides),
+    sms: usize,
+) -> Option<usize> {
+    let s = shape;
+    let supported = !fp8
+        && matches!(dtype, DType::BF16 | DType::F16)
+        && s.seqlen_q == 1
+        && !s.varlen_q
+        && (s.head_dim == 64 || s.head_dim == 128)
+        && s.head_dim_v == s.head_dim
+        && s.kv_heads > 0
+        && s.heads % s.kv_heads == 0
+        && s.heads / s.kv_heads <= MAX_GROUP
+        && params.num_splits == 0
+        && k.rows_aligned()
+        && v.rows_aligned()
+        && s.batch <= u16::MAX as usize
+        && s.kv_heads <= u16::MAX as usize
+        && s.capacity() <= i32::MAX as usize
+        && s.slots <= i32::MAX as usize;
+    if !supported {
+        return None;
+    }
+    let chunk = keys_per_chunk(s.head_dim);
+    let shares = s.capacity().div_ceil(chunk).clamp(1, MAX_SHARES);
+    match params.tuning.decode_kernel {
+        Some(false) => None,
+        Some(true) => Some(shares),
+        None => {
+            let short = s.capacity() <= MAX_SHARES * MAX_CHUNKS_PER_SHARE * chunk;
+            let few_ctas = 2 * s.batch * s.kv_heads * shares <= sms;
+            (s.head_dim == 64 && short && few_ctas).then_some(shares)
+        }
+    }
+}
+
+/// Runs the decode kernel over `shares` key shares for the call `c` with (possibly turned) `q`;
+/// `cache` has the key counts, cache rows and page table the forward kernel would read. Returns
+/// the output (batch, heads, head_dim) in q's dtype and the LSE (batch, heads), f32.
+pub(super) fn launch(
+    c: &GpuCall,
+    q: &Tensor,
+    shares: usize,
+    cache: &CacheLaunch,
+) -> Result<(CudaStorage, CudaStorage)> {
+    match q.dtype() {
+        DType::BF16 => launch_t::<bf16>(c, q, shares, cache),
+        DType::F16 => launch_t::<f16>(c, q, shares, cache),
+        dt => bail!("flash-attn3: kvcache: the decode kernel takes bf16 and f16, got {dt:?}"),
+    }
+}
+
+fn launch_t<T: CudaDType + DeviceRepr>(
+    c: &GpuCall,
+    q: &Tensor,
+    shares: usize,
+    cache: &CacheLaunch,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let s = c.shape;
+    let dev: CudaDevice = match q.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("flash-attn3: kvcache: expected a GPU call"),
+    };
+    let stream = dev.cuda_stream();
+    let name = match (s.head_dim, q.dtype()) {
+        (64, DType::BF16) => "kvcache_decode_d64_bf16",
+        (64, DType::F16) => "kvcache_decode_d64_f16",
+        (128, DType::BF16) => "kvcache_decode_d128_bf16",
+        (128, DType::F16) => "kvcache_decode_d128_f16",
+        (d, dt) => bail!("flash-attn3: kvcache: no decode kernel for head dim {d} and {dt:?}"),
+    };
+    let func = load_kernel(&dev, CUBIN, " kvcache decode", name, 0)?;
+    // The kernel's block size is its __launch_bounds__ (`fa3::kDecodeThreads`).
+    let threads = func
+        .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+        .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: block size: {e:?}")))?;
+    let q = q.contiguous()?;
+    let rows = s.batch * s.heads;
+    // SAFETY: the kernel writes every element: each (sequence, kv head) cluster stores all of its
+    // group's rows and their LSEs.
+    let mut out = unsafe { dev.alloc::<T>(rows * s.head_dim)? };
+    let mut lse = unsafe { dev.alloc::<f32>(rows)? };
+    let (k, v) = (CacheStrides::of(c.k_cache), CacheStrides::of(c.v_cache));
+    let scale = c.params.softmax_scale;
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    let (scale_log2, softcap_pre) = match c.params.softcap {
+        Some(cap) => (cap * LOG2E, scale / cap),
+        None => (scale * LOG2E, 0.0),
+    };
+    {
+        let (out_addr, _out_sync) = out.device_ptr_mut(&stream);
+        let (lse_addr, _lse_sync) = lse.device_ptr_mut(&stream);
+        let p = DecodeParams {
+            q: device_address(&q)?,
+            k_cache: device_address(c.k_cache)?,
+            v_cache: device_address(c.v_cache)?,
+            seqused: cache.seqused_k,
+            kv_batch_idx: cache.kv_batch_idx,
+            page_table: cache.page_table,
+            sinks: c.sinks.map_or(Ok(0), device_address)?,
+            out: out_addr,
+            lse: lse_addr,
+            k_slot_stride: k.strides[0] as i64,
+            k_row_stride: k.strides[1] as i64,
+            k_head_stride: k.strides[2] as i64,
+            v_slot_stride: v.strides[0] as i64,
+            v_row_stride: v.strides[1] as i64,
+            v_head_stride: v.strides[2] as i64,
+            heads: s.heads as i32,
+            group: (s.heads / s.kv_heads) as i32,
+            slots: s.slots as i32,
+            rows: s.rows as i32,
+            max_pages: cache.max_pages as i32,
+            capacity: s.capacity() as i32,
+            window_left: c.params.window_left.map_or(-1, |w| w.min(i32::MAX as usize) as i32),
+            scale_log2,
+            softcap_pre,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (shares as u32, s.kv_heads as u32, s.batch as u32),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every address is a live buffer of the sizes in `p` (checked by
+        // KvCacheAttn::check on the host; key counts are clamped to the capacity, and cache slots
+        // and pages past the pool read as zeros in the kernel).
+        unsafe { launch_in_clusters(&stream, &func, name, cfg, shares as u32, &p) }?;
+    }
+    Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{plan, CacheStrides};
+    use crate::kvcache::CacheShape;
+    use crate::params::AttnParams;
+    use crate::Tuning;
+    use candle_core::DType;
+
+    fn shape(batch: usize, seqlen_q: usize, heads: usize, kv_heads: usize, d: usize, rows: usize) -> CacheShape {
+        CacheShape {
+            batch,
+            seqlen_q,
+            total_q: batch * seqlen_q,
+            varlen_q: false,
+            seqlen_new: 0,
+            heads,
+            kv_heads,
+            head_dim: d,
+            head_dim_v: d,
+            slots: batch,
+            rows,
+            paged: None,
+            rotary_dim: 0,
+        }
+    }
+
+    fn contiguous(s: &CacheShape) -> CacheStrides {
+        let d = s.head_dim;
+        CacheStrides {
+            strides: [s.rows * s.kv_heads * d, s.kv_heads * d, d, 1],
+            start_offset: 0,
+        }
+    }
+
+    /// Which calls take the decode kernel, and over how many shares (host logic only).
+    #[test]
+    fn single_query_short_caches_take_the_decode_kernel() {
+        let params = |tuning: Tuning, num_splits: usize| AttnParams {
+            softmax_scale: 0.125,
+            window_left: None,
+            window_right: Some(0),
+            softcap: None,
+            num_splits,
+            tuning,
+        };
+        let auto = params(Tuning::default(), 0);
+        const SMS: usize = 132;
+        let take = |s: &CacheShape, p: &AttnParams, dtype: DType| {
+            plan(s, p, dtype, false, (contiguous(s), contiguous(s)), SMS)
+        };
+        // The 1B model's batch-1 step: d64, 32/8 heads, 640 keys: 8 shares.
+        let s = shape(1, 1, 32, 8, 64, 640);
+        assert_eq!(take(&s, &auto, DType::BF16), Some(8));
+        assert_eq!(take(&s, &auto, DType::F16), Some(8));
+        // Batch 2 (128 CTAs, more than half the SMs) does not take it unless forced; with 4 kv
+        // heads it does (64 CTAs).
+        assert_eq!(take(&shape(2, 1, 32, 8, 64, 640), &auto, DType::BF16), None);
+        assert_eq!(take(&shape(2, 1, 32, 4, 64, 640), &auto, DType::BF16), Some(8));
+        let forced = params(
+            Tuning {
+                decode_kernel: Some(true),
+                ..Default::default()
+            },
+            0,
+        );
+        assert_eq!(take(&shape(2, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(8));
+        // A cache of 100 keys: two 64-key chunks, two shares.
+        assert_eq!(take(&shape(1, 1, 32, 8, 64, 100), &auto, DType::BF16), Some(2));
+        // Long caches go to the forward kernel unless forced: 8 shares of 4 64-key chunks is
+        // 2,048 keys.
+        assert_eq!(take(&shape(1, 1, 32, 8, 64, 2048), &auto, DType::BF16), Some(8));
+        let long = shape(1, 1, 32, 8, 64, 2049);
+        assert_eq!(take(&long, &auto, DType::BF16), None);
+        assert_eq!(take(&long, &forced, DType::BF16), Some(8));
+        // d128 only when forced (its 32-key chunks: 8 shares).
+        let d128 = shape(1, 1, 32, 4, 128, 640);
+        assert_eq!(take(&d128, &auto, DType::BF16), None);
+        assert_eq!(take(&d128, &forced, DType::BF16), Some(8));
+        // Never, when asked; an explicit split; more than one query; fp8, f32; other head dims;
+        // groups over 16.
+        let never = params(
+            Tuning {
+                decode_kernel: Some(false),
+                ..Default::default()
+            },
+            0,
+        );
+        assert_eq!(take(&s, &never, DType::BF16), None);
+        assert_eq!(take(&s, &params(Tuning::default(), 3), DType::BF16), None);
+        assert_eq!(take(&shape(1, 4, 32, 8, 64, 640), &auto, DType::BF16), None);
+        assert_eq!(
+            plan(&s, &auto, DType::F8E4M3, true, (contiguous(&s), contiguous(&s)), SMS),
+            None
+        );
+        assert_eq!(take(&s, &auto, DType::F32), None);
+        assert_eq!(take(&shape(1, 1, 32, 8, 96, 640), &auto, DType::BF16), None);
+        assert_eq!(take(&shape(1, 1, 32, 1, 64, 640), &auto, DType::BF16), None);
+        // Rows that do not start on 16 bytes.
+        let odd = CacheStrides {
+            strides: [640 * 8 * 64, 8 * 64, 64, 1],
+            start_offset: 4,
+        };
+        assert_eq!(plan(&s, &auto, DType::BF16, false, (odd, contiguous(&s)), SMS), None);
+        let strided_d = CacheStrides {
+            strides: [640 * 8 * 128, 8 * 128, 128, 2],
+            start_offset: 0,
+        };
+        assert_eq!(
+            plan(&s, &auto, DType::BF16, false, (contiguous(&s), strided_d), SMS),
+            None
+        );
+    }
+}
