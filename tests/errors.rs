@@ -540,6 +540,7 @@ fn invalid_tuning_is_rejected() {
         fp8_d128_block_n: Some(224),
         global_combine: true,
         decode_one_cta_per_sm: true,
+        decode_kernel: Some(true),
     };
     let a = FlashAttn::new(0.25).forward(&q, &q, &q).unwrap();
     let b = FlashAttn::new(0.25).tuning(tuned).forward(&q, &q, &q).unwrap();

@@ -8,8 +8,10 @@
 //! caches of every page size with shuffled pages and a prefix page shared by two sequences, append
 //! with and without rotary (interleaved or not), zero-length sequences, GQA with and without
 //! pack-GQA, causal, windows and softcap, split-KV forced to 1, 3 and 16, head dims 64 / 128 /
-//! 256, keys over many blocks, varlen queries (cu_seqlens_q); then the device's defined outcome for bad indices (the sequence
-//! reads as empty, a status bit is set) and the host errors.
+//! 256, keys over many blocks, varlen queries (cu_seqlens_q), the single-query decode kernel
+//! (`Tuning::decode_kernel`) against the forward kernel on the same calls; then the device's
+//! defined outcome for bad indices (the sequence reads as empty, a status bit is set) and the host
+//! errors.
 
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::kvcache::{PAGE_SIZES, STATUS_BATCH_IDX_PAST_CACHE, STATUS_KEYS_PAST_CACHE, STATUS_PAGE_PAST_POOL};

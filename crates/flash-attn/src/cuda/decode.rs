@@ -23,10 +23,10 @@ const MAX_GROUP: usize = 16;
 const MAX_SHARES: usize = 8;
 /// Under `Tuning::decode_kernel: None`, a call takes the kernel at head dim 64 where each share of
 /// a full cache is at most this many chunks of keys (a share's chunks run one after the other in
-/// one CTA, where the forward kernel spreads long caches over the whole GPU) and its grid has CTAs
-/// for at most half the SMs. Elsewhere (more CTAs, head dim 128) the forward kernel measured
-/// faster (docs/kernels/kvcache.md, session 39).
-const MAX_CHUNKS_PER_SHARE: usize = 4;
+/// one CTA, where the forward kernel spreads long caches over the whole GPU) and its grid has at
+/// most one CTA per SM. Elsewhere (longer caches, more CTAs, head dim 128) the forward kernel
+/// measured faster (docs/kernels/kvcache.md, session 39).
+const MAX_CHUNKS_PER_SHARE: usize = 2;
 
 /// `DecodeTraits::kKeys`: keys per chunk (two chunks in flight per CTA).
 fn keys_per_chunk(head_dim: usize) -> usize {
@@ -103,7 +103,7 @@ impl CacheStrides {
 /// 16-bit cache with rows aligned to 16 bytes, head dim 64 or 128 for q, k and v, at most 16 q
 /// heads per kv head, `num_splits` 0 (an explicit split is the forward kernel's), and under
 /// `Tuning::decode_kernel: None` head dim 64, a cache of at most [`MAX_CHUNKS_PER_SHARE`] chunks a
-/// share and a grid of CTAs for at most half the `sms`. Windows, softcap, sinks, pages,
+/// share and a grid of at most one CTA per SM of the `sms`. Windows, softcap, sinks, pages,
 /// cache_batch_idx and an append before it all apply.
 pub(super) fn plan(
     shape: &CacheShape,
@@ -140,7 +140,7 @@ pub(super) fn plan(
         Some(true) => Some(shares),
         None => {
             let short = s.capacity() <= MAX_SHARES * MAX_CHUNKS_PER_SHARE * chunk;
-            let few_ctas = 2 * s.batch * s.kv_heads * shares <= sms;
+            let few_ctas = s.batch * s.kv_heads * shares <= sms;
             (s.head_dim == 64 && short && few_ctas).then_some(shares)
         }
     }
@@ -295,10 +295,11 @@ mod tests {
         let s = shape(1, 1, 32, 8, 64, 640);
         assert_eq!(take(&s, &auto, DType::BF16), Some(8));
         assert_eq!(take(&s, &auto, DType::F16), Some(8));
-        // Batch 2 (128 CTAs, more than half the SMs) does not take it unless forced; with 4 kv
-        // heads it does (64 CTAs).
-        assert_eq!(take(&shape(2, 1, 32, 8, 64, 640), &auto, DType::BF16), None);
-        assert_eq!(take(&shape(2, 1, 32, 4, 64, 640), &auto, DType::BF16), Some(8));
+        // Batch 2 (128 CTAs) takes it; batch 4 (256 CTAs, more than the SMs) not unless forced;
+        // with 4 kv heads it does (128 CTAs).
+        assert_eq!(take(&shape(2, 1, 32, 8, 64, 640), &auto, DType::BF16), Some(8));
+        assert_eq!(take(&shape(4, 1, 32, 8, 64, 640), &auto, DType::BF16), None);
+        assert_eq!(take(&shape(4, 1, 32, 4, 64, 640), &auto, DType::BF16), Some(8));
         let forced = params(
             Tuning {
                 decode_kernel: Some(true),
@@ -306,13 +307,13 @@ mod tests {
             },
             0,
         );
-        assert_eq!(take(&shape(2, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(8));
+        assert_eq!(take(&shape(4, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(8));
         // A cache of 100 keys: two 64-key chunks, two shares.
         assert_eq!(take(&shape(1, 1, 32, 8, 64, 100), &auto, DType::BF16), Some(2));
-        // Long caches go to the forward kernel unless forced: 8 shares of 4 64-key chunks is
-        // 2,048 keys.
-        assert_eq!(take(&shape(1, 1, 32, 8, 64, 2048), &auto, DType::BF16), Some(8));
-        let long = shape(1, 1, 32, 8, 64, 2049);
+        // Long caches go to the forward kernel unless forced: 8 shares of 2 64-key chunks is
+        // 1,024 keys.
+        assert_eq!(take(&shape(1, 1, 32, 8, 64, 1024), &auto, DType::BF16), Some(8));
+        let long = shape(1, 1, 32, 8, 64, 1025);
         assert_eq!(take(&long, &auto, DType::BF16), None);
         assert_eq!(take(&long, &forced, DType::BF16), Some(8));
         // d128 only when forced (its 32-key chunks: 8 shares).
