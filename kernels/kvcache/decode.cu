@@ -64,16 +64,16 @@ struct DecodeParams {
 
 // Threads per CTA (the host launches __launch_bounds__'s count). The kernel runs at about one CTA
 // per SM (decode.rs), where its time is a chain of dependent steps: 256 threads shorten each
-// thread's part of it (the 1B shape's batch-1 call 0.86x the time of 128 threads; at four CTAs
-// per SM 128 threads were faster: docs/kernels/kvcache.md, session 39).
+// thread's part of it (the 1B shape's batch-1 call 0.86x the time of 128 threads; at two CTAs
+// per SM, batch 4, 128 threads were faster: docs/kernels/kvcache.md, session 39).
 constexpr int kDecodeThreads = 256;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
-constexpr int kDecodeMaxGroup = 16;  // DECODE_MAX_GROUP in decode.rs
-constexpr int kDecodeMaxShares = 8;  // DECODE_MAX_SHARES in decode.rs (a portable cluster size)
+constexpr int kDecodeMaxGroup = 16;  // MAX_GROUP in decode.rs
+constexpr int kDecodeMaxShares = 8;  // MAX_SHARES in decode.rs (a portable cluster size)
 
 template <int kD> struct DecodeTraits {
     static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
-    static constexpr int kKeys = kD == 64 ? 64 : 32;  // keys per chunk: the shared memory fits 48 KiB
+    static constexpr int kKeys = kD == 64 ? 64 : 32;  // keys per chunk: static shared memory under 48 KiB
     static constexpr int kSegs = kD / 8;              // 16-byte segments of a row
     static constexpr int kPitch = kD + 8;             // a shared row: an odd number of 16-byte units,
                                                       // so 8 rows' same segment hit 8 different banks
@@ -139,7 +139,8 @@ template <int kD, int kDtype> __device__ __forceinline__ void decode(const Decod
     const int per = (len - lo + shares - 1) / shares;
     const int start = min(lo + rank * per, len), end = min(start + per, len);
     const int chunks = (end - start + kKeys - 1) / kKeys;
-    const int slot = p.page_table == nullptr ? (p.kv_batch_idx != nullptr ? (int)p.kv_batch_idx[b] : b) : 0;
+    // A contiguous cache's slot (as int64: an index past i32 must fail the `< slots` check below).
+    const int64_t slot = p.page_table == nullptr ? (p.kv_batch_idx != nullptr ? (int64_t)p.kv_batch_idx[b] : b) : 0;
     const char* k_base = reinterpret_cast<const char*>(p.k_cache) + 2 * (int64_t)kv_head * p.k_head_stride;
     const char* v_base = reinterpret_cast<const char*>(p.v_cache) + 2 * (int64_t)kv_head * p.v_head_stride;
     const uint32_t* pages = p.page_table != nullptr ? p.page_table + (int64_t)b * p.max_pages : nullptr;
@@ -196,9 +197,9 @@ template <int kD, int kDtype> __device__ __forceinline__ void decode(const Decod
         __syncthreads();     // everyone's, and q's rows
 
         // 1. Scores, in log2 units; keys past the share -inf. The key's row is read once into
-        // registers; each of this thread's rows then runs four independent FMA chains (a row
-        // loop with a runtime bound: unrolled over the rows with a branch each, every q load
-        // waited for alone).
+        // registers, then each of this thread's q rows (a loop with a runtime bound) runs four
+        // independent FMA chains over it. (Version 1 unrolled the rows with a branch each, and
+        // every q load was then waited for alone: 1.2-1.4x the time.)
         {
             const int key = tid % kKeys, head_lane = tid / kKeys;  // head_lane is warp-uniform
             uint4 k_row[kSegs];

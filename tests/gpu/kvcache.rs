@@ -407,6 +407,59 @@ fn kvcache_decode_small_for_sanitizer() -> Result<()> {
     )
 }
 
+/// A contiguous cache's `cache_batch_idx` past the cache (2^31, past i32 too) with no status
+/// word, so no append kernel checks it first: both kernels read that sequence's keys as zeros (as
+/// TMA reads past a map), so its output is 0 and its LSE ln(keys); the other sequence matches
+/// the CPU path; nothing faults.
+#[test]
+fn kvcache_decode_slot_past_the_cache_reads_zeros() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-decode-slot");
+    let dev = gpu()?;
+    let cpu = Device::Cpu;
+    let (keys, kv_heads, group, d) = (300usize, 2, 4, 64);
+    let q = rng.randn((2, 1, kv_heads * group, d), DType::BF16, &cpu)?;
+    let k = rng.randn((2, keys, kv_heads, d), DType::BF16, &cpu)?;
+    let v = rng.randn((2, keys, kv_heads, d), DType::BF16, &cpu)?;
+    let lens = Tensor::new(&[keys as u32, keys as u32], &cpu)?;
+    let want = FlashAttn::new(0.125)
+        .kv_cache(&k, &v, &lens)
+        .cache_batch_idx(&Tensor::new(&[1u32, 0], &cpu)?)
+        .forward(&q)?;
+    let idx = Tensor::new(&[1u32, 1 << 31], &dev)?;
+    let (qd, kd, vd, ld) = (
+        q.to_device(&dev)?,
+        k.to_device(&dev)?,
+        v.to_device(&dev)?,
+        lens.to_device(&dev)?,
+    );
+    for kernel in [Some(true), Some(false)] {
+        let what = format!("decode kernel {kernel:?}, seed {}", rng.seed());
+        let tuning = Tuning {
+            decode_kernel: kernel,
+            ..Default::default()
+        };
+        poison(&dev, 1 << 22)?;
+        let (out, lse) = FlashAttn::new(0.125)
+            .tuning(tuning)
+            .kv_cache(&kd, &vd, &ld)
+            .cache_batch_idx(&idx)
+            .forward_with_lse(&qd)?;
+        assert_close(&out.get(0)?, &want.get(0)?, OUT_TOL, &what)?;
+        let past = to_f64_vec(&out.get(1)?)?;
+        assert!(
+            past.iter().all(|&x| x == 0.0),
+            "{what}: the sequence past the cache is not 0"
+        );
+        for l in to_f64_vec(&lse.get(1)?)? {
+            assert!(
+                (l - (keys as f64).ln()).abs() < 1e-3,
+                "{what}: LSE {l}, want ln({keys})"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Varlen queries (`KvCacheAttn::varlen_q`: a serving step's prefill chunks beside single decode
 /// tokens, in one call): sequences with 0, 1 or many queries over contiguous caches and pages of
 /// 16 and 64, d64 and d128, GQA with and without pack-GQA, causal / window + softcap / none,
