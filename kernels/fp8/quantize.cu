@@ -64,14 +64,7 @@ __device__ __forceinline__ void widen8(const float* src, float (&v)[kPerLane]) {
 }
 template <class T> __device__ __forceinline__ void widen8(const T* src, float (&v)[kPerLane]) {
     constexpr int kDtype = std::is_same_v<T, __half> ? DT_F16 : DT_BF16;
-    const uint4 raw = *reinterpret_cast<const uint4*>(src);
-    const uint32_t pairs[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const float2 f = unpack16x2<kDtype>(pairs[j]);
-        v[2 * j] = f.x;
-        v[2 * j + 1] = f.y;
-    }
+    unpack16x8<kDtype>(*reinterpret_cast<const uint4*>(src), v);
 }
 
 // The lanes of one warp that hold rows: `rows` rows of `lanes` lanes each.

@@ -106,17 +106,6 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
-// The 8 values of a 16-byte segment as f32.
-template <int kDtype> __device__ __forceinline__ void unpack8(const uint4 x, float (&f)[8]) {
-    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 v = unpack16x2<kDtype>(w[i]);
-        f[2 * i] = v.x;
-        f[2 * i + 1] = v.y;
-    }
-}
-
 template <int kD, int kDtype> __device__ __forceinline__ void decode(const DecodeParams& p) {
     using Tr = DecodeTraits<kD>;
     constexpr int kKeys = Tr::kKeys, kSegs = Tr::kSegs;
@@ -210,7 +199,7 @@ template <int kD, int kDtype> __device__ __forceinline__ void decode(const Decod
 #pragma unroll
                 for (int seg = 0; seg < kSegs; ++seg) {
                     float kf[8];
-                    unpack8<kDtype>(k_row[seg], kf);
+                    unpack16x8<kDtype>(k_row[seg], kf);
                     const float4 q0 = *reinterpret_cast<const float4*>(&sm.q[h][8 * seg]);
                     const float4 q1 = *reinterpret_cast<const float4*>(&sm.q[h][8 * seg + 4]);
                     part[0] = fmaf(q0.x, kf[0], part[0]);
@@ -274,7 +263,7 @@ template <int kD, int kDtype> __device__ __forceinline__ void decode(const Decod
                 for (int key = slice; key < live; key += slices) {
                     const float pk = sm.s[h][key];
                     float vf[8];
-                    unpack8<kDtype>(*reinterpret_cast<const uint4*>(&sm.v[st][key][8 * seg]), vf);
+                    unpack16x8<kDtype>(*reinterpret_cast<const uint4*>(&sm.v[st][key][8 * seg]), vf);
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(pk, vf[e], acc[j][e]);
                 }

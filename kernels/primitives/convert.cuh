@@ -31,6 +31,17 @@ template <int kDtype> __device__ __forceinline__ float2 unpack16x2(uint32_t x) {
     }
 }
 
+// The eight values of a 16-byte segment (four packed pairs, lowest first) as f32.
+template <int kDtype> __device__ __forceinline__ void unpack16x8(const uint4 x, float (&f)[8]) {
+    const uint32_t pairs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 v = unpack16x2<kDtype>(pairs[i]);
+        f[2 * i] = v.x;
+        f[2 * i + 1] = v.y;
+    }
+}
+
 // Four f32 values as e4m3 in one register, the first in the lowest byte (round to nearest,
 // saturating to ±448: never NaN from a finite input). cvt puts its first source in the upper byte.
 __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
