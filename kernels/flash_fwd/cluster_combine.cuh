@@ -35,11 +35,10 @@
 #include "output.cuh"
 #include "params.cuh"
 #include "scheduler.cuh"
+#include "share_merge.cuh"
 #include "traits.cuh"
 
 namespace fa3 {
-
-constexpr int kClusterMaxShares = 8;  // MAX_CLUSTER_SHARES in forward.rs
 
 // What the merge (steps 2 and 3 below) reads, gathered by the caller: the call takes them by value
 // (registers), where reads of FwdParams through a reference would each be a load.
@@ -80,40 +79,11 @@ template <class Tr> __device__ __noinline__ void cluster_merge(SharedStorage<Tr>
         // zeros and -inf, which weigh nothing.
         float lse_s[kClusterMaxShares];
         float2 o_s[kClusterMaxShares];
-        const uint32_t lse_addr = smem_u32(&s.cluster_lse[r]);
-        const uint32_t o_addr = smem_u32(part + r * kD + col);
-#pragma unroll
-        for (int c = 0; c < kClusterMaxShares; ++c) {
-            if (c < m.shares) {
-                lse_s[c] = ld_cluster_f32(cluster_map(lse_addr, c));
-                o_s[c] = ld_cluster_f32x2(cluster_map(o_addr, c));
-            } else {
-                lse_s[c] = -INFINITY;
-                o_s[c] = make_float2(0.f, 0.f);
-            }
-        }
-        float mx = -INFINITY;
-#pragma unroll
-        for (int c = 0; c < kClusterMaxShares; ++c) mx = fmaxf(mx, lse_s[c]);
+        gather_shares(smem_u32(&s.cluster_lse[r]), smem_u32(part + r * kD + col), m.shares, lse_s, o_s);
         // An attention sink is one more term of the denominator (the shares leave it out).
         const float sink = m.sinks != nullptr ? m.sinks[m.first_head + head_in_tile] : -INFINITY;
-        mx = fmaxf(mx, sink);
-        float merged_lse = -INFINITY;
-        float2 acc = make_float2(0.f, 0.f);
-        if (mx != -INFINITY) {
-            float sum = sink != -INFINITY ? expf(sink - mx) : 0.f;
-#pragma unroll
-            for (int c = 0; c < kClusterMaxShares; ++c) sum += expf(lse_s[c] - mx);  // exp(-inf) = 0
-            merged_lse = mx + logf(sum);
-#pragma unroll
-            for (int c = 0; c < kClusterMaxShares; ++c) {
-                const float w = expf(lse_s[c] - merged_lse);
-                if (w != 0.f) {
-                    acc.x = fmaf(w, o_s[c].x, acc.x);
-                    acc.y = fmaf(w, o_s[c].y, acc.y);
-                }
-            }
-        }
+        float merged_lse;
+        const float2 acc = merge_shares(lse_s, o_s, sink, merged_lse);
         const int q_in_tile = query - m.first_query;
         uint16_t* out = m.out + q_in_tile * m.out_row_stride + (int64_t)head_in_tile * m.head_dim_v;
         *reinterpret_cast<uint32_t*>(out + col) = pack_out<Tr>(m.out_f16 != 0, acc.x, acc.y);

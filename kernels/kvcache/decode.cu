@@ -19,9 +19,9 @@
 //      p written back over the scores, and each row's rescale of O;
 //   3. P·V: thread (row, 16-byte column segment, key slice) accumulates 8 columns in registers.
 // Then the key slices' sums meet in shared memory, each row is normalised (its share's LSE beside
-// it), and the cluster's CTAs merge the shares through distributed shared memory as
-// kernels/flash_fwd/cluster_combine.cuh does: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse) O_s,
-// an attention sink once.
+// it), and the cluster's CTAs merge the shares through distributed shared memory with the forward
+// kernel's cluster merge arithmetic (kernels/flash_fwd/share_merge.cuh): lse = log Σ exp(lse_s),
+// O = Σ exp(lse_s − lse) O_s, an attention sink once.
 //
 // Keys past the cache (a slot or page past the pool) read as zeros, as the forward kernel's TMA
 // loads read them: they take part in the softmax with score 0 and value 0.
@@ -36,6 +36,7 @@
 #include "../primitives/cp_async.cuh"
 #include "../primitives/mbarrier.cuh"
 #include "../primitives/warp.cuh"
+#include "../flash_fwd/share_merge.cuh"
 
 namespace fa3 {
 
@@ -69,7 +70,6 @@ struct DecodeParams {
 constexpr int kDecodeThreads = 256;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kDecodeMaxGroup = 16;  // MAX_GROUP in decode.rs
-constexpr int kDecodeMaxShares = 8;  // MAX_SHARES in decode.rs (a portable cluster size)
 
 template <int kD> struct DecodeTraits {
     static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
@@ -314,40 +314,12 @@ template <int kD, int kDtype> __device__ __forceinline__ void decode(const Decod
     constexpr int kPairs = kD / 2;
     for (int idx = rank + shares * tid; idx < group * kPairs; idx += shares * kDecodeThreads) {
         const int h = idx / kPairs, col = 2 * (idx - h * kPairs);
-        float lse_s[kDecodeMaxShares];
-        float2 o_s[kDecodeMaxShares];
-        const uint32_t lse_addr = smem_u32(&sm.lse[h]);
-        const uint32_t o_addr = smem_u32(&sm.q[h][col]);
-#pragma unroll
-        for (int c = 0; c < kDecodeMaxShares; ++c) {
-            if (c < shares) {
-                lse_s[c] = ld_cluster_f32(cluster_map(lse_addr, c));
-                o_s[c] = ld_cluster_f32x2(cluster_map(o_addr, c));
-            } else {
-                lse_s[c] = -INFINITY;
-                o_s[c] = make_float2(0.f, 0.f);
-            }
-        }
+        float lse_s[kClusterMaxShares];
+        float2 o_s[kClusterMaxShares];
+        gather_shares(smem_u32(&sm.lse[h]), smem_u32(&sm.q[h][col]), shares, lse_s, o_s);
         const float sink = p.sinks != nullptr ? p.sinks[head0 + h] : -INFINITY;
-        float mx = sink;
-#pragma unroll
-        for (int c = 0; c < kDecodeMaxShares; ++c) mx = fmaxf(mx, lse_s[c]);
-        float merged_lse = -INFINITY;
-        float2 o = make_float2(0.f, 0.f);
-        if (mx != -INFINITY) {
-            float sum = sink != -INFINITY ? expf(sink - mx) : 0.f;
-#pragma unroll
-            for (int c = 0; c < kDecodeMaxShares; ++c) sum += expf(lse_s[c] - mx);  // exp(-inf) = 0
-            merged_lse = mx + logf(sum);
-#pragma unroll
-            for (int c = 0; c < kDecodeMaxShares; ++c) {
-                const float w = expf(lse_s[c] - merged_lse);
-                if (w != 0.f) {
-                    o.x = fmaf(w, o_s[c].x, o.x);
-                    o.y = fmaf(w, o_s[c].y, o.y);
-                }
-            }
-        }
+        float merged_lse;
+        const float2 o = merge_shares(lse_s, o_s, sink, merged_lse);
         const int64_t row = (int64_t)b * p.heads + head0 + h;
         reinterpret_cast<uint32_t*>(p.out)[(row * kD + col) / 2] = pack16x2<kDtype>(o.x, o.y);
         if (col == 0) p.lse[row] = merged_lse;

@@ -18,8 +18,8 @@ static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kvcache_decode.c
 
 /// `fa3::kDecodeMaxGroup`: q heads per kv head (a CTA's rows).
 const MAX_GROUP: usize = 16;
-/// `fa3::kDecodeMaxShares`: a sequence's key shares, one CTA each, in one cluster (the portable
-/// cluster size).
+/// `fa3::kClusterMaxShares` (kernels/flash_fwd/share_merge.cuh): a sequence's key shares, one CTA
+/// each, in one cluster (the portable cluster size).
 const MAX_SHARES: usize = 8;
 /// Under `Tuning::decode_kernel: None`, a call takes the kernel at head dim 64 where each share of
 /// a full cache is at most this many chunks of keys (a share's chunks run one after the other in
