@@ -1,7 +1,6 @@
-// One (row, column pair) item of a split-KV merge across a thread-block cluster, shared by the
-// forward kernel's cluster merge (cluster_combine.cuh) and the single-query decode kernel
-// (kernels/kvcache/decode.cu): every share's LSE and O pair read through distributed shared
-// memory, then lse = log Σ_s exp(lse_s) (an attention sink once more in the sum, never in O) and
+// One (row, column pair) item of a split-KV merge across a thread-block cluster, the forward
+// kernel's cluster merge (cluster_combine.cuh): every share's LSE and O pair read through distributed
+// shared memory, then lse = log Σ_s exp(lse_s) (an attention sink once more in the sum, never in O) and
 // O = Σ_s exp(lse_s − lse) · O_s. A share without keys holds LSE -inf (any O) and weighs nothing.
 #pragma once
 #include <cmath>
@@ -10,6 +9,7 @@
 
 namespace fa3 {
 
+// (Also the single-query decode kernel's bound on its shares, kernels/kvcache/decode.cu.)
 constexpr int kClusterMaxShares = 8;  // a portable cluster size; MAX_CLUSTER_SHARES in forward.rs
 
 // Every share's LSE and O pair at once (one DSMEM round trip): `lse_addr` and `o_addr` are the

@@ -5,23 +5,26 @@
 // Why a second kernel: a decode step over a short cache reads little (the 1B model's layer at 640
 // keys: 640 KiB of K and V) and the forward kernel's launch of big warp-specialised CTAs, its tile
 // hand-over and its first loads cost ~10 µs a layer under a CUDA graph, most of a batch-1 step's
-// attention (docs/kernels/kvcache.md, "A decode CTA's timeline"). This kernel is small CTAs that
-// load all their keys at once and merge their shares in a thread-block cluster: one HBM round
-// trip for K and V, a few hundred instructions per thread, one DSMEM merge.
+// attention (docs/kernels/kvcache.md, "A decode CTA's timeline"). This kernel is small CTAs whose
+// warps each load their keys at once and work alone until the merge: one HBM round trip for K
+// and V, a few hundred instructions per thread, one exchange through distributed shared memory.
 //
-// Grid (shares, kv_heads, batch) in clusters of `shares` CTAs along x, 256 threads each. CTA
-// (rank, kv head, b) attends the GQA group of q heads over kv head `kv head` of sequence b (the
-// group's `group` rows), over share `rank` of the sequence's keys: keys [lo, len) cut in `shares`
-// even parts, lo the window's first key. Per chunk of kKeys keys, two chunks in flight (cp.async,
-// every thread its own rows, so scattered pages cost no more than a contiguous cache):
-//   1. scores: thread (key, head lane) takes the dot products of its key's row with its rows of q;
-//   2. the online softmax: warp w owns rows w, w + warps, ...: the chunk's max and sum by shuffles,
-//      p written back over the scores, and each row's rescale of O;
-//   3. P·V: thread (row, 16-byte column segment, key slice) accumulates 8 columns in registers.
-// Then the key slices' sums meet in shared memory, each row is normalised (its share's LSE beside
-// it), and the cluster's CTAs merge the shares through distributed shared memory with the forward
-// kernel's cluster merge arithmetic (kernels/flash_fwd/share_merge.cuh): lse = log Σ exp(lse_s),
-// O = Σ exp(lse_s − lse) O_s, an attention sink once.
+// Grid (shares, kv_heads, batch) in clusters of `shares` CTAs along x (a power of two up to 8),
+// 256 threads each. CTA (rank, kv head, b) attends the GQA group of q heads over kv head `kv head`
+// of sequence b (the group's `group` rows), over share `rank` of the sequence's keys: keys
+// [lo, len) cut in `shares` even parts, lo the window's first key; each warp takes an even slice
+// of the share, kKeys keys a step (every lane issues its own loads from global memory, so scattered
+// pages cost one lookup per key):
+//   1. scores: kLanesPerKey lanes per key, each a dot product of 32 of the key's elements (held in
+//      registers) with every row of q (shared memory), the parts added by shuffles;
+//   2. the online softmax of every row over the step (a warp max each), p through the warp's rows
+//      of shared memory, each row's rescale of O;
+//   3. P·V: each lane accumulates kCols columns of every row, over every key of the step (V's
+//      columns loaded into registers with the key rows).
+// Then the merge: every warp sends its rows' max, sum and unnormalised O (st.async into the
+// shared memory of the cluster's CTA that owns each (row, column)), each CTA waits on its inbox
+// mbarrier for the bytes it owns and merges them: M = max m, O = Σ 2^(m − M) o / L,
+// L = Σ 2^(m − M) l (an attention sink once more in L), LSE = (M + log2 L) ln 2.
 //
 // Keys past the cache (a slot or page past the pool) read as zeros, as the forward kernel's TMA
 // loads read them: they take part in the softmax with score 0 and value 0.
@@ -33,7 +36,6 @@
 
 #include "../primitives/cluster.cuh"
 #include "../primitives/convert.cuh"
-#include "../primitives/cp_async.cuh"
 #include "../primitives/mbarrier.cuh"
 #include "../primitives/warp.cuh"
 #include "../flash_fwd/share_merge.cuh"
@@ -63,36 +65,43 @@ struct DecodeParams {
     float softcap_pre;              // != 0: s <- tanh(s · softcap_pre) first (scale / cap)
 };
 
-// Threads per CTA (the host launches __launch_bounds__'s count). The kernel runs at about one CTA
-// per SM (decode.rs), where its time is a chain of dependent steps: 256 threads shorten each
-// thread's part of it (the 1B shape's batch-1 call 0.86x the time of 128 threads; at two CTAs
-// per SM, batch 4, 128 threads were faster: docs/kernels/kvcache.md, session 39).
+// Threads per CTA (the host launches __launch_bounds__'s count): eight warps, each attending its
+// own slice of the share's keys with no block barrier until the slices merge.
 constexpr int kDecodeThreads = 256;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
-constexpr int kDecodeMaxGroup = 16;  // MAX_GROUP in decode.rs
+constexpr int kDecodeMaxGroup = 16;  // MAX_GROUP in decode.rs (8 at d128: max_group there)
 
 template <int kD> struct DecodeTraits {
     static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
-    static constexpr int kKeys = kD == 64 ? 64 : 32;  // keys per chunk: static shared memory under 48 KiB
-    static constexpr int kSegs = kD / 8;              // 16-byte segments of a row
-    static constexpr int kPitch = kD + 8;             // a shared row: an odd number of 16-byte units,
-                                                      // so 8 rows' same segment hit 8 different banks
-    static constexpr int kHeadLanes = kDecodeThreads / kKeys;       // score step: threads per key
-    // P·V step: (row, segment) items per thread at most
-    static constexpr int kItemsPerThread = (kDecodeMaxGroup * kSegs + kDecodeThreads - 1) / kDecodeThreads;
-    static constexpr int kRowsPerWarp = kDecodeMaxGroup / kDecodeWarps;  // softmax step
+    static constexpr int kElems = 32;                // a lane holds 32 elements of a key's row: 4 x 16 bytes
+    static constexpr int kSegs = kElems / 8;
+    static constexpr int kLanesPerKey = kD / kElems;
+    static constexpr int kKeys = 32 / kLanesPerKey;  // keys a warp takes per step
+    static constexpr int kCols = kD / 32;            // P.V: the output columns of a lane
 };
 
+// The merge: every warp of every share (a "part", shares · warps of them) sends its rows' running
+// max and sum and its unnormalised O to the CTAs that own them; CTA `rank` owns items (row h,
+// column) h · kD + col in [rank · owned, (rank + 1) · owned), owned = group · kD / shares.
+// The dynamic shared memory of a CTA whose GQA group has `group` rows, in floats (decode.rs
+// `smem_bytes` mirrors it):
+//   q      [group][kD]                   q's rows as f32
+//   p      [warps][group][kKeys]         each warp's probabilities of its current step
+//   recv_o [shares · warps][owned]       every part's O at this CTA's items (warps · group · kD)
+//   recv_m [shares · warps][group]       every part's rows' max (log2 units), at most
+//   recv_l [shares · warps][group]       and sum                   kClusterMaxShares · warps parts
+//   inbox                                the mbarrier the merge's bytes arrive on (first, 16 bytes)
 template <int kD> struct DecodeSmem {
-    using Tr = DecodeTraits<kD>;
-    uint16_t k[2][Tr::kKeys][Tr::kPitch];  // two chunks; after the loop, the key slices' sums
-    uint16_t v[2][Tr::kKeys][Tr::kPitch];
-    float q[kDecodeMaxGroup][kD];           // q rows as f32; after the loop, this share's O rows
-    float s[kDecodeMaxGroup][Tr::kKeys + 1];  // scores, then p (an odd pitch: rows apart in banks)
-    float alpha[kDecodeMaxGroup];           // each row's rescale of O for this chunk
-    float row_max[kDecodeMaxGroup];         // after the loop: each row's max and sum (log2 units)
-    float row_sum[kDecodeMaxGroup];
-    float lse[kDecodeMaxGroup];             // this share's LSE per row (natural log), for the merge
+    uint64_t* inbox;
+    float *q, *p, *recv_o, *recv_m, *recv_l;
+    __device__ DecodeSmem(float* base, int group) {
+        inbox = reinterpret_cast<uint64_t*>(base);
+        q = base + 4;
+        p = q + group * kD;
+        recv_o = p + kDecodeWarps * group * DecodeTraits<kD>::kKeys;
+        recv_m = recv_o + kDecodeWarps * group * kD;
+        recv_l = recv_m + kClusterMaxShares * kDecodeWarps * group;
+    }
 };
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -106,236 +115,377 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
-template <int kD, int kDtype> __device__ __forceinline__ void decode(const DecodeParams& p) {
+// 16-bit values from global memory on the read-only path, zeros if !ok. The loads are volatile
+// with a memory clobber, so they go out in program order: K's rows (which the scores wait for)
+// before V's many small loads.
+__device__ __forceinline__ uint4 load16_or_zero(const void* src, bool ok) {
+    uint4 x = make_uint4(0, 0, 0, 0);
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+        " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+        : "+r"(x.x), "+r"(x.y), "+r"(x.z), "+r"(x.w)
+        : "l"(src), "r"((int)ok)
+        : "memory");
+    return x;
+}
+template <int kBytes> struct Chunk;
+template <> struct Chunk<4> { using T = uint32_t; };
+template <> struct Chunk<8> { using T = uint2; };
+template <int kBytes> __device__ __forceinline__ typename Chunk<kBytes>::T load_or_zero(const char* src, bool ok) {
+    using T = typename Chunk<kBytes>::T;
+    T x{};
+    if (ok) x = __ldg(reinterpret_cast<const T*>(src));
+    return x;
+}
+
+// A warp's step over keys [key0, key0 + kKeys) ∩ [.., end): the key rows of lane's key (lane /
+// kLanesPerKey, elements kElems · (lane % kLanesPerKey)..+kElems) and every key's kCols value columns of
+// the lane, from global memory into registers. Keys past `end` load nothing (zeros); keys on a
+// slot or page past the pool read as zeros, as the forward kernel's TMA loads read them.
+template <int kD> struct DecodeStep {
     using Tr = DecodeTraits<kD>;
-    constexpr int kKeys = Tr::kKeys, kSegs = Tr::kSegs;
-    __shared__ __align__(16) DecodeSmem<kD> sm;
+    uint4 k[Tr::kSegs];
+    typename Chunk<2 * Tr::kCols>::T v[Tr::kKeys];
+};
+
+// `page_shift`: log2 of the page size (pages hold a power of two of keys, 16 to 256).
+template <int kD>
+__device__ __forceinline__ void load_step(const DecodeParams& p, DecodeStep<kD>& st, int key0, int end, uint32_t slot,
+                                          const uint32_t* pages, int page_shift, const char* k_base,
+                                          const char* v_base, int lane) {
+    using Tr = DecodeTraits<kD>;
+    const int key = key0 + lane / Tr::kLanesPerKey;
+    const bool valid = key < end;
+    uint32_t cache_slot = slot, cache_row = key;
+    if (pages != nullptr) {
+        cache_slot = valid ? pages[key >> page_shift] : 0u;
+        cache_row = key & (p.rows - 1);
+    }
+    const bool k_ok = valid && cache_slot < (uint32_t)p.slots;
+    const uint4* k_src = reinterpret_cast<const uint4*>(
+        k_base + 2 * ((int64_t)cache_slot * p.k_slot_stride + (int64_t)cache_row * p.k_row_stride +
+                      Tr::kElems * (lane % Tr::kLanesPerKey)));
+#pragma unroll
+    for (int seg = 0; seg < Tr::kSegs; ++seg) st.k[seg] = load16_or_zero(k_src + seg, k_ok);
+    const char* v_lane = v_base + 2 * Tr::kCols * lane;
+    if (pages == nullptr) {  // one slot: row after row
+        const bool slot_ok = slot < (uint32_t)p.slots;
+        const char* v_src = v_lane + 2 * ((int64_t)slot * p.v_slot_stride + (int64_t)key0 * p.v_row_stride);
+#pragma unroll
+        for (int j = 0; j < Tr::kKeys; ++j)
+            st.v[j] = load_or_zero<2 * Tr::kCols>(v_src + 2 * (int64_t)j * p.v_row_stride, slot_ok && key0 + j < end);
+    } else {
+#pragma unroll
+        for (int j = 0; j < Tr::kKeys; ++j) {
+            // Key j's page, as its key lane looked it up.
+            const uint32_t v_slot = __shfl_sync(0xffffffffu, cache_slot, j * Tr::kLanesPerKey);
+            const int v_key = key0 + j;
+            st.v[j] = load_or_zero<2 * Tr::kCols>(
+                v_lane + 2 * ((int64_t)v_slot * p.v_slot_stride + (int64_t)(v_key & (p.rows - 1)) * p.v_row_stride),
+                v_key < end && v_slot < (uint32_t)p.slots);
+        }
+    }
+}
+
+// A diagnostic: built with FA3_NVCC_FLAGS=-DFA3_DECODE_TRACE, lane 0 of each warp of the first two
+// shares of kv head 0 prints its clock at each stage boundary (cycles since the CTA's start), one
+// line per warp and call: run the benchmark's kvcache_decode pass with BENCH_DECODE_ONCE
+// (docs/kernels/kvcache.md, session 40, has where the time went).
+enum DecodeStamp {
+    kStart, kRanges, kQ, kIssued, kScores, kSoftmax, kKeysDone, kStarted, kSums, kSent, kLanded, kMerged, kStamps
+};
+#ifdef FA3_DECODE_TRACE
+#define DECODE_STAMP(stage) (stamps[stage] = clock64())
+#else
+#define DECODE_STAMP(stage)
+#endif
+
+template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(const DecodeParams& p) {
+    static_assert(kG <= kDecodeMaxGroup, "a CTA's rows");
+    using Tr = DecodeTraits<kD>;
+#ifdef FA3_DECODE_TRACE
+    long long stamps[kStamps] = {};
+#endif
+    DECODE_STAMP(kStart);
+    constexpr int kKeys = Tr::kKeys, kCols = Tr::kCols, kL = Tr::kLanesPerKey;
+    constexpr int kQWords = (kG * kD / 2 + kDecodeThreads - 1) / kDecodeThreads;  // q's u32 words per thread
+    extern __shared__ __align__(16) float decode_smem[];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int rank = blockIdx.x, shares = gridDim.x, kv_head = blockIdx.y, b = blockIdx.z;
     const int group = p.group, head0 = kv_head * group;
+    const DecodeSmem<kD> sm(decode_smem, group);
+    // The merge's inbox: every CTA receives every part's max and sum of its rows and their O at
+    // its items. Its initialisation is published to the cluster by the first cluster phase, which
+    // the senders wait for before their first store.
+    if (tid == 0) {
+        mbar_init(sm.inbox, 1);
+        mbar_init_fence();
+        mbar_arrive_expect_tx(sm.inbox, 4 * (kDecodeWarps * group * kD + 2 * gridDim.x * kDecodeWarps * group));
+    }
+    cluster_arrive_relaxed();
 
-    // q's rows (contiguous in q), first: they do not wait for the key count.
+    // The key count and q's rows first: K's and V's loads wait for the one, the scores for both.
+    const uint32_t seqused = p.seqused[b];
     const uint32_t* q = reinterpret_cast<const uint32_t*>(p.q) + ((int64_t)b * p.heads + head0) * (kD / 2);
-    for (int i = tid; i < group * kD / 2; i += kDecodeThreads) {
-        const float2 f = unpack16x2<kDtype>(q[i]);
-        (&sm.q[0][0])[2 * i] = f.x;
-        (&sm.q[0][0])[2 * i + 1] = f.y;
+    uint32_t q_words[kQWords];
+#pragma unroll
+    for (int i = 0; i < kQWords; ++i) {
+        const int idx = tid + kDecodeThreads * i;
+        q_words[i] = idx < group * kD / 2 ? q[idx] : 0u;
     }
 
-    // This share's keys: [lo, len) cut in `shares` even parts.
-    const int len = (int)min(p.seqused[b], (uint32_t)p.capacity);
+    // This share's keys: [lo, len) cut in `shares` even parts; the share's keys cut in
+    // `kDecodeWarps` even slices, one per warp, walked kKeys at a time.
+    const int len = (int)min(seqused, (uint32_t)p.capacity);
     const int lo = p.window_left >= 0 ? max(0, len - 1 - p.window_left) : 0;
     const int per = (len - lo + shares - 1) / shares;
     const int start = min(lo + rank * per, len), end = min(start + per, len);
-    const int chunks = (end - start + kKeys - 1) / kKeys;
-    // A contiguous cache's slot (as int64: an index past i32 must fail the `< slots` check below).
-    const int64_t slot = p.page_table == nullptr ? (p.kv_batch_idx != nullptr ? (int64_t)p.kv_batch_idx[b] : b) : 0;
+    const int per_warp = (end - start + kDecodeWarps - 1) / kDecodeWarps;
+    // (Read through a shuffle so that the compiler sees them warp-uniform: the step loop's shuffles
+    // then compile without the divergent-warp fallback.)
+    const int w_start = __shfl_sync(0xffffffffu, min(start + warp * per_warp, end), 0);
+    const int w_end = __shfl_sync(0xffffffffu, min(w_start + per_warp, end), 0);
+    // A contiguous cache's slot (unsigned: an index past i32 must fail the `< slots` check).
+    const uint32_t slot = p.page_table == nullptr ? (p.kv_batch_idx != nullptr ? p.kv_batch_idx[b] : (uint32_t)b) : 0u;
+    DECODE_STAMP(kRanges);
     const char* k_base = reinterpret_cast<const char*>(p.k_cache) + 2 * (int64_t)kv_head * p.k_head_stride;
     const char* v_base = reinterpret_cast<const char*>(p.v_cache) + 2 * (int64_t)kv_head * p.v_head_stride;
     const uint32_t* pages = p.page_table != nullptr ? p.page_table + (int64_t)b * p.max_pages : nullptr;
+    const int page_shift = __ffs(p.rows) - 1;  // pages hold a power of two of keys
 
-    // Chunk c's K and V rows into stage c % 2 (rows past the share zero-filled), one commit group
-    // per call whether or not the chunk exists, so that the loop's wait counts stay uniform.
-    auto issue = [&](int c) {
-        if (c < chunks) {
-            const int key0 = start + c * kKeys, st = c & 1;
-            for (int i = tid; i < kKeys * kSegs; i += kDecodeThreads) {
-                const int row = i / kSegs, seg = i % kSegs, key = key0 + row;
-                bool valid = key < end;
-                int64_t cache_slot = slot, cache_row = key;
-                if (valid && p.page_table != nullptr) {
-                    cache_slot = pages[key / p.rows];
-                    cache_row = key % p.rows;
-                }
-                valid = valid && cache_slot < p.slots;
-                const char* k_src = k_base;
-                const char* v_src = v_base;
-                if (valid) {
-                    k_src += 2 * (cache_slot * p.k_slot_stride + cache_row * p.k_row_stride + 8 * seg);
-                    v_src += 2 * (cache_slot * p.v_slot_stride + cache_row * p.v_row_stride + 8 * seg);
-                }
-                cp_async_16(smem_u32(&sm.k[st][row][8 * seg]), k_src, valid);
-                cp_async_16(smem_u32(&sm.v[st][row][8 * seg]), v_src, valid);
-            }
-        }
-        cp_async_commit();
-    };
-    issue(0);
-    issue(1);
-
-    // The softmax step's rows: warp w owns rows w + kDecodeWarps · i, their running max and sum
-    // (log2 units).
-    float row_max[Tr::kRowsPerWarp], row_sum[Tr::kRowsPerWarp];
+    // q's rows into shared memory (as f32).
 #pragma unroll
-    for (int i = 0; i < Tr::kRowsPerWarp; ++i) {
-        row_max[i] = -INFINITY;
-        row_sum[i] = 0.f;
-    }
-    // The P·V step's items: (row, segment) pairs, each over `slices` interleaved key slices.
-    const int items = group * kSegs;
-    const int slices = max(1, min(kKeys, kDecodeThreads / items));
-    float acc[Tr::kItemsPerThread][8];
-#pragma unroll
-    for (int j = 0; j < Tr::kItemsPerThread; ++j)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
-
-    for (int c = 0; c < chunks; ++c) {
-        const int st = c & 1, key0 = start + c * kKeys, live = min(kKeys, end - key0);
-        cp_async_wait<1>();  // this thread's copies of chunk c (chunk c + 1 may be in flight)
-        __syncthreads();     // everyone's, and q's rows
-
-        // 1. Scores, in log2 units; keys past the share -inf. The key's row is read once into
-        // registers, then each of this thread's q rows (a loop with a runtime bound) runs four
-        // independent FMA chains over it. (Version 1 unrolled the rows with a branch each, and
-        // every q load was then waited for alone: 1.2-1.4x the time.)
-        {
-            const int key = tid % kKeys, head_lane = tid / kKeys;  // head_lane is warp-uniform
-            uint4 k_row[kSegs];
-#pragma unroll
-            for (int seg = 0; seg < kSegs; ++seg) k_row[seg] = *reinterpret_cast<const uint4*>(&sm.k[st][key][8 * seg]);
-            for (int h = head_lane; h < group; h += Tr::kHeadLanes) {
-                float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int seg = 0; seg < kSegs; ++seg) {
-                    float kf[8];
-                    unpack16x8<kDtype>(k_row[seg], kf);
-                    const float4 q0 = *reinterpret_cast<const float4*>(&sm.q[h][8 * seg]);
-                    const float4 q1 = *reinterpret_cast<const float4*>(&sm.q[h][8 * seg + 4]);
-                    part[0] = fmaf(q0.x, kf[0], part[0]);
-                    part[1] = fmaf(q0.y, kf[1], part[1]);
-                    part[2] = fmaf(q0.z, kf[2], part[2]);
-                    part[3] = fmaf(q0.w, kf[3], part[3]);
-                    part[0] = fmaf(q1.x, kf[4], part[0]);
-                    part[1] = fmaf(q1.y, kf[5], part[1]);
-                    part[2] = fmaf(q1.z, kf[6], part[2]);
-                    part[3] = fmaf(q1.w, kf[7], part[3]);
-                }
-                float s = (part[0] + part[1]) + (part[2] + part[3]);
-                if (p.softcap_pre != 0.f) s = tanhf(s * p.softcap_pre);
-                sm.s[h][key] = key < live ? s * p.scale_log2 : -INFINITY;
-            }
-        }
-        __syncthreads();
-
-        // 2. The online softmax of each row over this chunk.
-#pragma unroll
-        for (int i = 0; i < Tr::kRowsPerWarp; ++i) {
-            const int h = warp + kDecodeWarps * i;
-            if (h < group) {  // warp-uniform
-                float x[kKeys / 32];
-                float mx = -INFINITY;
-#pragma unroll
-                for (int u = 0; u < kKeys / 32; ++u) {
-                    x[u] = sm.s[h][lane + 32 * u];
-                    mx = fmaxf(mx, x[u]);
-                }
-                mx = warp_max(mx);
-                const float new_max = fmaxf(row_max[i], mx);
-                // A row with no live key yet keeps p = 0 (exp2(-inf) = 0) without -inf - -inf.
-                const float ref = new_max == -INFINITY ? 0.f : new_max;
-                const float alpha = fast_exp2(row_max[i] - ref);
-                float sum = 0.f;
-#pragma unroll
-                for (int u = 0; u < kKeys / 32; ++u) {
-                    x[u] = fast_exp2(x[u] - ref);
-                    sum += x[u];
-                    sm.s[h][lane + 32 * u] = x[u];
-                }
-                row_sum[i] = row_sum[i] * alpha + warp_sum(sum);
-                row_max[i] = new_max;
-                if (lane == 0) sm.alpha[h] = alpha;
-            }
-        }
-        __syncthreads();
-
-        // 3. O = alpha · O + P·V for this thread's items.
-#pragma unroll
-        for (int j = 0; j < Tr::kItemsPerThread; ++j) {
-            const int idx = tid + kDecodeThreads * j;
-            if (idx < items * slices) {
-                const int slice = idx / items, item = idx - slice * items;
-                const int h = item / kSegs, seg = item - h * kSegs;
-                const float a = sm.alpha[h];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[j][e] *= a;
-#pragma unroll 4
-                for (int key = slice; key < live; key += slices) {
-                    const float pk = sm.s[h][key];
-                    float vf[8];
-                    unpack16x8<kDtype>(*reinterpret_cast<const uint4*>(&sm.v[st][key][8 * seg]), vf);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(pk, vf[e], acc[j][e]);
-                }
-            }
-        }
-        __syncthreads();  // stage st and the scores are free again
-        issue(c + 2);
-    }
-    cp_async_wait<0>();  // nothing may land in the K stages reused below
-
-    // This share's rows: the key slices' sums added, normalised, with their LSE.
-#pragma unroll
-    for (int i = 0; i < Tr::kRowsPerWarp; ++i) {
-        const int h = warp + kDecodeWarps * i;
-        if (h < group && lane == 0) {
-            sm.row_max[h] = row_max[i];
-            sm.row_sum[h] = row_sum[i];
-        }
-    }
-    float* slice_sums = reinterpret_cast<float*>(&sm.k[0][0][0]);  // [slices · items][8]
-    static_assert(sizeof(sm.k) >= kDecodeThreads * Tr::kItemsPerThread * 8 * sizeof(float), "slice sums fit");
-#pragma unroll
-    for (int j = 0; j < Tr::kItemsPerThread; ++j) {
-        const int idx = tid + kDecodeThreads * j;
-        if (idx < items * slices) {
-            float4* dst = reinterpret_cast<float4*>(slice_sums + 8 * idx);
-            dst[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-            dst[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
+    for (int i = 0; i < kQWords; ++i) {
+        const int idx = tid + kDecodeThreads * i;
+        if (idx < group * kD / 2) {
+            const float2 f = unpack16x2<kDtype>(q_words[i]);
+            sm.q[2 * idx] = f.x;
+            sm.q[2 * idx + 1] = f.y;
         }
     }
     __syncthreads();
-    for (int i = tid; i < group * kD; i += kDecodeThreads) {
-        const int h = i / kD, col = i - h * kD;
-        const int item = h * kSegs + col / 8, e = col % 8;
-        float o = 0.f;
-        for (int s = 0; s < slices; ++s) o += slice_sums[8 * (s * items + item) + e];
-        const float l = sm.row_sum[h];
-        sm.q[h][col] = l > 0.f ? o / l : 0.f;
+    DECODE_STAMP(kQ);
+
+    // Each row's running max and sum (log2 units; the sum of this lane's keys) and O columns.
+    float row_max[kG], row_sum[kG], acc[kG][kCols];
+#pragma unroll
+    for (int h = 0; h < kG; ++h) {
+        row_max[h] = -INFINITY;
+        row_sum[h] = 0.f;
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) acc[h][c] = 0.f;
     }
-    if (tid < group) {
-        const float l = sm.row_sum[tid];
-        sm.lse[tid] = l > 0.f ? (sm.row_max[tid] + log2f(l)) * 0.69314718055994531f : -INFINITY;
+    const int my_key = lane / kL, part = lane % kL;  // the lane's key in a step, its part of the row
+    float* p_warp = sm.p + warp * group * kKeys;
+
+    for (int key0 = w_start; key0 < w_end; key0 += kKeys) {  // warp-uniform
+        const int live = min(kKeys, w_end - key0);
+        DecodeStep<kD> step;
+        load_step<kD>(p, step, key0, w_end, slot, pages, page_shift, k_base, v_base, lane);
+
+        // 1. Scores, in log2 units; keys past the slice and rows past the group -inf. Each K
+        // segment is converted once for every row; two FMA chains per row (a key's lanes add
+        // their parts). Rows past the group compute on the last row's q and are
+        // discarded by selects, not branches, so the rows' steps interleave.
+        DECODE_STAMP(kIssued);
+        constexpr int kChains = kG >= 16 ? 1 : 2;  // 16 rows: one chain each, in registers
+        float dot[kG][kChains];
+#pragma unroll
+        for (int h = 0; h < kG; ++h)
+#pragma unroll
+            for (int c = 0; c < kChains; ++c) dot[h][c] = 0.f;
+#pragma unroll
+        for (int seg = 0; seg < Tr::kSegs; ++seg) {
+            float kf[8];
+            unpack16x8<kDtype>(step.k[seg], kf);
+#pragma unroll
+            for (int h = 0; h < kG; ++h) {
+                const float* q_row = sm.q + min(h, group - 1) * kD + Tr::kElems * part + 8 * seg;
+                const float4 q0 = *reinterpret_cast<const float4*>(q_row);
+                const float4 q1 = *reinterpret_cast<const float4*>(q_row + 4);
+                const float qf[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dot[h][e % kChains] = fmaf(qf[e], kf[e], dot[h][e % kChains]);
+            }
+        }
+        float s[kG];
+#pragma unroll
+        for (int h = 0; h < kG; ++h) {
+            float x = dot[h][0];
+            if constexpr (kChains == 2) x += dot[h][1];
+#pragma unroll
+            for (int o = 1; o < kL; o *= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+            if (p.softcap_pre != 0.f) x = tanhf(x * p.softcap_pre);
+            s[h] = my_key < live && h < group ? x * p.scale_log2 : -INFINITY;
+        }
+        DECODE_STAMP(kScores);
+
+        // 2. The online softmax of each row over the step's keys (a warp max each); p for the
+        // P.V step goes through the warp's shared rows.
+#pragma unroll
+        for (int h = 0; h < kG; ++h) {
+            const float new_max = fmaxf(row_max[h], warp_max(s[h]));
+            // A row with no live key yet keeps p = 0 (exp2(-inf) = 0) without -inf - -inf.
+            const float ref = new_max == -INFINITY ? 0.f : new_max;
+            const float alpha = fast_exp2(row_max[h] - ref);
+            const float pk = fast_exp2(s[h] - ref);
+            row_sum[h] = row_sum[h] * alpha + (part == 0 ? pk : 0.f);
+            row_max[h] = new_max;
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) acc[h][c] *= alpha;
+            if (part == 0 && h < group) p_warp[h * kKeys + my_key] = pk;
+        }
+        __syncwarp();
+        DECODE_STAMP(kSoftmax);
+
+        // 3. O += P.V over the step's keys, four at a time (p of keys past the slice is 0; rows
+        // past the group read the last row's p and are never stored).
+#pragma unroll
+        for (int j4 = 0; j4 < kKeys; j4 += 4) {
+            if (j4 < live) {  // warp-uniform
+                float vf[4][kCols];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    if constexpr (kCols == 2) {
+                        const float2 f = unpack16x2<kDtype>(step.v[j4 + u]);
+                        vf[u][0] = f.x;
+                        vf[u][1] = f.y;
+                    } else {
+                        const float2 f0 = unpack16x2<kDtype>(step.v[j4 + u].x);
+                        const float2 f1 = unpack16x2<kDtype>(step.v[j4 + u].y);
+                        vf[u][0] = f0.x;
+                        vf[u][1] = f0.y;
+                        vf[u][2] = f1.x;
+                        vf[u][3] = f1.y;
+                    }
+                }
+#pragma unroll
+                for (int h = 0; h < kG; ++h) {
+                    const float4 p4 = *reinterpret_cast<const float4*>(p_warp + min(h, group - 1) * kKeys + j4);
+                    const float pu[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+                    for (int u = 0; u < 4; ++u)
+#pragma unroll
+                        for (int c = 0; c < kCols; ++c) acc[h][c] = fmaf(pu[u], vf[u][c], acc[h][c]);
+                }
+            }
+        }
+        __syncwarp();  // the warp's p rows are free again
     }
 
-    // The shares' merge: item (row, column pair) idx by the CTA of rank idx % shares.
-    cluster_arrive_release();
-    cluster_wait();  // every share's rows are in its shared memory
-    constexpr int kPairs = kD / 2;
-    for (int idx = rank + shares * tid; idx < group * kPairs; idx += shares * kDecodeThreads) {
-        const int h = idx / kPairs, col = 2 * (idx - h * kPairs);
-        float lse_s[kClusterMaxShares];
-        float2 o_s[kClusterMaxShares];
-        gather_shares(smem_u32(&sm.lse[h]), smem_u32(&sm.q[h][col]), shares, lse_s, o_s);
-        const float sink = p.sinks != nullptr ? p.sinks[head0 + h] : -INFINITY;
-        float merged_lse;
-        const float2 o = merge_shares(lse_s, o_s, sink, merged_lse);
-        const int64_t row = (int64_t)b * p.heads + head0 + h;
-        reinterpret_cast<uint32_t*>(p.out)[(row * kD + col) / 2] = pack16x2<kDtype>(o.x, o.y);
-        if (col == 0) p.lse[row] = merged_lse;
+    DECODE_STAMP(kKeysDone);
+    // Send this warp's part: its rows' max and sum (lanes 0..shares-1, one owner each) and each
+    // lane's O columns to their owner, as st.async stores that complete on the owner's inbox.
+    const int owned = group * kD / shares;  // a multiple of kCols: kD / 8 · group / shares
+    const int part_id = rank * kDecodeWarps + warp;
+    cluster_wait();  // every CTA has started and initialised its inbox
+    DECODE_STAMP(kStarted);
+    // The rows' sums over the lanes first, all rows at once (rows past the group sum zeros).
+    float sums[kG];
+#pragma unroll
+    for (int h = 0; h < kG; ++h) sums[h] = warp_sum(row_sum[h]);
+    DECODE_STAMP(kSums);
+    const uint32_t inbox = smem_u32(sm.inbox);
+#pragma unroll
+    for (int h = 0; h < kG; ++h) {
+        if (h < group) {  // warp-uniform
+            if (lane < shares) {
+                const uint32_t bar = cluster_map(inbox, lane);
+                st_async_f32(cluster_map(smem_u32(sm.recv_m + part_id * group + h), lane), row_max[h], bar);
+                st_async_f32(cluster_map(smem_u32(sm.recv_l + part_id * group + h), lane), sums[h], bar);
+            }
+            const int item = h * kD + kCols * lane, owner = item / owned;
+            const uint32_t dst = cluster_map(smem_u32(sm.recv_o + part_id * owned + item - owner * owned), owner);
+            const uint32_t bar = cluster_map(inbox, owner);
+            if constexpr (kCols == 2) {
+                st_async_f32x2(dst, acc[h][0], acc[h][1], bar);
+            } else {
+                st_async_f32x4(dst, acc[h][0], acc[h][1], acc[h][2], acc[h][3], bar);
+            }
+        }
     }
-    // No CTA exits (freeing its shared memory) before every CTA has read it.
-    cluster_arrive_release();
-    cluster_wait();
+    DECODE_STAMP(kSent);
+    mbar_wait_cluster(sm.inbox, 0);  // every part's bytes for this CTA have landed
+    DECODE_STAMP(kLanded);
+
+    // This CTA's items, in column pairs: the 8 lanes of a pair merge it, lane `sub` over warp
+    // `sub`'s parts of every share, then their sums meet by shuffles. The merged row: M = the
+    // parts' and the sink's max, O = sum 2^(m - M) o / L, L = sum 2^(m - M) l + 2^(sink - M),
+    // LSE = (M + log2 L) ln 2. No CTA reads another's shared memory, so none waits to exit.
+    static_assert(kDecodeWarps == 8, "a pair's lanes are one per warp");
+    const int pairs = owned / 2, sub = lane % kDecodeWarps;
+    for (int base = 0; base < pairs; base += kDecodeThreads / kDecodeWarps) {  // block-uniform
+        const int slot_pair = base + tid / kDecodeWarps, pair = min(slot_pair, pairs - 1);
+        const int item = rank * owned + 2 * pair, h = item / kD;
+        constexpr float kLog2e = 1.4426950408889634f;
+        const float sink = p.sinks != nullptr ? p.sinks[head0 + h] * kLog2e : -INFINITY;
+        // Every share's values at once (shares past the call's read share 0's and weigh 0).
+        float m[kClusterMaxShares], l[kClusterMaxShares];
+        float2 o[kClusterMaxShares];
+        float mx = sink;
+#pragma unroll
+        for (int i = 0; i < kClusterMaxShares; ++i) {
+            const int t = min(i, shares - 1) * kDecodeWarps + sub;
+            m[i] = i < shares ? sm.recv_m[t * group + h] : -INFINITY;
+            l[i] = sm.recv_l[t * group + h];
+            o[i] = *reinterpret_cast<const float2*>(sm.recv_o + t * owned + 2 * pair);
+            mx = fmaxf(mx, m[i]);
+        }
+#pragma unroll
+        for (int s = 1; s < kDecodeWarps; s *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, s));
+        const float ref = mx == -INFINITY ? 0.f : mx;
+        float2 o_sum = make_float2(0.f, 0.f);
+        float l_sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < kClusterMaxShares; ++i) {
+            const float e = fast_exp2(m[i] - ref);  // 0 for shares past the call
+            o_sum.x = fmaf(e, o[i].x, o_sum.x);
+            o_sum.y = fmaf(e, o[i].y, o_sum.y);
+            l_sum = fmaf(e, l[i], l_sum);
+        }
+#pragma unroll
+        for (int s = 1; s < kDecodeWarps; s *= 2) {
+            o_sum.x += __shfl_xor_sync(0xffffffffu, o_sum.x, s);
+            o_sum.y += __shfl_xor_sync(0xffffffffu, o_sum.y, s);
+            l_sum += __shfl_xor_sync(0xffffffffu, l_sum, s);
+        }
+        if (slot_pair < pairs && sub == 0) {
+            if (sink != -INFINITY) l_sum += fast_exp2(sink - ref);
+            const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
+            const int64_t row = (int64_t)b * p.heads + head0 + h;
+            const int col = item - h * kD;
+            reinterpret_cast<uint32_t*>(p.out)[(row * kD + col) / 2] = pack16x2<kDtype>(o_sum.x * inv, o_sum.y * inv);
+            if (col == 0) p.lse[row] = l_sum > 0.f ? (mx + log2f(l_sum)) * 0.69314718055994531f : -INFINITY;
+        }
+    }
+    DECODE_STAMP(kMerged);
+#ifdef FA3_DECODE_TRACE
+    if (lane == 0 && kv_head == 0 && rank < 2) {
+        const long long t0 = stamps[kStart];
+        printf("decode trace d%d b%d rank %d/%d warp %d keys %d | ranges %lld q %lld issued %lld scores %lld softmax %lld "
+               "keys_done %lld started %lld sums %lld sent %lld landed %lld merged %lld\n",
+               kD, b, rank, shares, warp, w_end - w_start, stamps[kRanges] - t0, stamps[kQ] - t0, stamps[kIssued] - t0,
+               stamps[kScores] - t0, stamps[kSoftmax] - t0, stamps[kKeysDone] - t0, stamps[kStarted] - t0,
+               stamps[kSums] - t0, stamps[kSent] - t0, stamps[kLanded] - t0, stamps[kMerged] - t0);
+    }
+#endif
 }
 
 }  // namespace fa3
 
-#define FA3_DECODE_KERNEL(name, D, DTYPE)                                                                 \
+// One kernel per head dim, dtype and group bound (GQA groups of up to 4, 8 and, at d64, 16 q
+// heads): the rows' state lives in registers, unrolled to the bound (d128 with 16 rows spilled).
+#define FA3_DECODE_KERNEL(name, D, DTYPE, ROWS)                                                           \
     extern "C" __global__ void __launch_bounds__(fa3::kDecodeThreads) name(const __grid_constant__ fa3::DecodeParams p) { \
-        fa3::decode<D, fa3::DTYPE>(p);                                                                    \
+        fa3::decode<D, fa3::DTYPE, ROWS>(p);                                                              \
     }
-FA3_DECODE_KERNEL(kvcache_decode_d64_bf16, 64, DT_BF16)
-FA3_DECODE_KERNEL(kvcache_decode_d64_f16, 64, DT_F16)
-FA3_DECODE_KERNEL(kvcache_decode_d128_bf16, 128, DT_BF16)
-FA3_DECODE_KERNEL(kvcache_decode_d128_f16, 128, DT_F16)
+FA3_DECODE_KERNEL(kvcache_decode_d64_bf16_g4, 64, DT_BF16, 4)
+FA3_DECODE_KERNEL(kvcache_decode_d64_bf16_g8, 64, DT_BF16, 8)
+FA3_DECODE_KERNEL(kvcache_decode_d64_bf16_g16, 64, DT_BF16, 16)
+FA3_DECODE_KERNEL(kvcache_decode_d64_f16_g4, 64, DT_F16, 4)
+FA3_DECODE_KERNEL(kvcache_decode_d64_f16_g8, 64, DT_F16, 8)
+FA3_DECODE_KERNEL(kvcache_decode_d64_f16_g16, 64, DT_F16, 16)
+FA3_DECODE_KERNEL(kvcache_decode_d128_bf16_g4, 128, DT_BF16, 4)
+FA3_DECODE_KERNEL(kvcache_decode_d128_bf16_g8, 128, DT_BF16, 8)
+FA3_DECODE_KERNEL(kvcache_decode_d128_f16_g4, 128, DT_F16, 4)
+FA3_DECODE_KERNEL(kvcache_decode_d128_f16_g8, 128, DT_F16, 8)

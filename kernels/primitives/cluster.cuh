@@ -16,12 +16,18 @@ __device__ __forceinline__ void cluster_arrive_release() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// An arrival that orders nothing: for a phase whose only message is "this CTA has started" (its
+// wait then guards the first stores into another CTA's shared memory).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
 
 // The shared::cluster address of the variable at `smem_addr` (a shared::cta address) in the
 // cluster's CTA of rank `rank`.
+// (Not volatile: an address computation, which the compiler may schedule ahead of its use.)
 __device__ __forceinline__ uint32_t cluster_map(uint32_t smem_addr, uint32_t rank) {
     uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr), "r"(rank));
+    asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr), "r"(rank));
     return remote;
 }
 
@@ -35,6 +41,27 @@ __device__ __forceinline__ float2 ld_cluster_f32x2(uint32_t remote) {
     float2 v;
     asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
     return v;
+}
+
+// Stores into another CTA's shared memory (shared::cluster addresses) that complete their bytes
+// on an mbarrier of that CTA (`remote_bar`, a shared::cluster address): the receiver waits on its
+// mbarrier for the bytes it expects (mbar_wait_cluster), with no cluster barrier between.
+__device__ __forceinline__ void st_async_f32(uint32_t remote, float v, uint32_t remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(remote), "f"(v),
+                 "r"(remote_bar)
+                 : "memory");
+}
+__device__ __forceinline__ void st_async_f32x2(uint32_t remote, float a, float b, uint32_t remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n" ::"r"(remote),
+                 "f"(a), "f"(b), "r"(remote_bar)
+                 : "memory");
+}
+__device__ __forceinline__ void st_async_f32x4(uint32_t remote, float a, float b, float c, float d,
+                                               uint32_t remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                     remote),
+                 "f"(a), "f"(b), "f"(c), "f"(d), "r"(remote_bar)
+                 : "memory");
 }
 
 }  // namespace fa3

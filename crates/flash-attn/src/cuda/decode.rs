@@ -16,25 +16,38 @@ use crate::params::AttnParams;
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kvcache_decode.cubin"));
 
-/// `fa3::kDecodeMaxGroup`: q heads per kv head (a CTA's rows).
+/// `fa3::kDecodeMaxGroup`: q heads per kv head (a CTA's rows); at head dim 128 at most 8 (its
+/// 16-row kernel would spill).
 const MAX_GROUP: usize = 16;
+fn max_group(head_dim: usize) -> usize {
+    if head_dim == 128 {
+        8
+    } else {
+        MAX_GROUP
+    }
+}
 /// `fa3::kClusterMaxShares` (kernels/flash_fwd/share_merge.cuh): a sequence's key shares, one CTA
 /// each, in one cluster (the portable cluster size).
 const MAX_SHARES: usize = 8;
-/// Under `Tuning::decode_kernel: None`, a call takes the kernel at head dim 64 where each share of
-/// a full cache is at most this many chunks of keys (a share's chunks run one after the other in
-/// one CTA, where the forward kernel spreads long caches over the whole GPU) and its grid has at
-/// most one CTA per SM. Elsewhere (longer caches, more CTAs, head dim 128) the forward kernel
-/// measured faster (docs/kernels/kvcache.md, session 39).
-const MAX_CHUNKS_PER_SHARE: usize = 2;
+/// A share's keys at least (fewer keys, fewer shares, rounded up to a power of two): each of a CTA's
+/// eight warps then takes about 8 or more.
+const MIN_KEYS_PER_SHARE: usize = 64;
+/// Under `Tuning::decode_kernel: None`, a call takes the kernel at head dim 64 where a sequence
+/// holds at most this many keys (a share's keys run in one CTA, where the forward kernel spreads
+/// long caches over the whole GPU) and its grid has at most one CTA per SM. Elsewhere (8k keys,
+/// more CTAs, head dim 128) the forward kernel measured faster (docs/kernels/kvcache.md, sessions
+/// 39 and 40).
+const DEFAULT_MAX_KEYS: usize = 2048;
+/// `fa3::kDecodeWarps`: each warp's rows are staged in shared memory for the merge.
+const WARPS: usize = 8;
 
-/// `DecodeTraits::kKeys`: keys per chunk (two chunks in flight per CTA).
-fn keys_per_chunk(head_dim: usize) -> usize {
-    if head_dim == 64 {
-        64
-    } else {
-        32
-    }
+/// `fa3::DecodeSmem`'s bytes for a GQA group of `group` rows at head dim `d`, all f32: q's rows,
+/// each warp's probabilities of its step (`fa3::DecodeTraits::kKeys` keys: 16 at d64, 8 at d128),
+/// and the merge's inbox: its mbarrier (16 bytes), every warp's O at this CTA's items (`WARPS`
+/// rows' worth in all) and the rows' max and sum of up to `MAX_SHARES` · `WARPS` warps.
+fn smem_bytes(d: usize, group: usize) -> usize {
+    let keys = 32 / (d / 32);
+    16 + 4 * (group * d + WARPS * group * keys + WARPS * group * d + 2 * MAX_SHARES * WARPS * group)
 }
 
 /// Mirror of `fa3::DecodeParams` (kernels/kvcache/decode.cu).
@@ -101,9 +114,9 @@ impl CacheStrides {
 /// The key shares (CTAs per sequence and kv head, one cluster) of a call that runs on the decode
 /// kernel, or None for a call the forward kernel runs: one query per sequence (not varlen), a
 /// 16-bit cache with rows aligned to 16 bytes, head dim 64 or 128 for q, k and v, at most 16 q
-/// heads per kv head, `num_splits` 0 (an explicit split is the forward kernel's), and under
-/// `Tuning::decode_kernel: None` head dim 64, a cache of at most [`MAX_CHUNKS_PER_SHARE`] chunks a
-/// share and a grid of at most one CTA per SM of the `sms`. Windows, softcap, sinks, pages,
+/// heads per kv head (8 at head dim 128), `num_splits` 0 (an explicit split is the forward kernel's), and under
+/// `Tuning::decode_kernel: None` head dim 64, a cache of at most [`DEFAULT_MAX_KEYS`] keys and a
+/// grid of at most one CTA per SM of the `sms`. Windows, softcap, sinks, pages,
 /// cache_batch_idx and an append before it all apply.
 pub(super) fn plan(
     shape: &CacheShape,
@@ -122,7 +135,7 @@ pub(super) fn plan(
         && s.head_dim_v == s.head_dim
         && s.kv_heads > 0
         && s.heads % s.kv_heads == 0
-        && s.heads / s.kv_heads <= MAX_GROUP
+        && s.heads / s.kv_heads <= max_group(s.head_dim)
         && params.num_splits == 0
         && k.rows_aligned()
         && v.rows_aligned()
@@ -133,13 +146,17 @@ pub(super) fn plan(
     if !supported {
         return None;
     }
-    let chunk = keys_per_chunk(s.head_dim);
-    let shares = s.capacity().div_ceil(chunk).clamp(1, MAX_SHARES);
+    // A power of two, so that the shares' CTAs own equal parts of the group's rows in the merge.
+    let shares = s
+        .capacity()
+        .div_ceil(MIN_KEYS_PER_SHARE)
+        .next_power_of_two()
+        .clamp(1, MAX_SHARES);
     match params.tuning.decode_kernel {
         Some(false) => None,
         Some(true) => Some(shares),
         None => {
-            let short = s.capacity() <= MAX_SHARES * MAX_CHUNKS_PER_SHARE * chunk;
+            let short = s.capacity() <= DEFAULT_MAX_KEYS;
             let few_ctas = s.batch * s.kv_heads * shares <= sms;
             (s.head_dim == 64 && short && few_ctas).then_some(shares)
         }
@@ -174,14 +191,31 @@ fn launch_t<T: CudaDType + DeviceRepr>(
         _ => bail!("flash-attn3: kvcache: expected a GPU call"),
     };
     let stream = dev.cuda_stream();
-    let name = match (s.head_dim, q.dtype()) {
-        (64, DType::BF16) => "kvcache_decode_d64_bf16",
-        (64, DType::F16) => "kvcache_decode_d64_f16",
-        (128, DType::BF16) => "kvcache_decode_d128_bf16",
-        (128, DType::F16) => "kvcache_decode_d128_f16",
-        (d, dt) => bail!("flash-attn3: kvcache: no decode kernel for head dim {d} and {dt:?}"),
+    let group = s.heads / s.kv_heads;
+    // The kernel's rows are unrolled to a bound of 4, 8 or 16 q heads per kv head.
+    let name = match (s.head_dim, q.dtype(), group.next_power_of_two().max(4)) {
+        (64, DType::BF16, 4) => "kvcache_decode_d64_bf16_g4",
+        (64, DType::BF16, 8) => "kvcache_decode_d64_bf16_g8",
+        (64, DType::BF16, 16) => "kvcache_decode_d64_bf16_g16",
+        (64, DType::F16, 4) => "kvcache_decode_d64_f16_g4",
+        (64, DType::F16, 8) => "kvcache_decode_d64_f16_g8",
+        (64, DType::F16, 16) => "kvcache_decode_d64_f16_g16",
+        (128, DType::BF16, 4) => "kvcache_decode_d128_bf16_g4",
+        (128, DType::BF16, 8) => "kvcache_decode_d128_bf16_g8",
+        (128, DType::F16, 4) => "kvcache_decode_d128_f16_g4",
+        (128, DType::F16, 8) => "kvcache_decode_d128_f16_g8",
+        (d, dt, _) => {
+            bail!("flash-attn3: kvcache: no decode kernel for head dim {d}, {dt:?} and {group} q heads per kv head")
+        }
     };
-    let func = load_kernel(&dev, CUBIN, " kvcache decode", name, 0)?;
+    // The attribute for the largest group's shared memory is set once, at the kernel's first load.
+    let func = load_kernel(
+        &dev,
+        CUBIN,
+        " kvcache decode",
+        name,
+        smem_bytes(s.head_dim, max_group(s.head_dim)),
+    )?;
     // The kernel's block size is its __launch_bounds__ (`fa3::kDecodeThreads`).
     let threads = func
         .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
@@ -219,7 +253,7 @@ fn launch_t<T: CudaDType + DeviceRepr>(
             v_row_stride: v.strides[1] as i64,
             v_head_stride: v.strides[2] as i64,
             heads: s.heads as i32,
-            group: (s.heads / s.kv_heads) as i32,
+            group: group as i32,
             slots: s.slots as i32,
             rows: s.rows as i32,
             max_pages: cache.max_pages as i32,
@@ -231,7 +265,7 @@ fn launch_t<T: CudaDType + DeviceRepr>(
         let cfg = LaunchConfig {
             grid_dim: (shares as u32, s.kv_heads as u32, s.batch as u32),
             block_dim: (threads as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem_bytes(s.head_dim, group) as u32,
         };
         // SAFETY: every address is a live buffer of the sizes in `p` (checked by
         // KvCacheAttn::check on the host; key counts are clamped to the capacity, and cache slots
@@ -308,15 +342,16 @@ mod tests {
             0,
         );
         assert_eq!(take(&shape(4, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(8));
-        // A cache of 100 keys: two 64-key chunks, two shares.
+        // A cache of 100 keys: at least 64 keys a share, two shares; 150 keys: three, rounded up
+        // to a power of two.
         assert_eq!(take(&shape(1, 1, 32, 8, 64, 100), &auto, DType::BF16), Some(2));
-        // Long caches go to the forward kernel unless forced: 8 shares of 2 64-key chunks is
-        // 1,024 keys.
-        assert_eq!(take(&shape(1, 1, 32, 8, 64, 1024), &auto, DType::BF16), Some(8));
-        let long = shape(1, 1, 32, 8, 64, 1025);
+        assert_eq!(take(&shape(1, 1, 32, 8, 64, 150), &auto, DType::BF16), Some(4));
+        // Caches of more than 2,048 keys go to the forward kernel unless forced.
+        assert_eq!(take(&shape(1, 1, 32, 8, 64, 2048), &auto, DType::BF16), Some(8));
+        let long = shape(1, 1, 32, 8, 64, 2049);
         assert_eq!(take(&long, &auto, DType::BF16), None);
         assert_eq!(take(&long, &forced, DType::BF16), Some(8));
-        // d128 only when forced (its 32-key chunks: 8 shares).
+        // d128 only when forced.
         let d128 = shape(1, 1, 32, 4, 128, 640);
         assert_eq!(take(&d128, &auto, DType::BF16), None);
         assert_eq!(take(&d128, &forced, DType::BF16), Some(8));
