@@ -80,27 +80,33 @@ template <int kD> struct DecodeTraits {
     static constexpr int kCols = kD / 32;            // P.V: the output columns of a lane
 };
 
-// The merge: every warp of every share (a "part", shares · warps of them) sends its rows' running
-// max and sum and its unnormalised O to the CTAs that own them; CTA `rank` owns items (row h,
+// The merge: each CTA first merges its warps' rows in its own shared memory, then sends its share's
+// rows (max, sum, unnormalised O) to the CTAs that own them; CTA `rank` owns items (row h,
 // column) h · kD + col in [rank · owned, (rank + 1) · owned), owned = group · kD / shares.
-// The dynamic shared memory of a CTA whose GQA group has `group` rows, in floats (decode.rs
-// `smem_bytes` mirrors it):
+// The dynamic shared memory of a CTA whose GQA group has `group` rows, in floats after the inbox
+// (decode.rs `smem_bytes` mirrors it):
+//   inbox                                the mbarrier the merge's bytes arrive on (16 bytes)
 //   q      [group][kD]                   q's rows as f32
 //   p      [warps][group][kKeys]         each warp's probabilities of its current step
-//   recv_o [shares · warps][owned]       every part's O at this CTA's items (warps · group · kD)
-//   recv_m [shares · warps][group]       every part's rows' max (log2 units), at most
-//   recv_l [shares · warps][group]       and sum                   kClusterMaxShares · warps parts
-//   inbox                                the mbarrier the merge's bytes arrive on (first, 16 bytes)
+//   part_o [warps][group][kD]            each warp's unnormalised O rows,
+//   part_m [warps][group]                their max (log2 units)
+//   part_l [warps][group]                and sum
+//   recv_o [shares][owned]               every share's O at this CTA's items (group · kD)
+//   recv_m [shares][group]               every share's rows' max, at most kClusterMaxShares shares
+//   recv_l [shares][group]               and sum
 template <int kD> struct DecodeSmem {
     uint64_t* inbox;
-    float *q, *p, *recv_o, *recv_m, *recv_l;
+    float *q, *p, *part_o, *part_m, *part_l, *recv_o, *recv_m, *recv_l;
     __device__ DecodeSmem(float* base, int group) {
         inbox = reinterpret_cast<uint64_t*>(base);
         q = base + 4;
         p = q + group * kD;
-        recv_o = p + kDecodeWarps * group * DecodeTraits<kD>::kKeys;
-        recv_m = recv_o + kDecodeWarps * group * kD;
-        recv_l = recv_m + kClusterMaxShares * kDecodeWarps * group;
+        part_o = p + kDecodeWarps * group * DecodeTraits<kD>::kKeys;
+        part_m = part_o + kDecodeWarps * group * kD;
+        part_l = part_m + kDecodeWarps * group;
+        recv_o = part_l + kDecodeWarps * group;
+        recv_m = recv_o + group * kD;
+        recv_l = recv_m + kClusterMaxShares * group;
     }
 };
 
@@ -192,7 +198,7 @@ __device__ __forceinline__ void load_step(const DecodeParams& p, DecodeStep<kD>&
 // line per warp and call: run the benchmark's kvcache_decode pass with BENCH_DECODE_ONCE
 // (docs/kernels/kvcache.md, session 40, has where the time went).
 enum DecodeStamp {
-    kStart, kRanges, kQ, kIssued, kScores, kSoftmax, kKeysDone, kStarted, kSums, kSent, kLanded, kMerged, kStamps
+    kStart, kRanges, kQ, kIssued, kScores, kSoftmax, kKeysDone, kSums, kStarted, kSent, kLanded, kMerged, kStamps
 };
 #ifdef FA3_DECODE_TRACE
 #define DECODE_STAMP(stage) (stamps[stage] = clock64())
@@ -220,7 +226,7 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
     if (tid == 0) {
         mbar_init(sm.inbox, 1);
         mbar_init_fence();
-        mbar_arrive_expect_tx(sm.inbox, 4 * (kDecodeWarps * group * kD + 2 * gridDim.x * kDecodeWarps * group));
+        mbar_arrive_expect_tx(sm.inbox, 4 * (group * kD + 2 * gridDim.x * group));
     }
     cluster_arrive_relaxed();
 
@@ -374,77 +380,94 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
     }
 
     DECODE_STAMP(kKeysDone);
-    // Send this warp's part: its rows' max and sum (lanes 0..shares-1, one owner each) and each
-    // lane's O columns to their owner, as st.async stores that complete on the owner's inbox.
-    const int owned = group * kD / shares;  // a multiple of kCols: kD / 8 · group / shares
-    const int part_id = rank * kDecodeWarps + warp;
-    cluster_wait();  // every CTA has started and initialised its inbox
-    DECODE_STAMP(kStarted);
-    // The rows' sums over the lanes first, all rows at once (rows past the group sum zeros).
+    // This warp's rows into shared memory: the sums over the lanes (all rows at once; rows past the
+    // group sum zeros), the max, and each lane's O columns.
     float sums[kG];
 #pragma unroll
     for (int h = 0; h < kG; ++h) sums[h] = warp_sum(row_sum[h]);
-    DECODE_STAMP(kSums);
-    const uint32_t inbox = smem_u32(sm.inbox);
 #pragma unroll
     for (int h = 0; h < kG; ++h) {
         if (h < group) {  // warp-uniform
-            if (lane < shares) {
-                const uint32_t bar = cluster_map(inbox, lane);
-                st_async_f32(cluster_map(smem_u32(sm.recv_m + part_id * group + h), lane), row_max[h], bar);
-                st_async_f32(cluster_map(smem_u32(sm.recv_l + part_id * group + h), lane), sums[h], bar);
+            if (lane == 0) {
+                sm.part_m[warp * group + h] = row_max[h];
+                sm.part_l[warp * group + h] = sums[h];
             }
-            const int item = h * kD + kCols * lane, owner = item / owned;
-            const uint32_t dst = cluster_map(smem_u32(sm.recv_o + part_id * owned + item - owner * owned), owner);
-            const uint32_t bar = cluster_map(inbox, owner);
+            float* o = sm.part_o + (warp * group + h) * kD + kCols * lane;
             if constexpr (kCols == 2) {
-                st_async_f32x2(dst, acc[h][0], acc[h][1], bar);
+                *reinterpret_cast<float2*>(o) = make_float2(acc[h][0], acc[h][1]);
             } else {
-                st_async_f32x4(dst, acc[h][0], acc[h][1], acc[h][2], acc[h][3], bar);
+                *reinterpret_cast<float4*>(o) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
             }
         }
     }
+    __syncthreads();
+    DECODE_STAMP(kSums);
+
+    // This share's rows, (row, column pair) items one per thread: the warps' parts merged (M = the
+    // warps' max, o = Σ 2^(m − M) o_w, l = Σ 2^(m − M) l_w) and sent with st.async to the item's
+    // owner, completing on its inbox; the first 'shares' pairs of each row also send the row's
+    // M and l to one owner each.
+    const int owned = group * kD / shares;  // a multiple of kCols: kD / 8 · group / shares
+    cluster_wait();  // every CTA has started and initialised its inbox
+    DECODE_STAMP(kStarted);
+    const uint32_t inbox = smem_u32(sm.inbox);
+    for (int pair = tid; pair < group * kD / 2; pair += kDecodeThreads) {
+        const int h = pair / (kD / 2), col = 2 * pair - h * kD;
+        float m[kDecodeWarps], mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kDecodeWarps; ++w) {
+            m[w] = sm.part_m[w * group + h];
+            mx = fmaxf(mx, m[w]);
+        }
+        const float ref = mx == -INFINITY ? 0.f : mx;
+        float2 o = make_float2(0.f, 0.f);
+        float l = 0.f;
+#pragma unroll
+        for (int w = 0; w < kDecodeWarps; ++w) {
+            const float e = fast_exp2(m[w] - ref);
+            const float2 ow = *reinterpret_cast<const float2*>(sm.part_o + (w * group + h) * kD + col);
+            o.x = fmaf(e, ow.x, o.x);
+            o.y = fmaf(e, ow.y, o.y);
+            l = fmaf(e, sm.part_l[w * group + h], l);
+        }
+        const int item = h * kD + col, owner = item / owned;
+        st_async_f32x2(cluster_map(smem_u32(sm.recv_o + rank * owned + item - owner * owned), owner), o.x, o.y,
+                       cluster_map(inbox, owner));
+        if (col / 2 < shares) {  // this pair sends the row's max and sum to owner col / 2
+            const int to = col / 2;
+            const uint32_t bar = cluster_map(inbox, to);
+            st_async_f32(cluster_map(smem_u32(sm.recv_m + rank * group + h), to), mx, bar);
+            st_async_f32(cluster_map(smem_u32(sm.recv_l + rank * group + h), to), l, bar);
+        }
+    }
     DECODE_STAMP(kSent);
-    mbar_wait_cluster(sm.inbox, 0);  // every part's bytes for this CTA have landed
+    mbar_wait_cluster(sm.inbox, 0);  // every share's bytes for this CTA have landed
     DECODE_STAMP(kLanded);
 
-    // This CTA's items, in column pairs: the 8 lanes of a pair merge it, lane `sub` over warp
-    // `sub`'s parts of every share, then their sums meet by shuffles. The merged row: M = the
-    // parts' and the sink's max, O = sum 2^(m - M) o / L, L = sum 2^(m - M) l + 2^(sink - M),
-    // LSE = (M + log2 L) ln 2. No CTA reads another's shared memory, so none waits to exit.
-    static_assert(kDecodeWarps == 8, "a pair's lanes are one per warp");
-    const int pairs = owned / 2, sub = lane % kDecodeWarps;
-    for (int base = 0; base < pairs; base += kDecodeThreads / kDecodeWarps) {  // block-uniform
-        const int slot_pair = base + tid / kDecodeWarps, pair = min(slot_pair, pairs - 1);
+    // This CTA's items, in column pairs: 8 lanes a pair, lane `sub` taking share `sub`, their sums
+    // meeting by shuffles. The merged row: M = the shares' and the sink's max,
+    // O = Σ 2^(m − M) o / L, L = Σ 2^(m − M) l + 2^(sink − M), LSE = (M + log2 L) ln 2. No CTA
+    // reads another's shared memory, so none waits to exit.
+    static_assert(kClusterMaxShares == 8, "a pair's lanes are one per share");
+    const int pairs = owned / 2, sub = lane % kClusterMaxShares;
+    for (int base = 0; base < pairs; base += kDecodeThreads / kClusterMaxShares) {  // block-uniform
+        const int slot_pair = base + tid / kClusterMaxShares, pair = min(slot_pair, pairs - 1);
         const int item = rank * owned + 2 * pair, h = item / kD;
         constexpr float kLog2e = 1.4426950408889634f;
         const float sink = p.sinks != nullptr ? p.sinks[head0 + h] * kLog2e : -INFINITY;
-        // Every share's values at once (shares past the call's read share 0's and weigh 0).
-        float m[kClusterMaxShares], l[kClusterMaxShares];
-        float2 o[kClusterMaxShares];
-        float mx = sink;
+        const int from = min(sub, shares - 1);  // lanes past the shares read the last share's; weigh 0
+        const float m = sub < shares ? sm.recv_m[from * group + h] : -INFINITY;
+        const float l = sm.recv_l[from * group + h];
+        const float2 o = *reinterpret_cast<const float2*>(sm.recv_o + from * owned + 2 * pair);
+        float mx = fmaxf(m, sink);
 #pragma unroll
-        for (int i = 0; i < kClusterMaxShares; ++i) {
-            const int t = min(i, shares - 1) * kDecodeWarps + sub;
-            m[i] = i < shares ? sm.recv_m[t * group + h] : -INFINITY;
-            l[i] = sm.recv_l[t * group + h];
-            o[i] = *reinterpret_cast<const float2*>(sm.recv_o + t * owned + 2 * pair);
-            mx = fmaxf(mx, m[i]);
-        }
-#pragma unroll
-        for (int s = 1; s < kDecodeWarps; s *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, s));
+        for (int s = 1; s < kClusterMaxShares; s *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, s));
         const float ref = mx == -INFINITY ? 0.f : mx;
-        float2 o_sum = make_float2(0.f, 0.f);
-        float l_sum = 0.f;
+        const float e = fast_exp2(m - ref);
+        float2 o_sum = make_float2(e * o.x, e * o.y);
+        float l_sum = e * l;
 #pragma unroll
-        for (int i = 0; i < kClusterMaxShares; ++i) {
-            const float e = fast_exp2(m[i] - ref);  // 0 for shares past the call
-            o_sum.x = fmaf(e, o[i].x, o_sum.x);
-            o_sum.y = fmaf(e, o[i].y, o_sum.y);
-            l_sum = fmaf(e, l[i], l_sum);
-        }
-#pragma unroll
-        for (int s = 1; s < kDecodeWarps; s *= 2) {
+        for (int s = 1; s < kClusterMaxShares; s *= 2) {
             o_sum.x += __shfl_xor_sync(0xffffffffu, o_sum.x, s);
             o_sum.y += __shfl_xor_sync(0xffffffffu, o_sum.y, s);
             l_sum += __shfl_xor_sync(0xffffffffu, l_sum, s);
@@ -463,10 +486,10 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
     if (lane == 0 && kv_head == 0 && rank < 2) {
         const long long t0 = stamps[kStart];
         printf("decode trace d%d b%d rank %d/%d warp %d keys %d | ranges %lld q %lld issued %lld scores %lld softmax %lld "
-               "keys_done %lld started %lld sums %lld sent %lld landed %lld merged %lld\n",
+               "keys_done %lld sums %lld started %lld sent %lld landed %lld merged %lld\n",
                kD, b, rank, shares, warp, w_end - w_start, stamps[kRanges] - t0, stamps[kQ] - t0, stamps[kIssued] - t0,
-               stamps[kScores] - t0, stamps[kSoftmax] - t0, stamps[kKeysDone] - t0, stamps[kStarted] - t0,
-               stamps[kSums] - t0, stamps[kSent] - t0, stamps[kLanded] - t0, stamps[kMerged] - t0);
+               stamps[kScores] - t0, stamps[kSoftmax] - t0, stamps[kKeysDone] - t0, stamps[kSums] - t0,
+               stamps[kStarted] - t0, stamps[kSent] - t0, stamps[kLanded] - t0, stamps[kMerged] - t0);
     }
 #endif
 }
@@ -475,8 +498,11 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
 
 // One kernel per head dim, dtype and group bound (GQA groups of up to 4, 8 and, at d64, 16 q
 // heads): the rows' state lives in registers, unrolled to the bound (d128 with 16 rows spilled).
-#define FA3_DECODE_KERNEL(name, D, DTYPE, ROWS)                                                           \
-    extern "C" __global__ void __launch_bounds__(fa3::kDecodeThreads) name(const __grid_constant__ fa3::DecodeParams p) { \
+// d128 asks for one CTA per SM (its 4-row kernel spilled at the 128 registers that ptxas chose for
+// two).
+#define FA3_DECODE_KERNEL(name, D, DTYPE, ROWS, ...)                                                      \
+    extern "C" __global__ void __launch_bounds__(fa3::kDecodeThreads __VA_OPT__(, ) __VA_ARGS__)          \
+        name(const __grid_constant__ fa3::DecodeParams p) {                                               \
         fa3::decode<D, fa3::DTYPE, ROWS>(p);                                                              \
     }
 FA3_DECODE_KERNEL(kvcache_decode_d64_bf16_g4, 64, DT_BF16, 4)
@@ -485,7 +511,7 @@ FA3_DECODE_KERNEL(kvcache_decode_d64_bf16_g16, 64, DT_BF16, 16)
 FA3_DECODE_KERNEL(kvcache_decode_d64_f16_g4, 64, DT_F16, 4)
 FA3_DECODE_KERNEL(kvcache_decode_d64_f16_g8, 64, DT_F16, 8)
 FA3_DECODE_KERNEL(kvcache_decode_d64_f16_g16, 64, DT_F16, 16)
-FA3_DECODE_KERNEL(kvcache_decode_d128_bf16_g4, 128, DT_BF16, 4)
-FA3_DECODE_KERNEL(kvcache_decode_d128_bf16_g8, 128, DT_BF16, 8)
-FA3_DECODE_KERNEL(kvcache_decode_d128_f16_g4, 128, DT_F16, 4)
-FA3_DECODE_KERNEL(kvcache_decode_d128_f16_g8, 128, DT_F16, 8)
+FA3_DECODE_KERNEL(kvcache_decode_d128_bf16_g4, 128, DT_BF16, 4, 1)
+FA3_DECODE_KERNEL(kvcache_decode_d128_bf16_g8, 128, DT_BF16, 8, 1)
+FA3_DECODE_KERNEL(kvcache_decode_d128_f16_g4, 128, DT_F16, 4, 1)
+FA3_DECODE_KERNEL(kvcache_decode_d128_f16_g8, 128, DT_F16, 8, 1)

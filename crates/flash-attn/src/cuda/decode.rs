@@ -41,13 +41,15 @@ const DEFAULT_MAX_KEYS: usize = 2048;
 /// `fa3::kDecodeWarps`: each warp's rows are staged in shared memory for the merge.
 const WARPS: usize = 8;
 
-/// `fa3::DecodeSmem`'s bytes for a GQA group of `group` rows at head dim `d`, all f32: q's rows,
-/// each warp's probabilities of its step (`fa3::DecodeTraits::kKeys` keys: 16 at d64, 8 at d128),
-/// and the merge's inbox: its mbarrier (16 bytes), every warp's O at this CTA's items (`WARPS`
-/// rows' worth in all) and the rows' max and sum of up to `MAX_SHARES` · `WARPS` warps.
+/// `fa3::DecodeSmem`'s bytes for a GQA group of `group` rows at head dim `d`: the merge's inbox
+/// mbarrier (16 bytes), then f32s: q's rows, each warp's probabilities of its step
+/// (`fa3::DecodeTraits::kKeys` keys: 16 at d64, 8 at d128), each warp's O rows, max and sum, and
+/// the shares' O at this CTA's items (one group's rows in all) with their rows' max and sum (up to
+/// `MAX_SHARES` shares).
 fn smem_bytes(d: usize, group: usize) -> usize {
     let keys = 32 / (d / 32);
-    16 + 4 * (group * d + WARPS * group * keys + WARPS * group * d + 2 * MAX_SHARES * WARPS * group)
+    let warps = WARPS * group * (keys + d + 2);
+    16 + 4 * (group * d + warps + group * d + 2 * MAX_SHARES * group)
 }
 
 /// Mirror of `fa3::DecodeParams` (kernels/kvcache/decode.cu).
