@@ -21,10 +21,11 @@
 //      of shared memory, each row's rescale of O;
 //   3. P·V: each lane accumulates kCols columns of every row, over every key of the step (V's
 //      columns loaded into registers with the key rows).
-// Then the merge: every warp sends its rows' max, sum and unnormalised O (st.async into the
-// shared memory of the cluster's CTA that owns each (row, column)), each CTA waits on its inbox
-// mbarrier for the bytes it owns and merges them: M = max m, O = Σ 2^(m − M) o / L,
-// L = Σ 2^(m − M) l (an attention sink once more in L), LSE = (M + log2 L) ln 2.
+// Then the merge: each CTA merges its warps' rows (max, sum, unnormalised O) in its shared memory
+// and sends them (st.async) into the shared memory of the cluster's CTA that owns each (row,
+// column); each CTA waits on its inbox mbarrier for the bytes it owns and merges the shares:
+// M = max m, O = Σ 2^(m − M) o / L, L = Σ 2^(m − M) l (an attention sink once more in L),
+// LSE = (M + log2 L) ln 2.
 //
 // Keys past the cache (a slot or page past the pool) read as zeros, as the forward kernel's TMA
 // loads read them: they take part in the softmax with score 0 and value 0.
