@@ -337,9 +337,10 @@ fn kvcache_split_counts_and_long_caches() -> Result<()> {
 
 /// The single-query decode kernel (kernels/kvcache/decode.cu, `Tuning::decode_kernel`) against
 /// the CPU path, and the forward kernel on the same calls: d64 and d128, bf16 and f16, groups of
-/// 1 to 16 q heads (odd ones too), contiguous caches with cache_batch_idx and pages of 16 / 64 /
-/// 256, sequences of 0 and 1 keys, causal, a window, softcap, append with rotary; short caches
-/// (1 to 8 shares of one chunk or two) and, forced, long ones (many chunks a share).
+/// 1 to 16 q heads (odd ones too; at d128 the kernel takes up to 8, so the 16-row case runs the
+/// forward kernel), contiguous caches with cache_batch_idx and pages of 16 / 64 / 256, sequences
+/// of 0 and 1 keys, causal, a window, softcap, append with rotary; short caches (1 to 8 shares, a
+/// warp's slice in one step or a few) and, forced, long ones (many steps a warp).
 #[test]
 fn kvcache_decode_kernel_every_option() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-kvcache-decode");
@@ -389,7 +390,7 @@ fn kvcache_decode_kernel_every_option() -> Result<()> {
 }
 
 /// Small, for compute-sanitizer (memcheck, racecheck): the decode kernel over pages of 16 with
-/// append, 3 shares, a sequence without keys.
+/// append, several shares merged in a cluster, a sequence without keys.
 #[test]
 fn kvcache_decode_small_for_sanitizer() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-kvcache-decode-sanitizer");
