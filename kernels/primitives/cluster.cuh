@@ -56,12 +56,5 @@ __device__ __forceinline__ void st_async_f32x2(uint32_t remote, float a, float b
                  "f"(a), "f"(b), "r"(remote_bar)
                  : "memory");
 }
-__device__ __forceinline__ void st_async_f32x4(uint32_t remote, float a, float b, float c, float d,
-                                               uint32_t remote_bar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
-                     remote),
-                 "f"(a), "f"(b), "f"(c), "f"(d), "r"(remote_bar)
-                 : "memory");
-}
 
 }  // namespace fa3
