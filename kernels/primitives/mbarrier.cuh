@@ -25,6 +25,40 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 
+#ifdef FA3_HANG_CHECK
+// The waits' FA3_HANG_CHECK form: try_wait (acquire at CTA or, kCluster, at cluster scope) polled
+// against the global timer; past 2 s it prints where and traps.
+template <bool kCluster> __device__ __forceinline__ void mbar_wait_checked(uint64_t* bar, uint32_t parity) {
+    uint64_t t0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    for (;;) {
+        uint32_t done;
+        if constexpr (kCluster) {
+            asm volatile(
+                "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2, 1000000;\n"
+                "selp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(smem_u32(bar)), "r"(parity)
+                : "memory");
+        } else {
+            asm volatile(
+                "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 1000000;\nselp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(smem_u32(bar)), "r"(parity)
+                : "memory");
+        }
+        if (done) return;
+        uint64_t t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > 2000000000ull) {
+            printf("fa3 hang: mbarrier at smem 0x%x parity %u, block %d thread %d\n", smem_u32(bar), parity, blockIdx.x,
+                   threadIdx.x);
+            __trap();
+        }
+    }
+}
+#endif
+
 // Waits until the phase with parity `parity` has completed. A fresh barrier is in phase 0, so
 // waiting on parity 1 returns at once: producers start their "slot empty" waits that way.
 // try_wait's suspend-time hint (in ns, an upper bound) lets the waiting thread sleep until the
@@ -36,24 +70,8 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 // deadlock shows where it is instead of hanging the process.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #ifdef FA3_HANG_CHECK
-    uint64_t t0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    for (;;) {
-        uint32_t done;
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 1000000;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(smem_u32(bar)), "r"(parity)
-            : "memory");
-        if (done) return;
-        uint64_t t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t - t0 > 2000000000ull) {
-            printf("fa3 hang: mbarrier at smem 0x%x parity %u, block %d thread %d\n", smem_u32(bar), parity, blockIdx.x,
-                   threadIdx.x);
-            __trap();
-        }
-    }
+    mbar_wait_checked<false>(bar, parity);
+    return;
 #endif
     constexpr uint32_t kSuspendNs = 10000000;
     asm volatile(
@@ -68,8 +86,12 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 }
 
 // mbar_wait with acquire at cluster scope: for bytes that other CTAs of the cluster stored with
-// st.async (whose completion releases at cluster scope).
+// st.async (whose completion releases at cluster scope). FA3_HANG_CHECK applies as to mbar_wait.
 __device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
+#ifdef FA3_HANG_CHECK
+    mbar_wait_checked<true>(bar, parity);
+    return;
+#endif
     asm volatile(
         "{\n"
         ".reg .pred done;\n"
