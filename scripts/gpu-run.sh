@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine, from the repo root, with .device/ carried (made by scripts/gpu-pack.sh):
 #
-#   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache] [--graphs]
+#   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache] [--graphs] [--timeline]
 #
 # Steps: GPU name; the GPU test binaries (--test-threads=1); the GPU benchmark binary; the host
 #   cost of a decode step (decode-host);
@@ -30,6 +30,10 @@
 #               inter-token latency with the CUDA-graph decode step against eager launches, same
 #               call (random-weight Llama-3.2-1B shape; GRAPHS_ARGS: extra arguments, e.g.
 #               --batches 1,32 --reps 2)
+#   --timeline  scripts/gpu_decode_timeline.py with the packed generate example: where the replayed
+#               batch-1 decode step's time goes, each kernel in place (CUPTI activity records; needs
+#               .device/kt from scripts/build-kernel-trace.sh; TIMELINE_ARGS: extra arguments, e.g.
+#               --base-bin /tmp/gb)
 # Env: TEST_ARGS / BENCH_ARGS: extra arguments to the test / benchmark binary (e.g. a filter).
 #      SKIP: step names not to run, comma-separated (e.g. SKIP=model-tests,train-tests,decode-host).
 #      DEADLINE (default 570): seconds from the start after which no step runs any more, and each
@@ -41,7 +45,7 @@
 # exit code is non-zero if any step failed.
 set -uo pipefail
 
-ANCHORS=0 SANITIZE=0 MODEL=0 FP8=0 KVCACHE=0 FP8_CACHE=0 GRAPHS=0
+ANCHORS=0 SANITIZE=0 MODEL=0 FP8=0 KVCACHE=0 FP8_CACHE=0 GRAPHS=0 TIMELINE=0
 for arg in "$@"; do
     case $arg in
         --anchors) ANCHORS=1 ;;
@@ -49,10 +53,11 @@ for arg in "$@"; do
         --kvcache) KVCACHE=1 ;;
         --fp8-cache) FP8_CACHE=1 ;;
         --graphs) GRAPHS=1 ;;
+        --timeline) TIMELINE=1 ;;
         --sanitize) SANITIZE=1 ;;
         --model) MODEL=1 ;;
         -h | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
-        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache] [--graphs])" >&2; exit 2 ;;
+        *) echo "gpu-run: unknown argument: $arg (usage: $0 [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache] [--graphs] [--timeline])" >&2; exit 2 ;;
     esac
 done
 
@@ -201,6 +206,16 @@ if ((GRAPHS)); then
             --deadline $((DEADLINE - (SECONDS - START) - 60)) ${GRAPHS_ARGS:-}
     else
         skip_step graphs "no .device/generate.xz: run scripts/gpu-pack.sh and carry .device"
+    fi
+fi
+
+if ((TIMELINE)); then
+    if [[ -n $GENERATE_BIN && -f $DEV/kt/libkernel_trace.so ]]; then
+        # shellcheck disable=SC2086 # TIMELINE_ARGS is a word list
+        step timeline python3 scripts/gpu_decode_timeline.py --bin "$GENERATE_BIN" --work /tmp/flash-llama-check \
+            --tracer "$DEV/kt/libkernel_trace.so" --out "$LOGS" ${TIMELINE_ARGS:-}
+    else
+        skip_step timeline "no .device/generate.xz or .device/kt: run scripts/gpu-pack.sh and scripts/build-kernel-trace.sh"
     fi
 fi
 
