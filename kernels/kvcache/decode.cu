@@ -214,6 +214,11 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
     long long stamps[kStamps] = {};
 #endif
     DECODE_STAMP(kStart);
+    // The kernel after this one may start its blocks now (programmatic dependent launch): in
+    // flash-llama's decode step that is the o projection, whose blocks then request their weights
+    // while the attention runs and wait (griddepcontrol.wait) for this grid to finish before they
+    // read its output. A no-op for a kernel launched normally.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     constexpr int kKeys = Tr::kKeys, kCols = Tr::kCols, kL = Tr::kLanesPerKey;
     constexpr int kQWords = (kG * kD / 2 + kDecodeThreads - 1) / kDecodeThreads;  // q's u32 words per thread
     extern __shared__ __align__(16) float decode_smem[];

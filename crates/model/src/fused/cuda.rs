@@ -6,7 +6,7 @@ use std::sync::{Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    sys, CudaEvent, CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
     PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
@@ -294,8 +294,15 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
         VectorInput::AddNorm { .. } => k,
         _ => 0,
     };
+    let stream = dev.cuda_stream();
+    // Captured into a CUDA graph, the output's allocation must not stand between the kernel
+    // before and this launch (`OverlapInCapture`).
+    let capture = OverlapInCapture::detach(&stream)?;
     // SAFETY: the kernel writes all res_len + n elements.
     let mut out = unsafe { dev.alloc::<T>((res_len + n).max(1))? };
+    if let Some(capture) = capture {
+        capture.attach(&stream)?;
+    }
     if n == 0 {
         return Ok(T::wrap_cuda_slice(out, dev));
     }
@@ -305,7 +312,6 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
         VectorInput::AddNorm { .. } => "linear_vector_add_norm",
     };
     let func = function(&dev, format!("{kernel}_{}", suffix(dtype, OP)?))?;
-    let stream = dev.cuda_stream();
     {
         let (res, _guard) = out.device_ptr_mut(&stream);
         let ya = res + (res_len * std::mem::size_of::<T>()) as u64;
@@ -342,6 +348,149 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
     Ok(T::wrap_cuda_slice(out, dev))
 }
 
+/// The programmatic edge of an overlapping launch inside a stream capture.
+///
+/// Eagerly, a [`launch_overlapping`] kernel's blocks start while the kernel before it drains.
+/// Captured into a CUDA graph (crate::decode_graph), the launch gets a programmatic edge only from
+/// the nodes it depends on that are kernels, and in a decode step those are not kernels: the
+/// capture records candle's stream-ordered allocations and frees as graph memory nodes, so the
+/// projection's output allocation (and any free of a tensor dropped since the kernel before) sits
+/// between the two kernels, and the edge from it is an ordinary one. Traced inside the replayed
+/// step (scripts/gpu_decode_timeline.py), each projection then started only after the kernel
+/// before had ended.
+///
+/// So, while the stream is capturing, the launch's dependencies are set by hand:
+/// [`OverlapInCapture::detach`] clears the stream's capture dependencies, so that the output's
+/// allocation becomes a root of the graph (its memory is then not shared with buffers freed
+/// earlier in the step: a few KB at batch 1); [`OverlapInCapture::attach`] makes the launch depend
+/// on that allocation and on the nodes the stream depended on before, with each kernel among them
+/// through a programmatic edge from its programmatic port. A free among them is passed over to
+/// the node before it and left a leaf of the graph: its buffer's last reader was queued before
+/// it, so before this launch. Graph memory nodes' edges cannot be removed once captured
+/// (CUDA_ERROR_NOT_SUPPORTED), hence this at capture time rather than a rewrite of the graph.
+struct OverlapInCapture {
+    before: Vec<(sys::CUgraphNode, sys::CUgraphEdgeData)>,
+}
+
+fn capture_err(what: &str, r: sys::CUresult) -> Result<()> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        e => bail!("flash-llama: capturing an overlapping launch: {what}: {e:?}"),
+    }
+}
+
+/// The stream's capture dependencies and their edge data; `None` if it is not capturing.
+fn capture_dependencies(stream: &CudaStream) -> Result<Option<Vec<(sys::CUgraphNode, sys::CUgraphEdgeData)>>> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let (mut nodes, mut data, mut n) = (std::ptr::null(), std::ptr::null(), 0usize);
+    // SAFETY: the out-pointers are valid; the arrays returned stay valid until the next call on
+    // the stream, and are copied at once.
+    capture_err("capture info", unsafe {
+        sys::cuStreamGetCaptureInfo_v3(
+            stream.cu_stream(),
+            &mut status,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            &mut nodes,
+            &mut data,
+            &mut n,
+        )
+    })?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+        return Ok(None);
+    }
+    let mut deps = Vec::with_capacity(n);
+    for i in 0..n {
+        // SAFETY: n entries; the edge data may be null (all default edges).
+        let node = unsafe { *nodes.add(i) };
+        let edge = if data.is_null() {
+            plain_edge()
+        } else {
+            unsafe { *data.add(i) }
+        };
+        deps.push((node, edge));
+    }
+    Ok(Some(deps))
+}
+
+fn plain_edge() -> sys::CUgraphEdgeData {
+    sys::CUgraphEdgeData {
+        from_port: 0,
+        to_port: 0,
+        type_: 0,
+        reserved: [0; 5],
+    }
+}
+
+fn set_capture_dependencies(stream: &CudaStream, deps: &[(sys::CUgraphNode, sys::CUgraphEdgeData)]) -> Result<()> {
+    let mut nodes: Vec<sys::CUgraphNode> = deps.iter().map(|d| d.0).collect();
+    let data: Vec<sys::CUgraphEdgeData> = deps.iter().map(|d| d.1).collect();
+    // SAFETY: arrays of deps.len() entries, nodes of the graph being captured.
+    capture_err("setting the capture dependencies", unsafe {
+        sys::cuStreamUpdateCaptureDependencies_v2(
+            stream.cu_stream(),
+            nodes.as_mut_ptr(),
+            data.as_ptr(),
+            nodes.len(),
+            sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES as u32,
+        )
+    })
+}
+
+impl OverlapInCapture {
+    /// While `stream` is capturing: remembers its capture dependencies and clears them, so that
+    /// the next node captured (the output's allocation) is a root. `None` otherwise.
+    fn detach(stream: &CudaStream) -> Result<Option<Self>> {
+        let Some(before) = capture_dependencies(stream)? else {
+            return Ok(None);
+        };
+        set_capture_dependencies(stream, &[])?;
+        Ok(Some(Self { before }))
+    }
+
+    /// Sets the next launch's dependencies: what was captured since [`OverlapInCapture::detach`]
+    /// (the allocation) and the nodes before it, kernels through programmatic edges.
+    fn attach(self, stream: &CudaStream) -> Result<()> {
+        let mut deps = capture_dependencies(stream)?.unwrap_or_default();
+        let mut pending = self.before;
+        while let Some((node, edge)) = pending.pop() {
+            // A node reached twice (two frees after the same kernel) is one dependency.
+            if deps.iter().any(|d| d.0 == node) {
+                continue;
+            }
+            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: a node of the graph being captured.
+            capture_err("node type", unsafe { sys::cuGraphNodeGetType(node, &mut kind) })?;
+            match kind {
+                sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => deps.push((
+                    node,
+                    sys::CUgraphEdgeData {
+                        from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+                        to_port: 0,
+                        type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
+                        reserved: [0; 5],
+                    },
+                )),
+                sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE => {
+                    let mut n = 0usize;
+                    // SAFETY: asks for the count, then fills n entries.
+                    capture_err("node dependencies", unsafe {
+                        sys::cuGraphNodeGetDependencies_v2(node, std::ptr::null_mut(), std::ptr::null_mut(), &mut n)
+                    })?;
+                    let mut nodes = vec![std::ptr::null_mut(); n];
+                    let mut data = vec![plain_edge(); n];
+                    capture_err("node dependencies", unsafe {
+                        sys::cuGraphNodeGetDependencies_v2(node, nodes.as_mut_ptr(), data.as_mut_ptr(), &mut n)
+                    })?;
+                    pending.extend(nodes.into_iter().zip(data).take(n));
+                }
+                _ => deps.push((node, edge)),
+            }
+        }
+        set_capture_dependencies(stream, &deps)
+    }
+}
+
 /// A kernel argument for [`launch_overlapping`]: the address of its value.
 fn arg<T>(value: &T) -> *mut std::ffi::c_void {
     value as *const T as *mut std::ffi::c_void
@@ -365,7 +514,6 @@ unsafe fn launch_overlapping(
     cfg: LaunchConfig,
     args: &mut [*mut std::ffi::c_void],
 ) -> Result<()> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
     stream
         .context()
         .bind_to_thread()
