@@ -206,6 +206,20 @@ __device__ void store_e4m3(const T* __restrict__ x, int tokens, int d, const uin
     }
 }
 
+// The rotary tables of a step: cos and sin (tokens, per_token) of positions[t] × inv_freq[j],
+// the angle and its cos and sin in f32 (as the composed ops: u32 → f32, a product, cosf / sinf),
+// then cast. One launch for what was six small candle kernels in a decode step.
+template <typename T>
+__device__ void rope_angles(const uint32_t* __restrict__ positions, const float* __restrict__ inv_freq,
+                            T* __restrict__ cos_out, T* __restrict__ sin_out, int tokens, int per_token) {
+    const size_t n = (size_t)tokens * per_token;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float angle = __fmul_rn((float)positions[i / per_token], inv_freq[i % per_token]);
+        cos_out[i] = from_f<T>(cosf(angle));
+        sin_out[i] = from_f<T>(sinf(angle));
+    }
+}
+
 // y (n) = w · x [+ bias] for one row x (k) and w (n, k) row-major (a linear layer's weight): the
 // projections of a batch-1 decode step, a matrix-vector product bound by reading w once. One warp
 // per output: its lanes stream the output's weight row in 16-byte loads, kMatvecUnroll of them in
@@ -344,12 +358,24 @@ __device__ void linear_vector(const Input& in, const T* __restrict__ w, const T*
 
 // The greedy choice of each row of logits x (rows, cols), contiguous: out[row] = the index of the
 // row's largest value, the first one on ties; NaNs are never chosen (a row of NaNs gives 0). As
-// flash_llama::sampling::argmax on the host. One block of kArgmaxThreads per row.
-constexpr int kArgmaxThreads = 512;
+// flash_llama::sampling::argmax on the host.
+//
+// Two launches: a row is cut in chunks of kArgmaxChunk elements, block (chunk, row) of the first
+// finds its chunk's best (argmax_chunks), and one warp per row of the second picks among the
+// chunks' (argmax_finish). One block per row (a vocabulary-wide row is 256 KB of bf16) took
+// 11.6 us in the 1B model's replayed decode step on an H200: one SM streaming the row alone.
+constexpr int kArgmaxThreads = 256;
+constexpr int kArgmaxLoads = 2;  // 16-byte loads per thread, all in flight at once
+
+// Elements per chunk (the host's ARGMAX_CHUNK_BYTES / sizeof(T)).
+template <typename T> __host__ __device__ constexpr int argmax_chunk() { return kArgmaxThreads * kArgmaxLoads * (16 / (int)sizeof(T)); }
 
 template <typename T>
-__device__ void argmax_rows(const T* __restrict__ x, uint32_t* __restrict__ out, int cols) {
-    const T* row = x + (size_t)blockIdx.x * cols;
+__device__ void argmax_chunks(const T* __restrict__ x, float* __restrict__ part_best, uint32_t* __restrict__ part_at,
+                              int cols) {
+    const int chunk = blockIdx.x, chunks = gridDim.x, row_idx = blockIdx.y;
+    const T* row = x + (size_t)row_idx * cols;
+    const int begin = chunk * argmax_chunk<T>(), end = min(cols, begin + argmax_chunk<T>());
     float best = 0.f;
     uint32_t at = kNoIndex;
     // Each thread sees its indices in ascending order: a later equal value never replaces an
@@ -360,37 +386,51 @@ __device__ void argmax_rows(const T* __restrict__ x, uint32_t* __restrict__ out,
             at = c;
         }
     };
-    // 16-byte chunks where the row is aligned (a vocabulary-wide row is ~250 loads per thread
-    // one element at a time, latency-bound: 35 us for 128,256 bf16 logits on an H100), four in
-    // flight per thread; the tail (and unaligned rows) one element at a time.
     constexpr int kVec = 16 / sizeof(T);
-    int tail = 0;
+    int tail = begin;
     if (reinterpret_cast<uintptr_t>(row) % 16 == 0) {
-        const int chunks = cols / kVec;
+        // begin is a whole number of vectors; the chunk's whole vectors, then its tail.
+        const int v0 = begin / kVec, v1 = end / kVec;
         const uint4* vrow = reinterpret_cast<const uint4*>(row);
-        int ch = threadIdx.x;
-        for (; ch + 3 * kArgmaxThreads < chunks; ch += 4 * kArgmaxThreads) {
-            uint4 raw[4];
+        uint4 raw[kArgmaxLoads];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) raw[k] = vrow[ch + k * kArgmaxThreads];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const T* e = reinterpret_cast<const T*>(&raw[k]);
-#pragma unroll
-                for (int j = 0; j < kVec; ++j) see(to_f(e[j]), (ch + k * kArgmaxThreads) * kVec + j);
-            }
+        for (int k = 0; k < kArgmaxLoads; ++k) {
+            const int v = v0 + threadIdx.x + k * kArgmaxThreads;
+            raw[k] = v < v1 ? vrow[v] : make_uint4(0, 0, 0, 0);
         }
-        for (; ch < chunks; ch += kArgmaxThreads) {
-            const uint4 raw = vrow[ch];
-            const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-            for (int j = 0; j < kVec; ++j) see(to_f(e[j]), ch * kVec + j);
+        for (int k = 0; k < kArgmaxLoads; ++k) {
+            const int v = v0 + threadIdx.x + k * kArgmaxThreads;
+            if (v >= v1) break;
+            const T* e = reinterpret_cast<const T*>(&raw[k]);
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) see(to_f(e[j]), v * kVec + j);
         }
-        tail = chunks * kVec;
+        tail = v1 * kVec;
     }
-    for (int c = tail + threadIdx.x; c < cols; c += kArgmaxThreads) see(to_f(row[c]), c);
+    for (int c = tail + threadIdx.x; c < end; c += kArgmaxThreads) see(to_f(row[c]), c);
     block_argmax<kArgmaxThreads>(best, at);
-    if (threadIdx.x == 0) out[blockIdx.x] = at == kNoIndex ? 0 : at;
+    if (threadIdx.x == 0) {
+        part_best[(size_t)row_idx * chunks + chunk] = best;
+        part_at[(size_t)row_idx * chunks + chunk] = at;
+    }
+}
+
+// One warp per row: the best of the row's chunks (earlier chunks win ties, by index), into
+// out[row]; with `bump`, also bump[row] += 1 (a decode step's key counts, advanced where the
+// step's token is chosen).
+__device__ void choose_among_chunks(const float* __restrict__ part_best, const uint32_t* __restrict__ part_at, int chunks,
+                              uint32_t* __restrict__ out, uint32_t* __restrict__ bump) {
+    const int row = blockIdx.x;
+    float best = 0.f;
+    uint32_t at = kNoIndex;
+    for (int c = threadIdx.x; c < chunks; c += 32)
+        keep_better(best, at, part_best[(size_t)row * chunks + c], part_at[(size_t)row * chunks + c]);
+    block_argmax<32>(best, at);
+    if (threadIdx.x == 0) {
+        out[row] = at == kNoIndex ? 0 : at;
+        if (bump != nullptr) bump[row] += 1;
+    }
 }
 
 }  // namespace
@@ -402,6 +442,10 @@ __device__ void argmax_rows(const T* __restrict__ x, uint32_t* __restrict__ out,
     }                                                                                                                 \
     extern "C" __global__ void silu_mul_##SUFFIX(const T* y, T* out, unsigned long long rows, int inter) {            \
         silu_mul<T>(y, out, rows, inter);                                                                             \
+    }                                                                                                                 \
+    extern "C" __global__ void rope_angles_##SUFFIX(const uint32_t* positions, const float* inv_freq, T* cos_out,     \
+                                                    T* sin_out, int tokens, int per_token) {                          \
+        rope_angles<T>(positions, inv_freq, cos_out, sin_out, tokens, per_token);                                     \
     }                                                                                                                 \
     extern "C" __global__ void rope_store_##SUFFIX(T* y, const T* cos, const T* sin, int tokens, int heads, int d,   \
                                                    int interleaved, const uint32_t* rows, T* cache,                  \
@@ -420,9 +464,9 @@ __device__ void argmax_rows(const T* __restrict__ x, uint32_t* __restrict__ out,
                                                    const float* quant) {                                              \
         store_e4m3<T>(x, tokens, d, rows, StoreE4m3{cache, plane, kv_heads, quant});                                 \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_##SUFFIX(const T* x, uint32_t* out,     \
-                                                                                    int cols) {                       \
-        argmax_rows<T>(x, out, cols);                                                                                 \
+    extern "C" __global__ void __launch_bounds__(kArgmaxThreads) argmax_chunks_##SUFFIX(                             \
+        const T* x, float* part_best, uint32_t* part_at, int cols) {                                                  \
+        argmax_chunks<T>(x, part_best, part_at, cols);                                                                \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(kMatvecWarps * kMatvecSplit * 32) linear_vector_##SUFFIX(            \
         const T* x, const T* w, const T* bias, T* y, int n, int k) {                                                  \
@@ -449,6 +493,11 @@ __device__ void argmax_rows(const T* __restrict__ x, uint32_t* __restrict__ out,
         in.eps = eps;                                                                                                 \
         linear_vector<T>(in, w, bias, y, n, k);                                                                       \
     }
+
+extern "C" __global__ void __launch_bounds__(32) argmax_finish(const float* part_best, const uint32_t* part_at,
+                                                                int chunks, uint32_t* out, uint32_t* bump) {
+    choose_among_chunks(part_best, part_at, chunks, out, bump);
+}
 
 FUSED_OPS(__nv_bfloat16, bf16)
 FUSED_OPS(__half, f16)

@@ -129,10 +129,13 @@ impl DecodeGraph {
         let body = || -> Result<()> {
             let step = model.decode_on_device(&ids, &lens, &rows_in, cache)?;
             match &logits {
-                None => ids.slice_set(&crate::fused::argmax_rows(&step)?, 0, 0)?,
-                Some(buf) => buf.slice_set(&step.to_dtype(DType::F32)?, 0, 0)?,
+                // The token over the last one, the key counts advanced, by the argmax itself.
+                None => crate::fused::argmax_rows_into(&step, &ids, Some(&lens)),
+                Some(buf) => {
+                    buf.slice_set(&step.to_dtype(DType::F32)?, 0, 0)?;
+                    lens.slice_set(&lens.affine(1.0, 1.0)?, 0, 0)
+                }
             }
-            lens.slice_set(&lens.affine(1.0, 1.0)?, 0, 0)
         };
         // candle uploads the dims and strides of strided ops from host memory; a graph replaying
         // such a copy would read host memory long freed. With this cache on (this thread, until

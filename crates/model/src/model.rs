@@ -1048,6 +1048,13 @@ impl Llama {
     /// (rather than once per layer and per q/k inside `apply_rope`).
     fn rope_tables(&self, positions: &Tensor) -> Result<RopeTables> {
         Ok(match &self.inv_freq_heads {
+            // On the GPU one launch (a decode step's tables were six small kernels), the same
+            // values as the composed ops.
+            #[cfg(feature = "cuda")]
+            Some(heads) if positions.device().is_cuda() => {
+                let (cos, sin) = crate::fused::rope_angles(positions, heads, self.dtype)?;
+                RopeTables::PerHead { cos, sin }
+            }
             Some(heads) => {
                 let (cos, sin) = rope_angles_per_head(positions, heads)?;
                 RopeTables::PerHead {

@@ -382,6 +382,14 @@ fn argmax_rows_matches_the_host_argmax() -> Result<()> {
                 x[0][9] = 100.0;
                 x[0][10] = 100.0;
             }
+            if cols > 8200 {
+                // Row 0: two equal maxima at the starts of two of the kernel's chunks (4,096
+                // 16-bit or 2,048 f32 values each; the row's own first chunk and a later one).
+                x[0][4096] = 200.0;
+                x[0][8192] = 200.0;
+                // Row 5: the largest value the row's very last one (the last, partial chunk).
+                x[5][cols - 1] = 300.0;
+            }
             x[3].fill(f32::NAN);
             x[4].fill(f32::NEG_INFINITY);
             x[5][0] = f32::NAN;
@@ -398,7 +406,10 @@ fn argmax_rows_matches_the_host_argmax() -> Result<()> {
             if cols > 1 {
                 assert_eq!(want[1], (cols / 2) as u32, "the first of two maxima");
             }
-            if cols > 10 {
+            if cols > 8200 {
+                assert_eq!(want[0], 4096, "the first of two maxima in different chunks");
+                assert_eq!(want[5], (cols - 1) as u32, "the maximum at the row's end");
+            } else if cols > 10 {
                 assert_eq!(want[0], 9, "the first of two adjacent maxima");
             }
         }

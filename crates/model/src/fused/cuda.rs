@@ -19,8 +19,11 @@ static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fused.cubin"));
 
 /// Threads of the add + RMSNorm blocks (`kNormThreads`), one block per row.
 const NORM_THREADS: u32 = 256;
-/// Threads of the argmax blocks (`kArgmaxThreads`), one block per row.
-const ARGMAX_THREADS: u32 = 512;
+/// Threads of the argmax blocks (`kArgmaxThreads`), each over one chunk of a row.
+const ARGMAX_THREADS: u32 = 256;
+/// Bytes of a row each argmax block reads (`argmax_chunk<T>()` elements: kArgmaxThreads threads
+/// × kArgmaxLoads 16-byte loads).
+const ARGMAX_CHUNK_BYTES: usize = ARGMAX_THREADS as usize * 2 * 16;
 /// Warps (outputs) per block of `linear_vector` (`kMatvecWarps`).
 const MATVEC_WARPS: u32 = 8;
 /// Warps per output of `linear_vector` and `linear_vector_silu` (`kMatvecSplit`); the add + norm
@@ -236,6 +239,43 @@ fn silu_mul_t<T: CudaDType + DeviceRepr>(y: (&CudaStorage, &Layout)) -> Result<C
         b.arg(&ya).arg(&oa).arg(&rows).arg(&inter);
         // SAFETY: a contiguous input of 2n elements, an output of n.
         unsafe { b.launch(grid(n)) }.map_err(|e| err("silu_mul launch", e))?;
+    }
+    Ok(T::wrap_cuda_slice(out, dev))
+}
+
+pub(super) fn rope_angles(
+    positions: (&CudaStorage, &Layout),
+    inv_freq: (&CudaStorage, &Layout),
+    dtype: DType,
+) -> Result<CudaStorage> {
+    by_dtype!("rotary angles", dtype, rope_angles_t(positions, inv_freq, dtype))
+}
+
+/// cos then sin, n elements each, in one buffer.
+fn rope_angles_t<T: CudaDType + DeviceRepr>(
+    positions: (&CudaStorage, &Layout),
+    inv_freq: (&CudaStorage, &Layout),
+    dtype: DType,
+) -> Result<CudaStorage> {
+    const OP: &str = "rotary angles";
+    let dev = positions.0.device.clone();
+    let tokens = positions.1.shape().elem_count();
+    let per_token = inv_freq.1.shape().elem_count();
+    let n = tokens * per_token;
+    let pa = addr::<u32>(positions.0, positions.1, OP, "the positions")?;
+    let fa = addr::<f32>(inv_freq.0, inv_freq.1, OP, "the frequencies")?;
+    // SAFETY: the kernel writes all 2n elements.
+    let mut out = unsafe { dev.alloc::<T>((2 * n).max(1))? };
+    if n > 0 {
+        let func = function(&dev, format!("rope_angles_{}", suffix(dtype, OP)?))?;
+        let stream = dev.cuda_stream();
+        let (ca, _guard) = out.device_ptr_mut(&stream);
+        let sa = ca + (n * std::mem::size_of::<T>()) as u64;
+        let (tokens, per_token) = (tokens as i32, per_token as i32);
+        let mut b = stream.launch_builder(&func);
+        b.arg(&pa).arg(&fa).arg(&ca).arg(&sa).arg(&tokens).arg(&per_token);
+        // SAFETY: contiguous positions (tokens) and frequencies (per_token); an output of 2n.
+        unsafe { b.launch(grid(n)) }.map_err(|e| err("rope_angles launch", e))?;
     }
     Ok(T::wrap_cuda_slice(out, dev))
 }
@@ -539,35 +579,73 @@ unsafe fn launch_overlapping(
 }
 
 pub(super) fn argmax_rows(x: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
-    by_dtype!("argmax", x.0.dtype(), argmax_rows_t(x))
+    let dev = x.0.device.clone();
+    let rows = x.1.shape().dims2()?.0;
+    // SAFETY: the kernels write one index per row.
+    let mut out = unsafe { dev.alloc::<u32>(rows.max(1))? };
+    if rows > 0 {
+        let stream = dev.cuda_stream();
+        let (oa, _guard) = out.device_ptr_mut(&stream);
+        by_dtype!("argmax", x.0.dtype(), argmax_rows_t(x, oa, 0))?;
+    }
+    Ok(u32::wrap_cuda_slice(out, dev))
 }
 
-fn argmax_rows_t<T: CudaDType + DeviceRepr>(x: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
+/// [`argmax_rows`] into `out` (rows,) u32 on the logits' GPU; with `bump` (rows,) u32, also
+/// `bump += 1` (shapes and dtypes checked by the caller).
+pub(super) fn argmax_rows_into(x: (&CudaStorage, &Layout), out: &Tensor, bump: Option<&Tensor>) -> Result<()> {
+    const OP: &str = "argmax";
+    let dev = x.0.device.clone();
+    let out_g = out.storage_and_layout();
+    let oa = held_addr::<u32>((&out_g.0, out_g.1), &dev, DType::U32, OP, "the output")?;
+    let bump_g = bump.map(|b| b.storage_and_layout());
+    let ba = match &bump_g {
+        Some((s, l)) => held_addr::<u32>((s, l), &dev, DType::U32, OP, "the counts")?,
+        None => 0,
+    };
+    if x.1.shape().dims2()?.0 > 0 {
+        by_dtype!("argmax", x.0.dtype(), argmax_rows_t(x, oa, ba))?;
+    }
+    drop((out_g, bump_g));
+    Ok(())
+}
+
+/// The two argmax launches (kernels/model/fused.cu): each row's chunks, then one warp per row
+/// choosing among them into `oa`, adding 1 to `ba`'s entry unless `ba` is 0.
+fn argmax_rows_t<T: CudaDType + DeviceRepr>(x: (&CudaStorage, &Layout), oa: u64, ba: u64) -> Result<()> {
     const OP: &str = "argmax";
     let dev = x.0.device.clone();
     let (rows, cols) = x.1.shape().dims2()?;
     let xa = addr::<T>(x.0, x.1, OP, "the logits")?;
-    // SAFETY: the kernel writes one index per row.
-    let mut out = unsafe { dev.alloc::<u32>(rows.max(1))? };
-    if rows == 0 {
-        return Ok(u32::wrap_cuda_slice(out, dev));
-    }
-    let func = function(&dev, format!("argmax_rows_{}", suffix(x.0.dtype(), OP)?))?;
+    let chunks = cols.div_ceil(ARGMAX_CHUNK_BYTES / std::mem::size_of::<T>()).max(1);
+    // Each chunk's best value (f32) and index (u32).
+    // SAFETY: the first kernel writes all rows × chunks of both halves before the second reads.
+    let mut parts = unsafe { dev.alloc::<u32>(2 * rows * chunks)? };
     let stream = dev.cuda_stream();
-    {
-        let (oa, _guard) = out.device_ptr_mut(&stream);
-        let cols = cols as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (ARGMAX_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = stream.launch_builder(&func);
-        b.arg(&xa).arg(&oa).arg(&cols);
-        // SAFETY: a contiguous input of rows x cols elements, an output of rows.
-        unsafe { b.launch(cfg) }.map_err(|e| err("argmax_rows launch", e))?;
-    }
-    Ok(u32::wrap_cuda_slice(out, dev))
+    let (pa, _guard) = parts.device_ptr_mut(&stream);
+    let at_a = pa + (rows * chunks * 4) as u64;
+    let (cols_i, chunks_i) = (cols as i32, chunks as i32);
+    let func = function(&dev, format!("argmax_chunks_{}", suffix(x.0.dtype(), OP)?))?;
+    let mut b = stream.launch_builder(&func);
+    b.arg(&xa).arg(&pa).arg(&at_a).arg(&cols_i);
+    let cfg = LaunchConfig {
+        grid_dim: (chunks as u32, rows as u32, 1),
+        block_dim: (ARGMAX_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: a contiguous input of rows x cols elements; parts of 2 x rows x chunks.
+    unsafe { b.launch(cfg) }.map_err(|e| err("argmax_chunks launch", e))?;
+    let func = function(&dev, "argmax_finish".to_string())?;
+    let mut b = stream.launch_builder(&func);
+    b.arg(&pa).arg(&at_a).arg(&chunks_i).arg(&oa).arg(&ba);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the parts written above; an output (and counts, if any) of rows.
+    unsafe { b.launch(cfg) }.map_err(|e| err("argmax_finish launch", e))?;
+    Ok(())
 }
 
 pub(super) fn rope_store(

@@ -60,6 +60,27 @@ pub fn silu_mul(y: &Tensor) -> Result<Tensor> {
     y.apply_op1_no_bwd(&SiluMul)
 }
 
+/// The rotary tables of `positions` (tokens,) u32: cos and sin (tokens, ..inv_freq's dims) of
+/// `positions[t] × inv_freq`, computed in f32 (`inv_freq` f32, any shape) and cast to `dtype`
+/// (bf16, f16 or f32), in one launch: the values of the composed ops (`nn::rope_angles_per_head`
+/// then a cast), for a decode step's few tokens without their six launches.
+pub fn rope_angles(positions: &Tensor, inv_freq: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+    on_cuda("rotary angles", positions)?;
+    if positions.rank() != 1 || positions.dtype() != DType::U32 || inv_freq.dtype() != DType::F32 {
+        bail!(
+            "flash-llama rotary angles: positions (tokens,) u32 and f32 frequencies, got {:?} {:?} and {:?}",
+            positions.shape(),
+            positions.dtype(),
+            inv_freq.dtype()
+        )
+    }
+    if !inv_freq.device().same_device(positions.device()) {
+        bail!("flash-llama rotary angles: the positions and the frequencies must be on one GPU")
+    }
+    let both = positions.apply_op2_no_bwd(inv_freq, &RopeAngles { dtype })?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
 /// Whether [`linear_vector`] takes `x` (1, k) and `w` (n, k): CUDA tensors of one dtype (bf16,
 /// f16, f32), one row, both contiguous, starting on 16 bytes, with rows of whole 16-byte vectors.
 /// Shape checks only, on the host.
@@ -247,6 +268,33 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
         bail!("flash-llama argmax: rows of {vocab} logits")
     }
     logits.apply_op1_no_bwd(&ArgmaxRows)
+}
+
+/// [`argmax_rows`] written into `out` (rows,) u32, contiguous on the logits' GPU; with `bump`
+/// (rows,) u32, contiguous, also `bump += 1` in the same launch: a CUDA-graph decode step's token
+/// and key count advanced where the token is chosen, without a copy or an add of their own.
+#[cfg(feature = "cuda")]
+pub(crate) fn argmax_rows_into(logits: &Tensor, out: &Tensor, bump: Option<&Tensor>) -> Result<()> {
+    on_cuda("argmax", logits)?;
+    let (rows, vocab) = logits.dims2()?;
+    if vocab == 0 || vocab > u32::MAX as usize / 2 {
+        bail!("flash-llama argmax: rows of {vocab} logits")
+    }
+    for (what, t) in std::iter::once(("the output", out)).chain(bump.map(|b| ("the counts", b))) {
+        if t.dims() != [rows] || t.dtype() != DType::U32 || !t.is_contiguous() {
+            bail!(
+                "flash-llama argmax: {what} must be ({rows},) u32 contiguous, got {:?} {:?}",
+                t.shape(),
+                t.dtype()
+            )
+        }
+    }
+    let logits = logits.contiguous()?;
+    let (storage, layout) = logits.storage_and_layout();
+    let candle_core::Storage::Cuda(x) = &*storage else {
+        return Err(cuda_only("argmax"));
+    };
+    cuda::argmax_rows_into((x, layout), out, bump)
 }
 
 /// Where [`rope_store`] puts the rotated k heads and the v heads.
@@ -503,6 +551,38 @@ impl CustomOp1 for SiluMul {
             *last /= 2;
         }
         let out = cuda::silu_mul((y, yl))?;
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+/// [`rope_angles`]: cos and sin side by side, (2, tokens, ..inv_freq's dims).
+struct RopeAngles {
+    /// The tables' dtype (read by the CUDA launch only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    dtype: DType,
+}
+
+impl CustomOp2 for RopeAngles {
+    fn name(&self) -> &'static str {
+        "rope-angles"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Err(cuda_only("rotary angles"))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        p: &candle_core::CudaStorage,
+        pl: &Layout,
+        f: &candle_core::CudaStorage,
+        fl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        // Dtypes and the positions' rank checked by `rope_angles`.
+        let out = cuda::rope_angles((p, pl), (f, fl), self.dtype)?;
+        let mut dims = vec![2, pl.dims()[0]];
+        dims.extend_from_slice(fl.dims());
         Ok((out, Shape::from(dims)))
     }
 }
