@@ -9,11 +9,12 @@ mod common;
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use common::{abs_sum, hf_model, mixed_steps, rel_diff, tokens, Family, VOCAB};
 use flash_llama::fused::{
-    add_rms_norm, argmax_rows, linear_vector, linear_vector_add_norm, linear_vector_add_norm_fits, linear_vector_fits,
-    linear_vector_silu, linear_vector_silu_fits, rope_store, silu_mul, store_e4m3, CacheStore,
+    add_rms_norm, argmax_rows, argmax_rows_into, linear_vector, linear_vector_add_norm, linear_vector_add_norm_fits,
+    linear_vector_fits, linear_vector_silu, linear_vector_silu_fits, rope_angles, rope_store, silu_mul, store_e4m3,
+    CacheStore,
 };
 use flash_llama::loader::{load_gguf, load_hf_dir};
-use flash_llama::nn::{rope_per_head, RmsNorm};
+use flash_llama::nn::{rope_angles_per_head, rope_per_head, RmsNorm};
 use flash_llama::sampling::argmax;
 use flash_llama::{generate, Batcher, Flow, GenerateOptions, Kernels, Llama, Request, SamplingParams};
 
@@ -424,6 +425,109 @@ fn argmax_rows_matches_the_host_argmax() -> Result<()> {
     assert!(argmax_rows(&strided).unwrap_err().to_string().contains("contiguous"));
     let empty = Tensor::zeros((2, 0), DType::F32, &dev)?;
     assert!(argmax_rows(&empty).is_err());
+    Ok(())
+}
+
+/// `argmax_rows_into` writes each row's choice over a poisoned output and, with counts, adds one
+/// to each; its outputs must be (rows,) u32 contiguous.
+#[test]
+fn argmax_rows_into_writes_the_tokens_and_advances_the_counts() -> Result<()> {
+    let dev = gpu();
+    for dtype in DTYPES {
+        let logits = randn(&[3, 5_003], dtype, &dev);
+        let want: Vec<u32> = argmax_rows(&logits)?.to_vec1()?;
+        let out = Tensor::new(&[7_777u32, 7_777, 7_777], &dev)?;
+        let counts = Tensor::new(&[5u32, 0, 10], &dev)?;
+        argmax_rows_into(&logits, &out, Some(&counts))?;
+        assert_eq!(out.to_vec1::<u32>()?, want, "{dtype:?}");
+        assert_eq!(counts.to_vec1::<u32>()?, [6, 1, 11], "{dtype:?}");
+        let out = Tensor::new(&[7_777u32, 7_777, 7_777], &dev)?;
+        argmax_rows_into(&logits, &out, None)?;
+        assert_eq!(out.to_vec1::<u32>()?, want, "{dtype:?} without counts");
+        assert_eq!(counts.to_vec1::<u32>()?, [6, 1, 11], "the counts untouched");
+    }
+    let logits = randn(&[3, 64], DType::F32, &dev);
+    let short = Tensor::zeros(2, DType::U32, &dev)?;
+    assert!(argmax_rows_into(&logits, &short, None)
+        .unwrap_err()
+        .to_string()
+        .contains("(3,)"));
+    let floats = Tensor::zeros(3, DType::F32, &dev)?;
+    assert!(argmax_rows_into(&logits, &floats, None).is_err());
+    let strided = Tensor::zeros((3, 2), DType::U32, &dev)?.i((.., 1))?;
+    assert!(argmax_rows_into(&logits, &strided, None).is_err());
+    let out = Tensor::zeros(3, DType::U32, &dev)?;
+    assert!(argmax_rows_into(&logits, &out, Some(&short)).is_err());
+    Ok(())
+}
+
+/// The one-launch rotary tables against the host's f64 cos and sin of the same f32 angle
+/// (position × frequency rounded to f32, as the kernel and the composed ops form it), and against
+/// the composed ops on the GPU where the angle is within ±π: positions from 0 to 2^17,
+/// frequencies of a Llama-3 table and one of 1.
+#[test]
+fn rope_angles_match_the_composed_ops() -> Result<()> {
+    let dev = gpu();
+    let positions: Vec<u32> = vec![0, 1, 2, 511, 4_095, 65_537, 131_071, 3];
+    let (heads, half) = (5usize, 32usize);
+    let inv: Vec<f32> = (0..heads * half)
+        .map(|i| {
+            if i % half == 0 {
+                1.0
+            } else {
+                500_000f32.powf(-((i % half) as f32) / half as f32)
+            }
+        })
+        .collect();
+    let pos_t = Tensor::new(positions.as_slice(), &dev)?;
+    let inv_t = Tensor::from_vec(inv.clone(), (heads, half), &dev)?;
+    let (cos_c, sin_c) = rope_angles_per_head(&pos_t, &inv_t)?;
+    for dtype in DTYPES {
+        let (cos, sin) = rope_angles(&pos_t, &inv_t, dtype)?;
+        assert_eq!(cos.dims(), [positions.len(), heads, half]);
+        let ulp = match dtype {
+            DType::F32 => 3e-7,
+            DType::F16 => 1e-3,
+            _ => 8e-3,
+        };
+        for (what, got, composed, f) in [
+            ("cos", &cos, &cos_c, f64::cos as fn(f64) -> f64),
+            ("sin", &sin, &sin_c, f64::sin),
+        ] {
+            let got: Vec<f32> = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            let composed: Vec<f32> = composed
+                .to_dtype(dtype)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?;
+            for (i, (&g, &c)) in got.iter().zip(&composed).enumerate() {
+                let angle = positions[i / (heads * half)] as f32 * inv[i % (heads * half)];
+                let want = f(angle as f64);
+                assert!(
+                    ((g as f64) - want).abs() <= ulp,
+                    "{dtype:?} {what}[{i}]: {g} against {want} (angle {angle})"
+                );
+                // The composed ops' own cos and sin are candle's kernels: compared where any
+                // implementation of them is accurate.
+                if angle.abs() <= std::f32::consts::PI {
+                    assert!(
+                        (g - c).abs() <= 2.0 * ulp as f32,
+                        "{dtype:?} {what}[{i}]: {g} against the composed {c}"
+                    );
+                }
+            }
+        }
+    }
+    let cpu = Tensor::new(&[1u32], &Device::Cpu)?;
+    assert!(rope_angles(&cpu, &inv_t, DType::BF16)
+        .unwrap_err()
+        .to_string()
+        .contains("CUDA"));
+    let floats = Tensor::new(&[1f32], &dev)?;
+    assert!(rope_angles(&floats, &inv_t, DType::BF16).is_err());
+    let matrix = Tensor::zeros((2, 2), DType::U32, &dev)?;
+    assert!(rope_angles(&matrix, &inv_t, DType::BF16).is_err());
+    assert!(rope_angles(&pos_t, &inv_t.to_dtype(DType::BF16)?, DType::BF16).is_err());
     Ok(())
 }
 

@@ -274,7 +274,7 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
 /// (rows,) u32, contiguous, also `bump += 1` in the same launch: a CUDA-graph decode step's token
 /// and key count advanced where the token is chosen, without a copy or an add of their own.
 #[cfg(feature = "cuda")]
-pub(crate) fn argmax_rows_into(logits: &Tensor, out: &Tensor, bump: Option<&Tensor>) -> Result<()> {
+pub fn argmax_rows_into(logits: &Tensor, out: &Tensor, bump: Option<&Tensor>) -> Result<()> {
     on_cuda("argmax", logits)?;
     let (rows, vocab) = logits.dims2()?;
     if vocab == 0 || vocab > u32::MAX as usize / 2 {
