@@ -1048,8 +1048,8 @@ impl Llama {
     /// (rather than once per layer and per q/k inside `apply_rope`).
     fn rope_tables(&self, positions: &Tensor) -> Result<RopeTables> {
         Ok(match &self.inv_freq_heads {
-            // On the GPU one launch (a decode step's tables were six small kernels), the same
-            // values as the composed ops.
+            // On the GPU one launch (a decode step's tables were six small kernels): cos and sin
+            // of the same f32 angles, in f32, then cast.
             #[cfg(feature = "cuda")]
             Some(heads) if positions.device().is_cuda() => {
                 let (cos, sin) = crate::fused::rope_angles(positions, heads, self.dtype)?;

@@ -62,8 +62,8 @@ pub fn silu_mul(y: &Tensor) -> Result<Tensor> {
 
 /// The rotary tables of `positions` (tokens,) u32: cos and sin (tokens, ..inv_freq's dims) of
 /// `positions[t] × inv_freq`, computed in f32 (`inv_freq` f32, any shape) and cast to `dtype`
-/// (bf16, f16 or f32), in one launch: the values of the composed ops (`nn::rope_angles_per_head`
-/// then a cast), for a decode step's few tokens without their six launches.
+/// (bf16, f16 or f32), in one launch: what `nn::rope_angles_per_head` and a cast compute (the same
+/// f32 angles; `cosf` / `sinf`), for a decode step's few tokens without their six launches.
 pub fn rope_angles(positions: &Tensor, inv_freq: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
     on_cuda("rotary angles", positions)?;
     if positions.rank() != 1 || positions.dtype() != DType::U32 || inv_freq.dtype() != DType::F32 {
