@@ -625,26 +625,36 @@ fn argmax_rows_t<T: CudaDType + DeviceRepr>(x: (&CudaStorage, &Layout), oa: u64,
     let (pa, _guard) = parts.device_ptr_mut(&stream);
     let at_a = pa + (rows * chunks * 4) as u64;
     let (cols_i, chunks_i) = (cols as i32, chunks as i32);
-    let func = function(&dev, format!("argmax_chunks_{}", suffix(x.0.dtype(), OP)?))?;
-    let mut b = stream.launch_builder(&func);
-    b.arg(&xa).arg(&pa).arg(&at_a).arg(&cols_i);
-    let cfg = LaunchConfig {
-        grid_dim: (chunks as u32, rows as u32, 1),
-        block_dim: (ARGMAX_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: a contiguous input of rows x cols elements; parts of 2 x rows x chunks.
-    unsafe { b.launch(cfg) }.map_err(|e| err("argmax_chunks launch", e))?;
-    let func = function(&dev, "argmax_finish".to_string())?;
-    let mut b = stream.launch_builder(&func);
-    b.arg(&pa).arg(&at_a).arg(&chunks_i).arg(&oa).arg(&ba);
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: the parts written above; an output (and counts, if any) of rows.
-    unsafe { b.launch(cfg) }.map_err(|e| err("argmax_finish launch", e))?;
+    let chunk_fn = function(&dev, format!("argmax_chunks_{}", suffix(x.0.dtype(), OP)?))?;
+    let finish_fn = function(&dev, "argmax_finish".to_string())?;
+    // The chunks' grid has a row per block index y (at most 65,535 a launch).
+    for r0 in (0..rows).step_by(65_535) {
+        let n = (rows - r0).min(65_535);
+        let (xr, pr, ar) = (
+            xa + (r0 * cols * std::mem::size_of::<T>()) as u64,
+            pa + (r0 * chunks * 4) as u64,
+            at_a + (r0 * chunks * 4) as u64,
+        );
+        let (or, br) = (oa + (r0 * 4) as u64, if ba == 0 { 0 } else { ba + (r0 * 4) as u64 });
+        let mut b = stream.launch_builder(&chunk_fn);
+        b.arg(&xr).arg(&pr).arg(&ar).arg(&cols_i);
+        let cfg = LaunchConfig {
+            grid_dim: (chunks as u32, n as u32, 1),
+            block_dim: (ARGMAX_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: a contiguous input of n x cols elements from row r0; parts of 2 x n x chunks.
+        unsafe { b.launch(cfg) }.map_err(|e| err("argmax_chunks launch", e))?;
+        let mut b = stream.launch_builder(&finish_fn);
+        b.arg(&pr).arg(&ar).arg(&chunks_i).arg(&or).arg(&br);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the parts written above; an output (and counts, if any) of n from row r0.
+        unsafe { b.launch(cfg) }.map_err(|e| err("argmax_finish launch", e))?;
+    }
     Ok(())
 }
 
