@@ -413,10 +413,8 @@ struct OverlapInCapture {
 }
 
 fn capture_err(what: &str, r: sys::CUresult) -> Result<()> {
-    match r {
-        sys::CUresult::CUDA_SUCCESS => Ok(()),
-        e => bail!("flash-llama: capturing an overlapping launch: {what}: {e:?}"),
-    }
+    r.result()
+        .map_err(|e| err(&format!("capturing an overlapping launch: {what}"), e))
 }
 
 /// The stream's capture dependencies and their edge data; `None` if it is not capturing.

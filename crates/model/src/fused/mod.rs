@@ -262,12 +262,18 @@ fn check_bias(bias: Option<&Tensor>, n: usize, x: &Tensor) -> Result<()> {
 /// The index of the largest value of each row of `logits` (rows, vocab): (rows,) u32, the first
 /// index on ties, NaNs never chosen; as [`crate::sampling::argmax`] on the host.
 pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
+    logit_rows(logits)?;
+    logits.apply_op1_no_bwd(&ArgmaxRows)
+}
+
+/// The rows of `logits` (rows, vocab) on the GPU, with a vocabulary the argmax takes.
+fn logit_rows(logits: &Tensor) -> Result<usize> {
     on_cuda("argmax", logits)?;
-    let (_, vocab) = logits.dims2()?;
+    let (rows, vocab) = logits.dims2()?;
     if vocab == 0 || vocab > u32::MAX as usize / 2 {
         bail!("flash-llama argmax: rows of {vocab} logits")
     }
-    logits.apply_op1_no_bwd(&ArgmaxRows)
+    Ok(rows)
 }
 
 /// [`argmax_rows`] written into `out` (rows,) u32, contiguous on the logits' GPU; with `bump`
@@ -275,11 +281,7 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
 /// and key count advanced where the token is chosen, without a copy or an add of their own.
 #[cfg(feature = "cuda")]
 pub fn argmax_rows_into(logits: &Tensor, out: &Tensor, bump: Option<&Tensor>) -> Result<()> {
-    on_cuda("argmax", logits)?;
-    let (rows, vocab) = logits.dims2()?;
-    if vocab == 0 || vocab > u32::MAX as usize / 2 {
-        bail!("flash-llama argmax: rows of {vocab} logits")
-    }
+    let rows = logit_rows(logits)?;
     for (what, t) in std::iter::once(("the output", out)).chain(bump.map(|b| ("the counts", b))) {
         if t.dims() != [rows] || t.dtype() != DType::U32 || !t.is_contiguous() {
             bail!(
