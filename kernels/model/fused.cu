@@ -419,8 +419,17 @@ __device__ void argmax_chunks(const T* __restrict__ x, float* __restrict__ part_
 // One warp per row: the best of the row's chunks (earlier chunks win ties, by index), into
 // out[row]; with `bump`, also bump[row] += 1 (a decode step's key counts, advanced where the
 // step's token is chosen).
+//
+// With `host` (page-locked host memory mapped into the device's address space; needs `bump`),
+// the token also goes straight to the host: entry (slot, row) of `host`, slot = the row's new
+// count & 1 (`host_rows` entries a slot, `host` offset to this launch's first row), is the pair
+// (token, count), the count written last behind a system-wide fence. The host spins until the
+// count it expects shows and then reads the token; the slot alternates so that the step queued
+// behind this one never overwrites a token the host has not read yet. This replaces a copy to
+// the host between two replays of a decode graph (a copy-engine turn and ~14 us of idle device).
 __device__ void choose_among_chunks(const float* __restrict__ part_best, const uint32_t* __restrict__ part_at, int chunks,
-                              uint32_t* __restrict__ out, uint32_t* __restrict__ bump) {
+                              uint32_t* __restrict__ out, uint32_t* __restrict__ bump, volatile uint32_t* host,
+                              int host_rows) {
     const int row = blockIdx.x;
     float best = 0.f;
     uint32_t at = kNoIndex;
@@ -428,8 +437,18 @@ __device__ void choose_among_chunks(const float* __restrict__ part_best, const u
         keep_better(best, at, part_best[(size_t)row * chunks + c], part_at[(size_t)row * chunks + c]);
     block_argmax<32>(best, at);
     if (threadIdx.x == 0) {
-        out[row] = at == kNoIndex ? 0 : at;
-        if (bump != nullptr) bump[row] += 1;
+        const uint32_t token = at == kNoIndex ? 0 : at;
+        out[row] = token;
+        if (bump != nullptr) {
+            const uint32_t count = bump[row] + 1;
+            bump[row] = count;
+            if (host != nullptr) {
+                volatile uint32_t* entry = host + 2 * ((size_t)(count & 1) * host_rows + row);
+                entry[0] = token;
+                __threadfence_system();
+                entry[1] = count;
+            }
+        }
     }
 }
 
@@ -495,8 +514,9 @@ __device__ void choose_among_chunks(const float* __restrict__ part_best, const u
     }
 
 extern "C" __global__ void __launch_bounds__(32) argmax_finish(const float* part_best, const uint32_t* part_at,
-                                                                int chunks, uint32_t* out, uint32_t* bump) {
-    choose_among_chunks(part_best, part_at, chunks, out, bump);
+                                                                int chunks, uint32_t* out, uint32_t* bump,
+                                                                uint32_t* host, int host_rows) {
+    choose_among_chunks(part_best, part_at, chunks, out, bump, host, host_rows);
 }
 
 FUSED_OPS(__nv_bfloat16, bf16)

@@ -14,8 +14,9 @@
 //! step from the host, decodes a paged cache through graphs); an empty slot among the rows writes
 //! its dummy token into the cache's scratch page ([`KvCache::scratch_page`]). Two ways to use it:
 //! - [`Sampling::Greedy`] ([`crate::generate()`]'s greedy decoding): the step ends with the
-//!   argmax of each row, written over the token buffer, so replays follow each other with
-//!   nothing from the host;
+//!   argmax of each row, written over the token buffer and into host memory that the device
+//!   writes directly ([`crate::fused::MappedTokens`]), so replays follow each other with nothing
+//!   from the host and no copy between them;
 //! - [`Sampling::Logits`]: the step ends with the logits, in an f32 buffer, from which the caller
 //!   draws the next tokens after each replay, on the device ([`crate::sampling::sample_rows`],
 //!   whose per-row parameters and token counter change every step, so it stays outside the
@@ -56,6 +57,9 @@ pub(crate) struct DecodeGraph {
     /// [`Sampling::Logits`] (`None`: [`Sampling::Greedy`]): (rows, vocab) f32, the last step's
     /// logits.
     logits: Option<Tensor>,
+    /// [`Sampling::Greedy`]: each step's tokens, also written straight to the host by the
+    /// step's argmax ([`DecodeGraph::wait_tokens`]).
+    mapped: Option<crate::fused::MappedTokens>,
 }
 
 impl DecodeGraph {
@@ -122,15 +126,22 @@ impl DecodeGraph {
         };
         let ids = tokens.copy()?;
         let lens = Tensor::new(lens.iter().map(|&l| l as u32).collect::<Vec<u32>>(), dev)?;
-        let logits = match sampling {
-            Sampling::Greedy => None,
-            Sampling::Logits => Some(Tensor::zeros((rows, model.config().vocab_size), DType::F32, dev)?),
+        let (logits, mapped) = match sampling {
+            Sampling::Greedy => (
+                None,
+                Some(crate::fused::MappedTokens::new(dev.as_cuda_device()?, rows)?),
+            ),
+            Sampling::Logits => (
+                Some(Tensor::zeros((rows, model.config().vocab_size), DType::F32, dev)?),
+                None,
+            ),
         };
         let body = || -> Result<()> {
             let step = model.decode_on_device(&ids, &lens, &rows_in, cache)?;
             match &logits {
-                // The token over the last one, the key counts advanced, by the argmax itself.
-                None => crate::fused::argmax_rows_into(&step, &ids, Some(&lens)),
+                // The token over the last one, the key counts advanced, by the argmax itself,
+                // which also sends the tokens to the host.
+                None => crate::fused::argmax_rows_into(&step, &ids, Some(&lens), mapped.as_ref()),
                 Some(buf) => {
                     buf.slice_set(&step.to_dtype(DType::F32)?, 0, 0)?;
                     lens.slice_set(&lens.affine(1.0, 1.0)?, 0, 0)
@@ -169,6 +180,7 @@ impl DecodeGraph {
             lens,
             rows_in,
             logits,
+            mapped,
         })
     }
 
@@ -237,6 +249,17 @@ impl DecodeGraph {
     /// [`Sampling::Greedy`]: each sequence's newest token, (rows,) u32, as of the last step.
     pub(crate) fn tokens(&self) -> &Tensor {
         &self.ids
+    }
+
+    /// [`Sampling::Greedy`]: the tokens of the step that left each sequence holding `lens[r]`
+    /// keys (the host's count after that step), once the device has written them to the host: no
+    /// copy is queued, so the step after it, if queued already, runs right behind it.
+    pub(crate) fn wait_tokens(&self, lens: &[usize]) -> Result<Vec<u32>> {
+        let Some(mapped) = &self.mapped else {
+            bail!("internal error: the host-mapped tokens of a sampled decode graph")
+        };
+        let counts: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+        mapped.wait(&counts)
     }
 
     /// [`Sampling::Logits`]: the last step's logits, (rows, vocab) f32.

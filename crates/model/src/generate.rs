@@ -358,8 +358,9 @@ fn choose_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
 /// ends with each row's argmax; sampled, with the logits, and each replay is followed by
 /// `sampled(logits, sequences, token number)` (the eager steps' own choice, [`sample_rows`] with
 /// each sequence's parameters) over every sequence, whose draw is copied into the graph's token
-/// buffer. As
-/// there, step t + 1 is queued before the host waits for step t's tokens. Every sequence stays
+/// buffer, and a copy of the draw to the host follows; greedy, the argmax writes the tokens
+/// into host memory itself ([`crate::fused::MappedTokens`]), so no copy stands between two
+/// replays. As there, step t + 1 is queued before the host waits for step t's tokens. Every sequence stays
 /// in the graph's batch to the end (its slot has room: no sequence runs more than max_tokens - 1
 /// decode steps); the tokens of one that has finished are dropped.
 #[cfg(feature = "cuda")]
@@ -381,10 +382,7 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
             None => Ok(()),
         }
     };
-    let accept_all = |run: &mut Progress<F>, readback: &crate::fused::cuda::TokenReadback| -> Result<()> {
-        let wait = Instant::now();
-        let tokens = readback.wait()?;
-        run.waited(wait.elapsed().as_secs_f64());
+    let accept_all = |run: &mut Progress<F>, tokens: Vec<u32>| -> Result<()> {
         for (i, &token) in tokens.iter().enumerate() {
             if !run.done[i] {
                 run.accept(i, token)?;
@@ -395,7 +393,10 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
     };
     // The prefill's tokens, alone (nothing queued behind the prefill, so its time is its own).
     readback.start(&first)?;
-    accept_all(run, &readback)?;
+    let wait = Instant::now();
+    let tokens = readback.wait()?;
+    run.waited(wait.elapsed().as_secs_f64());
+    accept_all(run, tokens)?;
     if run.all_done() {
         return Ok(());
     }
@@ -407,7 +408,13 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
     draw(&graph, 1)?;
     cache.advance_all();
     loop {
-        readback.start(graph.tokens())?;
+        // Greedy, the step's argmax writes its tokens to the host itself
+        // ([`DecodeGraph::wait_tokens`], by the counts the step leaves: the host's now); sampled,
+        // a copy of the draw is queued behind it.
+        let counts = cache.lens().to_vec();
+        if sampled.is_some() {
+            readback.start(graph.tokens())?;
+        }
         // Running sequences have all produced the same number of tokens; with these, they may
         // produce another.
         let produced = (0..run.done.len())
@@ -420,7 +427,13 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
             draw(&graph, produced)?;
             cache.advance_all();
         }
-        accept_all(run, &readback)?;
+        let wait = Instant::now();
+        let tokens = match sampled {
+            Some(_) => readback.wait()?,
+            None => graph.wait_tokens(&counts)?,
+        };
+        run.waited(wait.elapsed().as_secs_f64());
+        accept_all(run, tokens)?;
         if run.all_done() {
             return Ok(());
         }

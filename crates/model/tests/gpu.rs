@@ -11,7 +11,7 @@ use common::{abs_sum, hf_model, mixed_steps, rel_diff, tokens, Family, VOCAB};
 use flash_llama::fused::{
     add_rms_norm, argmax_rows, argmax_rows_into, linear_vector, linear_vector_add_norm, linear_vector_add_norm_fits,
     linear_vector_fits, linear_vector_silu, linear_vector_silu_fits, rope_angles, rope_store, silu_mul, store_e4m3,
-    CacheStore,
+    CacheStore, MappedTokens,
 };
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::nn::{rope_angles_per_head, rope_per_head, RmsNorm};
@@ -438,26 +438,53 @@ fn argmax_rows_into_writes_the_tokens_and_advances_the_counts() -> Result<()> {
         let want: Vec<u32> = argmax_rows(&logits)?.to_vec1()?;
         let out = Tensor::new(&[7_777u32, 7_777, 7_777], &dev)?;
         let counts = Tensor::new(&[5u32, 0, 10], &dev)?;
-        argmax_rows_into(&logits, &out, Some(&counts))?;
+        // The tokens also straight to the host: twice, so both slots are written (counts 6, 1,
+        // 11, then 7, 2, 12), each read back by the counts it leaves.
+        let mapped = MappedTokens::new(dev.as_cuda_device()?, 3)?;
+        argmax_rows_into(&logits, &out, Some(&counts), Some(&mapped))?;
         assert_eq!(out.to_vec1::<u32>()?, want, "{dtype:?}");
         assert_eq!(counts.to_vec1::<u32>()?, [6, 1, 11], "{dtype:?}");
+        assert_eq!(mapped.wait(&[6, 1, 11])?, want, "{dtype:?} on the host");
+        let other = randn(&[3, 5_003], dtype, &dev);
+        let want_other: Vec<u32> = argmax_rows(&other)?.to_vec1()?;
+        argmax_rows_into(&other, &out, Some(&counts), Some(&mapped))?;
+        assert_eq!(
+            mapped.wait(&[7, 2, 12])?,
+            want_other,
+            "{dtype:?} on the host, the other slot"
+        );
+        assert_eq!(mapped.wait(&[6, 1, 11])?, want, "{dtype:?}: the first slot kept");
+        assert_eq!(counts.to_vec1::<u32>()?, [7, 2, 12], "{dtype:?}");
+        counts.slice_set(&Tensor::new(&[6u32, 1, 11], &dev)?, 0, 0)?;
         let out = Tensor::new(&[7_777u32, 7_777, 7_777], &dev)?;
-        argmax_rows_into(&logits, &out, None)?;
+        argmax_rows_into(&logits, &out, None, None)?;
         assert_eq!(out.to_vec1::<u32>()?, want, "{dtype:?} without counts");
         assert_eq!(counts.to_vec1::<u32>()?, [6, 1, 11], "the counts untouched");
     }
     let logits = randn(&[3, 64], DType::F32, &dev);
     let short = Tensor::zeros(2, DType::U32, &dev)?;
-    assert!(argmax_rows_into(&logits, &short, None)
+    assert!(argmax_rows_into(&logits, &short, None, None)
         .unwrap_err()
         .to_string()
         .contains("(3,)"));
     let floats = Tensor::zeros(3, DType::F32, &dev)?;
-    assert!(argmax_rows_into(&logits, &floats, None).is_err());
+    assert!(argmax_rows_into(&logits, &floats, None, None).is_err());
     let strided = Tensor::zeros((3, 2), DType::U32, &dev)?.i((.., 1))?;
-    assert!(argmax_rows_into(&logits, &strided, None).is_err());
+    assert!(argmax_rows_into(&logits, &strided, None, None).is_err());
     let out = Tensor::zeros(3, DType::U32, &dev)?;
-    assert!(argmax_rows_into(&logits, &out, Some(&short)).is_err());
+    assert!(argmax_rows_into(&logits, &out, Some(&short), None).is_err());
+    // Host-mapped tokens need the counts and as many rows.
+    let counts = Tensor::zeros(3, DType::U32, &dev)?;
+    let two = MappedTokens::new(dev.as_cuda_device()?, 2)?;
+    assert!(argmax_rows_into(&logits, &out, Some(&counts), Some(&two))
+        .unwrap_err()
+        .to_string()
+        .contains("2 rows"));
+    let three = MappedTokens::new(dev.as_cuda_device()?, 3)?;
+    assert!(argmax_rows_into(&logits, &out, None, Some(&three)).is_err());
+    assert!(three.wait(&[1, 1]).is_err(), "counts for the wrong number of rows");
+    // Counts no step has written: an error once the stream is idle, not a hang.
+    assert!(three.wait(&[1_000, 1_000, 1_000]).is_err());
     Ok(())
 }
 

@@ -584,14 +584,19 @@ pub(super) fn argmax_rows(x: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
     if rows > 0 {
         let stream = dev.cuda_stream();
         let (oa, _guard) = out.device_ptr_mut(&stream);
-        by_dtype!("argmax", x.0.dtype(), argmax_rows_t(x, oa, 0))?;
+        by_dtype!("argmax", x.0.dtype(), argmax_rows_t(x, oa, 0, None))?;
     }
     Ok(u32::wrap_cuda_slice(out, dev))
 }
 
 /// [`argmax_rows`] into `out` (rows,) u32 on the logits' GPU; with `bump` (rows,) u32, also
 /// `bump += 1` (shapes and dtypes checked by the caller).
-pub(super) fn argmax_rows_into(x: (&CudaStorage, &Layout), out: &Tensor, bump: Option<&Tensor>) -> Result<()> {
+pub(super) fn argmax_rows_into(
+    x: (&CudaStorage, &Layout),
+    out: &Tensor,
+    bump: Option<&Tensor>,
+    host: Option<&MappedTokens>,
+) -> Result<()> {
     const OP: &str = "argmax";
     let dev = x.0.device.clone();
     let out_g = out.storage_and_layout();
@@ -601,16 +606,31 @@ pub(super) fn argmax_rows_into(x: (&CudaStorage, &Layout), out: &Tensor, bump: O
         Some((s, l)) => held_addr::<u32>((s, l), &dev, DType::U32, OP, "the counts")?,
         None => 0,
     };
-    if x.1.shape().dims2()?.0 > 0 {
-        by_dtype!("argmax", x.0.dtype(), argmax_rows_t(x, oa, ba))?;
+    let rows = x.1.shape().dims2()?.0;
+    let host = match host {
+        None => None,
+        Some(h) if h.rows == rows && h.device == dev.id() && ba != 0 => Some((h.device_ptr, rows)),
+        Some(h) => bail!(
+            "flash-llama {OP}: host-mapped tokens for {} rows need the counts and {rows} rows on their GPU",
+            h.rows
+        ),
+    };
+    if rows > 0 {
+        by_dtype!("argmax", x.0.dtype(), argmax_rows_t(x, oa, ba, host))?;
     }
     drop((out_g, bump_g));
     Ok(())
 }
 
 /// The two argmax launches (kernels/model/fused.cu): each row's chunks, then one warp per row
-/// choosing among them into `oa`, adding 1 to `ba`'s entry unless `ba` is 0.
-fn argmax_rows_t<T: CudaDType + DeviceRepr>(x: (&CudaStorage, &Layout), oa: u64, ba: u64) -> Result<()> {
+/// choosing among them into `oa`, adding 1 to `ba`'s entry unless `ba` is 0, and with `host`
+/// ([`MappedTokens`]'s device address and rows) writing each token there too.
+fn argmax_rows_t<T: CudaDType + DeviceRepr>(
+    x: (&CudaStorage, &Layout),
+    oa: u64,
+    ba: u64,
+    host: Option<(u64, usize)>,
+) -> Result<()> {
     const OP: &str = "argmax";
     let dev = x.0.device.clone();
     let (rows, cols) = x.1.shape().dims2()?;
@@ -643,14 +663,26 @@ fn argmax_rows_t<T: CudaDType + DeviceRepr>(x: (&CudaStorage, &Layout), oa: u64,
         };
         // SAFETY: a contiguous input of n x cols elements from row r0; parts of 2 x n x chunks.
         unsafe { b.launch(cfg) }.map_err(|e| err("argmax_chunks launch", e))?;
+        let (ha, host_rows) = match host {
+            // (token, count) pairs: 8 bytes a row.
+            Some((a, rows)) => (a + (r0 * 8) as u64, rows as i32),
+            None => (0u64, 0i32),
+        };
         let mut b = stream.launch_builder(&finish_fn);
-        b.arg(&pr).arg(&ar).arg(&chunks_i).arg(&or).arg(&br);
+        b.arg(&pr)
+            .arg(&ar)
+            .arg(&chunks_i)
+            .arg(&or)
+            .arg(&br)
+            .arg(&ha)
+            .arg(&host_rows);
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the parts written above; an output (and counts, if any) of n from row r0.
+        // SAFETY: the parts written above; an output (and counts, if any) of n from row r0; the
+        // mapped host buffer, if any, holds two slots of `host_rows` pairs (checked by the caller).
         unsafe { b.launch(cfg) }.map_err(|e| err("argmax_finish launch", e))?;
     }
     Ok(())
@@ -879,5 +911,124 @@ impl TokenReadback {
             .map_err(|e| err("waiting for the chosen tokens", e))?;
         let host = self.host.as_slice().map_err(|e| err("reading the chosen tokens", e))?;
         Ok(host[..self.len].to_vec())
+    }
+}
+
+/// A greedy decode graph's chosen tokens, written by the argmax itself into page-locked host
+/// memory that the device addresses directly (`CU_MEMHOSTALLOC_DEVICEMAP`), so that two replays
+/// of the graph follow each other with no copy between them (kernels/model/fused.cu,
+/// `choose_among_chunks`). Two slots of `rows` (token, count) pairs; a step writes the slot of
+/// its new counts' parity, and [`MappedTokens::wait`] spins until the counts it expects show.
+pub struct MappedTokens {
+    host: *mut u32,
+    device_ptr: u64,
+    rows: usize,
+    device: DeviceId,
+    stream: std::sync::Arc<CudaStream>,
+}
+
+// SAFETY: the buffer is plain page-locked memory owned by this value; the device writes it only
+// through kernels queued on `stream`, and the host reads it with volatile loads.
+unsafe impl Send for MappedTokens {}
+unsafe impl Sync for MappedTokens {}
+
+/// How long [`MappedTokens::wait`] waits for a step before it reports an error instead of
+/// hanging (a decode step takes well under a second).
+const MAPPED_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+impl MappedTokens {
+    /// Room for the tokens of `rows` sequences, on `dev`.
+    pub fn new(dev: &CudaDevice, rows: usize) -> Result<Self> {
+        use candle_core::cuda_backend::cudarc::driver::result;
+        let stream = dev.cuda_stream();
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| err("host-mapped tokens: binding the context", e))?;
+        let len = 2 * 2 * rows.max(1);
+        // SAFETY: a fresh allocation of `len` u32, zeroed below before the device sees it.
+        let host = unsafe { result::malloc_host(len * 4, sys::CU_MEMHOSTALLOC_DEVICEMAP) }
+            .map_err(|e| err("host-mapped tokens: page-locked allocation", e))? as *mut u32;
+        // Count 0 is never a step's (a step leaves each count at 1 or more).
+        // SAFETY: `host` holds `len` u32.
+        unsafe { std::ptr::write_bytes(host, 0, len) };
+        let mut device_ptr = 0;
+        // SAFETY: `host` was allocated with DEVICEMAP in the current context.
+        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_ptr, host as *mut _, 0) }.result();
+        if let Err(e) = mapped {
+            // SAFETY: allocated above, not handed out.
+            unsafe { result::free_host(host as *mut _) }.ok();
+            return Err(err("host-mapped tokens: the device address", e));
+        }
+        Ok(Self {
+            host,
+            device_ptr,
+            rows,
+            device: dev.id(),
+            stream,
+        })
+    }
+
+    /// The rows this buffer holds.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Each row's token of the step that left row `r` holding `counts[r]` keys, once the device
+    /// has written it. An error (not a hang) if the stream fails or goes idle without it, or
+    /// after two minutes.
+    pub fn wait(&self, counts: &[u32]) -> Result<Vec<u32>> {
+        if counts.len() != self.rows {
+            bail!(
+                "flash-llama: waiting for {} host-mapped tokens of {} rows",
+                counts.len(),
+                self.rows
+            )
+        }
+        let entry = |row: usize, count: u32| -> *const u32 {
+            // SAFETY (of the callers' reads): within the 2 x rows pairs allocated in `new`.
+            unsafe { self.host.add(2 * ((count as usize & 1) * self.rows + row)) }
+        };
+        // SAFETY: aligned u32 reads inside the buffer, volatile because the device writes them.
+        let arrived =
+            || (0..self.rows).all(|r| unsafe { std::ptr::read_volatile(entry(r, counts[r]).add(1)) } == counts[r]);
+        let start = std::time::Instant::now();
+        let mut spins = 0u32;
+        while !arrived() {
+            spins = spins.wrapping_add(1);
+            if spins % 1024 == 0 {
+                // The stream idle (or failed) with a count missing: it will never show.
+                // SAFETY: a query of candle's live stream.
+                let state = unsafe { sys::cuStreamQuery(self.stream.cu_stream()) };
+                match state {
+                    sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                    sys::CUresult::CUDA_SUCCESS if arrived() => break,
+                    sys::CUresult::CUDA_SUCCESS => {
+                        bail!("flash-llama: the decode step ended without writing its tokens (counts {counts:?})")
+                    }
+                    e => return Err(err("waiting for the step's tokens", e)),
+                }
+                if start.elapsed() > MAPPED_WAIT {
+                    bail!("flash-llama: no tokens from the decode step after {MAPPED_WAIT:?}")
+                }
+            }
+            std::hint::spin_loop();
+        }
+        // The tokens were written before the counts (a system fence between them on the device).
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        // SAFETY: as above.
+        Ok((0..self.rows)
+            .map(|r| unsafe { std::ptr::read_volatile(entry(r, counts[r])) })
+            .collect())
+    }
+}
+
+impl Drop for MappedTokens {
+    fn drop(&mut self) {
+        use candle_core::cuda_backend::cudarc::driver::result;
+        // Nothing queued may still write the buffer once it is freed.
+        let _ = self.stream.synchronize();
+        // SAFETY: allocated in `new` with malloc_host, freed once.
+        let _ = unsafe { result::free_host(self.host as *mut _) };
     }
 }

@@ -25,6 +25,8 @@ use candle_core::{
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::MappedTokens;
 
 /// `(x + h, rms_norm(x + h) · w)` for `x`, `h` (.., dim) and `w` (dim): the updated residual
 /// stream and the normalised input of the next sub-block, in one launch. The sum is rounded to
@@ -279,8 +281,16 @@ fn logit_rows(logits: &Tensor) -> Result<usize> {
 /// [`argmax_rows`] written into `out` (rows,) u32, contiguous on the logits' GPU; with `bump`
 /// (rows,) u32, contiguous, also `bump += 1` in the same launch: a CUDA-graph decode step's token
 /// and key count advanced where the token is chosen, without a copy or an add of their own.
+/// With `host` (needs `bump`; as many rows), each token also goes straight to host memory, read
+/// by [`MappedTokens::wait`] with the row's new count: a replayed step's tokens reach the host
+/// without a copy queued between two replays.
 #[cfg(feature = "cuda")]
-pub fn argmax_rows_into(logits: &Tensor, out: &Tensor, bump: Option<&Tensor>) -> Result<()> {
+pub fn argmax_rows_into(
+    logits: &Tensor,
+    out: &Tensor,
+    bump: Option<&Tensor>,
+    host: Option<&MappedTokens>,
+) -> Result<()> {
     let rows = logit_rows(logits)?;
     for (what, t) in std::iter::once(("the output", out)).chain(bump.map(|b| ("the counts", b))) {
         if t.dims() != [rows] || t.dtype() != DType::U32 || !t.is_contiguous() {
@@ -296,7 +306,7 @@ pub fn argmax_rows_into(logits: &Tensor, out: &Tensor, bump: Option<&Tensor>) ->
     let candle_core::Storage::Cuda(x) = &*storage else {
         return Err(cuda_only("argmax"));
     };
-    cuda::argmax_rows_into((x, layout), out, bump)
+    cuda::argmax_rows_into((x, layout), out, bump, host)
 }
 
 /// Where [`rope_store`] puts the rotated k heads and the v heads.
