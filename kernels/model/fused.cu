@@ -132,6 +132,18 @@ __device__ void silu_mul(const T* __restrict__ y, T* __restrict__ out, size_t ro
     }
 }
 
+// Programmatic dependent launch (sm_90; PTX `griddepcontrol`). The host launches linear_vector
+// and rope_store with the launch attribute that lets their blocks start while the kernel before
+// them on the stream is still running (`launch_overlapping`, crates/model/src/fused/cuda.rs): a
+// projection's block requests its first weights, which nothing on the stream writes, then waits
+// for the earlier kernels to finish before it reads its input or writes anything; rope_store's
+// blocks only wait (what they save is their launch, ~0.5 us a layer). Kernels that let their
+// successor start early call `let_next_kernel_start` once every block of theirs is running; the
+// successor's blocks then fill the SMs as this kernel's last wave drains. Both are no-ops for a
+// normal launch.
+__device__ __forceinline__ void let_next_kernel_start() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_for_earlier_kernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // Where rope_store puts a token's rotated k heads and its v heads (y's heads [first, heads)):
 // rows of the model's own dtype, k heads then v heads side by side (`row_stride` elements a row).
 template <typename T>
@@ -172,6 +184,7 @@ template <typename T, typename Store>
 __device__ void rope_store(T* __restrict__ y, const T* __restrict__ cos, const T* __restrict__ sin, int tokens,
                            int heads, int d, int interleaved, const uint32_t* __restrict__ rows, int first,
                            Store store) {
+    wait_for_earlier_kernels();
     const int half = d / 2;
     const size_t n = (size_t)tokens * heads * half;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -242,15 +255,6 @@ constexpr int kMatvecUnroll = 4;
 // means more prologues, measured slower (docs/kernels/model-fused.md, session 28).
 constexpr int kMatvecSplit = 2;
 
-// Programmatic dependent launch (sm_90; PTX `griddepcontrol`). The host launches linear_vector
-// with the launch attribute that lets its blocks start while the kernel before it on the stream
-// is still running (`launch_overlapping`, crates/model/src/fused/cuda.rs): a block requests its
-// first weights, which nothing on the stream writes, then waits for the earlier kernels to
-// finish before it reads its input or writes anything. Kernels that let their successor start
-// early call `let_next_kernel_start` once every block of theirs is running; the successor's blocks
-// then fill the SMs as this kernel's last wave drains. Both are no-ops for a normal launch.
-__device__ __forceinline__ void let_next_kernel_start() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void wait_for_earlier_kernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 static_assert(kMatvecWarps * 32 == kNormThreads, "AddNormInput runs add_rms_norm's block code");
 
 template <typename T>

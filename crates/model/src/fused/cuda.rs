@@ -536,11 +536,13 @@ fn arg<T>(value: &T) -> *mut std::ffi::c_void {
 
 /// Launches `func` on `stream` as a programmatic dependent launch (sm_90): its blocks may start
 /// before the kernel queued before it has finished, as soon as that kernel's blocks have all
-/// started and let it (or have finished). Used for the matrix-vector products of a decode step:
-/// each block requests its first weights, which no kernel writes, while the kernel before drains,
-/// then waits (`griddepcontrol.wait`) until the earlier kernels are done before it reads its input
-/// or writes anything (kernels/model/fused.cu). Captured into a CUDA graph, the launch keeps the
-/// same edge. cudarc's launch builder has no launch attributes, hence the driver call.
+/// started and let it (or have finished). Used for the matrix-vector products of a decode step
+/// and the RoPE + KV store after them: each block requests its first weights (if any), which no
+/// kernel writes, while the kernel before drains, then waits (`griddepcontrol.wait`) until the
+/// earlier kernels are done before it reads its input or writes anything (kernels/model/fused.cu).
+/// Captured into a CUDA graph, the launch keeps the same edge where the node before it is a
+/// kernel ([`OverlapInCapture`]). cudarc's launch builder has no launch attributes, hence the
+/// driver call.
 ///
 /// # Safety
 /// `args` must be the kernel's arguments, each the address of a value of the parameter's type,
@@ -573,7 +575,7 @@ unsafe fn launch_overlapping(
     };
     sys::cuLaunchKernelEx(&config, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
         .result()
-        .map_err(|e| err("linear_vector launch", e))
+        .map_err(|e| err("overlapping launch", e))
 }
 
 pub(super) fn argmax_rows(x: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
@@ -748,27 +750,28 @@ fn rope_store_t<T: CudaDType + DeviceRepr>(
     let (ya, _guard) = slice.device_ptr_mut(&stream);
     let ya = ya + (start * std::mem::size_of::<T>()) as u64;
     let (tokens_i, heads_i, d_i, interleaved) = (tokens as i32, heads as i32, d as i32, interleaved as i32);
-    let mut b = stream.launch_builder(&func);
-    b.arg(&ya)
-        .arg(&ca)
-        .arg(&sa)
-        .arg(&tokens_i)
-        .arg(&heads_i)
-        .arg(&d_i)
-        .arg(&interleaved)
-        .arg(&rows_a);
+    let mut args = vec![
+        arg(&ya),
+        arg(&ca),
+        arg(&sa),
+        arg(&tokens_i),
+        arg(&heads_i),
+        arg(&d_i),
+        arg(&interleaved),
+        arg(&rows_a),
+    ];
     // The store's own arguments (see kernels/model/fused.cu: StoreRows, StoreE4m3).
     let (cache_a, row_stride, first, plane, kv_heads, quant_a);
     match (&kv_g, &quant_g) {
         (None, _) => {
             (cache_a, row_stride, first) = (0u64, 0i64, heads as i32);
-            b.arg(&cache_a).arg(&row_stride).arg(&first);
+            args.extend([arg(&cache_a), arg(&row_stride), arg(&first)]);
         }
         (Some((kv_s, kv_l)), None) => {
             cache_a = held_addr::<T>((kv_s, kv_l), &dev, dtype, OP, "the cache")?;
             let cached = kv_l.dims()[1];
             (row_stride, first) = ((cached * d) as i64, (heads - cached) as i32);
-            b.arg(&cache_a).arg(&row_stride).arg(&first);
+            args.extend([arg(&cache_a), arg(&row_stride), arg(&first)]);
         }
         (Some((kv_s, kv_l)), Some((q_s, q_l))) => {
             let kv_s = held_on(kv_s, &dev, OP, "the cache")?;
@@ -779,12 +782,19 @@ fn rope_store_t<T: CudaDType + DeviceRepr>(
             plane = (dims[1] * dims[2] * dims[3]) as i64;
             kv_heads = dims[2] as i32;
             quant_a = addr::<f32>(q_s, q_l, OP, "the quant factors")?;
-            b.arg(&cache_a).arg(&plane).arg(&kv_heads).arg(&quant_a);
+            args.extend([arg(&cache_a), arg(&plane), arg(&kv_heads), arg(&quant_a)]);
         }
     }
-    // SAFETY: y, cos, sin checked contiguous with their shapes by the caller; the cache rows are
-    // the model's own (each below the cache's row count), the cache contiguous.
-    unsafe { b.launch(grid(n)) }.map_err(|e| err("rope_store launch", e))?;
+    // An overlapping launch: its blocks start while the projection before drains, and wait for it
+    // before they touch anything (kernels/model/fused.cu). Captured, the edge from that
+    // projection is made programmatic by hand (`OverlapInCapture`; nothing is allocated here).
+    if let Some(capture) = OverlapInCapture::detach(&stream)? {
+        capture.attach(&stream)?;
+    }
+    // SAFETY: the arguments of the kernel's signature, in order; y, cos, sin checked contiguous
+    // with their shapes by the caller; the cache rows are the model's own (each below the cache's
+    // row count), the cache contiguous. The kernel touches memory only after its wait.
+    unsafe { launch_overlapping(&stream, &func, grid(n), &mut args) }?;
     drop((kv_g, rows_g, quant_g));
     Ok(())
 }
