@@ -473,6 +473,12 @@ fn argmax_rows_into_writes_the_tokens_and_advances_the_counts() -> Result<()> {
     assert!(argmax_rows_into(&logits, &strided, None, None).is_err());
     let out = Tensor::zeros(3, DType::U32, &dev)?;
     assert!(argmax_rows_into(&logits, &out, Some(&short), None).is_err());
+    // Strided logits: refused, as by argmax_rows.
+    let strided_logits = randn(&[64, 3], DType::F32, &dev).t()?;
+    assert!(argmax_rows_into(&strided_logits, &out, None, None)
+        .unwrap_err()
+        .to_string()
+        .contains("contiguous"));
     // Host-mapped tokens need the counts and as many rows.
     let counts = Tensor::zeros(3, DType::U32, &dev)?;
     let two = MappedTokens::new(dev.as_cuda_device()?, 2)?;

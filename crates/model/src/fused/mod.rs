@@ -283,7 +283,8 @@ fn logit_rows(logits: &Tensor) -> Result<usize> {
 /// and key count advanced where the token is chosen, without a copy or an add of their own.
 /// With `host` (needs `bump`; as many rows), each token also goes straight to host memory, read
 /// by [`MappedTokens::wait`] with the row's new count: a replayed step's tokens reach the host
-/// without a copy queued between two replays.
+/// without a copy queued between two replays. `logits` must be contiguous, as for
+/// [`argmax_rows`].
 #[cfg(feature = "cuda")]
 pub fn argmax_rows_into(
     logits: &Tensor,
@@ -301,7 +302,7 @@ pub fn argmax_rows_into(
             )
         }
     }
-    let logits = logits.contiguous()?;
+    // Strided logits are refused (by the launch's address check), as argmax_rows refuses them.
     let (storage, layout) = logits.storage_and_layout();
     let candle_core::Storage::Cuda(x) = &*storage else {
         return Err(cuda_only("argmax"));
