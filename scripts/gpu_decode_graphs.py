@@ -75,11 +75,7 @@ for name in args.models.split(","):
                 if binary is None:
                     sys.exit("mode base needs --base-bin")
                 cmd = [binary, "--model", d, "-n", str(args.new), "--dtype", "bf16", "--ignore-eos", "--warmup"]
-                for i, p in enumerate(prompts):
-                    path = f"{ids_file}.{i}"
-                    with open(path, "w") as f:
-                        f.write(",".join(map(str, p)))
-                    cmd += ["--token-ids", "@" + path]
+                cmd += g.token_id_args(prompts, ids_file)
                 if mode == "eager":
                     cmd.append("--no-cuda-graphs")
                 elif mode == "sampled":

@@ -49,11 +49,10 @@ cmd = (["ncu", "--clock-control", "none"] + (["--cache-control", "none"] if args
        + ["--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base",
           args.bin, "--model", d, "-n", "4" if args.graph else "2", "--dtype", "bf16", "--ignore-eos"]
        + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []))
-for b in range(args.batch):
-    path = os.path.join(args.work, f"profile-prompt-{b}.txt")
-    with open(path, "w") as f:
-        f.write(",".join(map(str, rng.integers(10, cfg["vocab_size"], size=args.prompt))))
-    cmd += ["--token-ids", "@" + path]
+cmd += g.token_id_args(
+    [rng.integers(10, cfg["vocab_size"], size=args.prompt).tolist() for _ in range(args.batch)],
+    os.path.join(args.work, "profile-prompt"),
+)
 r = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
 lines = r.stdout.splitlines()
 start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
@@ -64,9 +63,10 @@ rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
 kernels = [(row["Kernel Name"], float(row["Metric Value"].replace(",", ""))) for row in rows
            if row.get("Metric Name") == "gpu__time_duration.sum"]
 scale = 1e-3  # base unit: ns
-# Each step ends with its greedy argmax (fused::argmax_rows): the decode step is what follows the
-# prefill's.
-ends = [i for i, (name, _) in enumerate(kernels) if "argmax" in name]
+# Each step ends with its greedy argmax: the decode step is what follows the prefill's. The argmax
+# is one kernel (argmax_rows) in older builds, chunks then argmax_finish now: a step ends with the
+# last of them.
+ends = [i for i, (name, _) in enumerate(kernels) if "argmax_rows" in name or "argmax_finish" in name]
 if len(ends) < 2:
     print("no two argmax launches; kernels:", [n.split("(")[0] for n, _ in kernels[-60:]])
     sys.exit(1)

@@ -53,12 +53,10 @@ d = os.path.join(args.work, args.model)
 if not os.path.exists(os.path.join(d, "model.safetensors")):
     g.write_model(cfg, d, seed=7)
 rng = np.random.default_rng(5)
-prompts = []
-for b in range(args.batch):
-    path = os.path.join(args.work, f"timeline-prompt-{b}.txt")
-    with open(path, "w") as f:
-        f.write(",".join(map(str, rng.integers(10, cfg["vocab_size"], size=args.prompt))))
-    prompts += ["--token-ids", "@" + path]
+prompts = g.token_id_args(
+    [rng.integers(10, cfg["vocab_size"], size=args.prompt).tolist() for _ in range(args.batch)],
+    os.path.join(args.work, "timeline-prompt"),
+)
 
 
 def trace(binary, tag):

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_model_check import MODELS, write_model  # noqa: E402
+from gpu_model_check import MODELS, token_id_args, write_model  # noqa: E402
 
 GEN = re.compile(
     r"prompt: (\d+) tokens in ([\d.]+)s \(([\d.]+) tokens/s\); generation: (\d+) tokens in ([\d.]+)s \(([\d.]+) tokens/s\)"
@@ -49,11 +49,7 @@ def decode_speed(args, model_dir, prompts, kv):
     cmd += ["--kv-cache-dtype", kv]
     # Through files: 32k-token prompts overflow a command line.
     os.makedirs(args.work, exist_ok=True)
-    for i, p in enumerate(prompts):
-        path = os.path.join(args.work, f"prompt{i}.txt")
-        with open(path, "w") as f:
-            f.write(",".join(map(str, p)))
-        cmd += ["--token-ids", "@" + path]
+    cmd += token_id_args(prompts, os.path.join(args.work, "prompt"))
     r, secs = run(cmd, args.timeout)
     m = GEN.search(r.stderr)
     if not m:

@@ -207,6 +207,18 @@ def hf_teacher_forced(model, prompt, cont):
     return out[len(prompt) - 1 :].cpu().numpy()
 
 
+def token_id_args(prompts, stem):
+    """`generate` arguments for `prompts` (lists of token ids): each written to `{stem}.{i}` and
+    passed as `--token-ids @file` (a long prompt on the command line can pass ARG_MAX)."""
+    out = []
+    for i, p in enumerate(prompts):
+        path = f"{stem}.{i}"
+        with open(path, "w") as f:
+            f.write(",".join(map(str, p)))
+        out += ["--token-ids", "@" + path]
+    return out
+
+
 def ours(args, model_dir, prompts, n, extra, timeout=900, bin=None):
     cmd = [bin or args.bin, "--model", model_dir, "-n", str(n)] + extra
     for p in prompts:
