@@ -382,7 +382,11 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
             None => Ok(()),
         }
     };
-    let accept_all = |run: &mut Progress<F>, tokens: Vec<u32>| -> Result<()> {
+    // Waits for a step's tokens (`wait_for`, timed as the decode's wait) and takes them.
+    let accept_all = |run: &mut Progress<F>, wait_for: &dyn Fn() -> Result<Vec<u32>>| -> Result<()> {
+        let wait = Instant::now();
+        let tokens = wait_for()?;
+        run.waited(wait.elapsed().as_secs_f64());
         for (i, &token) in tokens.iter().enumerate() {
             if !run.done[i] {
                 run.accept(i, token)?;
@@ -393,10 +397,7 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
     };
     // The prefill's tokens, alone (nothing queued behind the prefill, so its time is its own).
     readback.start(&first)?;
-    let wait = Instant::now();
-    let tokens = readback.wait()?;
-    run.waited(wait.elapsed().as_secs_f64());
-    accept_all(run, tokens)?;
+    accept_all(run, &|| readback.wait())?;
     if run.all_done() {
         return Ok(());
     }
@@ -427,13 +428,10 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
             draw(&graph, produced)?;
             cache.advance_all();
         }
-        let wait = Instant::now();
-        let tokens = match sampled {
-            Some(_) => readback.wait()?,
-            None => graph.wait_tokens(&counts)?,
-        };
-        run.waited(wait.elapsed().as_secs_f64());
-        accept_all(run, tokens)?;
+        accept_all(run, &|| match sampled {
+            Some(_) => readback.wait(),
+            None => graph.wait_tokens(&counts),
+        })?;
         if run.all_done() {
             return Ok(());
         }

@@ -979,11 +979,6 @@ impl MappedTokens {
         })
     }
 
-    /// The rows this buffer holds.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
     /// Each row's token of the step that left row `r` holding `counts[r]` keys, once the device
     /// has written it. An error (not a hang) if the stream fails or goes idle without it, or
     /// after two minutes.
