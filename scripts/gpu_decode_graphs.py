@@ -42,6 +42,7 @@ start = time.time()
 
 PAT = re.compile(r"generation: (\d+) tokens in [\d.]+s \(([\d.]+) tokens/s\)")
 ITL = re.compile(r"inter-token latency: p50 ([\d.]+) ms, p99 ([\d.]+) ms")
+PRE = re.compile(r"prompt: (\d+) tokens in [\d.]+s \(([\d.]+) tokens/s\)")
 
 
 def weight_bytes(cfg):
@@ -92,7 +93,11 @@ for name in args.models.split(","):
                 if r.returncode != 0 or not m:
                     print(f"{name} batch {batch} {mode}: FAILED (rc {r.returncode})\n{r.stderr[-2000:]}", flush=True)
                     continue
-                res[mode].append((float(m.group(2)), float(itl.group(1)), float(itl.group(2))))
+                pre = PRE.search(r.stderr)
+                # The prefill's time (time to the first token), and the prefill and decode's together.
+                pre_ms = 1e3 * int(pre.group(1)) / float(pre.group(2)) if pre else float("nan")
+                total_ms = pre_ms + 1e3 * int(m.group(1)) / float(m.group(2))
+                res[mode].append((float(m.group(2)), float(itl.group(1)), float(itl.group(2)), pre_ms, total_ms))
         for mode, v in res.items():
             if not v:
                 rows.append((name, batch, mode, None, None, None, "", bound))
@@ -100,8 +105,10 @@ for name in args.models.split(","):
             tok = statistics.median(x[0] for x in v)
             p50 = statistics.median(x[1] for x in v)
             p99 = statistics.median(x[2] for x in v)
+            pre = statistics.median(x[3] for x in v)
+            total = statistics.median(x[4] for x in v)
             runs = ", ".join(f"{x[0]:.1f}" for x in v)
-            print(f"{name} batch {batch} {mode}: decode median {tok:.1f} tokens/s (runs {runs}); ITL p50 {p50:.2f} ms, p99 {p99:.2f} ms", flush=True)
+            print(f"{name} batch {batch} {mode}: decode median {tok:.1f} tokens/s (runs {runs}); ITL p50 {p50:.2f} ms, p99 {p99:.2f} ms; prefill {pre:.2f} ms, prefill + decode {total:.2f} ms", flush=True)
             rows.append((name, batch, mode, tok, p50, p99, runs, bound))
 
 print(f"\n| model | batch | mode | decode tokens/s (median) | runs | ITL p50 ms | ITL p99 ms | batch 1: % of the weight-bandwidth bound |")

@@ -93,6 +93,26 @@ impl DecodeGraph {
         lens: &[usize],
         scratch: Option<u32>,
     ) -> Result<Self> {
+        match Self::start_then(model, cache, sampling, tokens, lens, scratch, &mut || Ok(true))? {
+            Some(graph) => Ok(graph),
+            None => bail!("internal error: a decode graph's capture called off"),
+        }
+    }
+
+    /// [`DecodeGraph::start`], calling `between` once the eager step is queued and before the
+    /// capture: the host's time between the two (the capture and instantiation, ~2 ms at the 1B
+    /// shape) is the caller's to use first, for work queued before the step (the prefill's
+    /// tokens). `between` returning false calls the capture off (`None`; the eager step still
+    /// runs).
+    pub(crate) fn start_then(
+        model: &Llama,
+        cache: &KvCache,
+        sampling: Sampling,
+        tokens: &Tensor,
+        lens: &[usize],
+        scratch: Option<u32>,
+        between: &mut dyn FnMut() -> Result<bool>,
+    ) -> Result<Option<Self>> {
         let paged = cache.paging.is_some();
         if !Self::fits_fed(model, cache) || (paged && (sampling != Sampling::Logits || scratch.is_none())) {
             bail!("internal error: a decode graph for a model or cache it does not fit")
@@ -155,6 +175,9 @@ impl DecodeGraph {
         // error during the capture, never a stale read).
         let _param_cache = dev.as_cuda_device()?.enable_cuda_graph_htod_cache();
         body()?;
+        if !between()? {
+            return Ok(None);
+        }
 
         let stream = dev.as_cuda_device()?.cuda_stream();
         let driver = |what: &str, e| candle_core::Error::Msg(format!("flash-llama: decode graph: {what}: {e:?}"));
@@ -174,14 +197,14 @@ impl DecodeGraph {
             None => bail!("flash-llama: decode graph: the capture recorded nothing"),
         };
         graph.upload().map_err(|e| driver("upload", e))?;
-        Ok(Self {
+        Ok(Some(Self {
             graph,
             ids,
             lens,
             rows_in,
             logits,
             mapped,
-        })
+        }))
     }
 
     /// Sequences the graph decodes (the first ones of the cache).

@@ -255,9 +255,10 @@ type ChooseTokens<'a> = dyn Fn(candle_core::Tensor, &[usize], usize) -> Result<c
 /// the next step's input, and that next step is queued *before* the host waits for its copy of
 /// them: the host prepares step t + 1 (a few hundred launches) while the device runs step t,
 /// instead of the two taking turns. The queued step guesses that no sequence stops at step t;
-/// the rows of one that does are dropped (its cache gets one key it never reads). Nothing is
-/// queued behind the prefill, so that its time is the prompt's alone. The decode steps replay a
-/// CUDA graph where it applies ([`graph_decode`]).
+/// the rows of one that does are dropped (its cache gets one key it never reads). Eagerly,
+/// nothing is queued behind the prefill, so that its time is the prompt's alone. The decode
+/// steps replay a CUDA graph where it applies ([`graph_decode`]), which is made while the
+/// prefill runs.
 #[cfg(feature = "cuda")]
 fn choose_on_device<F: FnMut(usize, u32) -> Result<Flow>>(
     model: &Llama,
@@ -395,17 +396,30 @@ fn graph_decode<F: FnMut(usize, u32) -> Result<Flow>>(
         run.end_step();
         Ok(())
     };
-    // The prefill's tokens, alone (nothing queued behind the prefill, so its time is its own).
+    // The prefill's tokens are copied out first. The graph's eager first step is queued behind
+    // them, and the host waits for them (streams them) before it captures and instantiates the
+    // graph: the eager step's launches (~1.5 ms of host work at the 1B shape) overlap the
+    // prefill, the time to the first token stays the prefill's, and the device runs the first
+    // decode step during the capture. If the prefill's tokens end every sequence, the capture is
+    // called off (the eager step's key in each cache is never read).
     readback.start(&first)?;
-    accept_all(run, &|| readback.wait())?;
-    if run.all_done() {
-        return Ok(());
-    }
     let mode = match sampled {
         None => Sampling::Greedy,
         Some(_) => Sampling::Logits,
     };
-    let graph = DecodeGraph::start(model, cache, mode, &first, cache.lens(), None)?;
+    let graph = match run.opts.max_tokens > 1 {
+        true => DecodeGraph::start_then(model, cache, mode, &first, cache.lens(), None, &mut || {
+            accept_all(run, &|| readback.wait())?;
+            Ok(!run.all_done())
+        })?,
+        false => {
+            accept_all(run, &|| readback.wait())?;
+            None
+        }
+    };
+    let Some(graph) = graph else {
+        return Ok(());
+    };
     draw(&graph, 1)?;
     cache.advance_all();
     loop {
