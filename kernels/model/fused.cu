@@ -233,6 +233,62 @@ __device__ void rope_angles(const uint32_t* __restrict__ positions, const float*
     }
 }
 
+// The inputs of a graph-replayed decode step's first layer, in one launch: what were five
+// candle kernels (~10 µs a step at batch 1: the key counts + 1, the cache rows, the rotary
+// tables, the embedding lookup and the first RMSNorm). One block per row b:
+//  - seqlens[b] = lens[b] + 1 (the keys the attention sees); cache_rows[b] = lens[b] +
+//    slot_starts[b] where slot_starts is given (a contiguous cache; a paged one's rows come from
+//    the host);
+//  - cos / sin (rows, per_token) of the angle lens[b] × inv_freq[j], as rope_angles;
+//  - x = embed[ids[b]] (a row of NaN for an id past the vocabulary: never a read outside it) and
+//    normed = RMSNorm(x) · w with candle's own rmsnorm arithmetic (candle-kernels' reduce.cu: the
+//    same block size, 32 threads below 1024 columns and 1024 from there, the same per-thread
+//    column stride, warp and block reductions and rounding), so the step computes the bits its
+//    eager twin does.
+// The block lets the first projection's blocks start at once (they load weights, then wait).
+template <typename T>
+__device__ void decode_prologue(const uint32_t* __restrict__ ids, const uint32_t* __restrict__ lens,
+                                const uint32_t* __restrict__ slot_starts, const float* __restrict__ inv_freq,
+                                const T* __restrict__ embed, const T* __restrict__ norm_w, uint32_t* seqlens,
+                                uint32_t* cache_rows, T* cos_out, T* sin_out, T* x_out, T* normed_out, int hidden,
+                                int per_token, uint32_t vocab, float eps) {
+    let_next_kernel_start();
+    const int row = blockIdx.x, tid = threadIdx.x, threads = blockDim.x;
+    const uint32_t len = lens[row];
+    if (tid == 0) {
+        seqlens[row] = len + 1;
+        if (cache_rows != nullptr) cache_rows[row] = len + slot_starts[row];
+    }
+    for (int j = tid; j < per_token; j += threads) {
+        const float angle = __fmul_rn((float)len, inv_freq[j]);
+        cos_out[(size_t)row * per_token + j] = from_f<T>(cosf(angle));
+        sin_out[(size_t)row * per_token + j] = from_f<T>(sinf(angle));
+    }
+    const uint32_t id = ids[row];
+    const T* src = embed + (size_t)(id < vocab ? id : 0) * hidden;
+    T* x = x_out + (size_t)row * hidden;
+    T* normed = normed_out + (size_t)row * hidden;
+    const float nan = __int_as_float(0x7fc00000);
+    float sum = 0.f;
+    for (int c = tid; c < hidden; c += threads) {
+        const T v = id < vocab ? src[c] : from_f<T>(nan);
+        x[c] = v;
+        const float xi = to_f(v);
+        sum += xi * xi;
+    }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (threads > 32) {
+        __shared__ float warp_sums[32];
+        if (tid % 32 == 0) warp_sums[tid / 32] = sum;
+        __syncthreads();
+        sum = warp_sums[tid % 32];
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    const float mean = sum / hidden;
+    const float scale = rsqrtf(mean + eps);
+    for (int c = tid; c < hidden; c += threads) normed[c] = from_f<T>(scale * to_f(x[c]) * to_f(norm_w[c]));
+}
+
 // y (n) = w · x [+ bias] for one row x (k) and w (n, k) row-major (a linear layer's weight): the
 // projections of a batch-1 decode step, a matrix-vector product bound by reading w once. One warp
 // per output: its lanes stream the output's weight row in 16-byte loads, kMatvecUnroll of them in
@@ -469,6 +525,13 @@ __device__ void choose_among_chunks(const float* __restrict__ part_best, const u
     extern "C" __global__ void rope_angles_##SUFFIX(const uint32_t* positions, const float* inv_freq, T* cos_out,     \
                                                     T* sin_out, int tokens, int per_token) {                          \
         rope_angles<T>(positions, inv_freq, cos_out, sin_out, tokens, per_token);                                     \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(1024) decode_prologue_##SUFFIX(                                     \
+        const uint32_t* ids, const uint32_t* lens, const uint32_t* slot_starts, const float* inv_freq, const T* embed,  \
+        const T* norm_w, uint32_t* seqlens, uint32_t* cache_rows, T* cos_out, T* sin_out, T* x_out, T* normed_out,    \
+        int hidden, int per_token, unsigned vocab, float eps) {                                                       \
+        decode_prologue<T>(ids, lens, slot_starts, inv_freq, embed, norm_w, seqlens, cache_rows, cos_out, sin_out,    \
+                           x_out, normed_out, hidden, per_token, vocab, eps);                                          \
     }                                                                                                                 \
     extern "C" __global__ void rope_store_##SUFFIX(T* y, const T* cos, const T* sin, int tokens, int heads, int d,   \
                                                    int interleaved, const uint32_t* rows, T* cache,                  \

@@ -469,14 +469,27 @@ impl Attention {
 struct Residual {
     x: Tensor,
     h: Option<Tensor>,
+    /// Before the first block only (`h` None): `norm(x)` by the first block's input norm, where
+    /// it was computed with the embedding lookup ([`crate::fused::decode_prologue`]).
+    first_normed: Option<Tensor>,
 }
 
 impl Residual {
+    /// The stream after a sub-block: `x`, and `h` not yet added to it.
+    fn after(x: Tensor, h: Tensor) -> Self {
+        Self {
+            x,
+            h: Some(h),
+            first_normed: None,
+        }
+    }
+
     /// `(x + h, norm(x + h))`.
     fn normed(&self, norm: &RmsNorm) -> Result<(Tensor, Tensor)> {
-        match &self.h {
-            None => Ok((self.x.clone(), norm.forward(&self.x)?)),
-            Some(h) => norm.add_forward(&self.x, h),
+        match (&self.h, &self.first_normed) {
+            (None, Some(normed)) => Ok((self.x.clone(), normed.clone())),
+            (None, None) => Ok((self.x.clone(), norm.forward(&self.x)?)),
+            (Some(h), _) => norm.add_forward(&self.x, h),
         }
     }
 
@@ -898,16 +911,37 @@ impl Llama {
         cache: &KvCache,
     ) -> Result<Tensor> {
         let batch = ids.dim(0)?;
-        let seqlens = lens.affine(1.0, 1.0)?;
-        let (group, cache_rows) = match rows {
-            DecodeRows::Slots { slot_starts } => (CacheGroup::one_token_each(batch, seqlens), (lens + slot_starts)?),
-            DecodeRows::Pages { cache_rows, page_table } => (
+        let (Some(inv_freq), Some(first)) = (&self.inv_freq_heads, self.layers.first()) else {
+            bail!("internal error: a decode step on the device without per-head rotary tables or layers")
+        };
+        // The key counts + 1, the cache rows, the rotary tables, the embedding and the first
+        // norm in one launch.
+        let prologue = crate::fused::decode_prologue(&crate::fused::PrologueInputs {
+            ids,
+            lens,
+            slot_starts: match rows {
+                DecodeRows::Slots { slot_starts } => Some(slot_starts),
+                DecodeRows::Pages { .. } => None,
+            },
+            inv_freq,
+            embed: self.embed_tokens.embeddings(),
+            norm_weight: first.input_layernorm.weight(),
+            eps: first.input_layernorm.eps(),
+        })?;
+        let seqlens = prologue.seqlens;
+        let (group, cache_rows) = match (rows, prologue.cache_rows) {
+            (DecodeRows::Slots { .. }, Some(cache_rows)) => (CacheGroup::one_token_each(batch, seqlens), cache_rows),
+            (DecodeRows::Pages { cache_rows, page_table }, _) => (
                 CacheGroup::one_token_each_paged(batch, seqlens, page_table.clone()),
                 cache_rows.clone(),
             ),
+            (DecodeRows::Slots { .. }, None) => bail!("internal error: the decode prologue left out the cache rows"),
         };
         let plan = Plan {
-            rope: self.rope_tables(lens)?,
+            rope: RopeTables::PerHead {
+                cos: prologue.cos,
+                sin: prologue.sin,
+            },
             keys: KeySource::KvCacheCalls {
                 groups: vec![group],
                 unpermute: None,
@@ -917,7 +951,12 @@ impl Llama {
             writes: Vec::new(),
             cache_rows: Some(cache_rows),
         };
-        let stream = self.run_layers(ids, &plan, Some(cache))?;
+        let stream = Residual {
+            x: prologue.x,
+            h: None,
+            first_normed: Some(prologue.normed),
+        };
+        let stream = self.run_layers_from(stream, &plan, Some(cache))?;
         Ok(stream.project(&self.norm, &self.lm_head, self.kernels)?.1)
     }
 
@@ -1103,7 +1142,19 @@ impl Llama {
             Kernels::Trainable => crate::train_ops::embedding(self.embed_tokens.embeddings(), &ids.to_vec1::<u32>()?)?,
             _ => self.embed_tokens.forward(ids)?,
         };
-        let mut stream = Residual { x, h: None };
+        self.run_layers_from(
+            Residual {
+                x,
+                h: None,
+                first_normed: None,
+            },
+            plan,
+            cache,
+        )
+    }
+
+    /// [`Llama::run_layers`] from the embedded tokens (`stream`: `h` None).
+    fn run_layers_from(&self, mut stream: Residual, plan: &Plan, cache: Option<&KvCache>) -> Result<Residual> {
         for (i, block) in self.layers.iter().enumerate() {
             let layer_cache = cache.map(|c| &c.layers[i]);
             let (x, h) = block
@@ -1112,11 +1163,8 @@ impl Llama {
             let h = self.sum_over_shards(h)?;
             let (x, h) = block
                 .mlp
-                .forward(&Residual { x, h: Some(h) }, &block.post_attention_layernorm)?;
-            stream = Residual {
-                x,
-                h: Some(self.sum_over_shards(h)?),
-            };
+                .forward(&Residual::after(x, h), &block.post_attention_layernorm)?;
+            stream = Residual::after(x, self.sum_over_shards(h)?);
         }
         Ok(stream)
     }

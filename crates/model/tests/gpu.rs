@@ -9,9 +9,9 @@ mod common;
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use common::{abs_sum, hf_model, mixed_steps, rel_diff, tokens, Family, VOCAB};
 use flash_llama::fused::{
-    add_rms_norm, argmax_rows, argmax_rows_into, linear_vector, linear_vector_add_norm, linear_vector_add_norm_fits,
-    linear_vector_fits, linear_vector_silu, linear_vector_silu_fits, rope_angles, rope_store, silu_mul, store_e4m3,
-    CacheStore, MappedTokens,
+    add_rms_norm, argmax_rows, argmax_rows_into, decode_prologue, linear_vector, linear_vector_add_norm,
+    linear_vector_add_norm_fits, linear_vector_fits, linear_vector_silu, linear_vector_silu_fits, rope_angles,
+    rope_store, silu_mul, store_e4m3, CacheStore, MappedTokens, PrologueInputs,
 };
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::nn::{rope_angles_per_head, rope_per_head, RmsNorm};
@@ -561,6 +561,208 @@ fn rope_angles_match_the_composed_ops() -> Result<()> {
     let matrix = Tensor::zeros((2, 2), DType::U32, &dev)?;
     assert!(rope_angles(&matrix, &inv_t, DType::BF16).is_err());
     assert!(rope_angles(&pos_t, &inv_t.to_dtype(DType::BF16)?, DType::BF16).is_err());
+    Ok(())
+}
+
+/// The bits of a tensor, for exact comparisons (NaN equal to NaN of the same bits).
+fn bits(t: &Tensor) -> Vec<u32> {
+    match t.dtype() {
+        DType::U32 => t.flatten_all().unwrap().to_vec1().unwrap(),
+        DType::F32 => t
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect(),
+        DType::BF16 => t
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits() as u32)
+            .collect(),
+        DType::F16 => t
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<half::f16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits() as u32)
+            .collect(),
+        d => panic!("bits of {d:?}"),
+    }
+}
+
+#[test]
+fn decode_prologue_matches_the_composed_ops() -> Result<()> {
+    let dev = gpu();
+    // (rows, vocab, hidden, per-head tables): candle's rmsnorm takes 1024 threads from 1024
+    // columns and 32 below, so both block sizes, and odd widths, are covered.
+    for (rows, vocab, hidden, heads, half) in [
+        (1usize, 1000usize, 2048usize, 5usize, 32usize),
+        (3, 517, 576, 3, 16),
+        (2, 64, 1000, 1, 8),
+        (5, 300, 4096, 6, 64),
+    ] {
+        for dtype in DTYPES {
+            let embed = randn(&[vocab, hidden], dtype, &dev).affine(3.0, 0.5)?;
+            let weight = randn(&[hidden], dtype, &dev);
+            let eps = 1e-5;
+            let ids: Vec<u32> = (0..rows).map(|r| ((r * 7919 + 13) % vocab) as u32).collect();
+            let lens: Vec<u32> = (0..rows).map(|r| (r * 977 + 5) as u32).collect();
+            let slots: Vec<u32> = (0..rows).map(|r| (r * 4096) as u32).collect();
+            let inv: Vec<f32> = (0..heads * half)
+                .map(|i| 500_000f32.powf(-((i % half) as f32) / half as f32))
+                .collect();
+            let (ids_t, lens_t, slots_t) = (
+                Tensor::new(ids.as_slice(), &dev)?,
+                Tensor::new(lens.as_slice(), &dev)?,
+                Tensor::new(slots.as_slice(), &dev)?,
+            );
+            let inv_t = Tensor::from_vec(inv, (heads, half), &dev)?;
+            for slot_starts in [Some(&slots_t), None] {
+                let out = decode_prologue(&PrologueInputs {
+                    ids: &ids_t,
+                    lens: &lens_t,
+                    slot_starts,
+                    inv_freq: &inv_t,
+                    embed: &embed,
+                    norm_weight: &weight,
+                    eps,
+                })?;
+                let what = format!("{dtype:?} rows {rows} hidden {hidden}");
+                let plus_one: Vec<u32> = lens.iter().map(|l| l + 1).collect();
+                assert_eq!(out.seqlens.to_vec1::<u32>()?, plus_one, "{what}: key counts");
+                match (slot_starts, &out.cache_rows) {
+                    (Some(_), Some(r)) => {
+                        let want: Vec<u32> = lens.iter().zip(&slots).map(|(l, s)| l + s).collect();
+                        assert_eq!(r.to_vec1::<u32>()?, want, "{what}: cache rows");
+                    }
+                    (None, None) => {}
+                    _ => panic!("{what}: cache rows given without slot starts, or missing"),
+                }
+                let (cos, sin) = rope_angles(&lens_t, &inv_t, dtype)?;
+                assert_eq!(out.cos.dims(), [rows, heads, half]);
+                assert_eq!(bits(&out.cos), bits(&cos), "{what}: cos");
+                assert_eq!(bits(&out.sin), bits(&sin), "{what}: sin");
+                let x = embed.index_select(&ids_t, 0)?;
+                assert_eq!(bits(&out.x), bits(&x), "{what}: embedding rows");
+                let normed = candle_nn::ops::rms_norm(&x, &weight, eps as f32)?;
+                assert_eq!(bits(&out.normed), bits(&normed), "{what}: RMSNorm");
+                // And against f64, so that the two cannot agree on a wrong value.
+                let x64: Vec<Vec<f64>> = x.to_dtype(DType::F64)?.to_vec2()?;
+                let w64: Vec<f64> = weight.to_dtype(DType::F64)?.to_vec1()?;
+                let got: Vec<Vec<f32>> = out.normed.to_dtype(DType::F32)?.to_vec2()?;
+                for (r, row) in x64.iter().enumerate() {
+                    let scale = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / hidden as f64 + eps).sqrt();
+                    for c in 0..hidden {
+                        let want = row[c] * scale * w64[c];
+                        let g = got[r][c] as f64;
+                        assert!(
+                            (g - want).abs() <= 2.0 * tol(dtype) as f64 * want.abs().max(1.0),
+                            "{what}: normed[{r}][{c}] {g} against {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // An id past the vocabulary reads as a row of NaN, not as memory past the table.
+    let embed = randn(&[10, 64], DType::BF16, &dev);
+    let weight = randn(&[64], DType::BF16, &dev);
+    let inv_t = Tensor::new(&[1f32, 0.5], &dev)?;
+    let lens_t = Tensor::new(&[3u32, 4], &dev)?;
+    let ids_t = Tensor::new(&[2u32, 10], &dev)?;
+    let inputs = PrologueInputs {
+        ids: &ids_t,
+        lens: &lens_t,
+        slot_starts: None,
+        inv_freq: &inv_t,
+        embed: &embed,
+        norm_weight: &weight,
+        eps: 1e-6,
+    };
+    let out = decode_prologue(&inputs)?;
+    let x: Vec<Vec<f32>> = out.x.to_dtype(DType::F32)?.to_vec2()?;
+    let normed: Vec<Vec<f32>> = out.normed.to_dtype(DType::F32)?.to_vec2()?;
+    assert!(x[0].iter().chain(&normed[0]).all(|v| v.is_finite()));
+    assert!(
+        x[1].iter().chain(&normed[1]).all(|v| v.is_nan()),
+        "an id past the vocabulary"
+    );
+    // Bad inputs are refused.
+    let bad_ids = Tensor::new(&[1f32, 2.0], &dev)?;
+    let short_lens = Tensor::new(&[1u32], &dev)?;
+    let f16_weight = weight.to_dtype(DType::F16)?;
+    let short_weight = randn(&[63], DType::BF16, &dev);
+    let bf16_freq = inv_t.to_dtype(DType::BF16)?;
+    let cpu_embed = embed.to_device(&Device::Cpu)?;
+    let strided = randn(&[64, 10], DType::BF16, &dev).t()?;
+    let no_ids = Tensor::zeros(0, DType::U32, &dev)?;
+    for (what, case) in [
+        (
+            "f32 ids",
+            PrologueInputs {
+                ids: &bad_ids,
+                ..inputs
+            },
+        ),
+        (
+            "fewer counts than ids",
+            PrologueInputs {
+                lens: &short_lens,
+                ..inputs
+            },
+        ),
+        (
+            "an f16 norm weight",
+            PrologueInputs {
+                norm_weight: &f16_weight,
+                ..inputs
+            },
+        ),
+        (
+            "a short norm weight",
+            PrologueInputs {
+                norm_weight: &short_weight,
+                ..inputs
+            },
+        ),
+        (
+            "bf16 frequencies",
+            PrologueInputs {
+                inv_freq: &bf16_freq,
+                ..inputs
+            },
+        ),
+        (
+            "a CPU embedding",
+            PrologueInputs {
+                embed: &cpu_embed,
+                ..inputs
+            },
+        ),
+        (
+            "a strided embedding",
+            PrologueInputs {
+                embed: &strided,
+                ..inputs
+            },
+        ),
+        (
+            "no rows",
+            PrologueInputs {
+                ids: &no_ids,
+                lens: &no_ids,
+                ..inputs
+            },
+        ),
+    ] {
+        assert!(decode_prologue(&case).is_err(), "{what} must be refused");
+    }
     Ok(())
 }
 

@@ -280,6 +280,79 @@ fn rope_angles_t<T: CudaDType + DeviceRepr>(
     Ok(T::wrap_cuda_slice(out, dev))
 }
 
+/// [`super::decode_prologue`]'s launch: one block per row, 32 threads below 1024 columns and 1024
+/// from there (candle's rmsnorm block size, whose arithmetic the kernel repeats). The inputs'
+/// dtypes, shapes and devices are checked by the caller.
+pub(super) fn decode_prologue(inputs: &super::PrologueInputs, out: &super::DecodePrologue) -> Result<()> {
+    by_dtype!("decode prologue", inputs.embed.dtype(), decode_prologue_t(inputs, out))
+}
+
+fn decode_prologue_t<T: CudaDType + DeviceRepr>(
+    inputs: &super::PrologueInputs,
+    out: &super::DecodePrologue,
+) -> Result<()> {
+    const OP: &str = "decode prologue";
+    let dtype = inputs.embed.dtype();
+    let dev = inputs.embed.device().as_cuda_device()?.clone();
+    let (vocab, hidden) = inputs.embed.dims2()?;
+    let rows = inputs.ids.dims1()?;
+    let per_token = inputs.inv_freq.elem_count();
+    // Read locks on every tensor for the launch.
+    let u32_of = |t: &Tensor, what: &str| -> Result<u64> {
+        let g = t.storage_and_layout();
+        held_addr::<u32>((&g.0, g.1), &dev, DType::U32, OP, what)
+    };
+    let t_of = |t: &Tensor, what: &str| -> Result<u64> {
+        let g = t.storage_and_layout();
+        held_addr::<T>((&g.0, g.1), &dev, dtype, OP, what)
+    };
+    let ids = u32_of(inputs.ids, "the token ids")?;
+    let lens = u32_of(inputs.lens, "the key counts")?;
+    let slots = match inputs.slot_starts {
+        Some(t) => u32_of(t, "the slot starts")?,
+        None => 0,
+    };
+    let inv_freq = {
+        let g = inputs.inv_freq.storage_and_layout();
+        held_addr::<f32>((&g.0, g.1), &dev, DType::F32, OP, "the frequencies")?
+    };
+    let embed = t_of(inputs.embed, "the embedding")?;
+    let norm_w = t_of(inputs.norm_weight, "the norm's weight")?;
+    let seqlens = u32_of(&out.seqlens, "the key counts + 1")?;
+    let cache_rows = match &out.cache_rows {
+        Some(t) => u32_of(t, "the cache rows")?,
+        None => 0,
+    };
+    let (cos, sin) = (t_of(&out.cos, "cos")?, t_of(&out.sin, "sin")?);
+    let (x, normed) = (t_of(&out.x, "x")?, t_of(&out.normed, "the normed x")?);
+    let func = function(&dev, format!("decode_prologue_{}", suffix(dtype, OP)?))?;
+    let stream = dev.cuda_stream();
+    let (hidden_i, per_token_i, vocab_u, eps) = (hidden as i32, per_token as i32, vocab as u32, inputs.eps as f32);
+    let mut b = stream.launch_builder(&func);
+    b.arg(&ids)
+        .arg(&lens)
+        .arg(&slots)
+        .arg(&inv_freq)
+        .arg(&embed)
+        .arg(&norm_w);
+    b.arg(&seqlens)
+        .arg(&cache_rows)
+        .arg(&cos)
+        .arg(&sin)
+        .arg(&x)
+        .arg(&normed);
+    b.arg(&hidden_i).arg(&per_token_i).arg(&vocab_u).arg(&eps);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (if hidden < 1024 { 32 } else { 1024 }, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: contiguous tensors of the shapes the caller checked; each block writes its row of
+    // every output.
+    unsafe { b.launch(cfg) }.map_err(|e| err("decode_prologue launch", e))?;
+    Ok(())
+}
+
 pub(super) fn linear_vector(
     x: (&CudaStorage, &Layout),
     w: (&CudaStorage, &Layout),

@@ -83,6 +83,112 @@ pub fn rope_angles(positions: &Tensor, inv_freq: &Tensor, dtype: DType) -> Resul
     Ok((both.get(0)?, both.get(1)?))
 }
 
+/// What [`decode_prologue`] reads: a decode step's tokens and key counts and the model's first
+/// layer inputs.
+#[derive(Clone, Copy)]
+pub struct PrologueInputs<'a> {
+    /// (rows,) u32: each sequence's last token.
+    pub ids: &'a Tensor,
+    /// (rows,) u32: the keys each sequence holds before the step (its new token's position).
+    pub lens: &'a Tensor,
+    /// (rows,) u32: where each sequence's rows start in a contiguous cache; `None` over a paged
+    /// cache (its rows come from the host).
+    pub slot_starts: Option<&'a Tensor>,
+    /// f32, any shape: the rotary frequencies (as [`rope_angles`]).
+    pub inv_freq: &'a Tensor,
+    /// (vocab, hidden): the embedding table.
+    pub embed: &'a Tensor,
+    /// (hidden,): the first layer's input RMSNorm weight, and its epsilon.
+    pub norm_weight: &'a Tensor,
+    pub eps: f64,
+}
+
+/// [`decode_prologue`]'s outputs.
+pub struct DecodePrologue {
+    /// (rows,) u32: lens + 1, the keys each sequence holds after the step.
+    pub seqlens: Tensor,
+    /// (rows,) u32: lens + slot_starts, each new key's cache row (contiguous caches).
+    pub cache_rows: Option<Tensor>,
+    /// (rows, ..inv_freq's dims): the rotary tables at positions `lens`, as [`rope_angles`].
+    pub cos: Tensor,
+    pub sin: Tensor,
+    /// (rows, hidden): the embedding rows of `ids` (NaN for an id past the vocabulary) and
+    /// their RMSNorm, the bits of candle-nn's `rms_norm` of them.
+    pub x: Tensor,
+    pub normed: Tensor,
+}
+
+/// The first layer's inputs of a decode step in one launch, where five candle kernels did it
+/// (the counts + 1, the cache rows, [`rope_angles`], the embedding lookup, candle-nn's
+/// `rms_norm`; ~10 µs of a CUDA-graph step at batch 1). CUDA only; every tensor contiguous on
+/// one GPU, the embedding and the norm weight of one dtype (bf16, f16 or f32).
+pub fn decode_prologue(inputs: &PrologueInputs) -> Result<DecodePrologue> {
+    const OP: &str = "flash-llama decode prologue";
+    on_cuda("decode prologue", inputs.embed)?;
+    let dev = inputs.embed.device();
+    let (_, hidden) = inputs.embed.dims2()?;
+    let rows = inputs.ids.dims1()?;
+    let u32_rows = std::iter::once(("token ids", inputs.ids))
+        .chain(std::iter::once(("key counts", inputs.lens)))
+        .chain(inputs.slot_starts.map(|s| ("slot starts", s)));
+    for (what, t) in u32_rows {
+        if t.dims() != [rows] || t.dtype() != DType::U32 {
+            bail!(
+                "{OP}: the {what} must be ({rows},) u32, got {:?} {:?}",
+                t.shape(),
+                t.dtype()
+            )
+        }
+    }
+    let dtype = inputs.embed.dtype();
+    if rows == 0 || hidden == 0 {
+        bail!(
+            "{OP}: no rows or an empty embedding ({rows} ids, embedding {:?})",
+            inputs.embed.shape()
+        )
+    }
+    if inputs.norm_weight.dims() != [hidden] || inputs.norm_weight.dtype() != dtype {
+        bail!(
+            "{OP}: the norm's weight must be ({hidden},) {dtype:?}, got {:?} {:?}",
+            inputs.norm_weight.shape(),
+            inputs.norm_weight.dtype()
+        )
+    }
+    if inputs.inv_freq.dtype() != DType::F32 || inputs.inv_freq.elem_count() == 0 {
+        bail!(
+            "{OP}: the frequencies must be f32, got {:?} {:?}",
+            inputs.inv_freq.shape(),
+            inputs.inv_freq.dtype()
+        )
+    }
+    let all = [inputs.ids, inputs.lens, inputs.inv_freq, inputs.norm_weight]
+        .into_iter()
+        .chain(inputs.slot_starts);
+    for t in all {
+        if !t.device().same_device(dev) {
+            bail!("{OP}: every input must be on the embedding's GPU")
+        }
+    }
+    let mut rope_dims = vec![rows];
+    rope_dims.extend_from_slice(inputs.inv_freq.dims());
+    // SAFETY: the launch writes every element of each (its block's row of each).
+    let empty = |dims: &[usize], dtype| unsafe { Tensor::empty(dims, dtype, dev) };
+    let out = DecodePrologue {
+        seqlens: empty(&[rows], DType::U32)?,
+        cache_rows: match inputs.slot_starts {
+            Some(_) => Some(empty(&[rows], DType::U32)?),
+            None => None,
+        },
+        cos: empty(&rope_dims, dtype)?,
+        sin: empty(&rope_dims, dtype)?,
+        x: empty(&[rows, hidden], dtype)?,
+        normed: empty(&[rows, hidden], dtype)?,
+    };
+    #[cfg(feature = "cuda")]
+    cuda::decode_prologue(inputs, &out)?;
+    Ok(out)
+}
+
 /// Whether [`linear_vector`] takes `x` (1, k) and `w` (n, k): CUDA tensors of one dtype (bf16,
 /// f16, f32), one row, both contiguous, starting on 16 bytes, with rows of whole 16-byte vectors.
 /// Shape checks only, on the host.
