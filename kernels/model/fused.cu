@@ -235,7 +235,9 @@ __device__ void rope_angles(const uint32_t* __restrict__ positions, const float*
 
 // The inputs of a graph-replayed decode step's first layer, in one launch: what were five
 // candle kernels (~10 µs a step at batch 1: the key counts + 1, the cache rows, the rotary
-// tables, the embedding lookup and the first RMSNorm). One block per row b:
+// tables, the embedding lookup and the first RMSNorm). Two blocks per row b, so that the tables'
+// sines do not wait behind the lookup's dependent loads: blockIdx.y 1 writes the first two items
+// below, blockIdx.y 0 the third.
 //  - seqlens[b] = lens[b] + 1 (the keys the attention sees); cache_rows[b] = lens[b] +
 //    slot_starts[b] where slot_starts is given (a contiguous cache; a paged one's rows come from
 //    the host);
@@ -245,7 +247,7 @@ __device__ void rope_angles(const uint32_t* __restrict__ positions, const float*
 //    same block size, 32 threads below 1024 columns and 1024 from there, the same per-thread
 //    column stride, warp and block reductions and rounding), so the step computes the bits its
 //    eager twin does.
-// The block lets the first projection's blocks start at once (they load weights, then wait).
+// Every block lets the first projection's blocks start at once (they load weights, then wait).
 template <typename T>
 __device__ void decode_prologue(const uint32_t* __restrict__ ids, const uint32_t* __restrict__ lens,
                                 const uint32_t* __restrict__ slot_starts, const float* __restrict__ inv_freq,
@@ -254,15 +256,19 @@ __device__ void decode_prologue(const uint32_t* __restrict__ ids, const uint32_t
                                 int per_token, uint32_t vocab, float eps) {
     let_next_kernel_start();
     const int row = blockIdx.x, tid = threadIdx.x, threads = blockDim.x;
-    const uint32_t len = lens[row];
-    if (tid == 0) {
-        seqlens[row] = len + 1;
-        if (cache_rows != nullptr) cache_rows[row] = len + slot_starts[row];
-    }
-    for (int j = tid; j < per_token; j += threads) {
-        const float angle = __fmul_rn((float)len, inv_freq[j]);
-        cos_out[(size_t)row * per_token + j] = from_f<T>(cosf(angle));
-        sin_out[(size_t)row * per_token + j] = from_f<T>(sinf(angle));
+    if (blockIdx.y == 1) {
+        // The row's positions and rotary tables, beside the block of its embedding and norm.
+        const uint32_t len = lens[row];
+        if (tid == 0) {
+            seqlens[row] = len + 1;
+            if (cache_rows != nullptr) cache_rows[row] = len + slot_starts[row];
+        }
+        for (int j = tid; j < per_token; j += threads) {
+            const float angle = __fmul_rn((float)len, inv_freq[j]);
+            cos_out[(size_t)row * per_token + j] = from_f<T>(cosf(angle));
+            sin_out[(size_t)row * per_token + j] = from_f<T>(sinf(angle));
+        }
+        return;
     }
     const uint32_t id = ids[row];
     const T* src = embed + (size_t)(id < vocab ? id : 0) * hidden;

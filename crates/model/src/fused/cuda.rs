@@ -280,7 +280,7 @@ fn rope_angles_t<T: CudaDType + DeviceRepr>(
     Ok(T::wrap_cuda_slice(out, dev))
 }
 
-/// [`super::decode_prologue`]'s launch: one block per row, 32 threads below 1024 columns and 1024
+/// [`super::decode_prologue`]'s launch: two blocks per row (the tables; the lookup and norm), 32 threads below 1024 columns and 1024
 /// from there (candle's rmsnorm block size, whose arithmetic the kernel repeats). The inputs'
 /// dtypes, shapes and devices are checked by the caller.
 pub(super) fn decode_prologue(inputs: &super::PrologueInputs, out: &super::DecodePrologue) -> Result<()> {
@@ -343,7 +343,7 @@ fn decode_prologue_t<T: CudaDType + DeviceRepr>(
         .arg(&normed);
     b.arg(&hidden_i).arg(&per_token_i).arg(&vocab_u).arg(&eps);
     let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
+        grid_dim: (rows as u32, 2, 1),
         block_dim: (if hidden < 1024 { 32 } else { 1024 }, 1, 1),
         shared_mem_bytes: 0,
     };
