@@ -42,8 +42,9 @@ pub struct Tuning {
     /// Single-query calls over a 16-bit KV cache (`flash_attn_with_kvcache`, one query per
     /// sequence, head dim 64 or 128, at most 16 q heads per kv head, `num_splits` 0): `None` runs
     /// them on the CUDA-core decode kernel (kernels/kvcache/decode.cu) where it measured faster
-    /// (head dim 64, at most 1,024 keys a sequence, at most one CTA per SM: batch-1 and -2
-    /// decode steps; docs/kernels/kvcache.md, session 39), `Some(true)` wherever it applies,
+    /// (head dim 64, at most 2,048 keys a sequence, at most one CTA per SM: batch-1 and -2
+    /// decode steps of the 1B shape; batch 4 and 8 on fewer key shares, up to 1,024 keys;
+    /// docs/kernels/kvcache.md, sessions 39 and 44), `Some(true)` wherever it applies,
     /// `Some(false)` never (the forward kernel).
     pub decode_kernel: Option<bool>,
 }

@@ -38,6 +38,8 @@ const MIN_KEYS_PER_SHARE: usize = 64;
 /// more CTAs, head dim 128) the forward kernel measured faster (docs/kernels/kvcache.md, sessions
 /// 39 and 40).
 const DEFAULT_MAX_KEYS: usize = 2048;
+/// The same for calls whose shares were halved to fit one CTA per SM (more sequences).
+const HALVED_MAX_KEYS: usize = 1024;
 /// `fa3::kDecodeWarps`: each warp's rows are staged in shared memory for the merge.
 const WARPS: usize = 8;
 
@@ -118,8 +120,9 @@ impl CacheStrides {
 /// 16-bit cache with rows aligned to 16 bytes, head dim 64 or 128 for q, k and v, at most 16 q
 /// heads per kv head (8 at head dim 128), `num_splits` 0 (an explicit split is the forward kernel's), and under
 /// `Tuning::decode_kernel: None` head dim 64, a cache of at most [`DEFAULT_MAX_KEYS`] keys and a
-/// grid of at most one CTA per SM of the `sms`. Windows, softcap, sinks, pages,
-/// cache_batch_idx and an append before it all apply.
+/// grid of at most one CTA per SM of the `sms` (the shares halved down to two to fit it, over
+/// at most [`HALVED_MAX_KEYS`] keys). Windows, softcap, sinks, pages, cache_batch_idx and an
+/// append before it all apply.
 pub(super) fn plan(
     shape: &CacheShape,
     params: &AttnParams,
@@ -148,19 +151,31 @@ pub(super) fn plan(
     if !supported {
         return None;
     }
-    // A power of two, so that the shares' CTAs own equal parts of the group's rows in the merge.
-    let shares = s
+    // A power of two, so that the shares' CTAs own equal parts of the group's rows in the merge;
+    // halved while the grid is more than one CTA per SM (more CTAs would only queue behind each
+    // other, where fewer shares give each CTA more keys).
+    let by_keys = s
         .capacity()
         .div_ceil(MIN_KEYS_PER_SHARE)
         .next_power_of_two()
         .clamp(1, MAX_SHARES);
+    let mut shares = by_keys;
+    while shares > 1 && s.batch * s.kv_heads * shares > sms {
+        shares /= 2;
+    }
     match params.tuning.decode_kernel {
         Some(false) => None,
         Some(true) => Some(shares),
         None => {
-            let short = s.capacity() <= DEFAULT_MAX_KEYS;
-            let few_ctas = s.batch * s.kv_heads * shares <= sms;
-            (s.head_dim == 64 && short && few_ctas).then_some(shares)
+            let one_wave = s.batch * s.kv_heads * shares <= sms;
+            // Halved to fit the wave (batch 4 and 8 of the 1B shape): measured faster than the
+            // forward kernel up to 1,024 keys with two shares or more, not over 2,048 keys or
+            // on one share (docs/kernels/kvcache.md, session 44).
+            let short = match shares == by_keys {
+                true => s.capacity() <= DEFAULT_MAX_KEYS,
+                false => s.capacity() <= HALVED_MAX_KEYS && shares >= 2,
+            };
+            (s.head_dim == 64 && short && one_wave).then_some(shares)
         }
     }
 }
@@ -331,10 +346,15 @@ mod tests {
         let s = shape(1, 1, 32, 8, 64, 640);
         assert_eq!(take(&s, &auto, DType::BF16), Some(8));
         assert_eq!(take(&s, &auto, DType::F16), Some(8));
-        // Batch 2 (128 CTAs) takes it; batch 4 (256 CTAs, more than the SMs) not unless forced;
-        // with 4 kv heads it does (128 CTAs).
+        // Batch 2 (128 CTAs) takes it; batch 4 and 8 on fewer shares, one CTA per SM (4 and 2),
+        // up to 1,024 keys; batch 16 (one share) not; with 4 kv heads batch 4 keeps 8.
         assert_eq!(take(&shape(2, 1, 32, 8, 64, 640), &auto, DType::BF16), Some(8));
-        assert_eq!(take(&shape(4, 1, 32, 8, 64, 640), &auto, DType::BF16), None);
+        assert_eq!(take(&shape(4, 1, 32, 8, 64, 640), &auto, DType::BF16), Some(4));
+        assert_eq!(take(&shape(8, 1, 32, 8, 64, 1024), &auto, DType::BF16), Some(2));
+        assert_eq!(take(&shape(8, 1, 32, 8, 64, 1025), &auto, DType::BF16), None);
+        assert_eq!(take(&shape(4, 1, 32, 8, 64, 2048), &auto, DType::BF16), None);
+        assert_eq!(take(&shape(2, 1, 32, 8, 64, 2048), &auto, DType::BF16), Some(8));
+        assert_eq!(take(&shape(16, 1, 32, 8, 64, 640), &auto, DType::BF16), None);
         assert_eq!(take(&shape(4, 1, 32, 4, 64, 640), &auto, DType::BF16), Some(8));
         let forced = params(
             Tuning {
@@ -343,7 +363,8 @@ mod tests {
             },
             0,
         );
-        assert_eq!(take(&shape(4, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(8));
+        assert_eq!(take(&shape(4, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(4));
+        assert_eq!(take(&shape(32, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(1));
         // A cache of 100 keys: at least 64 keys a share, two shares; 150 keys: three, rounded up
         // to a power of two.
         assert_eq!(take(&shape(1, 1, 32, 8, 64, 100), &auto, DType::BF16), Some(2));
