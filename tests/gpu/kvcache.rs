@@ -389,6 +389,41 @@ fn kvcache_decode_kernel_every_option() -> Result<()> {
     Ok(())
 }
 
+/// The decode kernel where a call's shares are halved to fit one CTA per SM (cuda/decode.rs
+/// `plan`): the 1B shape's d64, 32/8 heads at batch 8 (two shares), 16 and 32 (one), short
+/// caches contiguous and in pages of 16, with the per-call choice (batch 8 takes the kernel) and
+/// forced, against the CPU path.
+#[test]
+fn kvcache_decode_kernel_on_halved_shares() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-decode-halved");
+    for batch in [8, 16, 32] {
+        for page_size in [None, Some(16)] {
+            let lens: Vec<usize> = (0..batch)
+                .map(|b| match b {
+                    1 => 0,
+                    2 => 1,
+                    _ => rng.range(1, 1000),
+                })
+                .collect();
+            let (opts, append, rotary) = match batch {
+                8 => (Opts::new(0.125).causal(), true, Some((64, false))),
+                16 => (Opts::new(0.125), false, None),
+                _ => (Opts::new(0.1).softcap(6.0), false, None),
+            };
+            let mut s = Spec::new(&mut rng, page_size, lens, 1, append as usize, 32, 8, 64, 64);
+            s.dtype = DType::BF16;
+            for choice in [None, Some(true)] {
+                let tuning = Tuning {
+                    decode_kernel: choice,
+                    ..Default::default()
+                };
+                check(&mut rng, &s, opts.tuned(tuning), rotary, 0)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Small, for compute-sanitizer (memcheck, racecheck): the decode kernel over pages of 16 with
 /// append, several shares merged in a cluster, a sequence without keys.
 #[test]
