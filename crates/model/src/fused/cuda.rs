@@ -280,9 +280,10 @@ fn rope_angles_t<T: CudaDType + DeviceRepr>(
     Ok(T::wrap_cuda_slice(out, dev))
 }
 
-/// [`super::decode_prologue`]'s launch: two blocks per row (the tables; the lookup and norm), 32 threads below 1024 columns and 1024
-/// from there (candle's rmsnorm block size, whose arithmetic the kernel repeats). The inputs'
-/// dtypes, shapes and devices are checked by the caller.
+/// [`super::decode_prologue`]'s launch: two blocks per row (the tables; the lookup and norm),
+/// 32 threads below 1024 columns and 1024 from there (candle's rmsnorm block size, whose
+/// arithmetic the kernel repeats). The inputs' dtypes, shapes and devices are checked by the
+/// caller.
 pub(super) fn decode_prologue(inputs: &super::PrologueInputs, out: &super::DecodePrologue) -> Result<()> {
     by_dtype!("decode prologue", inputs.embed.dtype(), decode_prologue_t(inputs, out))
 }
