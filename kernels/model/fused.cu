@@ -43,7 +43,7 @@ __host__ __device__ constexpr int norm_vector_max_dim() {
 // below, so both give the same bits.
 template <typename T>
 __device__ __forceinline__ void add_rms_norm_row_vec(const T* __restrict__ x, const T* __restrict__ h,
-                                                     const T* __restrict__ w, T* __restrict__ res, T* out, int dim,
+                                                     const T* w, T* __restrict__ res, T* out, int dim,
                                                      float eps) {
     constexpr int kVec = 16 / sizeof(T);
     float sum = 0.f;
@@ -115,7 +115,7 @@ __device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ h, c
     }
 }
 
-// silu(g) * u rounded to T: silu_mul's element, and the down projection's fused input.
+// silu(g) * u rounded to T: silu_mul's element, and linear_vector_swiglu's output.
 template <typename T>
 __device__ __forceinline__ T silu_times(T g, T u) {
     const float gf = to_f(g);
@@ -302,72 +302,113 @@ __device__ void decode_prologue(const uint32_t* __restrict__ ids, const uint32_t
 // pointer 16-byte aligned (checked by the caller, which otherwise uses cuBLAS).
 //
 // Where x comes from is the `Input` policy: a vector in global memory (`PlainInput`, small enough
-// to stay in L1/L2), or the element-wise op that would otherwise be a launch of its own before the
-// projection, computed by every block into shared memory (`SiluMulInput`: the down projection's
-// silu(gate) * up; `AddNormInput`: add + RMSNorm before the q/k/v, gate/up and output-head
-// projections). At batch 1 such an op is a few µs of launch and ramp for a few KB of data; here
-// it runs while the block's first weight loads are in flight, and gives the same bits as its own
-// kernel (the same code: silu_times, add_rms_norm_row_vec).
+// to stay in L1/L2), or add + RMSNorm, which would otherwise be a launch of its own before the
+// q/k/v, gate/up and output-head projections, computed by every block into shared memory
+// (`AddNormInput`). At batch 1 such an op is a few µs of launch and ramp for a few KB of data;
+// here it runs while the block's first weight loads are in flight, and gives the same bits as its
+// own kernel (the same code: add_rms_norm_row_vec). The down projection's input, silu(gate) * up,
+// is written by the gate/up launch itself (linear_vector_swiglu).
 constexpr int kMatvecWarps = 8;  // outputs per block
 constexpr int kMatvecUnroll = 4;
-// Warps per output of the projections without a norm prologue (o: PlainInput; down: SiluMulInput):
-// two, each summing half of the row, in blocks of 2 x 8 warps. Their blocks then stream twice the
-// rows at a time for the same prologue (a third of down's time was its SiLU x up prologue and
-// the tail of 256 blocks). The add + RMSNorm projections keep one warp per output: more blocks
+// Warps per output of the projections without a norm prologue (PlainInput: o, down): two, each
+// summing half of the row, in blocks of 2 x 8 warps, so that their blocks stream twice the rows
+// at a time (session 29). The add + RMSNorm projections keep one warp per output: more blocks
 // means more prologues, measured slower (docs/kernels/model-fused.md, session 28).
 constexpr int kMatvecSplit = 2;
 
 static_assert(kMatvecWarps * 32 == kNormThreads, "AddNormInput runs add_rms_norm's block code");
 
+// Blocks per SM that the add + RMSNorm projections keep room for (48 registers a thread for 16-bit
+// types; uncapped, the norm weight's early copy took them to 55, four blocks an SM). f32 is left
+// uncapped: capped, it spills.
+template <typename T> constexpr int kNormBlocksPerSm = sizeof(T) == 2 ? 5 : 1;
+
+// 16 bytes from global to shared memory without passing through registers (cp.async, sm_80+);
+// complete for the issuing thread after wait_for_shared_copies.
+__device__ __forceinline__ void copy_16_to_shared(uint4* dst, const uint4* src) {
+    const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void wait_for_shared_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 template <typename T>
 struct PlainInput {
     const T* x;
+    __device__ void preload(int) const {}
     __device__ void prepare(int) const {}
     __device__ uint4 vec(int v) const { return __ldg(reinterpret_cast<const uint4*>(x) + v); }
 };
 
-// Reads the staged input of the two fused policies (dynamic shared memory, k elements).
+// x = rms_norm(a + b) * w, staged in dynamic shared memory (k elements); block 0 also writes the
+// residual a + b to `res`.
 template <typename T>
-struct StagedInput {
+struct AddNormInput {
     T* staged;
-    __device__ uint4 vec(int v) const { return reinterpret_cast<const uint4*>(staged)[v]; }
-};
-
-// x = silu(y[:k]) * y[k:] for the gate/up output y (2k).
-template <typename T>
-struct SiluMulInput : StagedInput<T> {
-    const T* y;
-    __device__ void prepare(int k) const {
-        constexpr int kVec = 16 / sizeof(T);
-        const uint4* g = reinterpret_cast<const uint4*>(y);
-        const uint4* u = reinterpret_cast<const uint4*>(y + k);
-        for (int v = threadIdx.x; v < k / kVec; v += blockDim.x) {
-            const uint4 gv = g[v], uv = u[v];
-            const T* ge = reinterpret_cast<const T*>(&gv);
-            const T* ue = reinterpret_cast<const T*>(&uv);
-            uint4 o;
-            T* oe = reinterpret_cast<T*>(&o);
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) oe[e] = silu_times<T>(ge[e], ue[e]);
-            reinterpret_cast<uint4*>(this->staged)[v] = o;
-        }
-        __syncthreads();
-    }
-};
-
-// x = rms_norm(a + b) * w; block 0 also writes the residual a + b to `res`.
-template <typename T>
-struct AddNormInput : StagedInput<T> {
     const T* a;
     const T* b;
     const T* w;
     T* res;
     float eps;
+    // The norm's weight is constant: each thread copies the vectors it will scale into the staged
+    // row before the wait, so that after it the norm waits for one round trip (x and h), not two.
+    // The thread then overwrites each vector with its normed value (the same thread, the same
+    // slot), so no barrier is needed between the copy and its use.
+    __device__ void preload(int k) const {
+        constexpr int kVec = 16 / sizeof(T);
+        for (int v = threadIdx.x; v < k / kVec; v += kNormThreads) {
+            copy_16_to_shared(reinterpret_cast<uint4*>(staged) + v, reinterpret_cast<const uint4*>(w) + v);
+        }
+    }
     __device__ void prepare(int k) const {
-        add_rms_norm_row_vec<T>(a, b, w, blockIdx.x == 0 ? res : nullptr, this->staged, k, eps);
+        wait_for_shared_copies();
+        add_rms_norm_row_vec<T>(a, b, staged, blockIdx.x == 0 ? res : nullptr, staged, k, eps);
         __syncthreads();
     }
+    __device__ uint4 vec(int v) const { return reinterpret_cast<const uint4*>(staged)[v]; }
 };
+
+// Requests one round of a weight row's vectors for this lane: v0, v0 + 32, ... (kMatvecUnroll of
+// them), zeros past v_end.
+__device__ __forceinline__ void load_round(uint4 (&wv)[kMatvecUnroll], const uint4* __restrict__ wrow, int v0,
+                                           int v_end) {
+#pragma unroll
+    for (int u = 0; u < kMatvecUnroll; ++u) {
+        const int v = v0 + u * 32;
+        wv[u] = v < v_end ? __ldg(wrow + v) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// This lane's share of one weight row's product with the input, over the row's vectors
+// [v_begin, v_end): the round already in `wv` (requested by the caller) is consumed, the next one
+// requested, and so on; returns with no load in flight. One order of products for every kernel
+// that sums a row in one warp, so their outputs have the same bits.
+template <typename T, typename Input>
+__device__ __forceinline__ float row_partial(const Input& in, const uint4* __restrict__ wrow, int v_begin, int v_end,
+                                             uint4 (&wv)[kMatvecUnroll]) {
+    constexpr int kVec = 16 / sizeof(T);
+    float acc = 0.f;
+    for (int v0 = v_begin + threadIdx.x % 32;;) {
+#pragma unroll
+        for (int u = 0; u < kMatvecUnroll; ++u) {
+            const int v = v0 + u * 32;
+            if (v >= v_end) break;
+            const uint4 xu = in.vec(v);
+            const T* we = reinterpret_cast<const T*>(&wv[u]);
+            const T* xe = reinterpret_cast<const T*>(&xu);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) acc = fmaf(to_f(we[e]), to_f(xe[e]), acc);
+        }
+        v0 += 32 * kMatvecUnroll;
+        if (v0 >= v_end) break;
+        load_round(wv, wrow, v0, v_end);
+    }
+    return acc;
+}
+
+__device__ __forceinline__ float warp_total(float acc) {
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+}
 
 // kSplit warps per output (blocks of kMatvecWarps x kSplit warps): warp w sums slice w % kSplit of
 // output w / kSplit's row, and the slices' sums are added in order through shared memory.
@@ -381,37 +422,14 @@ __device__ void linear_vector(const Input& in, const T* __restrict__ w, const T*
     const int vecs = k / kVec;
     const int v_begin = slice * vecs / kSplit, v_end = (slice + 1) * vecs / kSplit;
     uint4 wv[kMatvecUnroll];
-    auto load_round = [&](int v0) {
-#pragma unroll
-        for (int u = 0; u < kMatvecUnroll; ++u) {
-            const int v = v0 + u * 32;
-            wv[u] = v < v_end ? __ldg(wrow + v) : make_uint4(0, 0, 0, 0);
-        }
-    };
     let_next_kernel_start();
     // The first weights are requested before the input is ready: they do not depend on it.
-    load_round(v_begin + lane);
+    load_round(wv, wrow, v_begin + lane, v_end);
+    in.preload(k);
     wait_for_earlier_kernels();
     in.prepare(k);
-    float acc = 0.f;
-    if (col < n) {
-        for (int v0 = v_begin + lane;;) {
-#pragma unroll
-            for (int u = 0; u < kMatvecUnroll; ++u) {
-                const int v = v0 + u * 32;
-                if (v >= v_end) break;
-                const uint4 xu = in.vec(v);
-                const T* we = reinterpret_cast<const T*>(&wv[u]);
-                const T* xe = reinterpret_cast<const T*>(&xu);
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) acc = fmaf(to_f(we[e]), to_f(xe[e]), acc);
-            }
-            v0 += 32 * kMatvecUnroll;
-            if (v0 >= v_end) break;
-            load_round(v0);
-        }
-    }
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    float acc = col < n ? row_partial<T>(in, wrow, v_begin, v_end, wv) : 0.f;
+    acc = warp_total(acc);
     if constexpr (kSplit > 1) {
         __shared__ float slice_sums[kMatvecWarps * kSplit];
         if (lane == 0) slice_sums[warp] = acc;
@@ -420,6 +438,36 @@ __device__ void linear_vector(const Input& in, const T* __restrict__ w, const T*
         for (int i = 1; i < kSplit; ++i) acc += slice_sums[warp + i];
     }
     if (lane == 0 && col < n) y[col] = from_f<T>(acc + (bias != nullptr ? to_f(bias[col]) : 0.f));
+}
+
+// A batch-1 MLP's gate/up projection that hands the down projection its input: act (inter) =
+// silu(g) * u, where g and u are the products of the input with rows i and inter + i of the fused
+// gate/up weight w (2 inter, k). One warp per index i sums both rows, in the order and with the
+// roundings of linear_vector's one-warp form (g and u rounded to T, then silu_times), so act has
+// the bits of the gate/up launch followed by silu_mul. The down projection then reads act as a
+// plain input instead of computing SiLU x up in each of its blocks.
+template <typename T, typename Input>
+__device__ void linear_vector_swiglu(const Input& in, const T* __restrict__ w, T* __restrict__ act, int inter,
+                                     int k) {
+    constexpr int kVec = 16 / sizeof(T);
+    const int lane = threadIdx.x % 32;
+    const int i = blockIdx.x * kMatvecWarps + threadIdx.x / 32;
+    const int vecs = k / kVec;
+    const uint4* gate_row = reinterpret_cast<const uint4*>(w + (size_t)min(i, inter - 1) * k);
+    const uint4* up_row = gate_row + (size_t)inter * vecs;
+    uint4 wv[kMatvecUnroll];
+    let_next_kernel_start();
+    load_round(wv, gate_row, lane, vecs);
+    in.preload(k);
+    wait_for_earlier_kernels();
+    in.prepare(k);
+    if (i >= inter) return;
+    float g = row_partial<T>(in, gate_row, 0, vecs, wv);
+    load_round(wv, up_row, lane, vecs);
+    float u = row_partial<T>(in, up_row, 0, vecs, wv);
+    g = warp_total(g);
+    u = warp_total(u);
+    if (lane == 0) act[i] = silu_times<T>(from_f<T>(g + 0.f), from_f<T>(u + 0.f));
 }
 
 // The greedy choice of each row of logits x (rows, cols), contiguous: out[row] = the index of the
@@ -564,16 +612,7 @@ __device__ void choose_among_chunks(const float* __restrict__ part_best, const u
         const T* x, const T* w, const T* bias, T* y, int n, int k) {                                                  \
         linear_vector<T, kMatvecSplit>(PlainInput<T>{x}, w, bias, y, n, k);                                           \
     }                                                                                                                 \
-    /* The staged input (k elements of T) is the dynamic shared memory. */                                           \
-    extern "C" __global__ void __launch_bounds__(kMatvecWarps * kMatvecSplit * 32) linear_vector_silu_##SUFFIX(      \
-        const T* gate_up, const T* w, const T* bias, T* y, int n, int k) {                                            \
-        extern __shared__ uint4 staged_silu_##SUFFIX[];                                                               \
-        SiluMulInput<T> in;                                                                                           \
-        in.staged = reinterpret_cast<T*>(staged_silu_##SUFFIX);                                                       \
-        in.y = gate_up;                                                                                               \
-        linear_vector<T, kMatvecSplit>(in, w, bias, y, n, k);                                                         \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32) linear_vector_add_norm_##SUFFIX(                 \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32, kNormBlocksPerSm<T>) linear_vector_add_norm_##SUFFIX(                 \
         const T* a, const T* b, const T* norm_w, float eps, T* res, const T* w, const T* bias, T* y, int n, int k) {  \
         extern __shared__ uint4 staged_norm_##SUFFIX[];                                                               \
         AddNormInput<T> in;                                                                                           \
@@ -584,6 +623,18 @@ __device__ void choose_among_chunks(const float* __restrict__ part_best, const u
         in.res = res;                                                                                                 \
         in.eps = eps;                                                                                                 \
         linear_vector<T>(in, w, bias, y, n, k);                                                                       \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32, kNormBlocksPerSm<T>) linear_vector_add_norm_swiglu_##SUFFIX(         \
+        const T* a, const T* b, const T* norm_w, float eps, T* res, const T* w, T* act, int inter, int k) {            \
+        extern __shared__ uint4 staged_swiglu_##SUFFIX[];                                                             \
+        AddNormInput<T> in;                                                                                           \
+        in.staged = reinterpret_cast<T*>(staged_swiglu_##SUFFIX);                                                     \
+        in.a = a;                                                                                                     \
+        in.b = b;                                                                                                     \
+        in.w = norm_w;                                                                                                \
+        in.res = res;                                                                                                 \
+        in.eps = eps;                                                                                                 \
+        linear_vector_swiglu<T>(in, w, act, inter, k);                                                                \
     }
 
 extern "C" __global__ void __launch_bounds__(32) argmax_finish(const float* part_best, const uint32_t* part_at,

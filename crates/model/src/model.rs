@@ -558,15 +558,20 @@ impl Mlp {
     fn forward(&self, input: &Residual, norm: &RmsNorm) -> Result<(Tensor, Tensor)> {
         if let GateUp::Fused(gate_up) = &self.gate_up {
             if input.x.device().is_cuda() {
-                // On the GPU one kernel reads both halves of the fused output, whatever the
-                // tokens; at one token, inside the down projection's launch.
+                // At one token, the gate/up launch writes silu(gate) · up itself.
+                if let (Some(h), Kernels::Fused) = (&input.h, self.kernels) {
+                    let w = gate_up.weight();
+                    if gate_up.bias().is_none()
+                        && crate::fused::linear_vector_add_norm_swiglu_fits(&input.x, h, norm.weight(), w)
+                    {
+                        let (residual, act) =
+                            crate::fused::linear_vector_add_norm_swiglu(&input.x, h, norm.weight(), norm.eps(), w)?;
+                        return Ok((residual, project(&self.down_proj, &act, self.kernels)?));
+                    }
+                }
+                // Otherwise `silu_mul` reads both halves of the fused output, whatever the tokens.
                 let (residual, y) = input.project(norm, gate_up, self.kernels)?;
-                let down = &self.down_proj;
-                let out =
-                    match self.kernels == Kernels::Fused && crate::fused::linear_vector_silu_fits(&y, down.weight()) {
-                        true => crate::fused::linear_vector_silu(&y, down.weight(), down.bias())?,
-                        false => project(down, &silu_mul(&y)?, self.kernels)?,
-                    };
+                let out = project(&self.down_proj, &silu_mul(&y)?, self.kernels)?;
                 return Ok((residual, out));
             }
         }

@@ -10,8 +10,8 @@ use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use common::{abs_sum, hf_model, mixed_steps, rel_diff, tokens, Family, VOCAB};
 use flash_llama::fused::{
     add_rms_norm, argmax_rows, argmax_rows_into, decode_prologue, linear_vector, linear_vector_add_norm,
-    linear_vector_add_norm_fits, linear_vector_fits, linear_vector_silu, linear_vector_silu_fits, rope_angles,
-    rope_store, silu_mul, store_e4m3, CacheStore, MappedTokens, PrologueInputs,
+    linear_vector_add_norm_fits, linear_vector_add_norm_swiglu, linear_vector_add_norm_swiglu_fits, linear_vector_fits,
+    rope_angles, rope_store, silu_mul, store_e4m3, CacheStore, MappedTokens, PrologueInputs,
 };
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::nn::{rope_angles_per_head, rope_per_head, RmsNorm};
@@ -217,11 +217,10 @@ fn linear_vector_matches_matmul() -> Result<()> {
     Ok(())
 }
 
-/// The fused forms of `linear_vector` give the results of the two launches they replace (the same
-/// device code runs in the prologue): SiLU × up then the projection (the same bits), and add +
-/// RMSNorm then the projection (the residual's bits; the projection to the last place, as it sums
-/// in another order), for every dtype, odd sizes, with and without a bias; and they refuse what
-/// they do not cover.
+/// The add + RMSNorm form of `linear_vector` gives the results of the two launches it replaces
+/// (the same device code runs in the prologue): the residual's bits, and the projection to the
+/// last place, as it sums in another order; for every dtype, odd sizes, with and without a bias;
+/// and it refuses what it does not cover.
 #[test]
 fn fused_linear_vector_inputs_match_the_two_launches() -> Result<()> {
     let dev = gpu();
@@ -245,24 +244,12 @@ fn fused_linear_vector_inputs_match_the_two_launches() -> Result<()> {
         ] {
             let w = (randn(&[n, k], dtype, &dev) * 0.05)?.to_dtype(dtype)?;
             let bias = randn(&[n], dtype, &dev);
-            // SiLU × up of a (1, 2k) gate/up output.
-            let gate_up = randn(&[1, 2 * k], dtype, &dev);
-            assert!(linear_vector_silu_fits(&gate_up, &w), "{dtype:?} {k}");
             // add + RMSNorm: x and h (1, k), the norm's weight around 1.
             let (x, h) = (randn(&[1, k], dtype, &dev), randn(&[1, k], dtype, &dev));
             let norm_w = randn(&[k], DType::F32, &dev).affine(0.1, 1.0)?.to_dtype(dtype)?;
             assert!(linear_vector_add_norm_fits(&x, &h, &norm_w, &w), "{dtype:?} {k}");
             for with_bias in [false, true] {
                 let b = with_bias.then_some(&bias);
-                let got = linear_vector_silu(&gate_up, &w, b)?;
-                let want = linear_vector(&silu_mul(&gate_up)?, &w, b)?;
-                assert_eq!(got.dims(), [1, n]);
-                assert_eq!(
-                    bits(&got)?,
-                    bits(&want)?,
-                    "SiLU input {dtype:?} n {n} k {k} bias {with_bias}"
-                );
-
                 let (sum, got) = linear_vector_add_norm(&x, &h, &norm_w, 1e-5, &w, b)?;
                 let (want_sum, normed) = add_rms_norm(&x, &h, &norm_w, 1e-5)?;
                 let want = linear_vector(&normed, &w, b)?;
@@ -304,21 +291,6 @@ fn fused_linear_vector_inputs_match_the_two_launches() -> Result<()> {
     let w = Tensor::zeros((5, 64), DType::BF16, &dev)?;
     let x = Tensor::zeros((1, 64), DType::BF16, &dev)?;
     let norm_w = Tensor::ones(64, DType::BF16, &dev)?;
-    let two_rows = Tensor::zeros((2, 128), DType::BF16, &dev)?;
-    let odd_gate_up = Tensor::zeros((1, 126), DType::BF16, &dev)?;
-    let f16_gate_up = Tensor::zeros((1, 128), DType::F16, &dev)?;
-    // A gate/up row of 2 × 24,584 bf16: 8 bytes over the 48 KiB of staged input it may use.
-    let wide_w = Tensor::zeros((1, 24_584), DType::BF16, &dev)?;
-    let wide = Tensor::zeros((1, 2 * 24_584), DType::BF16, &dev)?;
-    for (what, y, w) in [
-        ("rows", &two_rows, &w),
-        ("2k", &odd_gate_up, &w),
-        ("dtype", &f16_gate_up, &w),
-        ("shared memory", &wide, &wide_w),
-    ] {
-        assert!(!linear_vector_silu_fits(y, w), "{what}");
-        assert!(linear_vector_silu(y, w, None).is_err(), "{what}");
-    }
     let long_w = Tensor::zeros((3, 8192 + 8), DType::BF16, &dev)?;
     let long = Tensor::zeros((1, 8192 + 8), DType::BF16, &dev)?;
     let long_norm = Tensor::ones(8192 + 8, DType::BF16, &dev)?;
@@ -346,6 +318,60 @@ fn fused_linear_vector_inputs_match_the_two_launches() -> Result<()> {
         .unwrap_err()
         .to_string();
     assert!(err.contains("bias"), "{err}");
+    Ok(())
+}
+
+/// The gate/up launch with the SwiGLU output gives the bits of the gate/up launch followed by
+/// `silu_mul` (the residual too), and silu(g) · u of an f64 reference; odd index counts (warps
+/// past the last index) included; what it does not take is refused.
+#[test]
+fn swiglu_output_matches_the_gate_up_launch_then_silu_mul() -> Result<()> {
+    let dev = gpu();
+    for dtype in DTYPES {
+        let vec = 16 / dtype.size_in_bytes();
+        for (inter, k) in [
+            (1usize, vec),
+            (7, 576),
+            (8192, 2048),
+            (130, 256 * 4 * vec),
+            (33, 1000 - 1000 % vec),
+        ] {
+            let w = (randn(&[2 * inter, k], dtype, &dev) * 0.05)?.to_dtype(dtype)?;
+            let (x, h) = (randn(&[1, k], dtype, &dev), randn(&[1, k], dtype, &dev));
+            let norm_w = randn(&[k], DType::F32, &dev).affine(0.1, 1.0)?.to_dtype(dtype)?;
+            assert!(linear_vector_add_norm_swiglu_fits(&x, &h, &norm_w, &w), "{dtype:?} {k}");
+            let (sum, act) = linear_vector_add_norm_swiglu(&x, &h, &norm_w, 1e-5, &w)?;
+            let (want_sum, gate_up) = linear_vector_add_norm(&x, &h, &norm_w, 1e-5, &w, None)?;
+            let want = silu_mul(&gate_up)?;
+            assert_eq!((sum.dims(), act.dims()), ([1, k].as_slice(), [1, inter].as_slice()));
+            assert_eq!(bits(&sum)?, bits(&want_sum)?, "residual {dtype:?} inter {inter} k {k}");
+            assert_eq!(bits(&act)?, bits(&want)?, "SwiGLU {dtype:?} inter {inter} k {k}");
+            // And silu(g) · u itself, against f64 from the same normed input.
+            let (_, normed) = add_rms_norm(&x, &h, &norm_w, 1e-5)?;
+            let y = normed.to_dtype(DType::F64)?.matmul(&w.to_dtype(DType::F64)?.t()?)?;
+            let (g, u) = (y.narrow(1, 0, inter)?, y.narrow(1, inter, inter)?);
+            let ref64 = ((&g / (g.neg()?.exp()? + 1.0)?)? * u)?;
+            let max_abs = |t: &Tensor| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>();
+            let err = max_abs(&(act.to_dtype(DType::F64)? - &ref64)?)?;
+            let scale = max_abs(&ref64)?.max(1e-3);
+            assert!(
+                err.is_finite() && err / scale <= tol(dtype) as f64,
+                "{dtype:?} inter {inter} k {k}: {err:e}"
+            );
+        }
+    }
+    let x = Tensor::zeros((1, 64), DType::BF16, &dev)?;
+    let norm_w = Tensor::ones(64, DType::BF16, &dev)?;
+    let odd_rows = Tensor::zeros((5, 64), DType::BF16, &dev)?;
+    let short_rows = Tensor::zeros((4, 56), DType::BF16, &dev)?;
+    let f16_w = Tensor::zeros((4, 64), DType::F16, &dev)?;
+    for (what, w) in [("odd rows", &odd_rows), ("k", &short_rows), ("dtype", &f16_w)] {
+        assert!(!linear_vector_add_norm_swiglu_fits(&x, &x, &norm_w, w), "{what}");
+        let err = linear_vector_add_norm_swiglu(&x, &x, &norm_w, 1e-5, w)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("SwiGLU"), "{what}: {err}");
+    }
     Ok(())
 }
 

@@ -13,7 +13,7 @@ use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
-use super::{StoreTarget, VectorInput};
+use super::{StoreTarget, VectorInput, VectorOutput};
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fused.cubin"));
 
@@ -26,8 +26,7 @@ const ARGMAX_THREADS: u32 = 256;
 const ARGMAX_CHUNK_BYTES: usize = ARGMAX_THREADS as usize * 2 * 16;
 /// Warps (outputs) per block of `linear_vector` (`kMatvecWarps`).
 const MATVEC_WARPS: u32 = 8;
-/// Warps per output of `linear_vector` and `linear_vector_silu` (`kMatvecSplit`); the add + norm
-/// form keeps one.
+/// Warps per output of the plain `linear_vector` (`kMatvecSplit`); the add + norm forms keep one.
 const MATVEC_SPLIT: u32 = 2;
 /// Threads per block of the elementwise kernels (grid-stride loops).
 const THREADS: u32 = 256;
@@ -358,9 +357,10 @@ pub(super) fn linear_vector(
     x: (&CudaStorage, &Layout),
     w: (&CudaStorage, &Layout),
     input: &VectorInput,
+    output: VectorOutput,
     bias: Option<&Tensor>,
 ) -> Result<CudaStorage> {
-    by_dtype!("linear", x.0.dtype(), linear_vector_t(x, w, input, bias))
+    by_dtype!("linear", x.0.dtype(), linear_vector_t(x, w, input, output, bias))
 }
 
 /// The device address of a tensor an op holds besides its inputs (its storage under a read lock).
@@ -380,14 +380,20 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
     x: (&CudaStorage, &Layout),
     w: (&CudaStorage, &Layout),
     input: &VectorInput,
+    output: VectorOutput,
     bias: Option<&Tensor>,
 ) -> Result<CudaStorage> {
     const OP: &str = "linear";
     let dtype = x.0.dtype();
     same_dtype(OP, dtype, &[("the weight", w.0.dtype())])?;
     let dev = x.0.device.clone();
-    let n = w.1.dims()[0];
+    let rows = w.1.dims()[0];
     let k = w.1.dims()[1];
+    // The outputs: a row's product each, or one of a (gate, up) pair of rows each.
+    let n = match output {
+        VectorOutput::Plain => rows,
+        VectorOutput::SwiGlu => rows / 2,
+    };
     let (xa, wa) = (addr::<T>(x.0, x.1, OP, "x")?, addr::<T>(w.0, w.1, OP, "the weight")?);
     // The bias and an add + norm's h and weight: read locks on their storage for the launch (as
     // rope_store's cache).
@@ -420,10 +426,13 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
     if n == 0 {
         return Ok(T::wrap_cuda_slice(out, dev));
     }
-    let kernel = match input {
-        VectorInput::Plain => "linear_vector",
-        VectorInput::SiluMul => "linear_vector_silu",
-        VectorInput::AddNorm { .. } => "linear_vector_add_norm",
+    let kernel = match (input, output) {
+        (VectorInput::Plain, VectorOutput::Plain) => "linear_vector",
+        (VectorInput::AddNorm { .. }, VectorOutput::Plain) => "linear_vector_add_norm",
+        (VectorInput::AddNorm { .. }, VectorOutput::SwiGlu) => "linear_vector_add_norm_swiglu",
+        (VectorInput::Plain, VectorOutput::SwiGlu) => {
+            bail!("flash-llama {OP}: the SwiGLU output needs the add + RMSNorm input")
+        }
     };
     let func = function(&dev, format!("{kernel}_{}", suffix(dtype, OP)?))?;
     {
@@ -433,12 +442,12 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
             grid_dim: (n.div_ceil(MATVEC_WARPS as usize) as u32, 1, 1),
             block_dim: match input {
                 VectorInput::AddNorm { .. } => (MATVEC_WARPS * 32, 1, 1),
-                _ => (MATVEC_WARPS * MATVEC_SPLIT * 32, 1, 1),
+                VectorInput::Plain => (MATVEC_WARPS * MATVEC_SPLIT * 32, 1, 1),
             },
-            // The fused inputs' row, staged (sizes checked by their `_fits`).
+            // The normed row, staged (its size checked by `linear_vector_add_norm_fits`).
             shared_mem_bytes: match input {
                 VectorInput::Plain => 0,
-                _ => (k * std::mem::size_of::<T>()) as u32,
+                VectorInput::AddNorm { .. } => (k * std::mem::size_of::<T>()) as u32,
             },
         };
         let (n_i, k_i) = (n as i32, k as i32);
@@ -450,9 +459,12 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
             eps = *e;
             args.extend([arg(&ha), arg(&norm_wa), arg(&eps), arg(&res)]);
         }
-        args.extend([arg(&wa), arg(&ba), arg(&ya), arg(&n_i), arg(&k_i)]);
+        match output {
+            VectorOutput::Plain => args.extend([arg(&wa), arg(&ba), arg(&ya), arg(&n_i), arg(&k_i)]),
+            VectorOutput::SwiGlu => args.extend([arg(&wa), arg(&ya), arg(&n_i), arg(&k_i)]),
+        }
         // SAFETY: the arguments of the kernel's signature, in order (kernels/model/fused.cu):
-        // contiguous x (k; 2k for SiLU × up) and w (n x k), 16-byte aligned with k a whole number
+        // contiguous x (k; 2k for SiLU × up) and w (n x k; 2n x k for the SwiGLU output, no bias), 16-byte aligned with k a whole number
         // of 16-byte vectors (checked by `linear_vector` and its fused forms, with h and the norm
         // weight of k); a bias of n if any; an output of res_len + n. The kernel reads only the
         // weights before its `griddepcontrol.wait`.

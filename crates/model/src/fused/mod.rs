@@ -8,10 +8,11 @@
 //! - [`linear_vector`]: a linear layer over the one row of a batch-1 decode step (a
 //!   matrix-vector product that reads the weights at full bandwidth, one launch with about half
 //!   cuBLAS's host cost);
-//! - [`linear_vector_silu`], [`linear_vector_add_norm`]: the same product with the op before it
-//!   (SiLU × up before the down projection; add + RMSNorm before the q/k/v, gate/up and output
-//!   head projections) computed inside the launch, by every block while its first weights load:
-//!   at batch 1 those ops are a few KB each, whose own launches cost more than their work;
+//! - [`linear_vector_add_norm`]: the same product with the add + RMSNorm before it (the q/k/v,
+//!   gate/up and output head projections) computed inside the launch, by every block while its
+//!   first weights load: at batch 1 that op is a few KB, whose own launch costs more than its
+//!   work; [`linear_vector_add_norm_swiglu`]: the gate/up form that writes silu(gate) · up, the
+//!   down projection's input;
 //! - [`argmax_rows`]: the greedy choice of each row of logits, on the device, so that a decode
 //!   step's next input never has to visit the host (see `generate`).
 //!
@@ -228,14 +229,11 @@ pub fn linear_vector(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Te
         w,
         &LinearVector {
             input: VectorInput::Plain,
+            output: VectorOutput::Plain,
             bias: bias.cloned(),
         },
     )
 }
-
-/// Bytes of the input row that the fused forms of [`linear_vector`] stage in shared memory (the
-/// default 48 KiB a block may use without opting in).
-const STAGED_INPUT_MAX_BYTES: usize = 48 << 10;
 
 /// Whether `t` is a contiguous tensor of `dtype` on `x`'s device, starting on 16 bytes.
 fn vector_ready(t: &Tensor, dtype: DType, x: &Tensor) -> bool {
@@ -244,49 +242,6 @@ fn vector_ready(t: &Tensor, dtype: DType, x: &Tensor) -> bool {
         && t.dtype() == dtype
         && l.is_contiguous()
         && (l.start_offset() * dtype.size_in_bytes()) % 16 == 0
-}
-
-/// Whether [`linear_vector_silu`] takes `gate_up` (1, 2k) and `w` (n, k): as
-/// [`linear_vector_fits`] for the (1, k) row it computes, which must fit shared memory.
-pub fn linear_vector_silu_fits(gate_up: &Tensor, w: &Tensor) -> bool {
-    let (Ok((rows, two_k)), Ok((_, k))) = (gate_up.dims2(), w.dims2()) else {
-        return false;
-    };
-    let dtype = gate_up.dtype();
-    let size = dtype.size_in_bytes();
-    gate_up.device().is_cuda()
-        && matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
-        && rows == 1
-        && two_k == 2 * k
-        && (k * size) % 16 == 0
-        && k * size <= STAGED_INPUT_MAX_BYTES
-        && vector_ready(gate_up, dtype, gate_up)
-        && vector_ready(w, dtype, gate_up)
-}
-
-/// `linear_vector(silu_mul(gate_up), w, bias)` in one launch: the down projection of a batch-1
-/// MLP reading the fused gate/up output (1, 2k) directly, each block computing SiLU × up into
-/// shared memory while its first weights load; the same bits as the two launches. An error
-/// unless [`linear_vector_silu_fits`].
-pub fn linear_vector_silu(gate_up: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    on_cuda("linear (SiLU × up input)", gate_up)?;
-    if !linear_vector_silu_fits(gate_up, w) {
-        bail!(
-            "flash-llama linear (SiLU × up input): gate/up {:?} ({:?}) and w {:?} ({:?}) need one dtype, one row of 2k for k-wide weight rows of whole 16-byte vectors (at most {STAGED_INPUT_MAX_BYTES} bytes), contiguous and 16-byte aligned on one GPU",
-            gate_up.shape(),
-            gate_up.dtype(),
-            w.shape(),
-            w.dtype()
-        )
-    }
-    check_bias(bias, w.dim(0)?, gate_up)?;
-    gate_up.apply_op2_no_bwd(
-        w,
-        &LinearVector {
-            input: VectorInput::SiluMul,
-            bias: bias.cloned(),
-        },
-    )
 }
 
 /// Whether [`linear_vector_add_norm`] takes `x`, `h` (1, k), `norm_w` (k) and `w` (n, k): as
@@ -344,12 +299,65 @@ pub fn linear_vector_add_norm(
                 norm_w: norm_w.clone(),
                 eps: eps as f32,
             },
+            output: VectorOutput::Plain,
             bias: bias.cloned(),
         },
     )?;
     Ok((
         both.narrow(0, 0, k)?.reshape((1, k))?,
         both.narrow(0, k, n)?.reshape((1, n))?,
+    ))
+}
+
+/// Whether [`linear_vector_add_norm_swiglu`] takes `x`, `h` (1, k), `norm_w` (k) and a fused
+/// gate/up weight `w` (2 · inter, k): as [`linear_vector_add_norm_fits`], with an even number of
+/// weight rows.
+pub fn linear_vector_add_norm_swiglu_fits(x: &Tensor, h: &Tensor, norm_w: &Tensor, w: &Tensor) -> bool {
+    matches!(w.dims2(), Ok((rows, _)) if rows % 2 == 0) && linear_vector_add_norm_fits(x, h, norm_w, w)
+}
+
+/// `(x + h, silu(g) · u)` in one launch, where `(g, u)` are the two halves of
+/// `linear_vector(rms_norm(x + h) · norm_w, w)` for a fused gate/up weight `w` (2 · inter, k)
+/// (gate rows first): a batch-1 MLP's residual add, norm, gate/up projection and SwiGLU, (1, k)
+/// and (1, inter). One warp sums both rows of an index, so the down projection reads its input
+/// ready instead of computing SiLU × up in each of its blocks. The same bits as
+/// [`linear_vector_add_norm`] then [`silu_mul`]. An error unless
+/// [`linear_vector_add_norm_swiglu_fits`].
+pub fn linear_vector_add_norm_swiglu(
+    x: &Tensor,
+    h: &Tensor,
+    norm_w: &Tensor,
+    eps: f64,
+    w: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    on_cuda("linear (add + RMSNorm input, SwiGLU output)", x)?;
+    if !linear_vector_add_norm_swiglu_fits(x, h, norm_w, w) {
+        bail!(
+            "flash-llama linear (add + RMSNorm input, SwiGLU output): x {:?} ({:?}), h {:?}, norm weight {:?} and w {:?} need one dtype, one row of k (at most 4096 bytes × 16) matching the weight rows, an even number of weight rows (gate then up), contiguous and 16-byte aligned tensors on one GPU",
+            x.shape(),
+            x.dtype(),
+            h.shape(),
+            norm_w.shape(),
+            w.shape()
+        )
+    }
+    let (k, inter) = (x.dim(1)?, w.dim(0)? / 2);
+    // One output: the residual (k), then silu(g) · u (inter).
+    let both = x.apply_op2_no_bwd(
+        w,
+        &LinearVector {
+            input: VectorInput::AddNorm {
+                h: h.clone(),
+                norm_w: norm_w.clone(),
+                eps: eps as f32,
+            },
+            output: VectorOutput::SwiGlu,
+            bias: None,
+        },
+    )?;
+    Ok((
+        both.narrow(0, 0, k)?.reshape((1, k))?,
+        both.narrow(0, k, inter)?.reshape((1, inter))?,
     ))
 }
 
@@ -585,15 +593,24 @@ struct ArgmaxRows;
 pub(crate) enum VectorInput {
     /// The op's first input, x (1, k).
     Plain,
-    /// silu(y[:k]) · y[k:] of the op's first input y (1, 2k).
-    SiluMul,
     /// rms_norm(x + h) · norm_w of the op's first input x (1, k); the output holds x + h first.
     AddNorm { h: Tensor, norm_w: Tensor, eps: f32 },
+}
+
+/// What [`LinearVector`] writes (the kernel, kernels/model/fused.cu).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum VectorOutput {
+    /// The product y (1, n).
+    Plain,
+    /// silu(y[:n/2]) · y[n/2:] (1, n / 2): `linear_vector_swiglu`.
+    SwiGlu,
 }
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct LinearVector {
     input: VectorInput,
+    output: VectorOutput,
     /// Shares the caller's storage; read inside the launch.
     bias: Option<Tensor>,
 }
@@ -741,8 +758,11 @@ impl CustomOp2 for LinearVector {
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         // Shapes, dtypes and alignment checked by `linear_vector` and its fused forms.
-        let out = cuda::linear_vector((x, xl), (w, wl), &self.input, self.bias.as_ref())?;
-        let n = wl.dims()[0];
+        let out = cuda::linear_vector((x, xl), (w, wl), &self.input, self.output, self.bias.as_ref())?;
+        let n = match self.output {
+            VectorOutput::Plain => wl.dims()[0],
+            VectorOutput::SwiGlu => wl.dims()[0] / 2,
+        };
         Ok((
             out,
             match self.input {
