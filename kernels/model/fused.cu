@@ -315,6 +315,10 @@ constexpr int kMatvecUnroll = 4;
 // at a time (session 29). The add + RMSNorm projections keep one warp per output: more blocks
 // means more prologues, measured slower (docs/kernels/model-fused.md, session 28).
 constexpr int kMatvecSplit = 2;
+// Warps per output of the plain projections over long rows (down: 8,192 inputs): four, in blocks
+// of 4 x 8 warps, two blocks an SM (at most 32 registers), so that the 256 blocks of the 1B shape's
+// down projection are all resident at once with 64 warps an SM, each warp two rounds of loads.
+constexpr int kMatvecLongSplit = 4;
 
 static_assert(kMatvecWarps * 32 == kNormThreads, "AddNormInput runs add_rms_norm's block code");
 
@@ -457,9 +461,13 @@ __device__ void linear_vector_swiglu(const Input& in, const T* __restrict__ w, T
     const uint4* up_row = gate_row + (size_t)inter * vecs;
     uint4 wv[kMatvecUnroll];
     let_next_kernel_start();
-    load_round(wv, gate_row, lane, vecs);
+    // Only the norm weight is copied before the wait. The gate rows' first round is requested
+    // after it: requested before, it lands while the attention and o run, and o's reads after
+    // its own wait queue behind it (traced: o 4.38 against 3.90 µs a layer, gate/up 18.45 against
+    // 18.77; docs/kernels/model-fused.md, session 45).
     in.preload(k);
     wait_for_earlier_kernels();
+    load_round(wv, gate_row, lane, vecs);
     in.prepare(k);
     if (i >= inter) return;
     float g = row_partial<T>(in, gate_row, 0, vecs, wv);
@@ -611,6 +619,10 @@ __device__ void choose_among_chunks(const float* __restrict__ part_best, const u
     extern "C" __global__ void __launch_bounds__(kMatvecWarps * kMatvecSplit * 32) linear_vector_##SUFFIX(            \
         const T* x, const T* w, const T* bias, T* y, int n, int k) {                                                  \
         linear_vector<T, kMatvecSplit>(PlainInput<T>{x}, w, bias, y, n, k);                                           \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * kMatvecLongSplit * 32, 2) linear_vector_long_##SUFFIX( \
+        const T* x, const T* w, const T* bias, T* y, int n, int k) {                                                  \
+        linear_vector<T, kMatvecLongSplit>(PlainInput<T>{x}, w, bias, y, n, k);                                       \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32, kNormBlocksPerSm<T>) linear_vector_add_norm_##SUFFIX(                 \
         const T* a, const T* b, const T* norm_w, float eps, T* res, const T* w, const T* bias, T* y, int n, int k) {  \

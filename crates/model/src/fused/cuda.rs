@@ -28,6 +28,10 @@ const ARGMAX_CHUNK_BYTES: usize = ARGMAX_THREADS as usize * 2 * 16;
 const MATVEC_WARPS: u32 = 8;
 /// Warps per output of the plain `linear_vector` (`kMatvecSplit`); the add + norm forms keep one.
 const MATVEC_SPLIT: u32 = 2;
+/// Warps per output of `linear_vector_long` (`kMatvecLongSplit`), which the plain projection takes
+/// from rows of `MATVEC_LONG_MIN_BYTES` on (the down projection).
+const MATVEC_LONG_SPLIT: u32 = 4;
+const MATVEC_LONG_MIN_BYTES: usize = 8192;
 /// Threads per block of the elementwise kernels (grid-stride loops).
 const THREADS: u32 = 256;
 
@@ -426,7 +430,9 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
     if n == 0 {
         return Ok(T::wrap_cuda_slice(out, dev));
     }
+    let long_rows = k * std::mem::size_of::<T>() >= MATVEC_LONG_MIN_BYTES;
     let kernel = match (input, output) {
+        (VectorInput::Plain, VectorOutput::Plain) if long_rows => "linear_vector_long",
         (VectorInput::Plain, VectorOutput::Plain) => "linear_vector",
         (VectorInput::AddNorm { .. }, VectorOutput::Plain) => "linear_vector_add_norm",
         (VectorInput::AddNorm { .. }, VectorOutput::SwiGlu) => "linear_vector_add_norm_swiglu",
@@ -442,6 +448,7 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
             grid_dim: (n.div_ceil(MATVEC_WARPS as usize) as u32, 1, 1),
             block_dim: match input {
                 VectorInput::AddNorm { .. } => (MATVEC_WARPS * 32, 1, 1),
+                VectorInput::Plain if long_rows => (MATVEC_WARPS * MATVEC_LONG_SPLIT * 32, 1, 1),
                 VectorInput::Plain => (MATVEC_WARPS * MATVEC_SPLIT * 32, 1, 1),
             },
             // The normed row, staged (its size checked by `linear_vector_add_norm_fits`).
