@@ -256,7 +256,8 @@ fn fused_linear_vector_inputs_match_the_two_launches() -> Result<()> {
                 assert_eq!((sum.dims(), got.dims()), ([1, k].as_slice(), [1, n].as_slice()));
                 assert_eq!(bits(&sum)?, bits(&want_sum)?, "residual {dtype:?} n {n} k {k}");
                 // The add + RMSNorm form sums each output's row in one warp, the plain form in
-                // kMatvecSplit (2) warps: the same f32 products in another order, so the two agree
+                // two warps (four over rows of 8 KB or more, `linear_vector_long`): the same f32
+                // products in another order, so the two agree
                 // to one unit in the last place of the element type (plus the f32 sums' reordering,
                 // 1e-5 of the largest output) rather than bit for bit; a wrong staged input would
                 // be off by far more.

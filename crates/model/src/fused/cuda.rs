@@ -471,10 +471,10 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
             VectorOutput::SwiGlu => args.extend([arg(&wa), arg(&ya), arg(&n_i), arg(&k_i)]),
         }
         // SAFETY: the arguments of the kernel's signature, in order (kernels/model/fused.cu):
-        // contiguous x (k; 2k for SiLU × up) and w (n x k; 2n x k for the SwiGLU output, no bias), 16-byte aligned with k a whole number
-        // of 16-byte vectors (checked by `linear_vector` and its fused forms, with h and the norm
-        // weight of k); a bias of n if any; an output of res_len + n. The kernel reads only the
-        // weights before its `griddepcontrol.wait`.
+        // contiguous x (k) and w (n x k; 2n x k and no bias for the SwiGLU output), 16-byte
+        // aligned with k a whole number of 16-byte vectors (checked by `linear_vector` and its
+        // fused forms, with h and the norm weight of k); a bias of n if any; an output of
+        // res_len + n. The kernel reads only the weights before its `griddepcontrol.wait`.
         unsafe { launch_overlapping(&stream, &func, cfg, &mut args) }?;
     }
     drop((bias_g, norm_g));
