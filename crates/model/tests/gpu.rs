@@ -257,10 +257,9 @@ fn fused_linear_vector_inputs_match_the_two_launches() -> Result<()> {
                 assert_eq!(bits(&sum)?, bits(&want_sum)?, "residual {dtype:?} n {n} k {k}");
                 // The add + RMSNorm form sums each output's row in one warp, the plain form in
                 // two warps (four over rows of 8 KB or more, `linear_vector_long`): the same f32
-                // products in another order, so the two agree
-                // to one unit in the last place of the element type (plus the f32 sums' reordering,
-                // 1e-5 of the largest output) rather than bit for bit; a wrong staged input would
-                // be off by far more.
+                // products in another order, so the two agree to one unit in the last place of
+                // the element type (plus the f32 sums' reordering, 1e-5 of the largest output)
+                // rather than bit for bit; a wrong staged input would be off by far more.
                 let (g, e) = (to_f32s(&got)?, to_f32s(&want)?);
                 let largest = e.iter().fold(0f32, |m, x| m.max(x.abs()));
                 let worst = g
