@@ -620,32 +620,23 @@ __device__ void choose_among_chunks(const float* __restrict__ part_best, const u
         const T* x, const T* w, const T* bias, T* y, int n, int k) {                                                  \
         linear_vector<T, kMatvecSplit>(PlainInput<T>{x}, w, bias, y, n, k);                                           \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(kMatvecWarps * kMatvecLongSplit * 32, 2) linear_vector_long_##SUFFIX( \
-        const T* x, const T* w, const T* bias, T* y, int n, int k) {                                                  \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * kMatvecLongSplit * 32, 2)                             \
+        linear_vector_long_##SUFFIX(const T* x, const T* w, const T* bias, T* y, int n, int k) {                      \
         linear_vector<T, kMatvecLongSplit>(PlainInput<T>{x}, w, bias, y, n, k);                                       \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32, kNormBlocksPerSm<T>) linear_vector_add_norm_##SUFFIX(                 \
-        const T* a, const T* b, const T* norm_w, float eps, T* res, const T* w, const T* bias, T* y, int n, int k) {  \
+    /* The add + norm forms: the staged row (k elements of T) is the dynamic shared memory. */                        \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32, kNormBlocksPerSm<T>)                              \
+        linear_vector_add_norm_##SUFFIX(const T* a, const T* b, const T* norm_w, float eps, T* res, const T* w,       \
+                                        const T* bias, T* y, int n, int k) {                                          \
         extern __shared__ uint4 staged_norm_##SUFFIX[];                                                               \
-        AddNormInput<T> in;                                                                                           \
-        in.staged = reinterpret_cast<T*>(staged_norm_##SUFFIX);                                                       \
-        in.a = a;                                                                                                     \
-        in.b = b;                                                                                                     \
-        in.w = norm_w;                                                                                                \
-        in.res = res;                                                                                                 \
-        in.eps = eps;                                                                                                 \
+        const AddNormInput<T> in{reinterpret_cast<T*>(staged_norm_##SUFFIX), a, b, norm_w, res, eps};                 \
         linear_vector<T>(in, w, bias, y, n, k);                                                                       \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32, kNormBlocksPerSm<T>) linear_vector_add_norm_swiglu_##SUFFIX(         \
-        const T* a, const T* b, const T* norm_w, float eps, T* res, const T* w, T* act, int inter, int k) {            \
+    extern "C" __global__ void __launch_bounds__(kMatvecWarps * 32, kNormBlocksPerSm<T>)                              \
+        linear_vector_add_norm_swiglu_##SUFFIX(const T* a, const T* b, const T* norm_w, float eps, T* res,            \
+                                               const T* w, T* act, int inter, int k) {                                \
         extern __shared__ uint4 staged_swiglu_##SUFFIX[];                                                             \
-        AddNormInput<T> in;                                                                                           \
-        in.staged = reinterpret_cast<T*>(staged_swiglu_##SUFFIX);                                                     \
-        in.a = a;                                                                                                     \
-        in.b = b;                                                                                                     \
-        in.w = norm_w;                                                                                                \
-        in.res = res;                                                                                                 \
-        in.eps = eps;                                                                                                 \
+        const AddNormInput<T> in{reinterpret_cast<T*>(staged_swiglu_##SUFFIX), a, b, norm_w, res, eps};               \
         linear_vector_swiglu<T>(in, w, act, inter, k);                                                                \
     }
 

@@ -391,13 +391,8 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
     let dtype = x.0.dtype();
     same_dtype(OP, dtype, &[("the weight", w.0.dtype())])?;
     let dev = x.0.device.clone();
-    let rows = w.1.dims()[0];
+    let n = output.outputs(w.1.dims()[0]);
     let k = w.1.dims()[1];
-    // The outputs: a row's product each, or one of a (gate, up) pair of rows each.
-    let n = match output {
-        VectorOutput::Plain => rows,
-        VectorOutput::SwiGlu => rows / 2,
-    };
     let (xa, wa) = (addr::<T>(x.0, x.1, OP, "x")?, addr::<T>(w.0, w.1, OP, "the weight")?);
     // The bias and an add + norm's h and weight: read locks on their storage for the launch (as
     // rope_store's cache).

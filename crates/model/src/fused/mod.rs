@@ -288,9 +288,23 @@ pub fn linear_vector_add_norm(
             w.shape()
         )
     }
-    let (k, n) = (x.dim(1)?, w.dim(0)?);
-    check_bias(bias, n, x)?;
-    // One output: the residual (k), then the projection (n).
+    check_bias(bias, w.dim(0)?, x)?;
+    add_norm_launch(x, h, norm_w, eps, w, bias, VectorOutput::Plain)
+}
+
+/// The launch of the add + RMSNorm forms (fits checked by the caller): one output holding the
+/// residual x + h (k), then the projection's `output` (n, or inter for the SwiGLU form), returned
+/// as (1, k) and (1, n).
+fn add_norm_launch(
+    x: &Tensor,
+    h: &Tensor,
+    norm_w: &Tensor,
+    eps: f64,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    output: VectorOutput,
+) -> Result<(Tensor, Tensor)> {
+    let (k, n) = (x.dim(1)?, output.outputs(w.dim(0)?));
     let both = x.apply_op2_no_bwd(
         w,
         &LinearVector {
@@ -299,7 +313,7 @@ pub fn linear_vector_add_norm(
                 norm_w: norm_w.clone(),
                 eps: eps as f32,
             },
-            output: VectorOutput::Plain,
+            output,
             bias: bias.cloned(),
         },
     )?;
@@ -341,24 +355,7 @@ pub fn linear_vector_add_norm_swiglu(
             w.shape()
         )
     }
-    let (k, inter) = (x.dim(1)?, w.dim(0)? / 2);
-    // One output: the residual (k), then silu(g) · u (inter).
-    let both = x.apply_op2_no_bwd(
-        w,
-        &LinearVector {
-            input: VectorInput::AddNorm {
-                h: h.clone(),
-                norm_w: norm_w.clone(),
-                eps: eps as f32,
-            },
-            output: VectorOutput::SwiGlu,
-            bias: None,
-        },
-    )?;
-    Ok((
-        both.narrow(0, 0, k)?.reshape((1, k))?,
-        both.narrow(0, k, inter)?.reshape((1, inter))?,
-    ))
+    add_norm_launch(x, h, norm_w, eps, w, None, VectorOutput::SwiGlu)
 }
 
 fn check_bias(bias: Option<&Tensor>, n: usize, x: &Tensor) -> Result<()> {
@@ -599,12 +596,23 @@ pub(crate) enum VectorInput {
 
 /// What [`LinearVector`] writes (the kernel, kernels/model/fused.cu).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 pub(crate) enum VectorOutput {
     /// The product y (1, n).
     Plain,
     /// silu(y[:n/2]) · y[n/2:] (1, n / 2): `linear_vector_swiglu`.
     SwiGlu,
+}
+
+impl VectorOutput {
+    /// The outputs of a weight of `rows` rows: a row's product each, or one of a (gate, up) pair
+    /// of rows each.
+    fn outputs(self, rows: usize) -> usize {
+        match self {
+            VectorOutput::Plain => rows,
+            VectorOutput::SwiGlu => rows / 2,
+        }
+    }
 }
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -759,10 +767,7 @@ impl CustomOp2 for LinearVector {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         // Shapes, dtypes and alignment checked by `linear_vector` and its fused forms.
         let out = cuda::linear_vector((x, xl), (w, wl), &self.input, self.output, self.bias.as_ref())?;
-        let n = match self.output {
-            VectorOutput::Plain => wl.dims()[0],
-            VectorOutput::SwiGlu => wl.dims()[0] / 2,
-        };
+        let n = self.output.outputs(wl.dims()[0]);
         Ok((
             out,
             match self.input {
