@@ -5,7 +5,7 @@
 //! sequences), append with and without rotary (interleaved or not), cache_batch_idx
 //! permutations, zero-length sequences, GQA, causal / window / softcap; then the errors.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use flash_attn3::kvcache::PAGE_SIZES;
 use flash_attn3::FlashAttn;
 use flash_attn3_tests::{
@@ -445,10 +445,10 @@ fn kvcache_function_form() -> Result<()> {
     Ok(())
 }
 
-/// A read-only call over strided cache views (k and v heads interleaved in one buffer, as
-/// flash-llama's caches hold them), contiguous or paged, gives what the same call over dense
-/// copies gives; a call that would write into such a view, or one whose head dim is strided, is
-/// refused.
+/// Calls over strided cache views (k and v heads interleaved in one buffer, as flash-llama's
+/// caches hold them), contiguous or paged, give what the same calls over dense copies give, an
+/// append included (written into the views in place); a head dim that is strided, and an fp8
+/// cache that is not dense, are refused.
 #[test]
 fn kvcache_strided_views() -> Result<()> {
     let dev = Device::Cpu;
@@ -465,11 +465,33 @@ fn kvcache_strided_views() -> Result<()> {
     let want = attn.kv_cache(&k.contiguous()?, &v.contiguous()?, &lens).forward(&q)?;
     assert_eq!(to_f64_vec(&got)?, to_f64_vec(&want)?);
     assert!(to_f64_vec(&got)?.iter().any(|&x| x != 0.0));
-    // Writing into a view is refused.
-    let kn = rng.randn((b, 1, hk, d), DType::F32, &dev)?;
-    assert_err(
-        attn.kv_cache(&k, &v, &lens).append(&kn, &kn).forward(&q),
-        &["k_cache must be contiguous when the call appends"],
+    // An append writes into the views in place: the same output and the same cache values as
+    // the call over dense copies, and the rows around the new ones untouched.
+    let (kn, vn) = (
+        rng.randn((b, 1, hk, d), DType::F32, &dev)?,
+        rng.randn((b, 1, hk, d), DType::F32, &dev)?,
+    );
+    let kv2 = kv.copy()?;
+    let (k2, v2) = (kv2.narrow(2, 0, hk)?, kv2.narrow(2, hk, hk)?);
+    let lens_short = Tensor::new(&[17u32, 0, 39], &dev)?;
+    let got = attn.kv_cache(&k2, &v2, &lens_short).append(&kn, &vn).forward(&q)?;
+    let (kd, vd) = (k.contiguous()?, v.contiguous()?);
+    let want = attn.kv_cache(&kd, &vd, &lens_short).append(&kn, &vn).forward(&q)?;
+    assert_eq!(to_f64_vec(&got)?, to_f64_vec(&want)?);
+    assert_eq!(
+        to_f64_vec(&k2.contiguous()?)?,
+        to_f64_vec(&kd)?,
+        "k after a strided append"
+    );
+    assert_eq!(
+        to_f64_vec(&v2.contiguous()?)?,
+        to_f64_vec(&vd)?,
+        "v after a strided append"
+    );
+    assert_ne!(to_f64_vec(&kv2)?, to_f64_vec(&kv)?, "nothing appended");
+    assert_eq!(
+        to_f64_vec(&kv2.i((0, 17))?.contiguous()?)?,
+        to_f64_vec(&Tensor::cat(&[kn.i((0, 0))?, vn.i((0, 0))?], 0)?)?
     );
     // Paged views (pages out of order, a page shared by two sequences) read as dense copies do.
     let table = Tensor::new(&[[2u32, 0], [1, 0], [3, 2]], &dev)?;
@@ -494,6 +516,13 @@ fn kvcache_strided_views() -> Result<()> {
     assert_err(
         attn.kv_cache(&kt, &vt, &lens).forward(&q),
         &["head dim must be contiguous"],
+    );
+    // FP8 caches must be dense.
+    let kv8 = kv.to_dtype(DType::F8E4M3)?;
+    let (k8, v8) = (kv8.narrow(2, 0, hk)?, kv8.narrow(2, hk, hk)?);
+    assert_err(
+        attn.kv_cache(&k8, &v8, &lens).forward(&q.to_dtype(DType::F8E4M3)?),
+        &["an fp8 k_cache must be contiguous"],
     );
     Ok(())
 }

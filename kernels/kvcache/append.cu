@@ -19,21 +19,15 @@
 #include <cstdint>
 #include <type_traits>
 
-namespace fa3 {
+#include "append.cuh"
 
-// Error bits of *status, mirrored by flash_attn3::kvcache::CacheErrors.
-enum KvCacheError : uint32_t {
-    kKeysPastCache = 1,     // cache_seqlens[b] + seqlen_new keys do not fit the cache
-    kPagePastPool = 2,      // a page the sequence uses is past the page pool
-    kBatchIdxPastCache = 4, // cache_batch_idx[b] is past the cache's rows
-    kPastRotary = 8,        // a position past the rotary tables (left unturned)
-};
+namespace fa3 {
 
 // Mirrored field for field by `AppendParams` in crates/flash-attn/src/cuda/kvcache.rs.
 struct KvAppendParams {
     const void* k_new;          // (batch, seqlen_new, kv_heads, head_dim), contiguous
     const void* v_new;          // (batch, seqlen_new, kv_heads, head_dim_v)
-    void* k_cache;              // (slots, rows, kv_heads, head_dim), contiguous
+    void* k_cache;              // (slots, rows, kv_heads, head_dim) at the element strides below
     void* v_cache;              // (slots, rows, kv_heads, head_dim_v)
     const void* q;              // (batch, seqlen_q, heads, head_dim), contiguous
     void* q_rot;                // q turned, same layout; null: q is not turned
@@ -44,6 +38,8 @@ struct KvAppendParams {
     const uint32_t* page_table;     // (batch, max_pages) or null: a contiguous cache
     uint32_t* seqused;          // (batch), written: the keys the attention sees
     uint32_t* status;           // error bits, ORed in
+    int64_t k_slot_stride, k_row_stride, k_head_stride;  // elements; a row's values contiguous
+    int64_t v_slot_stride, v_row_stride, v_head_stride;
     int batch, seqlen_new, seqlen_q, heads, kv_heads, head_dim, head_dim_v;
     int slots;                  // the caches' first dim: rows of a contiguous cache, or pages
     int rows;                   // the caches' second dim: keys per cache row, or per page
@@ -75,20 +71,22 @@ template <int kBf16> __device__ __forceinline__ uint16_t from_f32(float x) {
 enum AppendDtype { kAppendBf16, kAppendF16, kAppendE4m3 };
 template <int kDtype> using AppendElem = typename std::conditional<kDtype == kAppendE4m3, uint8_t, uint16_t>::type;
 
-// Copies `heads` rows of `d` values from element src_off of src to element dst_off of dst, turning the first
-// 2 · rotary_half dims of each by the angle whose cos / sin rows are given (null: a plain copy).
-// Unturned values are copied as bits.
+// Copies `heads` rows of `d` values from element src_off of src (rows contiguous) to element dst_off
+// of dst (rows `dst_head_stride` elements apart), turning the first 2 · rotary_half dims of each by
+// the angle whose cos / sin rows are given (null: a plain copy). Unturned values are copied as bits.
 template <int kDtype>
 __device__ void copy_rows_turned(const KvAppendParams& p, const void* src_base, int64_t src_off, void* dst_base,
-                                 int64_t dst_off, int heads, int d, const float* cos, const float* sin) {
+                                 int64_t dst_off, int64_t dst_head_stride, int heads, int d, const float* cos,
+                                 const float* sin) {
     using Elem = AppendElem<kDtype>;
     const Elem* src = static_cast<const Elem*>(src_base) + src_off;
     Elem* dst = static_cast<Elem*>(dst_base) + dst_off;
     const int half = p.rotary_half;
     for (int e = threadIdx.x; e < heads * d; e += kAppendThreads) {
         const int c = e % d;
+        Elem* to = dst + (e / d) * dst_head_stride + c;
         if (kDtype == kAppendE4m3 || cos == nullptr || c >= 2 * half) {
-            dst[e] = src[e];
+            *to = src[e];
             continue;
         }
         constexpr int kBf16 = kDtype == kAppendBf16;
@@ -105,22 +103,24 @@ __device__ void copy_rows_turned(const KvAppendParams& p, const void* src_base, 
             b = r + half;
         }
         const float x0 = to_f32<kBf16>(row[a]), x1 = to_f32<kBf16>(row[b]);
-        const float y = c == a ? __fsub_rn(__fmul_rn(x0, cos[r]), __fmul_rn(x1, sin[r]))
-                               : __fadd_rn(__fmul_rn(x0, sin[r]), __fmul_rn(x1, cos[r]));
-        dst[e] = from_f32<kBf16>(y);
+        const float2 y = turn_pair(x0, x1, cos[r], sin[r]);
+        *to = from_f32<kBf16>(c == a ? y.x : y.y);
     }
 }
 
-// The cache slot (row of kv_heads x d values) of sequence b's key j, or -1 where it does not
-// exist (past the cache, a page past the pool, a cache row past the cache).
-__device__ __forceinline__ int64_t cache_slot(const KvAppendParams& p, int b, uint32_t j) {
+// Where sequence b's key j lives: the cache's (slot, row), or slot -1 where it does not exist
+// (past the cache, a page past the pool, a cache row past the cache).
+struct CacheRow {
+    int64_t slot, row;
+};
+__device__ __forceinline__ CacheRow cache_row(const KvAppendParams& p, int b, uint32_t j) {
     if (p.page_table != nullptr) {
-        if (j >= (uint32_t)p.max_pages * (uint32_t)p.rows) return -1;
+        if (j >= (uint32_t)p.max_pages * (uint32_t)p.rows) return {-1, 0};
         const uint32_t page = p.page_table[(int64_t)b * p.max_pages + j / p.rows];
-        return page < (uint32_t)p.slots ? (int64_t)page * p.rows + j % p.rows : -1;
+        return {page < (uint32_t)p.slots ? (int64_t)page : -1, j % p.rows};
     }
     const uint32_t row = p.kv_batch_idx != nullptr ? p.kv_batch_idx[b] : (uint32_t)b;
-    return j < (uint32_t)p.rows && row < (uint32_t)p.slots ? (int64_t)row * p.rows + j : -1;
+    return {j < (uint32_t)p.rows && row < (uint32_t)p.slots ? (int64_t)row : -1, j};
 }
 
 __device__ void check_sequence(const KvAppendParams& p, int b) {
@@ -168,21 +168,23 @@ template <int kDtype> __device__ void kv_append(const KvAppendParams& p) {
     const float *cos, *sin;
     if (x <= p.seqlen_new) {
         const int i = x - 1;
-        const int64_t slot = cache_slot(p, b, len + i);
-        if (slot < 0) return;  // check_sequence reports it
+        const CacheRow at = cache_row(p, b, len + i);
+        if (at.slot < 0) return;  // check_sequence reports it
         const int64_t token = (int64_t)b * p.seqlen_new + i;
         angle(len + i, cos, sin);
-        copy_rows_turned<kDtype>(p, p.k_new, token * p.kv_heads * p.head_dim, p.k_cache, slot * p.kv_heads * p.head_dim,
-                                 p.kv_heads, p.head_dim, cos, sin);
+        copy_rows_turned<kDtype>(p, p.k_new, token * p.kv_heads * p.head_dim, p.k_cache,
+                                 at.slot * p.k_slot_stride + at.row * p.k_row_stride, p.k_head_stride, p.kv_heads,
+                                 p.head_dim, cos, sin);
         copy_rows_turned<kDtype>(p, p.v_new, token * p.kv_heads * p.head_dim_v, p.v_cache,
-                                 slot * p.kv_heads * p.head_dim_v, p.kv_heads, p.head_dim_v, nullptr, nullptr);
+                                 at.slot * p.v_slot_stride + at.row * p.v_row_stride, p.v_head_stride, p.kv_heads,
+                                 p.head_dim_v, nullptr, nullptr);
         return;
     }
     const int i = x - 1 - p.seqlen_new;
     const int64_t token = (int64_t)b * p.seqlen_q + i;
     angle(len + (p.q_per_token ? i : 0), cos, sin);
     const int64_t q_off = token * p.heads * p.head_dim;
-    copy_rows_turned<kDtype>(p, p.q, q_off, p.q_rot, q_off, p.heads, p.head_dim, cos, sin);
+    copy_rows_turned<kDtype>(p, p.q, q_off, p.q_rot, q_off, p.head_dim, p.heads, p.head_dim, cos, sin);
 }
 
 }  // namespace fa3

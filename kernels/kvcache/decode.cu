@@ -29,6 +29,16 @@
 //
 // Keys past the cache (a slot or page past the pool) read as zeros, as the forward kernel's TMA
 // loads read them: they take part in the softmax with score 0 and value 0.
+//
+// The append, fused (a call with at most one new key per sequence, `seqlen_new` 0 or 1): the
+// append kernel's work (append.cu) done inside this one, so that a decode step is one launch.
+// Sequence b holds keys cache_seqlens[b] + seqlen_new; q and the new key turn to position
+// cache_seqlens[b]. Every CTA turns its q rows in shared memory; the CTA whose share holds the new
+// key (the sequence's last) turns it, stores it and its value row into the cache and keeps them
+// in shared memory, where the warp whose slice holds the key takes them instead of the cache
+// row it loaded. Each CTA checks its sequence as the append kernel does (`checked`): a sequence
+// with an error reads as empty (its shares send nothing), and the first share of kv head 0 ORs
+// the error bits into the status word.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -40,15 +50,16 @@
 #include "../primitives/mbarrier.cuh"
 #include "../primitives/warp.cuh"
 #include "../flash_fwd/share_merge.cuh"
+#include "append.cuh"
 
 namespace fa3 {
 
 // Mirrored field for field by `DecodeParams` in crates/flash-attn/src/cuda/decode.rs.
 struct DecodeParams {
-    const void* q;                  // (batch, heads, head_dim), contiguous
-    const void* k_cache;            // element strides below; the last dim contiguous
-    const void* v_cache;
-    const uint32_t* seqused;        // (batch): the keys each sequence attends to
+    const void* q;                  // (batch, heads, head_dim): token rows q_batch_stride apart
+    void* k_cache;                  // element strides below; the last dim contiguous
+    void* v_cache;
+    const uint32_t* seqused;        // (batch): the keys each sequence attends to, less seqlen_new
     const uint32_t* kv_batch_idx;   // (batch) or null: sequence b reads cache slot b
     const uint32_t* page_table;     // (batch, max_pages) or null: a contiguous cache
     const float* sinks;             // (heads) or null
@@ -64,6 +75,17 @@ struct DecodeParams {
     int window_left;                // keys more than this left of the query are masked; -1: none
     float scale_log2;               // scores times this in log2 units (softcap: cap · log2 e)
     float softcap_pre;              // != 0: s <- tanh(s · softcap_pre) first (scale / cap)
+    // The fused append (null / 0 where the call has none of it).
+    const void* k_new;              // (batch, kv_heads, head_dim): token rows *_new_batch_stride apart
+    const void* v_new;
+    const float* rotary_cos;        // (positions, rotary_half); null: no rotary
+    const float* rotary_sin;
+    uint32_t* status;               // error bits (append.cuh), ORed in; null: none
+    int64_t q_batch_stride;         // elements
+    int64_t k_new_batch_stride, v_new_batch_stride;
+    int seqlen_new;                 // 0 or 1: keys past seqused[b], the new key's
+    int checked;                    // 1: check each sequence as the append kernel does
+    int rotary_half, rotary_interleaved, positions;
 };
 
 // Threads per CTA (the host launches __launch_bounds__'s count): eight warps, each attending its
@@ -95,9 +117,11 @@ template <int kD> struct DecodeTraits {
 //   recv_o [shares][owned]               every share's O at this CTA's items (group · kD)
 //   recv_m [shares][group]               every share's rows' max, at most kClusterMaxShares shares
 //   recv_l [shares][group]               and sum
+//   new_k, new_v [kD] (16-bit)           the fused append's new key, turned, and its value row
 template <int kD> struct DecodeSmem {
     uint64_t* inbox;
     float *q, *p, *part_o, *part_m, *part_l, *recv_o, *recv_m, *recv_l;
+    uint16_t *new_k, *new_v;
     __device__ DecodeSmem(float* base, int group) {
         inbox = reinterpret_cast<uint64_t*>(base);
         q = base + 4;
@@ -108,6 +132,8 @@ template <int kD> struct DecodeSmem {
         recv_o = part_l + kDecodeWarps * group;
         recv_m = recv_o + group * kD;
         recv_l = recv_m + kClusterMaxShares * group;
+        new_k = reinterpret_cast<uint16_t*>(recv_l + kClusterMaxShares * group);
+        new_v = new_k + kD;
     }
 };
 
@@ -237,8 +263,9 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
     cluster_arrive_relaxed();
 
     // The key count and q's rows first: K's and V's loads wait for the one, the scores for both.
-    const uint32_t seqused = p.seqused[b];
-    const uint32_t* q = reinterpret_cast<const uint32_t*>(p.q) + ((int64_t)b * p.heads + head0) * (kD / 2);
+    const uint32_t cached = p.seqused[b];  // the keys before the new one: its position and q's
+    const uint32_t* q =
+        reinterpret_cast<const uint32_t*>(p.q) + ((int64_t)b * p.q_batch_stride + (int64_t)head0 * kD) / 2;
     uint32_t q_words[kQWords];
 #pragma unroll
     for (int i = 0; i < kQWords; ++i) {
@@ -248,7 +275,8 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
 
     // This share's keys: [lo, len) cut in `shares` even parts; the share's keys cut in
     // `kDecodeWarps` even slices, one per warp, walked kKeys at a time.
-    const int len = (int)min(seqused, (uint32_t)p.capacity);
+    const uint64_t keys = (uint64_t)cached + p.seqlen_new;
+    const int len = (int)min(keys, (uint64_t)p.capacity);
     const int lo = p.window_left >= 0 ? max(0, len - 1 - p.window_left) : 0;
     const int per = (len - lo + shares - 1) / shares;
     const int start = min(lo + rank * per, len), end = min(start + per, len);
@@ -265,6 +293,87 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
     const uint32_t* pages = p.page_table != nullptr ? p.page_table + (int64_t)b * p.max_pages : nullptr;
     const int page_shift = __ffs(p.rows) - 1;  // pages hold a power of two of keys
 
+    // The first step's loads go out now, ahead of q's staging and the append.
+    const int my_key = lane / kL, part = lane % kL;  // the lane's key in a step, its part of the row
+    DecodeStep<kD> step;
+    if (w_start < w_end) load_step<kD>(p, step, w_start, w_end, slot, pages, page_shift, k_base, v_base, lane);
+
+    // The fused append. q and the new key turn to position `cached` (if the tables reach it); the
+    // cos and sin of this thread's pairs of q's rows (pair i: row i / (kD / 2), pair i % (kD / 2)),
+    // its first pair's also the new key's pair `tid`.
+    const int half = p.rotary_half;
+    const bool interleaved = p.rotary_interleaved != 0;
+    const bool turn = p.rotary_cos != nullptr && cached < (uint32_t)p.positions;
+    constexpr int kPairs = (kG * kD / 2 + kDecodeThreads - 1) / kDecodeThreads;
+    float cos_r[kPairs], sin_r[kPairs];
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+        const int r = (tid + kDecodeThreads * i) % (kD / 2);
+        const bool load = turn && r < half;
+        cos_r[i] = load ? p.rotary_cos[(int64_t)cached * half + r] : 1.f;
+        sin_r[i] = load ? p.rotary_sin[(int64_t)cached * half + r] : 0.f;
+    }
+    // The CTA whose share holds the new key (keys [start, end) hold position `cached` only if the
+    // key fits the cache) turns it and stores it with its value row, thread t < kD / 2 taking
+    // the key's pair t and thread kD / 2 + t the value's elements 2t, 2t + 1.
+    const bool holds_new = p.seqlen_new != 0 && (int)cached >= start && (int)cached < end;
+    if (holds_new && tid < kD) {
+        uint32_t new_slot = slot;
+        int64_t new_row = cached;
+        if (pages != nullptr) {
+            new_slot = pages[cached >> page_shift];
+            new_row = cached & (p.rows - 1);
+        }
+        const bool stored = new_slot < (uint32_t)p.slots;  // a page past the pool: not stored
+        if (tid < kD / 2) {
+            const uint16_t* src =
+                static_cast<const uint16_t*>(p.k_new) + (int64_t)b * p.k_new_batch_stride + (int64_t)kv_head * kD;
+            const int2 e = turn_pair_elements(tid, turn ? half : 0, interleaved);
+            uint32_t pair = (uint32_t)src[e.x] | (uint32_t)src[e.y] << 16;
+            if (turn && tid < half) {
+                const float2 x = unpack16x2<kDtype>(pair);
+                const float2 y = turn_pair(x.x, x.y, cos_r[0], sin_r[0]);
+                pair = pack16x2<kDtype>(y.x, y.y);  // one rounding to the cache's type
+            }
+            sm.new_k[e.x] = (uint16_t)pair;
+            sm.new_k[e.y] = (uint16_t)(pair >> 16);
+            if (stored) {
+                uint16_t* dst = static_cast<uint16_t*>(p.k_cache) + (int64_t)new_slot * p.k_slot_stride +
+                                new_row * p.k_row_stride + (int64_t)kv_head * p.k_head_stride;
+                dst[e.x] = (uint16_t)pair;
+                dst[e.y] = (uint16_t)(pair >> 16);
+            }
+        } else {
+            const int c = 2 * (tid - kD / 2);
+            const uint16_t* src =
+                static_cast<const uint16_t*>(p.v_new) + (int64_t)b * p.v_new_batch_stride + (int64_t)kv_head * kD + c;
+            const uint16_t v0 = src[0], v1 = src[1];
+            sm.new_v[c] = v0;
+            sm.new_v[c + 1] = v1;
+            if (stored) {
+                uint16_t* dst = static_cast<uint16_t*>(p.v_cache) + (int64_t)new_slot * p.v_slot_stride +
+                                new_row * p.v_row_stride + (int64_t)kv_head * p.v_head_stride + c;
+                dst[0] = v0;
+                dst[1] = v1;
+            }
+        }
+    }
+    // The append kernel's checks (append.cu check_sequence): a sequence with an error reads as
+    // empty. A q position past the tables only sets its bit (q is left unturned).
+    uint32_t err = 0;
+    if (p.checked) {
+        if (keys > (uint64_t)p.capacity) err |= kKeysPastCache;
+        if (p.rotary_cos != nullptr && keys > (uint64_t)p.positions) err |= kPastRotary;
+        if (pages != nullptr && keys <= (uint64_t)p.capacity) {
+            const int used = (int)((keys + p.rows - 1) >> page_shift);
+            for (int i = tid; i < used; i += kDecodeThreads)
+                if (pages[i] >= (uint32_t)p.slots) err |= kPagePastPool;
+        }
+        if (pages == nullptr && p.kv_batch_idx != nullptr && slot >= (uint32_t)p.slots) err |= kBatchIdxPastCache;
+    }
+    const uint32_t status_bits = err | (p.rotary_cos != nullptr && !turn ? kPastRotary : 0u);
+    if (status_bits != 0 && p.status != nullptr && rank == 0 && kv_head == 0) atomicOr(p.status, status_bits);
+
     // q's rows into shared memory (as f32).
 #pragma unroll
     for (int i = 0; i < kQWords; ++i) {
@@ -276,6 +385,21 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
         }
     }
     __syncthreads();
+    if (turn) {  // q's rows turned in place, each rounded once to q's type (the append kernel's q_rot)
+#pragma unroll
+        for (int i = 0; i < kPairs; ++i) {
+            const int pair = tid + kDecodeThreads * i, r = pair % (kD / 2);
+            if (pair < group * kD / 2 && r < half) {
+                float* row = sm.q + pair / (kD / 2) * kD;
+                const int2 e = turn_pair_elements(r, half, interleaved);
+                const float2 y = turn_pair(row[e.x], row[e.y], cos_r[i], sin_r[i]);
+                const float2 rounded = unpack16x2<kDtype>(pack16x2<kDtype>(y.x, y.y));
+                row[e.x] = rounded.x;
+                row[e.y] = rounded.y;
+            }
+        }
+        __syncthreads();
+    }
     DECODE_STAMP(kQ);
 
     // Each row's running max and sum (log2 units; the sum of this lane's keys) and O columns.
@@ -287,13 +411,24 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
 #pragma unroll
         for (int c = 0; c < kCols; ++c) acc[h][c] = 0.f;
     }
-    const int my_key = lane / kL, part = lane % kL;  // the lane's key in a step, its part of the row
     float* p_warp = sm.p + warp * group * kKeys;
 
     for (int key0 = w_start; key0 < w_end; key0 += kKeys) {  // warp-uniform
         const int live = min(kKeys, w_end - key0);
-        DecodeStep<kD> step;
-        load_step<kD>(p, step, key0, w_end, slot, pages, page_shift, k_base, v_base, lane);
+        if (key0 != w_start) load_step<kD>(p, step, key0, w_end, slot, pages, page_shift, k_base, v_base, lane);
+        if (holds_new && (int)cached >= key0 && (int)cached < key0 + live) {  // warp-uniform
+            // The new key: its turned row and its value from shared memory, in place of the
+            // cache row loaded (which this CTA may be writing).
+            if (key0 + my_key == (int)cached) {
+#pragma unroll
+                for (int seg = 0; seg < Tr::kSegs; ++seg)
+                    step.k[seg] = *reinterpret_cast<const uint4*>(sm.new_k + Tr::kElems * part + 8 * seg);
+            }
+#pragma unroll
+            for (int j = 0; j < kKeys; ++j)
+                if (key0 + j == (int)cached)
+                    step.v[j] = *reinterpret_cast<const typename Chunk<2 * kCols>::T*>(sm.new_v + kCols * lane);
+        }
 
         // 1. Scores, in log2 units; keys past the slice and rows past the group -inf. Each K
         // segment is converted once for every row; two FMA chains per row (a key's lanes add
@@ -406,7 +541,7 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
             }
         }
     }
-    __syncthreads();
+    const bool empty = __syncthreads_or(err != 0);  // a sequence with an error sends nothing
     DECODE_STAMP(kSums);
 
     // This share's rows, (row, column pair) items one per thread: the warps' parts merged (M = the
@@ -435,6 +570,11 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
             o.x = fmaf(e, ow.x, o.x);
             o.y = fmaf(e, ow.y, o.y);
             l = fmaf(e, sm.part_l[w * group + h], l);
+        }
+        if (empty) {
+            mx = -INFINITY;
+            o = make_float2(0.f, 0.f);
+            l = 0.f;
         }
         const int item = h * kD + col, owner = item / owned;
         st_async_f32x2(cluster_map(smem_u32(sm.recv_o + rank * owned + item - owner * owned), owner), o.x, o.y,

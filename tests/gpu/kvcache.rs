@@ -637,6 +637,95 @@ fn kvcache_strided_views() -> Result<()> {
     Ok(())
 }
 
+/// An append into strided cache views (k and v heads interleaved in one buffer, contiguous and
+/// paged: flash-llama's caches) from strided q, k_new and v_new (views of one fused projection's
+/// rows, (batch, 1, heads + 2 kv heads, d)), with rotary: the decode kernel's fused append and
+/// the append kernel + forward kernel, against the CPU path on the same views; the caches after
+/// the call hold the same bits on both devices.
+#[test]
+fn kvcache_strided_views_append() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-kvcache-strided-append");
+    let cpu = Device::Cpu;
+    for (d, heads, kv_heads, interleaved) in [(64, 32, 8, false), (128, 16, 4, true), (64, 6, 3, false)] {
+        let (batch, rows) = (3, 300);
+        let lens = Tensor::new(&[37u32, 0, 298], &cpu)?;
+        let qkv = rng.randn((batch, 1, heads + 2 * kv_heads, d), DType::BF16, &cpu)?;
+        let half = d / 2;
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for p in 0..rows {
+            for i in 0..half {
+                let angle = p as f64 / 10000f64.powf(i as f64 / half as f64);
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let cos = Tensor::from_vec(cos, (rows, half), &cpu)?;
+        let sin = Tensor::from_vec(sin, (rows, half), &cpu)?;
+        // The call on `dev` over the strided views of a copy of `kv`, through `table` for a paged
+        // cache: its output and LSE, and the cache after it.
+        let call =
+            |kv: &Tensor, table: Option<&Tensor>, dev: &Device, tuning: Tuning| -> Result<(Tensor, Tensor, Tensor)> {
+                // (A copy: on the CPU `to_device` shares the storage, which the append writes.)
+                let kv = kv.to_device(dev)?.copy()?;
+                let (k, v) = (kv.narrow(2, 0, kv_heads)?, kv.narrow(2, kv_heads, kv_heads)?);
+                let qkv = qkv.to_device(dev)?;
+                let q = qkv.narrow(2, 0, heads)?;
+                let (k_new, v_new) = (
+                    qkv.narrow(2, heads, kv_heads)?,
+                    qkv.narrow(2, heads + kv_heads, kv_heads)?,
+                );
+                let (lens, cos, sin) = (lens.to_device(dev)?, cos.to_device(dev)?, sin.to_device(dev)?);
+                let table = table.map(|t| t.to_device(dev)).transpose()?;
+                let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(true).tuning(tuning);
+                let mut call = attn
+                    .kv_cache(&k, &v, &lens)
+                    .append(&k_new, &v_new)
+                    .rotary(&cos, &sin, interleaved);
+                if let Some(table) = &table {
+                    call = call.page_table(table);
+                }
+                let (out, lse) = call.forward_with_lse(&q)?;
+                Ok((out, lse, kv))
+            };
+        let check = |kv: &Tensor, table: Option<&Tensor>, what: &str| -> Result<()> {
+            let (want, want_lse, want_kv) = call(kv, table, &cpu, Tuning::default())?;
+            for decode_kernel in [Some(true), Some(false)] {
+                let what = format!("{what}, decode kernel {decode_kernel:?}");
+                let tuning = Tuning {
+                    decode_kernel,
+                    ..Default::default()
+                };
+                poison(&dev, 1 << 22)?;
+                let (out, lse, kv_dev) = call(kv, table, &dev, tuning)?;
+                assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+                assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+                assert_eq!(
+                    to_f64_vec(&kv_dev)?,
+                    to_f64_vec(&want_kv)?,
+                    "{what}: the caches after the append"
+                );
+                assert_ne!(to_f64_vec(&kv_dev)?, to_f64_vec(kv)?, "{what}: nothing appended");
+            }
+            Ok(())
+        };
+        let what = format!(
+            "d {d}, heads {heads}/{kv_heads}, interleaved {interleaved}, seed {}",
+            rng.seed()
+        );
+        let kv = rng.randn((batch, rows, 2 * kv_heads, d), DType::BF16, &cpu)?;
+        check(&kv, None, &what)?;
+        for page in [16, 64] {
+            let per_seq = rows.div_ceil(page);
+            let pages = batch * per_seq;
+            let table = Tensor::from_vec(rng.permutation(pages), (batch, per_seq), &cpu)?;
+            let pool = rng.randn((pages, page, 2 * kv_heads, d), DType::BF16, &cpu)?;
+            check(&pool, Some(&table), &format!("{what}, pages of {page}"))?;
+        }
+    }
+    Ok(())
+}
+
 /// f16 caches: the same kernels' other element type (append, rotary and attention); pages of 32
 /// at d128 and of 16 at d64 run the f16 `_pw` kernels (their page warp).
 #[test]
@@ -664,53 +753,61 @@ fn kvcache_small_for_sanitizer() -> Result<()> {
 fn kvcache_bad_indices_read_as_empty() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-kvcache-bad-indices");
     let dev = gpu()?;
-    for (case, want_bit) in [
-        ("page past the pool", STATUS_PAGE_PAST_POOL),
-        ("keys past the cache", STATUS_KEYS_PAST_CACHE),
-        ("cache_batch_idx past the cache", STATUS_BATCH_IDX_PAST_CACHE),
-    ] {
-        let page_size = (want_bit != STATUS_BATCH_IDX_PAST_CACHE).then_some(16);
-        let s = Spec::new(&mut rng, page_size, vec![40, 50, 30], 1, 1, 8, 2, 128, 128);
-        let host = Inputs::random(&mut rng, &s, None)?;
-        let mut device = host.to_device(&dev)?;
-        // Sequence 1 goes bad.
-        match want_bit {
-            STATUS_PAGE_PAST_POOL => {
-                let (_, table, max_pages) = s.paged.as_ref().unwrap();
-                let mut table = table.clone();
-                table[max_pages + 2] = 1_000_000;
-                device.page_table = Some(Tensor::from_vec(table, (3, *max_pages), &dev)?);
+    // d128 runs the append kernel and the forward kernel; d64 with the decode kernel forced, its
+    // fused append (the checks inside the decode kernel).
+    for (d, decode_kernel) in [(128, None), (64, Some(true))] {
+        for (case, want_bit) in [
+            ("page past the pool", STATUS_PAGE_PAST_POOL),
+            ("keys past the cache", STATUS_KEYS_PAST_CACHE),
+            ("cache_batch_idx past the cache", STATUS_BATCH_IDX_PAST_CACHE),
+        ] {
+            let case = format!("{case}, d{d}, decode kernel {decode_kernel:?}");
+            let page_size = (want_bit != STATUS_BATCH_IDX_PAST_CACHE).then_some(16);
+            let s = Spec::new(&mut rng, page_size, vec![40, 50, 30], 1, 1, 8, 2, d, d);
+            let host = Inputs::random(&mut rng, &s, None)?;
+            let mut device = host.to_device(&dev)?;
+            // Sequence 1 goes bad.
+            match want_bit {
+                STATUS_PAGE_PAST_POOL => {
+                    let (_, table, max_pages) = s.paged.as_ref().unwrap();
+                    let mut table = table.clone();
+                    table[max_pages + 2] = 1_000_000;
+                    device.page_table = Some(Tensor::from_vec(table, (3, *max_pages), &dev)?);
+                }
+                STATUS_KEYS_PAST_CACHE => {
+                    let (_, _, max_pages) = s.paged.as_ref().unwrap();
+                    device.lens = Tensor::new(&[40u32, (max_pages * 16) as u32, 30], &dev)?;
+                }
+                _ => {
+                    let mut idx = s.batch_idx.clone().unwrap();
+                    idx[1] = 77;
+                    device.batch_idx = Some(Tensor::new(idx.as_slice(), &dev)?);
+                }
             }
-            STATUS_KEYS_PAST_CACHE => {
-                let (_, _, max_pages) = s.paged.as_ref().unwrap();
-                device.lens = Tensor::new(&[40u32, (max_pages * 16) as u32, 30], &dev)?;
+            let status = Tensor::zeros(1, DType::U32, &dev)?;
+            let attn = FlashAttn::new(0.1).causal(true).tuning(Tuning {
+                decode_kernel,
+                ..Default::default()
+            });
+            let (out, lse) = device.call(&attn, true, Some(&status))?;
+            assert_eq!(status.to_vec1::<u32>()?, [want_bit], "{case}: status");
+            let (want, want_lse) = host.call(&attn, true, None)?;
+            for b in [0, 2] {
+                let what = format!("{case}: sequence {b}, seed {}", rng.seed());
+                assert_close(&out.get(b)?, &want.get(b)?, OUT_TOL, &what)?;
+                assert_close(&lse.get(b)?, &want_lse.get(b)?, LSE_TOL, &what)?;
             }
-            _ => {
-                let mut idx = s.batch_idx.clone().unwrap();
-                idx[1] = 77;
-                device.batch_idx = Some(Tensor::new(idx.as_slice(), &dev)?);
-            }
+            let empty = to_f64_vec(&out.get(1)?)?;
+            assert!(
+                empty.iter().all(|&x| x == 0.0),
+                "{case}: the bad sequence's output is not 0"
+            );
+            let empty_lse = to_f64_vec(&lse.get(1)?)?;
+            assert!(
+                empty_lse.iter().all(|&x| x == f64::NEG_INFINITY),
+                "{case}: the bad sequence's LSE is not -inf"
+            );
         }
-        let status = Tensor::zeros(1, DType::U32, &dev)?;
-        let attn = FlashAttn::new(0.1).causal(true);
-        let (out, lse) = device.call(&attn, true, Some(&status))?;
-        assert_eq!(status.to_vec1::<u32>()?, [want_bit], "{case}: status");
-        let (want, want_lse) = host.call(&attn, true, None)?;
-        for b in [0, 2] {
-            let what = format!("{case}: sequence {b}, seed {}", rng.seed());
-            assert_close(&out.get(b)?, &want.get(b)?, OUT_TOL, &what)?;
-            assert_close(&lse.get(b)?, &want_lse.get(b)?, LSE_TOL, &what)?;
-        }
-        let empty = to_f64_vec(&out.get(1)?)?;
-        assert!(
-            empty.iter().all(|&x| x == 0.0),
-            "{case}: the bad sequence's output is not 0"
-        );
-        let empty_lse = to_f64_vec(&lse.get(1)?)?;
-        assert!(
-            empty_lse.iter().all(|&x| x == f64::NEG_INFINITY),
-            "{case}: the bad sequence's LSE is not -inf"
-        );
     }
     Ok(())
 }

@@ -414,21 +414,31 @@ fn kvcache_table(dev: &Device) -> Result<()> {
 /// calls, µs per call eager and graph-replayed; the 1B model's shape (d64, 32/8 heads) and the
 /// kvcache grid's (d128, 32/4), contiguous and pages of 16. BENCH_DECODE_KEYS /
 /// BENCH_DECODE_BATCHES: the key counts and batches; BENCH_DECODE_ONCE: two untimed calls of
-/// each kernel per cell (for Nsight Compute).
+/// each kernel per cell (for Nsight Compute); BENCH_DECODE_APPEND: each call appends one key per
+/// sequence with rotary (the cache then holds seqlen_k keys; every call writes the same row).
 fn kvcache_decode_table(dev: &Device) -> Result<()> {
     // SAFETY: every tensor of this pass lives and is used on candle's one stream.
     unsafe { dev.as_cuda_device()?.disable_event_tracking() };
     let keys = list("BENCH_DECODE_KEYS", &[128, 640, 1024, 2048, 4096]);
     let batches = list("BENCH_DECODE_BATCHES", &[1, 8, 32, 128]);
-    println!("\nflash_attn_with_kvcache, seqlen_q 1, bf16, no append: the decode kernel against the forward kernel, us per call");
+    let append = std::env::var_os("BENCH_DECODE_APPEND").is_some();
+    let what = match append {
+        true => "append of one key with rotary",
+        false => "no append",
+    };
+    println!("\nflash_attn_with_kvcache, seqlen_q 1, bf16, {what}: the decode kernel against the forward kernel, us per call");
     println!("| shape | batch | seqlen_k | cache | forward us | decode us | decode / forward | forward graph us | decode graph us | decode / forward |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for (h, hk, d) in [(32, 8, 64), (32, 4, 128)] {
         for &b in &batches {
             for &sk in &keys {
                 for page in [None, Some(16)] {
-                    let lens = Tensor::new(vec![sk as u32; b].as_slice(), dev)?;
+                    let lens = Tensor::new(vec![sk as u32 - append as u32; b].as_slice(), dev)?;
                     let q = Tensor::randn(0f32, 1., (b, 1, h, d), dev)?.to_dtype(DType::BF16)?;
+                    let new_rows = || Tensor::randn(0f32, 1., (b, 1, hk, d), dev)?.to_dtype(DType::BF16);
+                    let (k_new, v_new) = (new_rows()?, new_rows()?);
+                    let angles = Tensor::randn(0f32, 1., (sk, d / 2), dev)?;
+                    let (cos, sin) = (angles.cos()?, angles.sin()?);
                     let cache = |pages: Option<usize>| -> Result<Tensor> {
                         let t = Tensor::randn(0f32, 1., (b, sk, hk, d), dev)?.to_dtype(DType::BF16)?;
                         match pages {
@@ -449,7 +459,10 @@ fn kvcache_decode_table(dev: &Device) -> Result<()> {
                         let mut t = tuning();
                         t.decode_kernel = Some(kernel);
                         let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(true).tuning(t);
-                        let c = attn.kv_cache(&k, &v, &lens);
+                        let mut c = attn.kv_cache(&k, &v, &lens);
+                        if append {
+                            c = c.append(&k_new, &v_new).rotary(&cos, &sin, false);
+                        }
                         match &table {
                             Some(table) => c.page_table(table).forward(&q),
                             None => c.forward(&q),

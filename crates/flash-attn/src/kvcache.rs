@@ -32,10 +32,10 @@
 //! call reads the cache as it stands: keys already stored, no append or rotary (16-bit and f32
 //! caches).
 //!
-//! A 16-bit (or f32) cache, contiguous or paged, read by a call that does not append may be a
-//! strided view whose head dim is contiguous: k and v heads interleaved in one buffer
-//! (flash-llama's caches, read this way by its CUDA-graph decode) are read in place, without a
-//! copy. Calls that append and fp8 caches need dense caches.
+//! A 16-bit (or f32) cache, contiguous or paged, may be a strided view whose head dim is
+//! contiguous: k and v heads interleaved in one buffer (flash-llama's caches, which its
+//! CUDA-graph decode appends to and reads this way) are written and read in place, without a
+//! copy. FP8 caches must be dense.
 //!
 //! The CPU path computes every option exactly (in f32, the cache gathered per sequence and run
 //! through the CPU attention) and reports bad indices (a page past the pool, keys past the
@@ -296,12 +296,12 @@ impl<'a> KvCacheAttn<'a> {
                     t.device().location()
                 )
             }
-            // A call that writes into the cache needs it dense; one that only reads a 16-bit
-            // cache, contiguous or paged, takes any view whose head dim is contiguous (k and v
-            // heads interleaved in one buffer, as flash-llama's caches hold them).
+            // An fp8 cache must be dense; a 16-bit (or f32) cache, contiguous or paged, may be
+            // any view whose head dim is contiguous (k and v heads interleaved in one buffer, as
+            // flash-llama's caches hold them), read and appended to in place.
             if !t.is_contiguous() {
-                if self.new.is_some() || dtype == DType::F8E4M3 {
-                    bail!("{E}: {name} must be contiguous when the call appends or is fp8 (a strided view is read only by 16-bit calls without append)")
+                if dtype == DType::F8E4M3 {
+                    bail!("{E}: an fp8 {name} must be contiguous (strided views are read and written for 16-bit and f32 caches)")
                 }
                 if t.stride().last() != Some(&1) {
                     bail!(
@@ -675,15 +675,17 @@ impl RotaryTables {
 }
 
 /// Writes the rows of `src` (batch, seqlen_new, kv_heads, d), in (batch, token) order, into the
-/// cache slots `slots` (one per row), in place.
+/// cache slots `slots` (one per row: a flat index slot · rows + row over the cache's first two
+/// dims), in place; the cache may be a strided view whose head dim is contiguous.
 fn write_slots(cache: &Tensor, src: &Tensor, slots: &[usize]) -> Result<()> {
     let src = src.contiguous()?;
-    let row = src.dim(2)? * src.dim(3)?;
     cache.inplace_op2(
         &src,
         &WriteSlots {
             slots: slots.to_vec(),
-            row,
+            rows: cache.dim(1)?,
+            heads: src.dim(2)?,
+            d: src.dim(3)?,
         },
     )
 }
@@ -691,7 +693,10 @@ fn write_slots(cache: &Tensor, src: &Tensor, slots: &[usize]) -> Result<()> {
 /// The in-place CPU write of [`write_slots`].
 struct WriteSlots {
     slots: Vec<usize>,
-    row: usize,
+    /// The cache's second dim (keys per sequence or page).
+    rows: usize,
+    heads: usize,
+    d: usize,
 }
 
 impl InplaceOp2 for WriteSlots {
@@ -702,8 +707,13 @@ impl InplaceOp2 for WriteSlots {
     fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout, src: &CpuStorage, src_l: &Layout) -> Result<()> {
         fn copy<T: Copy>(dst: &mut [T], dst_l: &Layout, src: &[T], src_l: &Layout, op: &WriteSlots) {
             let (dst, src) = (&mut dst[dst_l.start_offset()..], &src[src_l.start_offset()..]);
+            let st = dst_l.stride();
             for (i, &slot) in op.slots.iter().enumerate() {
-                dst[slot * op.row..][..op.row].copy_from_slice(&src[i * op.row..][..op.row]);
+                let at = slot / op.rows * st[0] + slot % op.rows * st[1];
+                for h in 0..op.heads {
+                    let from = (i * op.heads + h) * op.d;
+                    dst[at + h * st[2]..][..op.d].copy_from_slice(&src[from..][..op.d]);
+                }
             }
         }
         match (dst, src) {

@@ -57,6 +57,25 @@ pub struct KvCache {
     pub(crate) dtype: DType,
     /// A paged cache's pages (`None`: one slot of max_seq rows per sequence).
     pub(crate) paging: Option<Paging>,
+    /// A 16-bit cache on the GPU: cos and sin (max_seq, head_dim / 2) f32 of every position's
+    /// rotary angles, for a device decode step whose attention call turns q and the new key
+    /// itself ([`crate::Llama`]'s `decode_on_device`). Made with the cache, so that a CUDA graph
+    /// of the step reads them at fixed addresses.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) rotary: Option<(Tensor, Tensor)>,
+}
+
+/// [`KvCache::rotary`] for a cache of `max_seq` positions in `dtype` on `device`: the angles
+/// position × inv_freq in f32 and their cos and sin, as the model's own tables
+/// ([`crate::nn::rope_angles`]) before their cast to the run dtype. None on the CPU and for fp8.
+fn rotary_tables(cfg: &Config, max_seq: usize, dtype: DType, device: &Device) -> Result<Option<(Tensor, Tensor)>> {
+    if !device.is_cuda() || dtype == DType::F8E4M3 {
+        return Ok(None);
+    }
+    let positions = Tensor::arange(0u32, max_seq as u32, device)?;
+    let inv_freq = Tensor::new(cfg.rope_inv_freq(), device)?;
+    let (cos, sin) = crate::nn::rope_angles(&positions, &inv_freq)?;
+    Ok(Some((cos.contiguous()?, sin.contiguous()?)))
 }
 
 /// The pages of a paged cache (vLLM's layout): a pool of pages of `page_size` rows, each
@@ -267,6 +286,7 @@ impl KvCache {
             max_seq,
             dtype,
             paging: None,
+            rotary: rotary_tables(cfg, max_seq, dtype, device)?,
         })
     }
 
@@ -327,6 +347,7 @@ impl KvCache {
                 retired: VecDeque::new(),
                 scratch: None,
             }),
+            rotary: rotary_tables(cfg, max_seq, dtype, device)?,
         })
     }
 

@@ -59,6 +59,12 @@ enum RopeTables {
     /// (tokens, q heads + 2 kv heads, head_dim / 2), the value heads at angle 0: one fused
     /// launch rotates the q and k heads of a fused q/k/v projection and leaves v as it is.
     PerHead { cos: Tensor, sin: Tensor },
+    /// (positions, head_dim / 2) f32, indexed by position ([`KvCache`]'s tables): the attention
+    /// call turns q and the new key itself and stores the new key and value, all in one launch
+    /// (flash-attn3's decode kernel with its fused append; a device decode step over a 16-bit
+    /// cache, [`Llama::decode_on_device`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    InAttention { cos: Tensor, sin: Tensor },
 }
 
 /// Where a device-side decode step ([`Llama::decode_on_device`]) stores each sequence's new key
@@ -210,6 +216,10 @@ impl Attention {
                 let y;
                 (residual, y) = input.project(norm, qkv, self.kernels)?;
                 let y = y.reshape((tokens, h + 2 * hk, d))?;
+                if let RopeTables::InAttention { .. } = &plan.rope {
+                    let (q, k, v) = (y.narrow(1, 0, h)?, y.narrow(1, h, hk)?, y.narrow(1, h + hk, hk)?);
+                    return Ok((residual, self.attend(q, k, v, tokens, plan, cache)?));
+                }
                 if let RopeTables::PerHead { cos, sin } = &plan.rope {
                     let y = if y.device().is_cuda() {
                         // One kernel where the store fuses into the rotation (q and k rotated in
@@ -260,7 +270,7 @@ impl Attention {
             k = kn.forward(&k)?;
         }
         let RopeTables::PerToken { cos, sin } = &plan.rope else {
-            bail!("internal error: per-head rotary tables for separate q/k/v projections")
+            bail!("internal error: per-head or in-attention rotary tables for separate q/k/v projections")
         };
         let q = apply_rope(&q, cos, sin, self.rope_interleaved, self.kernels)?;
         let k = apply_rope(&k, cos, sin, self.rope_interleaved, self.kernels)?;
@@ -323,7 +333,12 @@ impl Attention {
                     _ => None,
                 };
                 let caches = layer.cache_views(*view, self.kv_heads, self.head_dim)?;
-                self.attend_cache(&q, &caches, scales, groups, unpermute.as_ref())?
+                match &plan.rope {
+                    RopeTables::InAttention { cos, sin } => {
+                        self.attend_cache_appending(&q, (&k, &v), (cos, sin), &caches, scales, groups)?
+                    }
+                    _ => self.attend_cache(&q, &caches, scales, groups, unpermute.as_ref())?,
+                }
             }
             (KeySource::Cached { .. } | KeySource::KvCacheCalls { .. }, _) => {
                 bail!("internal error: a cached plan without its kind of cache")
@@ -343,6 +358,39 @@ impl Attention {
             &out.reshape((tokens, self.heads * self.head_dim))?,
             self.kernels,
         )
+    }
+
+    /// Attention of one query per sequence, `q` (batch, heads, d), over a 16-bit cache layer's k
+    /// and v views, appending each sequence's new key and value `new` (batch, kv_heads, d) at
+    /// its `seqlens` entry and turning q and the key by `rotary` (positions, d / 2) f32 at that
+    /// position: one `flash_attn_with_kvcache` call, which on the GPU is one launch of the decode
+    /// kernel (its fused append) or the append kernel and the forward kernel.
+    fn attend_cache_appending(
+        &self,
+        q: &Tensor,
+        (k_new, v_new): (&Tensor, &Tensor),
+        (cos, sin): (&Tensor, &Tensor),
+        (k_cache, v_cache): &(Tensor, Tensor),
+        scales: Option<&E4m3Scales>,
+        groups: &[CacheGroup],
+    ) -> Result<Tensor> {
+        let [g] = groups else {
+            bail!("internal error: an appending cache call over {} groups", groups.len())
+        };
+        if scales.is_some() || g.new != 1 || g.rows.is_some() || g.cu_q.is_some() || g.cache_idx.is_some() {
+            bail!("internal error: an appending cache call takes one token per sequence over a 16-bit cache")
+        }
+        // (batch, 1, heads, d) views of the fused projection's rows: no copy.
+        let (q, k_new, v_new) = (q.unsqueeze(1)?, k_new.unsqueeze(1)?, v_new.unsqueeze(1)?);
+        let mut call = self
+            .attn
+            .kv_cache(k_cache, v_cache, &g.seqlens)
+            .append(&k_new, &v_new)
+            .rotary(cos, sin, self.rope_interleaved);
+        if let Some(table) = &g.page_table {
+            call = call.page_table(table);
+        }
+        call.forward(&q)?.reshape((g.batch, self.heads, self.head_dim))
     }
 
     /// Attention of `q` (tokens, heads, d) over a cache layer's k and v, (slots or pages, rows,
@@ -933,7 +981,25 @@ impl Llama {
             norm_weight: first.input_layernorm.weight(),
             eps: first.input_layernorm.eps(),
         })?;
-        let seqlens = prologue.seqlens;
+        // A 16-bit cache: the attention call turns q and the new key and stores the key and value
+        // itself (the cache's per-position tables, the key counts before the step); an fp8
+        // cache: the fused RoPE + e4m3 store first, then the attention over lens + 1 keys.
+        let (seqlens, rope) = match &cache.rotary {
+            Some((cos, sin)) if cache.dtype == self.dtype => (
+                lens.clone(),
+                RopeTables::InAttention {
+                    cos: cos.clone(),
+                    sin: sin.clone(),
+                },
+            ),
+            _ => (
+                prologue.seqlens,
+                RopeTables::PerHead {
+                    cos: prologue.cos,
+                    sin: prologue.sin,
+                },
+            ),
+        };
         let (group, cache_rows) = match (rows, prologue.cache_rows) {
             (DecodeRows::Slots { .. }, Some(cache_rows)) => (CacheGroup::one_token_each(batch, seqlens), cache_rows),
             (DecodeRows::Pages { cache_rows, page_table }, _) => (
@@ -943,10 +1009,7 @@ impl Llama {
             (DecodeRows::Slots { .. }, None) => bail!("internal error: the decode prologue left out the cache rows"),
         };
         let plan = Plan {
-            rope: RopeTables::PerHead {
-                cos: prologue.cos,
-                sin: prologue.sin,
-            },
+            rope,
             keys: KeySource::KvCacheCalls {
                 groups: vec![group],
                 unpermute: None,

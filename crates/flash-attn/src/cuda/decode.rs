@@ -3,6 +3,8 @@
 //! CUDA-core CTAs, every sequence's key shares merged inside a thread-block cluster, instead of on
 //! the forward kernel, whose big warp-specialised CTAs cost ~10 µs a call at short caches
 //! (docs/kernels/kvcache.md, session 39). [`plan`] says whether a call takes it; [`launch`] runs it.
+//! A call with at most one new key per sequence has its append done inside the kernel
+//! ([`FusedAppend`]): one launch for the whole call.
 
 use candle_core::cuda_backend::cudarc::driver::{sys, DevicePtrMut, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
@@ -47,11 +49,11 @@ const WARPS: usize = 8;
 /// mbarrier (16 bytes), then f32s: q's rows, each warp's probabilities of its step
 /// (`fa3::DecodeTraits::kKeys` keys: 16 at d64, 8 at d128), each warp's O rows, max and sum, and
 /// the shares' O at this CTA's items (one group's rows in all) with their rows' max and sum (up to
-/// `MAX_SHARES` shares).
+/// `MAX_SHARES` shares); then the fused append's new key and value row (16-bit).
 fn smem_bytes(d: usize, group: usize) -> usize {
     let keys = 32 / (d / 32);
     let warps = WARPS * group * (keys + d + 2);
-    16 + 4 * (group * d + warps + group * d + 2 * MAX_SHARES * group)
+    16 + 4 * (group * d + warps + group * d + 2 * MAX_SHARES * group) + 2 * 2 * d
 }
 
 /// Mirror of `fa3::DecodeParams` (kernels/kvcache/decode.cu).
@@ -82,6 +84,19 @@ struct DecodeParams {
     window_left: i32,
     scale_log2: f32,
     softcap_pre: f32,
+    k_new: u64,
+    v_new: u64,
+    rotary_cos: u64,
+    rotary_sin: u64,
+    status: u64,
+    q_batch_stride: i64,
+    k_new_batch_stride: i64,
+    v_new_batch_stride: i64,
+    seqlen_new: i32,
+    checked: i32,
+    rotary_half: i32,
+    rotary_interleaved: i32,
+    positions: i32,
 }
 
 // SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
@@ -180,18 +195,46 @@ pub(super) fn plan(
     }
 }
 
+/// The append kernel's work (kernels/kvcache/append.cu) done inside the decode kernel, for a call
+/// with at most one new key per sequence: `cache_seqlens` is read as it is (the key counts before
+/// the new key), the new key and value written into the cache and attended to, q and the key
+/// turned by the rotary tables, each sequence checked (a bad one reads as empty) with the error
+/// bits ORed into `status` (0: none).
+pub(super) struct FusedAppend<'a> {
+    /// k_new, v_new (batch, 1, kv_heads, head_dim).
+    pub new: Option<(&'a Tensor, &'a Tensor)>,
+    /// cos, sin (positions, rotary_dim / 2) f32, contiguous; interleaved.
+    pub rotary: Option<(&'a Tensor, &'a Tensor, bool)>,
+    pub status: u64,
+}
+
+/// A (batch, 1, heads, head_dim) tensor whose token rows the kernel reads in place (each row's
+/// heads contiguous, rows an even number of elements apart), or a contiguous copy; with its row
+/// stride in elements.
+fn token_rows(t: &Tensor) -> Result<(Tensor, i64)> {
+    let (st, d) = (t.stride(), t.dim(3)?);
+    if st[3] == 1 && st[2] == d && st[0] % 2 == 0 && t.layout().start_offset() % 2 == 0 {
+        return Ok((t.clone(), st[0] as i64));
+    }
+    let t = t.contiguous()?;
+    let rows = (t.dim(1)? * t.dim(2)? * d) as i64;
+    Ok((t, rows))
+}
+
 /// Runs the decode kernel over `shares` key shares for the call `c` with (possibly turned) `q`;
-/// `cache` has the key counts, cache rows and page table the forward kernel would read. Returns
-/// the output (batch, heads, head_dim) in q's dtype and the LSE (batch, heads), f32.
+/// `cache` has the key counts, cache rows and page table the forward kernel would read; `append`
+/// the call's fused append, if it has one. Returns the output (batch, heads, head_dim) in q's
+/// dtype and the LSE (batch, heads), f32.
 pub(super) fn launch(
     c: &GpuCall,
     q: &Tensor,
     shares: usize,
     cache: &CacheLaunch,
+    append: Option<&FusedAppend>,
 ) -> Result<(CudaStorage, CudaStorage)> {
     match q.dtype() {
-        DType::BF16 => launch_t::<bf16>(c, q, shares, cache),
-        DType::F16 => launch_t::<f16>(c, q, shares, cache),
+        DType::BF16 => launch_t::<bf16>(c, q, shares, cache, append),
+        DType::F16 => launch_t::<f16>(c, q, shares, cache, append),
         dt => bail!("flash-attn3: kvcache: the decode kernel takes bf16 and f16, got {dt:?}"),
     }
 }
@@ -201,6 +244,7 @@ fn launch_t<T: CudaDType + DeviceRepr>(
     q: &Tensor,
     shares: usize,
     cache: &CacheLaunch,
+    append: Option<&FusedAppend>,
 ) -> Result<(CudaStorage, CudaStorage)> {
     let s = c.shape;
     let dev: CudaDevice = match q.device() {
@@ -237,7 +281,12 @@ fn launch_t<T: CudaDType + DeviceRepr>(
     let threads = func
         .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
         .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: block size: {e:?}")))?;
-    let q = q.contiguous()?;
+    let (q, q_batch_stride) = token_rows(q)?;
+    let new = match append.and_then(|a| a.new) {
+        Some((k, v)) => Some((token_rows(k)?, token_rows(v)?)),
+        None => None,
+    };
+    let rotary = append.and_then(|a| a.rotary);
     let rows = s.batch * s.heads;
     // SAFETY: the kernel writes every element: each (sequence, kv head) cluster stores all of its
     // group's rows and their LSEs.
@@ -278,6 +327,19 @@ fn launch_t<T: CudaDType + DeviceRepr>(
             window_left: c.params.window_left.map_or(-1, |w| w.min(i32::MAX as usize) as i32),
             scale_log2,
             softcap_pre,
+            k_new: new.as_ref().map_or(Ok(0), |((k, _), _)| device_address(k))?,
+            v_new: new.as_ref().map_or(Ok(0), |(_, (v, _))| device_address(v))?,
+            rotary_cos: rotary.map_or(Ok(0), |(cos, _, _)| device_address(cos))?,
+            rotary_sin: rotary.map_or(Ok(0), |(_, sin, _)| device_address(sin))?,
+            status: append.map_or(0, |a| a.status),
+            q_batch_stride,
+            k_new_batch_stride: new.as_ref().map_or(0, |((_, st), _)| *st),
+            v_new_batch_stride: new.as_ref().map_or(0, |(_, (_, st))| *st),
+            seqlen_new: new.is_some() as i32,
+            checked: append.is_some() as i32,
+            rotary_half: (s.rotary_dim / 2) as i32,
+            rotary_interleaved: rotary.is_some_and(|r| r.2) as i32,
+            positions: rotary.map_or(0, |(cos, _, _)| cos.dim(0).unwrap_or(0).min(i32::MAX as usize)) as i32,
         };
         let cfg = LaunchConfig {
             grid_dim: (shares as u32, s.kv_heads as u32, s.batch as u32),

@@ -2,7 +2,8 @@
 //! writes the new keys and values into the cache, turns them and q by the rotary embedding and
 //! checks each sequence's cache rows or pages, then the attention over the cache: the forward
 //! kernel (kernels/flash_fwd/, `FwdParams::seqused_k / kv_batch_idx / page_table`), or for
-//! single-query calls over short 16-bit caches the decode kernel (decode.rs).
+//! single-query calls over short 16-bit caches the decode kernel (decode.rs), which does the
+//! append itself where a sequence gets at most one new key (one launch for the call).
 
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -134,6 +135,12 @@ struct AppendParams {
     page_table: u64,
     seqused: u64,
     status: u64,
+    k_slot_stride: i64,
+    k_row_stride: i64,
+    k_head_stride: i64,
+    v_slot_stride: i64,
+    v_row_stride: i64,
+    v_head_stride: i64,
     batch: i32,
     seqlen_new: i32,
     seqlen_q: i32,
@@ -205,8 +212,25 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         _ => bail!("flash-attn3: kvcache: expected a GPU call"),
     };
     let stream = dev.cuda_stream();
-    // The kernels index these densely.
-    let q = c.q.contiguous()?;
+    // The decode kernel, where it takes the call, reads q and the new rows in place and does the
+    // append itself when each sequence gets at most one new key.
+    let decode_shares = super::decode::plan(
+        s,
+        &c.params,
+        dtype,
+        c.fp8.is_some(),
+        (
+            super::decode::CacheStrides::of(c.k_cache),
+            super::decode::CacheStrides::of(c.v_cache),
+        ),
+        super::sm_count(&dev)?,
+    );
+    let fused_append = decode_shares.is_some() && s.seqlen_new <= 1;
+    // The other kernels index these densely.
+    let q = match fused_append {
+        true => c.q.clone(),
+        false => c.q.contiguous()?,
+    };
     let contiguous_u32 = |t: Option<&Tensor>| t.map(|t| t.contiguous()).transpose();
     let cache_seqlens = c.cache_seqlens.contiguous()?;
     let page_table = contiguous_u32(c.page_table)?;
@@ -219,15 +243,17 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         )),
         None => None,
     };
-    let new = match c.new {
-        Some((k, v)) => Some((k.contiguous()?, v.contiguous()?)),
-        None => None,
+    let new = match (c.new, fused_append) {
+        (Some((k, v)), false) => Some((k.contiguous()?, v.contiguous()?)),
+        _ => None,
     };
 
-    // The append kernel runs when the call appends, turns or asks for the status; it writes the
-    // key count each sequence attends to (0 for a sequence with an error). Otherwise the forward
-    // reads cache_seqlens itself (clamped to the cache; pages past the pool read as zeros).
-    let run_append = new.is_some() || rotary.is_some() || c.status.is_some();
+    // The append kernel runs when the call appends, turns or asks for the status and the decode
+    // kernel does not do it itself; it writes the key count each sequence attends to (0 for a
+    // sequence with an error). Otherwise the attention reads cache_seqlens itself (clamped to the
+    // cache; pages past the pool read as zeros).
+    let asks_append = c.new.is_some() || rotary.is_some() || c.status.is_some();
+    let run_append = asks_append && !fused_append;
     let mut seqused = match run_append {
         // SAFETY: the append kernel's block 0 of every sequence writes its entry.
         true => Some(unsafe { dev.alloc::<u32>(s.batch)? }),
@@ -238,7 +264,7 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         _ => None,
     };
     let q_rot = match &rotary {
-        Some(_) => {
+        Some(_) if run_append => {
             // SAFETY: the append kernel writes every element (one block per q token).
             let storage = unsafe { dev.alloc_uninit(q.shape(), dtype)? };
             Some(Tensor::from_storage(
@@ -248,7 +274,7 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
                 false,
             ))
         }
-        None => None,
+        _ => None,
     };
     let addr = |t: Option<&Tensor>, name: &str| t.map_or(Ok(0), |t| addr_of(t, name));
     if run_append {
@@ -262,6 +288,7 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
             (None, None) => unreachable!("a status word exists whenever the append kernel runs"),
         };
         let seqused_addr = seqused.as_mut().map_or(0, |b| b.device_ptr_mut(&stream).0);
+        let (ks, vs) = (c.k_cache.stride(), c.v_cache.stride());
         let p = AppendParams {
             k_new: addr(k_new, "k_new")?,
             v_new: addr(v_new, "v_new")?,
@@ -276,6 +303,12 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
             page_table: addr(page_table.as_ref(), "page_table")?,
             seqused: seqused_addr,
             status,
+            k_slot_stride: ks[0] as i64,
+            k_row_stride: ks[1] as i64,
+            k_head_stride: ks[2] as i64,
+            v_slot_stride: vs[0] as i64,
+            v_row_stride: vs[1] as i64,
+            v_head_stride: vs[2] as i64,
             batch: s.batch as i32,
             seqlen_new: s.seqlen_new as i32,
             seqlen_q: s.seqlen_q as i32,
@@ -337,19 +370,17 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         page_size: s.rows,
     };
     let q_attn = q_rot.as_ref().unwrap_or(&q);
-    let decode_shares = super::decode::plan(
-        s,
-        &c.params,
-        dtype,
-        c.fp8.is_some(),
-        (
-            super::decode::CacheStrides::of(c.k_cache),
-            super::decode::CacheStrides::of(c.v_cache),
-        ),
-        super::sm_count(&dev)?,
-    );
     let (out, lse) = if let Some(shares) = decode_shares {
-        super::decode::launch(c, q_attn, shares, &launch)?
+        let append = match fused_append && asks_append {
+            true => Some(super::decode::FusedAppend {
+                // (an append of no keys writes nothing)
+                new: c.new.filter(|_| s.seqlen_new == 1),
+                rotary: rotary.as_ref().map(|(cos, sin, i)| (cos, sin, *i)),
+                status: addr(c.status, "status")?,
+            }),
+            false => None,
+        };
+        super::decode::launch(c, q_attn, shares, &launch, append.as_ref())?
     } else {
         let (q_st, q_l) = q_attn.storage_and_layout();
         let (k_st, k_l) = c.k_cache.storage_and_layout();
