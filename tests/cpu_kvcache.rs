@@ -474,7 +474,9 @@ fn kvcache_strided_views() -> Result<()> {
     let kv2 = kv.copy()?;
     let (k2, v2) = (kv2.narrow(2, 0, hk)?, kv2.narrow(2, hk, hk)?);
     let lens_short = Tensor::new(&[17u32, 0, 39], &dev)?;
-    let got = attn.kv_cache(&k2, &v2, &lens_short).append(&kn, &vn).forward(&q)?;
+    let call = attn.kv_cache(&k2, &v2, &lens_short).append(&kn, &vn);
+    assert!(!call.appends_in_kernel(&q)?, "the CPU appends before it attends");
+    let got = call.forward(&q)?;
     let (kd, vd) = (k.contiguous()?, v.contiguous()?);
     let want = attn.kv_cache(&kd, &vd, &lens_short).append(&kn, &vn).forward(&q)?;
     assert_eq!(to_f64_vec(&got)?, to_f64_vec(&want)?);

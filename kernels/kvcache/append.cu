@@ -25,8 +25,8 @@ namespace fa3 {
 
 // Mirrored field for field by `AppendParams` in crates/flash-attn/src/cuda/kvcache.rs.
 struct KvAppendParams {
-    const void* k_new;          // (batch, seqlen_new, kv_heads, head_dim), contiguous
-    const void* v_new;          // (batch, seqlen_new, kv_heads, head_dim_v)
+    const void* k_new;          // (batch, seqlen_new, kv_heads, head_dim): token (b, i) at b · k_new_strides[0]
+    const void* v_new;          // + i · k_new_strides[1], its heads contiguous; v likewise
     void* k_cache;              // (slots, rows, kv_heads, head_dim) at the element strides below
     void* v_cache;              // (slots, rows, kv_heads, head_dim_v)
     const void* q;              // (batch, seqlen_q, heads, head_dim), contiguous
@@ -40,6 +40,7 @@ struct KvAppendParams {
     uint32_t* status;           // error bits, ORed in
     int64_t k_slot_stride, k_row_stride, k_head_stride;  // elements; a row's values contiguous
     int64_t v_slot_stride, v_row_stride, v_head_stride;
+    int64_t k_new_strides[2], v_new_strides[2];  // elements: batch, token
     int batch, seqlen_new, seqlen_q, heads, kv_heads, head_dim, head_dim_v;
     int slots;                  // the caches' first dim: rows of a contiguous cache, or pages
     int rows;                   // the caches' second dim: keys per cache row, or per page
@@ -170,12 +171,11 @@ template <int kDtype> __device__ void kv_append(const KvAppendParams& p) {
         const int i = x - 1;
         const CacheRow at = cache_row(p, b, len + i);
         if (at.slot < 0) return;  // check_sequence reports it
-        const int64_t token = (int64_t)b * p.seqlen_new + i;
         angle(len + i, cos, sin);
-        copy_rows_turned<kDtype>(p, p.k_new, token * p.kv_heads * p.head_dim, p.k_cache,
+        copy_rows_turned<kDtype>(p, p.k_new, b * p.k_new_strides[0] + i * p.k_new_strides[1], p.k_cache,
                                  at.slot * p.k_slot_stride + at.row * p.k_row_stride, p.k_head_stride, p.kv_heads,
                                  p.head_dim, cos, sin);
-        copy_rows_turned<kDtype>(p, p.v_new, token * p.kv_heads * p.head_dim_v, p.v_cache,
+        copy_rows_turned<kDtype>(p, p.v_new, b * p.v_new_strides[0] + i * p.v_new_strides[1], p.v_cache,
                                  at.slot * p.v_slot_stride + at.row * p.v_row_stride, p.v_head_stride, p.kv_heads,
                                  p.head_dim_v, nullptr, nullptr);
         return;

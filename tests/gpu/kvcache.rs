@@ -726,6 +726,37 @@ fn kvcache_strided_views_append() -> Result<()> {
     Ok(())
 }
 
+/// `appends_in_kernel` says where a GPU call appends inside its attention kernel: the 1B
+/// model's shape (d64, 32/8 heads, 640 keys) at batch 1 and 8 with one new key; not with two
+/// new keys, at batch 32 (the forward kernel), without an append, nor with the decode kernel
+/// turned off.
+#[test]
+fn kvcache_appends_in_kernel_where_the_decode_kernel_runs() -> Result<()> {
+    let dev = gpu()?;
+    let bf16 = |dims: &[usize]| Tensor::zeros(dims, DType::BF16, &dev);
+    let fused = |batch: usize, new: usize, append: bool, decode_kernel: Option<bool>| -> Result<bool> {
+        let (k, v) = (bf16(&[batch, 640, 8, 64])?, bf16(&[batch, 640, 8, 64])?);
+        let (kn, vn) = (bf16(&[batch, new, 8, 64])?, bf16(&[batch, new, 8, 64])?);
+        let lens = Tensor::new(vec![100u32; batch].as_slice(), &dev)?;
+        let attn = FlashAttn::new(0.125).causal(true).tuning(Tuning {
+            decode_kernel,
+            ..Default::default()
+        });
+        let mut call = attn.kv_cache(&k, &v, &lens);
+        if append {
+            call = call.append(&kn, &vn);
+        }
+        call.appends_in_kernel(&bf16(&[batch, 1, 32, 64])?)
+    };
+    assert!(fused(1, 1, true, None)?);
+    assert!(fused(8, 1, true, None)?);
+    assert!(!fused(1, 2, true, None)?, "two new keys");
+    assert!(!fused(32, 1, true, None)?, "batch 32");
+    assert!(!fused(1, 1, false, None)?, "no append");
+    assert!(!fused(1, 1, true, Some(false))?, "the decode kernel off");
+    Ok(())
+}
+
 /// f16 caches: the same kernels' other element type (append, rotary and attention); pages of 32
 /// at d128 and of 16 at d64 run the f16 `_pw` kernels (their page warp).
 #[test]

@@ -215,6 +215,28 @@ impl<'a> KvCacheAttn<'a> {
         self
     }
 
+    /// Whether this call with `q` does its append inside the attention kernel, as one launch:
+    /// on the GPU, a call with at most one new key per sequence that the single-query decode
+    /// kernel takes (short 16-bit caches; docs/kernels/kvcache.md). Elsewhere an appending GPU
+    /// call runs the append as a kernel of its own before the attention, and a caller that has
+    /// its own fused rotation and store (flash-llama's) may prefer those. False on the CPU;
+    /// checks the call as [`KvCacheAttn::forward`] does, without running anything.
+    pub fn appends_in_kernel(&self, q: &Tensor) -> Result<bool> {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+        let shape = self.check(q)?;
+        match q.device() {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(dev) => crate::cuda::kvcache::appends_in_kernel(
+                &shape,
+                &self.attn.params()?,
+                q.dtype(),
+                (self.k_cache, self.v_cache),
+                dev,
+            ),
+            _ => Ok(false),
+        }
+    }
+
     /// The attention output, (batch, seqlen_q, heads, head_dim_v), or (total_q, heads,
     /// head_dim_v) with [`KvCacheAttn::varlen_q`].
     pub fn forward(&self, q: &Tensor) -> Result<Tensor> {

@@ -59,12 +59,20 @@ enum RopeTables {
     /// (tokens, q heads + 2 kv heads, head_dim / 2), the value heads at angle 0: one fused
     /// launch rotates the q and k heads of a fused q/k/v projection and leaves v as it is.
     PerHead { cos: Tensor, sin: Tensor },
-    /// (positions, head_dim / 2) f32, indexed by position ([`KvCache`]'s tables): the attention
-    /// call turns q and the new key itself and stores the new key and value, all in one launch
-    /// (flash-attn3's decode kernel with its fused append; a device decode step over a 16-bit
-    /// cache, [`Llama::decode_on_device`]).
+    /// A device decode step over a 16-bit cache ([`Llama::decode_on_device`]): where the
+    /// attention call does its append inside its kernel (flash-attn3's single-query decode
+    /// kernel: one launch turns q and the new key, stores the key and value and attends), it gets
+    /// `cos` / `sin` (positions, head_dim / 2) f32 ([`KvCache`]'s tables) and the key counts
+    /// before the step, `lens`; elsewhere (more sequences or longer caches than that kernel
+    /// takes) the layer runs as with [`RopeTables::PerHead`] over `head_cos` / `head_sin`.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    InAttention { cos: Tensor, sin: Tensor },
+    InAttention {
+        cos: Tensor,
+        sin: Tensor,
+        lens: Tensor,
+        head_cos: Tensor,
+        head_sin: Tensor,
+    },
 }
 
 /// Where a device-side decode step ([`Llama::decode_on_device`]) stores each sequence's new key
@@ -216,11 +224,17 @@ impl Attention {
                 let y;
                 (residual, y) = input.project(norm, qkv, self.kernels)?;
                 let y = y.reshape((tokens, h + 2 * hk, d))?;
-                if let RopeTables::InAttention { .. } = &plan.rope {
-                    let (q, k, v) = (y.narrow(1, 0, h)?, y.narrow(1, h, hk)?, y.narrow(1, h + hk, hk)?);
-                    return Ok((residual, self.attend(q, k, v, tokens, plan, cache)?));
+                if let Some(out) = self.attend_appending(&y, plan, cache)? {
+                    let out = project(&self.o_proj, &out.reshape((tokens, h * d))?, self.kernels)?;
+                    return Ok((residual, out));
                 }
-                if let RopeTables::PerHead { cos, sin } = &plan.rope {
+                if let RopeTables::PerHead { cos, sin }
+                | RopeTables::InAttention {
+                    head_cos: cos,
+                    head_sin: sin,
+                    ..
+                } = &plan.rope
+                {
                     let y = if y.device().is_cuda() {
                         // One kernel where the store fuses into the rotation (q and k rotated in
                         // place, v unchanged, k and v stored); otherwise the rotation, then the
@@ -333,12 +347,7 @@ impl Attention {
                     _ => None,
                 };
                 let caches = layer.cache_views(*view, self.kv_heads, self.head_dim)?;
-                match &plan.rope {
-                    RopeTables::InAttention { cos, sin } => {
-                        self.attend_cache_appending(&q, (&k, &v), (cos, sin), &caches, scales, groups)?
-                    }
-                    _ => self.attend_cache(&q, &caches, scales, groups, unpermute.as_ref())?,
-                }
+                self.attend_cache(&q, &caches, scales, groups, unpermute.as_ref())?
             }
             (KeySource::Cached { .. } | KeySource::KvCacheCalls { .. }, _) => {
                 bail!("internal error: a cached plan without its kind of cache")
@@ -360,37 +369,47 @@ impl Attention {
         )
     }
 
-    /// Attention of one query per sequence, `q` (batch, heads, d), over a 16-bit cache layer's k
-    /// and v views, appending each sequence's new key and value `new` (batch, kv_heads, d) at
-    /// its `seqlens` entry and turning q and the key by `rotary` (positions, d / 2) f32 at that
-    /// position: one `flash_attn_with_kvcache` call, which on the GPU is one launch of the decode
-    /// kernel (its fused append) or the append kernel and the forward kernel.
-    fn attend_cache_appending(
-        &self,
-        q: &Tensor,
-        (k_new, v_new): (&Tensor, &Tensor),
-        (cos, sin): (&Tensor, &Tensor),
-        (k_cache, v_cache): &(Tensor, Tensor),
-        scales: Option<&E4m3Scales>,
-        groups: &[CacheGroup],
-    ) -> Result<Tensor> {
-        let [g] = groups else {
+    /// The attention of a device decode step ([`RopeTables::InAttention`]) over the fused
+    /// projection's rows `y` (batch, heads + 2 kv heads, d), unturned, as one
+    /// `flash_attn_with_kvcache` call that appends each sequence's new key and value into this
+    /// layer's 16-bit cache and turns q and the key, where that call does its append inside its
+    /// kernel: the output (batch, heads, d). None where it does not (the layer then turns and
+    /// stores with its own kernel) or the plan is another.
+    fn attend_appending(&self, y: &Tensor, plan: &Plan, cache: Option<&LayerKv>) -> Result<Option<Tensor>> {
+        let (
+            RopeTables::InAttention { cos, sin, lens, .. },
+            KeySource::KvCacheCalls { groups, view, .. },
+            Some(layer @ LayerKv::Rows(_)),
+        ) = (&plan.rope, &plan.keys, cache)
+        else {
+            return Ok(None);
+        };
+        let [g] = groups.as_slice() else {
             bail!("internal error: an appending cache call over {} groups", groups.len())
         };
-        if scales.is_some() || g.new != 1 || g.rows.is_some() || g.cu_q.is_some() || g.cache_idx.is_some() {
-            bail!("internal error: an appending cache call takes one token per sequence over a 16-bit cache")
+        if g.new != 1 || g.rows.is_some() || g.cu_q.is_some() || g.cache_idx.is_some() {
+            bail!("internal error: an appending cache call takes one token per sequence")
         }
+        let (h, hk) = (self.heads, self.kv_heads);
+        let (k_cache, v_cache) = layer.cache_views(*view, hk, self.head_dim)?;
         // (batch, 1, heads, d) views of the fused projection's rows: no copy.
-        let (q, k_new, v_new) = (q.unsqueeze(1)?, k_new.unsqueeze(1)?, v_new.unsqueeze(1)?);
+        let (q, k_new, v_new) = (
+            y.narrow(1, 0, h)?.unsqueeze(1)?,
+            y.narrow(1, h, hk)?.unsqueeze(1)?,
+            y.narrow(1, h + hk, hk)?.unsqueeze(1)?,
+        );
         let mut call = self
             .attn
-            .kv_cache(k_cache, v_cache, &g.seqlens)
+            .kv_cache(&k_cache, &v_cache, lens)
             .append(&k_new, &v_new)
             .rotary(cos, sin, self.rope_interleaved);
         if let Some(table) = &g.page_table {
             call = call.page_table(table);
         }
-        call.forward(&q)?.reshape((g.batch, self.heads, self.head_dim))
+        if !call.appends_in_kernel(&q)? {
+            return Ok(None);
+        }
+        Ok(Some(call.forward(&q)?.reshape((g.batch, h, self.head_dim))?))
     }
 
     /// Attention of `q` (tokens, heads, d) over a cache layer's k and v, (slots or pages, rows,
@@ -981,24 +1000,23 @@ impl Llama {
             norm_weight: first.input_layernorm.weight(),
             eps: first.input_layernorm.eps(),
         })?;
-        // A 16-bit cache: the attention call turns q and the new key and stores the key and value
-        // itself (the cache's per-position tables, the key counts before the step); an fp8
-        // cache: the fused RoPE + e4m3 store first, then the attention over lens + 1 keys.
-        let (seqlens, rope) = match &cache.rotary {
-            Some((cos, sin)) if cache.dtype == self.dtype => (
-                lens.clone(),
-                RopeTables::InAttention {
-                    cos: cos.clone(),
-                    sin: sin.clone(),
-                },
-            ),
-            _ => (
-                prologue.seqlens,
-                RopeTables::PerHead {
-                    cos: prologue.cos,
-                    sin: prologue.sin,
-                },
-            ),
+        // A 16-bit cache: where the attention call does its append inside its kernel, it turns q
+        // and the new key and stores the key and value itself (the cache's per-position tables,
+        // the key counts before the step); elsewhere, and for an fp8 cache, the fused RoPE + KV
+        // store first, then the attention over lens + 1 keys.
+        let seqlens = prologue.seqlens;
+        let rope = match &cache.rotary {
+            Some((cos, sin)) if cache.dtype == self.dtype => RopeTables::InAttention {
+                cos: cos.clone(),
+                sin: sin.clone(),
+                lens: lens.clone(),
+                head_cos: prologue.cos,
+                head_sin: prologue.sin,
+            },
+            _ => RopeTables::PerHead {
+                cos: prologue.cos,
+                sin: prologue.sin,
+            },
         };
         let (group, cache_rows) = match (rows, prologue.cache_rows) {
             (DecodeRows::Slots { .. }, Some(cache_rows)) => (CacheGroup::one_token_each(batch, seqlens), cache_rows),

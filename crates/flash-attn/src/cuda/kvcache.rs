@@ -141,6 +141,8 @@ struct AppendParams {
     v_slot_stride: i64,
     v_row_stride: i64,
     v_head_stride: i64,
+    k_new_strides: [i64; 2],
+    v_new_strides: [i64; 2],
     batch: i32,
     seqlen_new: i32,
     seqlen_q: i32,
@@ -195,6 +197,41 @@ fn addr_of(t: &Tensor, name: &str) -> Result<u64> {
     device_address(t).map_err(|e| candle_core::Error::Msg(format!("flash-attn3: kvcache: {name}: {e}")))
 }
 
+/// The decode kernel's key shares for a call, if that kernel takes it ([`super::decode::plan`]).
+fn decode_shares(
+    s: &CacheShape,
+    params: &AttnParams,
+    dtype: DType,
+    (k, v): (&Tensor, &Tensor),
+    dev: &CudaDevice,
+) -> Result<Option<usize>> {
+    Ok(super::decode::plan(
+        s,
+        params,
+        dtype,
+        dtype == DType::F8E4M3,
+        (super::decode::CacheStrides::of(k), super::decode::CacheStrides::of(v)),
+        super::sm_count(dev)?,
+    ))
+}
+
+/// A call whose append the decode kernel does itself: it takes the call, and each sequence gets
+/// at most one new key.
+fn fuses_append(s: &CacheShape, decode_shares: Option<usize>) -> bool {
+    decode_shares.is_some() && s.seqlen_new <= 1
+}
+
+/// [`crate::KvCacheAttn::appends_in_kernel`] on the GPU.
+pub(crate) fn appends_in_kernel(
+    s: &CacheShape,
+    params: &AttnParams,
+    dtype: DType,
+    caches: (&Tensor, &Tensor),
+    dev: &CudaDevice,
+) -> Result<bool> {
+    Ok(s.seqlen_new > 0 && fuses_append(s, decode_shares(s, params, dtype, caches, dev)?))
+}
+
 /// Appends, turns and checks (when the call asks for any of it), then attends.
 pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
     let s = c.shape;
@@ -214,18 +251,8 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
     let stream = dev.cuda_stream();
     // The decode kernel, where it takes the call, reads q and the new rows in place and does the
     // append itself when each sequence gets at most one new key.
-    let decode_shares = super::decode::plan(
-        s,
-        &c.params,
-        dtype,
-        c.fp8.is_some(),
-        (
-            super::decode::CacheStrides::of(c.k_cache),
-            super::decode::CacheStrides::of(c.v_cache),
-        ),
-        super::sm_count(&dev)?,
-    );
-    let fused_append = decode_shares.is_some() && s.seqlen_new <= 1;
+    let decode_shares = decode_shares(s, &c.params, dtype, (c.k_cache, c.v_cache), &dev)?;
+    let fused_append = fuses_append(s, decode_shares);
     // The other kernels index these densely.
     let q = match fused_append {
         true => c.q.clone(),
@@ -243,8 +270,17 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         )),
         None => None,
     };
+    // The new rows as they are where each token's heads are contiguous (flash-llama's views of
+    // its fused projection), else dense copies.
+    let token_rows = |t: &Tensor| -> Result<Tensor> {
+        let (st, d) = (t.stride(), t.dim(3)?);
+        match st[3] == 1 && st[2] == d {
+            true => Ok(t.clone()),
+            false => t.contiguous(),
+        }
+    };
     let new = match (c.new, fused_append) {
-        (Some((k, v)), false) => Some((k.contiguous()?, v.contiguous()?)),
+        (Some((k, v)), false) => Some((token_rows(k)?, token_rows(v)?)),
         _ => None,
     };
 
@@ -260,7 +296,8 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         false => None,
     };
     let scratch_status = match (run_append, c.status) {
-        (true, None) => Some(dev.alloc_zeros::<u32>(1)?),
+        // SAFETY: a word the append kernel ORs its error bits into and nobody reads.
+        (true, None) => Some(unsafe { dev.alloc::<u32>(1)? }),
         _ => None,
     };
     let q_rot = match &rotary {
@@ -289,6 +326,7 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         };
         let seqused_addr = seqused.as_mut().map_or(0, |b| b.device_ptr_mut(&stream).0);
         let (ks, vs) = (c.k_cache.stride(), c.v_cache.stride());
+        let new_strides = |t: Option<&Tensor>| t.map_or([0, 0], |t| [t.stride()[0] as i64, t.stride()[1] as i64]);
         let p = AppendParams {
             k_new: addr(k_new, "k_new")?,
             v_new: addr(v_new, "v_new")?,
@@ -309,6 +347,8 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
             v_slot_stride: vs[0] as i64,
             v_row_stride: vs[1] as i64,
             v_head_stride: vs[2] as i64,
+            k_new_strides: new_strides(k_new),
+            v_new_strides: new_strides(v_new),
             batch: s.batch as i32,
             seqlen_new: s.seqlen_new as i32,
             seqlen_q: s.seqlen_q as i32,
