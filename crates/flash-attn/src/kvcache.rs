@@ -41,9 +41,11 @@
 //! through the CPU attention) and reports bad indices (a page past the pool, keys past the
 //! cache) as errors. The GPU path (bf16 / f16 / e4m3) never reads the index tensors on the host: a
 //! small kernel appends, turns and checks each sequence before the attention
-//! (kernels/kvcache/append.cu), and a sequence with a bad index reads as empty (output 0, LSE
+//! (kernels/kvcache/append.cu), or, for a call that the single-query decode kernel takes with at
+//! most one new key per sequence, that kernel does all of it in the same launch
+//! ([`KvCacheAttn::appends_in_kernel`]); a sequence with a bad index reads as empty (output 0, LSE
 //! -inf) with an error bit in the caller's [`KvCacheAttn::status`] word (the `STATUS_*`
-//! constants). A GPU call that neither appends, turns nor asks for the status skips that kernel:
+//! constants). A GPU call that neither appends, turns nor asks for the status skips those checks:
 //! it clamps each sequence to the cache and reads pages past the pool as zeros.
 //!
 //! FP8 caches: q, the caches and k_new / v_new all `F8E4M3`, with the builder's
