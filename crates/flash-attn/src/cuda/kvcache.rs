@@ -271,8 +271,9 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         None => None,
     };
     // The new rows as they are where each token's heads are contiguous (flash-llama's views of
-    // its fused projection), else dense copies.
-    let token_rows = |t: &Tensor| -> Result<Tensor> {
+    // its fused projection; the append kernel takes their batch and token strides), else dense
+    // copies.
+    let heads_contiguous = |t: &Tensor| -> Result<Tensor> {
         let (st, d) = (t.stride(), t.dim(3)?);
         match st[3] == 1 && st[2] == d {
             true => Ok(t.clone()),
@@ -280,7 +281,7 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         }
     };
     let new = match (c.new, fused_append) {
-        (Some((k, v)), false) => Some((token_rows(k)?, token_rows(v)?)),
+        (Some((k, v)), false) => Some((heads_contiguous(k)?, heads_contiguous(v)?)),
         _ => None,
     };
 
