@@ -9,8 +9,8 @@ use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use flash_attn3::kvcache::PAGE_SIZES;
 use flash_attn3::FlashAttn;
 use flash_attn3_tests::{
-    assert_close, assert_err, attention_ref_varlen, cumulative, random_paged_layout, to_f64_vec, Opts, PagedLayout,
-    TestRng,
+    assert_close, assert_err, attention_ref_varlen, cumulative, random_paged_layout, rotary_tables, to_f64_vec, Opts,
+    PagedLayout, TestRng,
 };
 
 const F32_TOL: f64 = 1e-5;
@@ -157,25 +157,6 @@ impl Case {
             Tensor::from_vec(v_seq, (total_k, hk, dv), &Device::Cpu)?,
         ))
     }
-}
-
-/// Rotary tables (positions, rotary_dim / 2), f32, of a base-10000 RoPE.
-fn rotary_tables(positions: usize, rotary_dim: usize) -> Result<(Tensor, Tensor)> {
-    let half = rotary_dim / 2;
-    let mut cos = Vec::with_capacity(positions * half);
-    let mut sin = Vec::with_capacity(positions * half);
-    for p in 0..positions {
-        for i in 0..half {
-            let angle = p as f64 / 10000f64.powf(i as f64 / half as f64);
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    let dev = Device::Cpu;
-    Ok((
-        Tensor::from_vec(cos, (positions, half), &dev)?,
-        Tensor::from_vec(sin, (positions, half), &dev)?,
-    ))
 }
 
 /// `row` (d values, f64) turned to position `pos` by the f32 tables, in f64.

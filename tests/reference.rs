@@ -1160,6 +1160,26 @@ pub struct PagedLayout {
     pub num_pages: usize,
 }
 
+/// Rotary tables (positions, rotary_dim / 2), f32 on the CPU, of a base-10000 RoPE: the kvcache
+/// tests' cos and sin.
+pub fn rotary_tables(positions: usize, rotary_dim: usize) -> Result<(Tensor, Tensor)> {
+    let half = rotary_dim / 2;
+    let mut cos = Vec::with_capacity(positions * half);
+    let mut sin = Vec::with_capacity(positions * half);
+    for p in 0..positions {
+        for i in 0..half {
+            let angle = p as f64 / 10000f64.powf(i as f64 / half as f64);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    let dev = Device::Cpu;
+    Ok((
+        Tensor::from_vec(cos, (positions, half), &dev)?,
+        Tensor::from_vec(sin, (positions, half), &dev)?,
+    ))
+}
+
 /// A random paged layout for sequences that hold `lens[b]` keys before a call and `keys[b]`
 /// after it, in pages of `page_size`: pages taken in a shuffled order from a pool with 1 to 3
 /// spare pages, sequences 0 and 1 sharing their first page when both already hold one (an

@@ -16,7 +16,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::kvcache::{PAGE_SIZES, STATUS_BATCH_IDX_PAST_CACHE, STATUS_KEYS_PAST_CACHE, STATUS_PAGE_PAST_POOL};
 use flash_attn3::{FlashAttn, Tuning};
-use flash_attn3_tests::{assert_close, assert_err, random_paged_layout, to_f64_vec, Opts, TestRng};
+use flash_attn3_tests::{assert_close, assert_err, random_paged_layout, rotary_tables, to_f64_vec, Opts, TestRng};
 
 use super::{gpu, poison, LSE_TOL, OUT_TOL};
 
@@ -116,21 +116,8 @@ impl Inputs {
         let max_keys = s.lens.iter().map(|l| l + s.seqlen_new).max().unwrap();
         let rotary = match rotary {
             Some((rd, interleaved)) => {
-                let positions = max_keys + s.seqlen_q + rng.range(0, 5);
-                let half = rd / 2;
-                let (mut cos, mut sin) = (Vec::new(), Vec::new());
-                for p in 0..positions {
-                    for i in 0..half {
-                        let angle = p as f64 / 10000f64.powf(i as f64 / half as f64);
-                        cos.push(angle.cos() as f32);
-                        sin.push(angle.sin() as f32);
-                    }
-                }
-                Some((
-                    Tensor::from_vec(cos, (positions, half), &cpu)?,
-                    Tensor::from_vec(sin, (positions, half), &cpu)?,
-                    interleaved,
-                ))
+                let (cos, sin) = rotary_tables(max_keys + s.seqlen_q + rng.range(0, 5), rd)?;
+                Some((cos, sin, interleaved))
             }
             None => None,
         };
@@ -651,17 +638,7 @@ fn kvcache_strided_views_append() -> Result<()> {
         let (batch, rows) = (3, 300);
         let lens = Tensor::new(&[37u32, 0, 298], &cpu)?;
         let qkv = rng.randn((batch, 1, heads + 2 * kv_heads, d), DType::BF16, &cpu)?;
-        let half = d / 2;
-        let (mut cos, mut sin) = (Vec::new(), Vec::new());
-        for p in 0..rows {
-            for i in 0..half {
-                let angle = p as f64 / 10000f64.powf(i as f64 / half as f64);
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
-        let cos = Tensor::from_vec(cos, (rows, half), &cpu)?;
-        let sin = Tensor::from_vec(sin, (rows, half), &cpu)?;
+        let (cos, sin) = rotary_tables(rows, d)?;
         // The call on `dev` over the strided views of a copy of `kv`, through `table` for a paged
         // cache: its output and LSE, and the cache after it.
         let call =
