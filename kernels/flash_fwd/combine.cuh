@@ -15,6 +15,7 @@
 #include <cmath>
 
 #include "../primitives/convert.cuh"
+#include "../primitives/dependent_launch.cuh"
 #include "params.cuh"
 
 namespace fa3 {
@@ -27,7 +28,7 @@ template <int kDtype> __device__ void combine_splits(const CombineParams& p) {
     // The kernel after the combine may start its blocks as this one drains (programmatic
     // dependent launch: flash-llama's matrix-vector products, which wait for it before they read
     // its output; a no-op for a kernel launched normally).
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    let_dependents_start();
     const int per_row = p.warps_per_row;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int slot = warp / per_row;            // the block's row this warp works on

@@ -6,6 +6,7 @@
 // others are consumers that each own 64 rows of the 128- or 192-row query tile.
 // See docs/kernels/forward-sm90.md.
 #include "../primitives/cluster.cuh"
+#include "../primitives/dependent_launch.cuh"
 #include "../primitives/warp.cuh"
 #include "combine.cuh"
 #include "fp8_prepass.cuh"
@@ -65,6 +66,10 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         mbar_init_fence();
     }
     __syncthreads();
+    // A KV-cache call's append kernel may still be running (the host launches this kernel to
+    // overlap it: crates/flash-attn/src/cuda/forward.rs, FwdExtras::before_launch): the launch and
+    // the set-up above ran beside it; the key counts, q and the cache it writes are read after.
+    wait_for_prerequisites();
     if (threadIdx.x == 0) trace_life(1);
 
     if (wg == 0) {

@@ -3,7 +3,8 @@
 // cache_seqlens[b].., turns the new keys (and a copy of q) by the rotary embedding on the way, and
 // checks every cache row and page the attention will read.
 //
-// Grid (1 + seqlen_new + (q turned ? seqlen_q : 0), batch), 128 threads. For sequence b:
+// Grid (1 + seqlen_new + (q turned ? seqlen_q : 0), batch), kAppendThreads (256) threads; the
+// attention kernel after it is launched to overlap it (let_dependents_start). For sequence b:
 //  - block 0 checks the sequence: its keys fit the cache (and the rotary tables), its cache row or
 //    pages exist. It writes the key count the attention sees, 0 for a sequence with an error (it
 //    reads as empty: output 0, LSE -inf), and ORs the error bits into *status;
@@ -19,6 +20,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../primitives/dependent_launch.cuh"
 #include "append.cuh"
 
 namespace fa3 {
@@ -50,7 +52,8 @@ struct KvAppendParams {
                                 // to cache_seqlens[b] (FA3's rule for calls without a mask)
 };
 
-constexpr int kAppendThreads = 128;
+// 256 threads: a d128 token of 32 q heads (2,048 pairs) is one batch of kPairsInFlight pairs a thread.
+constexpr int kAppendThreads = 256;
 
 template <int kBf16> __device__ __forceinline__ float to_f32(uint16_t x) {
     if constexpr (kBf16) {
@@ -72,40 +75,62 @@ template <int kBf16> __device__ __forceinline__ uint16_t from_f32(float x) {
 enum AppendDtype { kAppendBf16, kAppendF16, kAppendE4m3 };
 template <int kDtype> using AppendElem = typename std::conditional<kDtype == kAppendE4m3, uint8_t, uint16_t>::type;
 
+// Pairs of elements each thread reads before it writes any (copy_rows_turned): a batch's loads are
+// all in flight at once, so a row set costs ceil(pairs / (kAppendThreads · kPairsInFlight)) round
+// trips to memory. (One element at a time, each iteration's loads waited for the previous
+// iteration's store, which might have aliased them: q's 32 heads of d128 took 16 dependent round
+// trips, ~10 µs of a decode call; docs/kernels/kvcache.md, session 47.)
+constexpr int kPairsInFlight = 8;
+
 // Copies `heads` rows of `d` values from element src_off of src (rows contiguous) to element dst_off
 // of dst (rows `dst_head_stride` elements apart), turning the first 2 · rotary_half dims of each by
 // the angle whose cos / sin rows are given (null: a plain copy). Unturned values are copied as bits.
+// Work is by pair (turn_pair_elements: a turned pair, or two elements of the unturned rest; d is
+// even, a multiple of 8 on the GPU).
 template <int kDtype>
 __device__ void copy_rows_turned(const KvAppendParams& p, const void* src_base, int64_t src_off, void* dst_base,
                                  int64_t dst_off, int64_t dst_head_stride, int heads, int d, const float* cos,
                                  const float* sin) {
     using Elem = AppendElem<kDtype>;
-    const Elem* src = static_cast<const Elem*>(src_base) + src_off;
-    Elem* dst = static_cast<Elem*>(dst_base) + dst_off;
-    const int half = p.rotary_half;
-    for (int e = threadIdx.x; e < heads * d; e += kAppendThreads) {
-        const int c = e % d;
-        Elem* to = dst + (e / d) * dst_head_stride + c;
-        if (kDtype == kAppendE4m3 || cos == nullptr || c >= 2 * half) {
-            *to = src[e];
-            continue;
+    constexpr int kBf16 = kDtype == kAppendBf16;
+    const Elem* __restrict__ src = static_cast<const Elem*>(src_base) + src_off;
+    Elem* __restrict__ dst = static_cast<Elem*>(dst_base) + dst_off;
+    const bool turn = kDtype != kAppendE4m3 && cos != nullptr;
+    const int half = turn ? p.rotary_half : 0;
+    const int row_pairs = d / 2, pairs = heads * row_pairs;
+    for (int first = threadIdx.x; first < pairs; first += kAppendThreads * kPairsInFlight) {
+        Elem x0[kPairsInFlight], x1[kPairsInFlight];
+        float c[kPairsInFlight], s[kPairsInFlight];
+#pragma unroll
+        for (int j = 0; j < kPairsInFlight; ++j) {
+            const int pair = first + j * kAppendThreads;
+            if (pair >= pairs) break;
+            const int h = pair / row_pairs, r = pair - h * row_pairs;
+            const int2 e = turn_pair_elements(r, half, p.interleaved);
+            x0[j] = src[h * d + e.x];
+            x1[j] = src[h * d + e.y];
+            if (r < half) {
+                c[j] = cos[r];
+                s[j] = sin[r];
+            }
         }
-        constexpr int kBf16 = kDtype == kAppendBf16;
-        const Elem* row = src + (e - c);
-        // The pair (x0, x1) that c belongs to, and whether c is its first member.
-        int r, a, b;
-        if (p.interleaved) {
-            r = c / 2;
-            a = 2 * r;
-            b = a + 1;
-        } else {
-            r = c < half ? c : c - half;
-            a = r;
-            b = r + half;
+#pragma unroll
+        for (int j = 0; j < kPairsInFlight; ++j) {
+            const int pair = first + j * kAppendThreads;
+            if (pair >= pairs) break;
+            const int h = pair / row_pairs, r = pair - h * row_pairs;
+            const int2 e = turn_pair_elements(r, half, p.interleaved);
+            Elem* to = dst + h * dst_head_stride;
+            if constexpr (kDtype != kAppendE4m3) {
+                if (r < half) {
+                    const float2 y = turn_pair(to_f32<kBf16>(x0[j]), to_f32<kBf16>(x1[j]), c[j], s[j]);
+                    x0[j] = from_f32<kBf16>(y.x);
+                    x1[j] = from_f32<kBf16>(y.y);
+                }
+            }
+            to[e.x] = x0[j];
+            to[e.y] = x1[j];
         }
-        const float x0 = to_f32<kBf16>(row[a]), x1 = to_f32<kBf16>(row[b]);
-        const float2 y = turn_pair(x0, x1, cos[r], sin[r]);
-        *to = from_f32<kBf16>(c == a ? y.x : y.y);
     }
 }
 
@@ -149,6 +174,9 @@ __device__ void check_sequence(const KvAppendParams& p, int b) {
 }
 
 template <int kDtype> __device__ void kv_append(const KvAppendParams& p) {
+    // The forward kernel after this one sets up meanwhile (a programmatic dependent launch; it
+    // waits for this grid before it reads anything).
+    let_dependents_start();
     const int b = blockIdx.y;
     const int x = blockIdx.x;
     if (x == 0) {

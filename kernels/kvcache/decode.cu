@@ -47,6 +47,7 @@
 
 #include "../primitives/cluster.cuh"
 #include "../primitives/convert.cuh"
+#include "../primitives/dependent_launch.cuh"
 #include "../primitives/mbarrier.cuh"
 #include "../primitives/warp.cuh"
 #include "../flash_fwd/share_merge.cuh"
@@ -244,7 +245,7 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
     // flash-llama's decode step that is the o projection, whose blocks then request their weights
     // while the attention runs and wait (griddepcontrol.wait) for this grid to finish before they
     // read its output. A no-op for a kernel launched normally.
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    let_dependents_start();
     constexpr int kKeys = Tr::kKeys, kCols = Tr::kCols, kL = Tr::kLanesPerKey;
     constexpr int kQWords = (kG * kD / 2 + kDecodeThreads - 1) / kDecodeThreads;  // q's u32 words per thread
     extern __shared__ __align__(16) float decode_smem[];

@@ -415,16 +415,25 @@ fn kvcache_table(dev: &Device) -> Result<()> {
 /// kvcache grid's (d128, 32/4), contiguous and pages of 16. BENCH_DECODE_KEYS /
 /// BENCH_DECODE_BATCHES: the key counts and batches; BENCH_DECODE_ONCE: two untimed calls of
 /// each kernel per cell (for Nsight Compute); BENCH_DECODE_APPEND: each call appends one key per
-/// sequence with rotary (the cache then holds seqlen_k keys; every call writes the same row).
+/// sequence with rotary (the cache then holds seqlen_k keys; every call writes the same row), or
+/// with BENCH_DECODE_APPEND=plain without rotary, or with BENCH_DECODE_APPEND=rotary turns q only.
 fn kvcache_decode_table(dev: &Device) -> Result<()> {
     // SAFETY: every tensor of this pass lives and is used on candle's one stream.
     unsafe { dev.as_cuda_device()?.disable_event_tracking() };
     let keys = list("BENCH_DECODE_KEYS", &[128, 640, 1024, 2048, 4096]);
     let batches = list("BENCH_DECODE_BATCHES", &[1, 8, 32, 128]);
-    let append = std::env::var_os("BENCH_DECODE_APPEND").is_some();
-    let what = match append {
-        true => "append of one key with rotary",
-        false => "no append",
+    let mode = std::env::var("BENCH_DECODE_APPEND").ok();
+    let (append, rotary) = match mode.as_deref() {
+        None => (false, false),
+        Some("plain") => (true, false),
+        Some("rotary") => (false, true),
+        Some(_) => (true, true),
+    };
+    let what = match (append, rotary) {
+        (true, true) => "append of one key with rotary",
+        (true, false) => "append of one key, no rotary",
+        (false, true) => "no append, q turned by rotary",
+        (false, false) => "no append",
     };
     println!("\nflash_attn_with_kvcache, seqlen_q 1, bf16, {what}: the decode kernel against the forward kernel, us per call");
     println!("| shape | batch | seqlen_k | cache | forward us | decode us | decode / forward | forward graph us | decode graph us | decode / forward |");
@@ -461,7 +470,10 @@ fn kvcache_decode_table(dev: &Device) -> Result<()> {
                         let attn = FlashAttn::new(1.0 / (d as f32).sqrt()).causal(true).tuning(t);
                         let mut c = attn.kv_cache(&k, &v, &lens);
                         if append {
-                            c = c.append(&k_new, &v_new).rotary(&cos, &sin, false);
+                            c = c.append(&k_new, &v_new);
+                        }
+                        if rotary {
+                            c = c.rotary(&cos, &sin, false);
                         }
                         match &table {
                             Some(table) => c.page_table(table).forward(&q),

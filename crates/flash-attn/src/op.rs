@@ -137,6 +137,7 @@ impl CustomOp3 for FlashAttnFwd {
                     Some(s) => crate::cuda::device_address(s)?,
                     None => 0,
                 },
+                before_launch: None,
             },
         )?;
         self.keep_lse(Storage::Cuda(lse));

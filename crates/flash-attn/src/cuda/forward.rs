@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 use super::{
     bind_context, check_tma_head_dims, ctas_per_sm, device_addr, fp8, gcd, geometry, input_ptr, is_capturing, kernel,
-    kvcache, launch_in_clusters, launch_with_params, max_active_clusters, offsets_addr, optional_ptr_mut, sm_count,
+    kvcache, launch_ex, launch_with_params, max_active_clusters, offsets_addr, optional_ptr_mut, sm_count,
     tensor_map_nd, tile_counter, TmaDesc, WG_ROWS,
 };
 use crate::descale::Fp8Call;
@@ -455,13 +455,21 @@ fn combine_splits(dev: &CudaDevice, dtype: DType, p: &CombineParams, rows: usize
 
 /// What a forward launch takes beyond q, k, v and the options: the descales and output dtype of
 /// e4m3 inputs, a KV cache's indices (kvcache.rs: k and v are then the caches), the attention
-/// sinks.
+/// sinks, and a kernel to queue just before the forward's.
 #[derive(Default)]
 pub(crate) struct FwdExtras<'a> {
     pub fp8: Option<&'a Fp8Call>,
     pub cache: Option<&'a kvcache::CacheLaunch>,
     /// Device address of the (heads,) f32 sink logits, 0 for none.
     pub sinks: u64,
+    /// Queues a kernel whose output the forward reads (the KV cache's append kernel), after the
+    /// forward's buffers are allocated and right before its launch, which then overlaps it (a
+    /// programmatic dependent launch: the forward's CTAs set up while that kernel runs and wait
+    /// for it before their first read, kernels/flash_fwd/kernel.cu). Nothing else may be queued
+    /// in between: in a CUDA-graph capture an allocation there would cut the programmatic edge.
+    /// (An fp8 call whose V goes through the pre-pass queues it before the pre-pass instead,
+    /// without the overlap.)
+    pub before_launch: Option<&'a dyn Fn() -> Result<()>>,
 }
 
 /// Runs the forward on the GPU; returns the output and the LSE.
@@ -795,8 +803,16 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // V^T written by the pre-pass (sequences, kv heads, head_dim_v, keys), 128-key boxes of the whole head dim.
     // (KV-cache calls: the kernel transposes V tiles itself, transpose_v.cuh; a pass over the
     // whole cache per call would cost more than the attention.)
+    // The kernel queued before the forward's (`FwdExtras::before_launch`): right before it, or
+    // before the pre-pass, which reads what that kernel writes.
+    let mut before_launch = extras.before_launch;
     let vt = match fp8 {
-        Some(_) if !variant.transpose_v => Some(fp8::transpose_v(&dev, dims, v, cu_k)?),
+        Some(_) if !variant.transpose_v => {
+            if let Some(queue) = before_launch.take() {
+                queue()?;
+            }
+            Some(fp8::transpose_v(&dev, dims, v, cu_k)?)
+        }
         _ => None,
     };
     let tma_v = match (&vt, &page_maps) {
@@ -905,10 +921,19 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             block_dim: (variant.threads(), 1, 1),
             shared_mem_bytes: smem as u32,
         };
+        let overlaps_previous = match before_launch {
+            Some(queue) => {
+                queue()?;
+                true
+            }
+            None => false,
+        };
+        let cluster_x = cluster_combine.then_some(splits as u32);
         // SAFETY: the params describe live device buffers (q, k, v, out, lse, cu_*) whose
-        // guards are held until after the launch is queued on candle's stream.
-        match cluster_combine {
-            true => unsafe { launch_in_clusters(&stream, &func, name, cfg, splits as u32, &p) }?,
+        // guards are held until after the launch is queued on candle's stream; every thread of
+        // the kernel waits for the kernel before it (griddepcontrol.wait) before its first read.
+        match cluster_x.is_some() || overlaps_previous {
+            true => unsafe { launch_ex(&stream, &func, name, cfg, cluster_x, overlaps_previous, &p) }?,
             false => unsafe { launch_with_params(&stream, &func, name, cfg, &p) }?,
         }
     }

@@ -1,7 +1,8 @@
 //! The GPU side of [`crate::kvcache`]: the append kernel (kernels/kvcache/append.cu), which
 //! writes the new keys and values into the cache, turns them and q by the rotary embedding and
 //! checks each sequence's cache rows or pages, then the attention over the cache: the forward
-//! kernel (kernels/flash_fwd/, `FwdParams::seqused_k / kv_batch_idx / page_table`), or for
+//! kernel (kernels/flash_fwd/, `FwdParams::seqused_k / kv_batch_idx / page_table`; launched to
+//! overlap the append kernel, whose end its CTAs wait for after their set-up), or for
 //! single-query calls over short 16-bit caches the decode kernel (decode.rs), which does the
 //! append itself where a sequence gets at most one new key (one launch for the call).
 
@@ -19,7 +20,7 @@ use crate::params::AttnParams;
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kvcache_append.cubin"));
 
 /// `fa3::kAppendThreads`.
-const APPEND_THREADS: u32 = 128;
+const APPEND_THREADS: u32 = 256;
 
 /// What the forward kernel needs to read K and V from a cache (device addresses, 0 for absent).
 pub(crate) struct CacheLaunch {
@@ -315,7 +316,8 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
         _ => None,
     };
     let addr = |t: Option<&Tensor>, name: &str| t.map_or(Ok(0), |t| addr_of(t, name));
-    if run_append {
+    // The append kernel's launch, queued right before the attention's (below).
+    let append_launch = if run_append {
         let (k_new, v_new) = match &new {
             Some((k, v)) => (Some(k), Some(v)),
             None => (None, None),
@@ -375,10 +377,19 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
             shared_mem_bytes: 0,
         };
         let func = load_kernel(&dev, CUBIN, " kvcache append", kernel_name, 0)?;
-        // SAFETY: every address is a live buffer of the sizes in `p` (checked by KvCacheAttn::check
-        // on the host; page indices, positions and cache rows are checked by the kernel before use).
-        unsafe { launch_with_params(&stream, &func, kernel_name, cfg, &p) }?;
-    }
+        Some((p, cfg, func))
+    } else {
+        None
+    };
+    let queue_append = || -> Result<()> {
+        match &append_launch {
+            // SAFETY: every address is a live buffer of the sizes in `p` (checked by
+            // KvCacheAttn::check on the host; page indices, positions and cache rows are checked
+            // by the kernel before use), alive until after the attention's launch.
+            Some((p, cfg, func)) => unsafe { launch_with_params(&stream, func, kernel_name, *cfg, p) },
+            None => Ok(()),
+        }
+    };
 
     // The attention over the cache.
     //
@@ -421,6 +432,7 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
             }),
             false => None,
         };
+        queue_append()?;
         super::decode::launch(c, q_attn, shares, &launch, append.as_ref())?
     } else {
         let (q_st, q_l) = q_attn.storage_and_layout();
@@ -437,6 +449,9 @@ pub(crate) fn forward(c: &GpuCall) -> Result<(Tensor, Tensor)> {
                 fp8: c.fp8,
                 cache: Some(&launch),
                 sinks: addr(c.sinks, "sinks")?,
+                // The forward kernel overlaps the append kernel's run (a programmatic dependent
+                // launch; it waits for it before its first read).
+                before_launch: append_launch.as_ref().map(|_| &queue_append as &dyn Fn() -> Result<()>),
             },
         )?
     };

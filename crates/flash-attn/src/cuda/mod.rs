@@ -231,19 +231,9 @@ unsafe fn launch_with_params<P: DeviceRepr>(
     Ok(())
 }
 
-/// The driver's launch description of `cfg` on `stream` in thread-block clusters of `cluster_x`
-/// CTAs along x, with `attr` (filled here) as its one attribute. cudarc's launch builder has no
-/// launch attributes, hence the driver structs.
-fn cluster_launch_config(
-    stream: &CudaStream,
-    cfg: &LaunchConfig,
-    cluster_x: u32,
-    attr: &mut sys::CUlaunchAttribute,
-) -> sys::CUlaunchConfig {
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim.x = cluster_x;
-    attr.value.clusterDim.y = 1;
-    attr.value.clusterDim.z = 1;
+/// The driver's launch description of `cfg` on `stream` with `attrs` (cudarc's launch builder has
+/// no launch attributes, hence the driver structs).
+fn launch_config(stream: &CudaStream, cfg: &LaunchConfig, attrs: &mut [sys::CUlaunchAttribute]) -> sys::CUlaunchConfig {
     sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
@@ -253,9 +243,33 @@ fn cluster_launch_config(
         blockDimZ: cfg.block_dim.2,
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
-        attrs: attr,
-        numAttrs: 1,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: attrs.len() as u32,
     }
+}
+
+/// The launch attribute of a grid of thread-block clusters of `cluster_x` CTAs along x.
+fn cluster_attribute(cluster_x: u32) -> sys::CUlaunchAttribute {
+    // SAFETY: a plain C struct and union, all-zero valid; the fields set below are the ones
+    // the id selects.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = cluster_x;
+    attr.value.clusterDim.y = 1;
+    attr.value.clusterDim.z = 1;
+    attr
+}
+
+/// The launch attribute of a programmatic dependent launch (sm_90): the kernel's CTAs may start
+/// while the kernel queued before it still runs, once that kernel's blocks have all started and
+/// executed `griddepcontrol.launch_dependents` (or finished); the kernel waits for the earlier
+/// kernels' completion with `griddepcontrol.wait` before it reads what they write.
+fn overlap_attribute() -> sys::CUlaunchAttribute {
+    // SAFETY: as in cluster_attribute.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    attr
 }
 
 /// How many clusters of `cluster_x` CTAs (`threads` threads and `smem` bytes of dynamic shared
@@ -282,11 +296,10 @@ fn max_active_clusters(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     };
-    // SAFETY: a zeroed attribute (filled by cluster_launch_config) and a config that describe a
-    // launch of `func`; the call only reads them.
+    // SAFETY: an attribute and a config that describe a launch of `func`; the call only reads them.
     let n = unsafe {
-        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-        let config = cluster_launch_config(&dev.cuda_stream(), &cfg, cluster_x, &mut attr);
+        let mut attrs = [cluster_attribute(cluster_x)];
+        let config = launch_config(&dev.cuda_stream(), &cfg, &mut attrs);
         let mut n: std::ffi::c_int = 0;
         match sys::cuOccupancyMaxActiveClusters(&mut n, func.cu_function(), &config) {
             sys::CUresult::CUDA_SUCCESS => n.max(0) as usize,
@@ -297,25 +310,33 @@ fn max_active_clusters(
     Ok(n)
 }
 
-/// [`launch_with_params`] for a grid of thread-block clusters of `cluster_x` CTAs along x (sm_90;
-/// `cfg.grid_dim.0` a multiple of it).
+/// [`launch_with_params`] with the driver's launch attributes: a grid of thread-block clusters of
+/// `cluster_x` CTAs along x (sm_90; `cfg.grid_dim.0` a multiple of it), and / or, with
+/// `overlaps_previous`, a programmatic dependent launch ([`overlap_attribute`]).
 ///
 /// # Safety
-/// As for [`launch_with_params`].
-unsafe fn launch_in_clusters<P: DeviceRepr>(
+/// As for [`launch_with_params`]; with `overlaps_previous`, the kernel must execute
+/// `griddepcontrol.wait` before it touches memory that the kernel before it on the stream reads
+/// or writes.
+unsafe fn launch_ex<P: DeviceRepr>(
     stream: &Arc<CudaStream>,
     func: &CudaFunction,
     name: &str,
     cfg: LaunchConfig,
-    cluster_x: u32,
+    cluster_x: Option<u32>,
+    overlaps_previous: bool,
     params: &P,
 ) -> Result<()> {
     stream
         .context()
         .bind_to_thread()
         .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: binding the CUDA context: {e:?}")))?;
-    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    let config = cluster_launch_config(stream, &cfg, cluster_x, &mut attr);
+    let mut attrs: Vec<sys::CUlaunchAttribute> = cluster_x
+        .map(cluster_attribute)
+        .into_iter()
+        .chain(overlaps_previous.then(overlap_attribute))
+        .collect();
+    let config = launch_config(stream, &cfg, &mut attrs);
     let mut args = [params as *const P as *mut std::ffi::c_void];
     match sys::cuLaunchKernelEx(&config, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) {
         sys::CUresult::CUDA_SUCCESS => Ok(()),
