@@ -9,7 +9,8 @@
 //! with and without rotary (interleaved or not), zero-length sequences, GQA with and without
 //! pack-GQA, causal, windows and softcap, split-KV forced to 1, 3 and 16, head dims 64 / 128 /
 //! 256, keys over many blocks, varlen queries (cu_seqlens_q), the single-query decode kernel
-//! (`Tuning::decode_kernel`) against the forward kernel on the same calls; then the device's
+//! (`Tuning::decode_kernel`) against the forward kernel on the same calls, an appending call
+//! captured into a CUDA graph (the append kernel and the forward overlapping it); then the device's
 //! defined outcome for bad indices (the sequence reads as empty, a status bit is set) and the host
 //! errors.
 
@@ -1146,5 +1147,75 @@ fn kvcache_fp8_group_descale_eager_and_graph() -> Result<()> {
         "{what}: {differ} of {} graph-replayed values differ from the eager call's",
         a.len()
     );
+    Ok(())
+}
+
+/// An appending call on the forward kernel captured into a CUDA graph and replayed: the append
+/// kernel, then the forward launched to overlap it (a programmatic dependent launch whose edge the
+/// capture keeps, cuda/forward.rs `FwdExtras::before_launch`). Replayed twice (the second
+/// replay writes the same rows again), the caches hold the CPU path's bits and the output agrees
+/// with the CPU's; contiguous and paged, one and three new tokens with rotary, split-KV by the
+/// per-call choice and forced.
+#[test]
+fn kvcache_append_then_forward_in_a_graph() -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-kvcache-append-graph");
+    let cases = [
+        (None, 1, vec![700, 0, 2049], 0),
+        (Some(16), 1, vec![33, 1500, 5], 0),
+        (Some(64), 3, vec![200, 64, 1000], 3),
+        (None, 3, vec![1, 4000], 0),
+    ];
+    for (page_size, new, lens, splits) in cases {
+        let s = Spec::new(&mut rng, page_size, lens, new, new, 8, 2, 128, 128);
+        let what = format!("{s:?} splits {splits}, captured, seed {}", rng.seed());
+        let host = Inputs::random(&mut rng, &s, Some((128, false)))?;
+        let opts = Opts::new(0.09).causal();
+        let tuning = Tuning {
+            decode_kernel: Some(false),
+            ..Default::default()
+        };
+        let attn = opts.tuned(tuning).builder().num_splits(splits);
+        let (device, eager) = (host.to_device(&dev)?, host.to_device(&dev)?);
+        let (want, want_lse) = host.call(&opts.builder(), true, None)?;
+        // An eager call first (a thread's first call on a device sets up the scheduler's
+        // counters, which a capture cannot).
+        let (eager_out, _) = eager.call(&attn, true, None)?;
+        assert_close(&eager_out, &want, OUT_TOL, &format!("{what}: eager out"))?;
+
+        let stream = dev.as_cuda_device()?.cuda_stream();
+        dev.synchronize()?;
+        let err = |e| candle_core::Error::Msg(format!("{e:?}"));
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(err)?;
+        let got = device.call(&attn, true, None);
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        let ((out, lse), graph) = match (got, graph) {
+            (Ok(got), Ok(Some(graph))) => (got, graph),
+            (got, graph) => panic!("{what}: capture failed: {:?} / {:?}", got.err(), graph.err()),
+        };
+        // Nothing ran during the capture: the caches still hold the old rows.
+        for _ in 0..2 {
+            graph.launch().map_err(err)?;
+        }
+        dev.synchronize()?;
+        for (name, got, want) in [
+            ("k_cache", &device.k_cache, &host.k_cache),
+            ("v_cache", &device.v_cache, &host.v_cache),
+        ] {
+            let (g, w) = (to_f64_vec(got)?, to_f64_vec(want)?);
+            let differ = (0..g.len()).filter(|&i| g[i] != w[i]).count();
+            assert_eq!(
+                differ,
+                0,
+                "{what}: {name}: {differ} of {} values differ from the CPU path's",
+                g.len()
+            );
+        }
+        assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+        assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+    }
     Ok(())
 }
