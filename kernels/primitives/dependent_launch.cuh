@@ -1,7 +1,7 @@
 // Programmatic dependent launch (sm_90, PTX `griddepcontrol`): a kernel launched with the
-// programmatic-stream-serialization attribute (crates/flash-attn/src/cuda/mod.rs, launch_ex) may
-// start its CTAs while the kernel before it on the stream still runs. Both calls are no-ops for a
-// kernel launched normally.
+// programmatic-stream-serialization attribute (crates/flash-attn/src/cuda/mod.rs,
+// launch_with_attributes) may start its CTAs while the kernel before it on the stream still runs.
+// Both calls are no-ops for a kernel launched normally.
 #pragma once
 
 namespace fa3 {

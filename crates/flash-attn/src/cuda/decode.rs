@@ -12,7 +12,7 @@ use candle_core::{bail, CudaStorage, DType, Result, Tensor};
 use half::{bf16, f16};
 
 use super::kvcache::{CacheLaunch, GpuCall};
-use super::{device_address, launch_ex, load_kernel};
+use super::{device_address, launch_with_attributes, load_kernel};
 use crate::kvcache::CacheShape;
 use crate::params::AttnParams;
 
@@ -349,7 +349,7 @@ fn launch_t<T: CudaDType + DeviceRepr>(
         // SAFETY: every address is a live buffer of the sizes in `p` (checked by
         // KvCacheAttn::check on the host; key counts are clamped to the capacity, and cache slots
         // and pages past the pool read as zeros in the kernel).
-        unsafe { launch_ex(&stream, &func, name, cfg, Some(shares as u32), false, &p) }?;
+        unsafe { launch_with_attributes(&stream, &func, name, cfg, Some(shares as u32), false, &p) }?;
     }
     Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
 }

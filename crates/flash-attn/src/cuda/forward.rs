@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 use super::{
     bind_context, check_tma_head_dims, ctas_per_sm, device_addr, fp8, gcd, geometry, input_ptr, is_capturing, kernel,
-    kvcache, launch_ex, launch_with_params, max_active_clusters, offsets_addr, optional_ptr_mut, sm_count,
+    kvcache, launch_with_attributes, launch_with_params, max_active_clusters, offsets_addr, optional_ptr_mut, sm_count,
     tensor_map_nd, tile_counter, TmaDesc, WG_ROWS,
 };
 use crate::descale::Fp8Call;
@@ -933,7 +933,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         // guards are held until after the launch is queued on candle's stream; every thread of
         // the kernel waits for the kernel before it (griddepcontrol.wait) before its first read.
         match cluster_x.is_some() || overlaps_previous {
-            true => unsafe { launch_ex(&stream, &func, name, cfg, cluster_x, overlaps_previous, &p) }?,
+            true => unsafe { launch_with_attributes(&stream, &func, name, cfg, cluster_x, overlaps_previous, &p) }?,
             false => unsafe { launch_with_params(&stream, &func, name, cfg, &p) }?,
         }
     }

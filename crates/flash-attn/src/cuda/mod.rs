@@ -318,7 +318,7 @@ fn max_active_clusters(
 /// As for [`launch_with_params`]; with `overlaps_previous`, the kernel must execute
 /// `griddepcontrol.wait` before it touches memory that the kernel before it on the stream reads
 /// or writes.
-unsafe fn launch_ex<P: DeviceRepr>(
+unsafe fn launch_with_attributes<P: DeviceRepr>(
     stream: &Arc<CudaStream>,
     func: &CudaFunction,
     name: &str,
