@@ -26,6 +26,8 @@
 //! pages in order in the pool), BENCH_KV_SPLITS=N (N key shares in every call instead of the
 //! per-call choice), BENCH_KV_SHAPES="1:1:1024,8:1:1024" (only these batch:seqlen_q:seqlen_k).
 //! `kvcache_fp8` times fp8 (e4m3) caches against bf16 ones on a few decode shapes.
+//! Graph-replayed columns: BENCH_GRAPH_CALLS=n puts n calls in each graph and reports the time per
+//! call (a call that is not its graph's first node, as in a decode step).
 
 use candle_core::Var;
 
@@ -258,9 +260,10 @@ fn kvcache_shapes() -> Vec<(usize, usize, usize)> {
     shapes
 }
 
-/// GPU time per call of `f`: one call captured into a CUDA graph on candle's stream (cudarc's
-/// stream capture), then replayed back to back, so the host's work per call drops out (how a
-/// serving engine runs its decode step). None, with the reason printed, if the capture fails.
+/// GPU time per call of `f`: one call (BENCH_GRAPH_CALLS: that many) captured into a CUDA graph
+/// on candle's stream (cudarc's stream capture), then replayed back to back, so the host's work
+/// per call drops out (how a serving engine runs its decode step). None, with the reason
+/// printed, if the capture fails.
 fn graph_time(dev: &Device, f: impl Fn() -> Result<Tensor>) -> Result<Option<f64>> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let stream = dev.as_cuda_device()?.cuda_stream();
@@ -270,7 +273,19 @@ fn graph_time(dev: &Device, f: impl Fn() -> Result<Tensor>) -> Result<Option<f64
     stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(err)?;
-    let out = f();
+    // BENCH_GRAPH_CALLS=n: n calls one after the other in the graph, the time per call (a call
+    // that is not its graph's first node: in a decode step none is).
+    let calls = std::env::var("BENCH_GRAPH_CALLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1usize)
+        .max(1);
+    let mut out = f();
+    for _ in 1..calls {
+        if out.is_ok() {
+            out = f();
+        }
+    }
     let graph = stream.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
     let (out, graph) = match (out, graph) {
         (Ok(out), Ok(Some(graph))) => (out, graph),
@@ -291,7 +306,7 @@ fn graph_time(dev: &Device, f: impl Fn() -> Result<Tensor>) -> Result<Option<f64
         graph.launch().map_err(err)?;
     }
     dev.synchronize()?;
-    Ok(Some(start.elapsed().as_secs_f64() / reps as f64))
+    Ok(Some(start.elapsed().as_secs_f64() / (reps * calls) as f64))
 }
 
 /// `flash_attn_with_kvcache` without append (the attention over the cache; FA3's decode kernel
