@@ -78,8 +78,8 @@ template <int kDtype> using AppendElem = typename std::conditional<kDtype == kAp
 // Pairs of elements each thread reads before it writes any (copy_rows_turned): a batch's loads are
 // all in flight at once, so a row set costs ceil(pairs / (kAppendThreads · kPairsInFlight)) round
 // trips to memory. (One element at a time, each iteration's loads waited for the previous
-// iteration's store, which might have aliased them: q's 32 heads of d128 took 16 dependent round
-// trips, ~10 µs of a decode call; docs/kernels/kvcache.md, session 47.)
+// iteration's store, which might have aliased them: q's 32 heads of d128 on 128 threads took 32
+// dependent round trips, ~10 µs of a decode call; docs/kernels/kvcache.md, session 47.)
 constexpr int kPairsInFlight = 8;
 
 // Copies `heads` rows of `d` values from element src_off of src (rows contiguous) to element dst_off
