@@ -14,6 +14,7 @@
 //! defined outcome for bad indices (the sequence reads as empty, a status bit is set) and the host
 //! errors.
 
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, DriverError};
 use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::kvcache::{PAGE_SIZES, STATUS_BATCH_IDX_PAST_CACHE, STATUS_KEYS_PAST_CACHE, STATUS_PAGE_PAST_POOL};
 use flash_attn3::{FlashAttn, Tuning};
@@ -206,6 +207,13 @@ fn run_on_both(
     let got = device.call(gpu_attn, append, Some(&status))?;
     let want = host.call(cpu_attn, append, None)?;
     assert_eq!(status.to_vec1::<u32>()?, [0], "{what}: status");
+    assert_same_caches(&device, host, what)?;
+    Ok((got, want))
+}
+
+/// Panics, naming `what`, unless the GPU call's caches (`device`) hold the CPU call's values
+/// (`host`) after the calls, NaN where the other has NaN.
+fn assert_same_caches(device: &Inputs, host: &Inputs, what: &str) -> Result<()> {
     for (name, got, want) in [
         ("k_cache", &device.k_cache, &host.k_cache),
         ("v_cache", &device.v_cache, &host.v_cache),
@@ -226,7 +234,35 @@ fn run_on_both(
             );
         }
     }
-    Ok((got, want))
+    Ok(())
+}
+
+/// `call` captured into a CUDA graph on `dev`'s stream (it runs nothing yet): its result, whose
+/// memory the graph owns, and the graph. Panics, naming `what`, if the capture fails.
+fn capture<T>(dev: &Device, what: &str, call: impl FnOnce() -> Result<T>) -> Result<(T, CudaGraph)> {
+    let stream = dev.as_cuda_device()?.cuda_stream();
+    dev.synchronize()?;
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(driver_err)?;
+    let out = call();
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+    match (out, graph) {
+        (Ok(out), Ok(Some(graph))) => Ok((out, graph)),
+        (out, graph) => panic!("{what}: capture failed: {:?} / {:?}", out.err(), graph.err()),
+    }
+}
+
+/// Launches `graph` `times` times, then waits for the device.
+fn replay(dev: &Device, graph: &CudaGraph, times: usize) -> Result<()> {
+    for _ in 0..times {
+        graph.launch().map_err(driver_err)?;
+    }
+    dev.synchronize()
+}
+
+fn driver_err(e: DriverError) -> candle_core::Error {
+    candle_core::Error::Msg(format!("{e:?}"))
 }
 
 /// Runs `s` on the GPU and on the CPU with the same values and compares (module docs).
@@ -1067,7 +1103,6 @@ fn check_fp8_tuned(rng: &mut TestRng, c: &Fp8Case, splits: usize, tuning: Tuning
 /// the model's graph decode does), which must give the eager call's bits.
 #[test]
 fn kvcache_fp8_group_descale_eager_and_graph() -> Result<()> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
     let dev = gpu()?;
     let mut rng = TestRng::fresh("gpu-kvcache-fp8-group");
     let (b, h, hk, d) = (3, 16, 2, 128);
@@ -1120,23 +1155,9 @@ fn kvcache_fp8_group_descale_eager_and_graph() -> Result<()> {
         k.to_device(&dev)?,
         v.to_device(&dev)?,
     );
-    let stream = dev.as_cuda_device()?.cuda_stream();
-    dev.synchronize()?;
-    let err = |e| candle_core::Error::Msg(format!("{e:?}"));
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(err)?;
-    let out = attn.kv_cache(&kd, &vd, &lens_d).forward(&qd);
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
-    let (out, graph) = match (out, graph) {
-        (Ok(out), Ok(Some(graph))) => (out, graph),
-        (out, graph) => panic!("{what}: capture failed: {:?} / {:?}", out.err(), graph.err()),
-    };
+    let (out, graph) = capture(&dev, &what, || attn.kv_cache(&kd, &vd, &lens_d).forward(&qd))?;
     eprintln!("{what}: captured");
-    for _ in 0..3 {
-        graph.launch().map_err(err)?;
-    }
-    dev.synchronize()?;
+    replay(&dev, &graph, 3)?;
     eprintln!("{what}: replayed");
     let replayed = out.to_device(&Device::Cpu)?;
     let (a, g) = (to_f64_vec(&eager)?, to_f64_vec(&replayed)?);
@@ -1158,7 +1179,6 @@ fn kvcache_fp8_group_descale_eager_and_graph() -> Result<()> {
 /// per-call choice and forced.
 #[test]
 fn kvcache_append_then_forward_in_a_graph() -> Result<()> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
     let dev = gpu()?;
     let mut rng = TestRng::fresh("gpu-kvcache-append-graph");
     let cases = [
@@ -1184,36 +1204,10 @@ fn kvcache_append_then_forward_in_a_graph() -> Result<()> {
         let (eager_out, _) = eager.call(&attn, true, None)?;
         assert_close(&eager_out, &want, OUT_TOL, &format!("{what}: eager out"))?;
 
-        let stream = dev.as_cuda_device()?.cuda_stream();
-        dev.synchronize()?;
-        let err = |e| candle_core::Error::Msg(format!("{e:?}"));
-        stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(err)?;
-        let got = device.call(&attn, true, None);
-        let graph = stream.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
-        let ((out, lse), graph) = match (got, graph) {
-            (Ok(got), Ok(Some(graph))) => (got, graph),
-            (got, graph) => panic!("{what}: capture failed: {:?} / {:?}", got.err(), graph.err()),
-        };
-        // Nothing ran during the capture: the caches still hold the old rows.
-        for _ in 0..2 {
-            graph.launch().map_err(err)?;
-        }
-        dev.synchronize()?;
-        for (name, got, want) in [
-            ("k_cache", &device.k_cache, &host.k_cache),
-            ("v_cache", &device.v_cache, &host.v_cache),
-        ] {
-            let (g, w) = (to_f64_vec(got)?, to_f64_vec(want)?);
-            let differ = (0..g.len()).filter(|&i| g[i] != w[i]).count();
-            assert_eq!(
-                differ,
-                0,
-                "{what}: {name}: {differ} of {} values differ from the CPU path's",
-                g.len()
-            );
-        }
+        // Nothing runs during the capture: the caches still hold the old rows after it.
+        let ((out, lse), graph) = capture(&dev, &what, || device.call(&attn, true, None))?;
+        replay(&dev, &graph, 2)?;
+        assert_same_caches(&device, &host, &what)?;
         assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
         assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
     }
