@@ -98,6 +98,13 @@ __device__ void copy_rows_turned(const KvAppendParams& p, const void* src_base, 
     const bool turn = kDtype != kAppendE4m3 && cos != nullptr;
     const int half = turn ? p.rotary_half : 0;
     const int row_pairs = d / 2, pairs = heads * row_pairs;
+    // Pair `pair`'s row h, its index r in the row, and the two elements it covers: the same in
+    // the load loop and the store loop below.
+    const auto locate = [&](int pair, int& h, int& r) {
+        h = pair / row_pairs;
+        r = pair - h * row_pairs;
+        return turn_pair_elements(r, half, p.interleaved);
+    };
     for (int first = threadIdx.x; first < pairs; first += kAppendThreads * kPairsInFlight) {
         Elem x0[kPairsInFlight], x1[kPairsInFlight];
         float c[kPairsInFlight], s[kPairsInFlight];
@@ -105,8 +112,8 @@ __device__ void copy_rows_turned(const KvAppendParams& p, const void* src_base, 
         for (int j = 0; j < kPairsInFlight; ++j) {
             const int pair = first + j * kAppendThreads;
             if (pair >= pairs) break;
-            const int h = pair / row_pairs, r = pair - h * row_pairs;
-            const int2 e = turn_pair_elements(r, half, p.interleaved);
+            int h, r;
+            const int2 e = locate(pair, h, r);
             x0[j] = src[h * d + e.x];
             x1[j] = src[h * d + e.y];
             if (r < half) {
@@ -118,8 +125,8 @@ __device__ void copy_rows_turned(const KvAppendParams& p, const void* src_base, 
         for (int j = 0; j < kPairsInFlight; ++j) {
             const int pair = first + j * kAppendThreads;
             if (pair >= pairs) break;
-            const int h = pair / row_pairs, r = pair - h * row_pairs;
-            const int2 e = turn_pair_elements(r, half, p.interleaved);
+            int h, r;
+            const int2 e = locate(pair, h, r);
             Elem* to = dst + h * dst_head_stride;
             if constexpr (kDtype != kAppendE4m3) {
                 if (r < half) {

@@ -428,7 +428,8 @@ fn kvcache_table(dev: &Device) -> Result<()> {
 /// (`Tuning::decode_kernel: Some(true)`) against the forward kernel (`Some(false)`) on the same
 /// calls, µs per call eager and graph-replayed; the 1B model's shape (d64, 32/8 heads) and the
 /// kvcache grid's (d128, 32/4), contiguous and pages of 16. BENCH_DECODE_KEYS /
-/// BENCH_DECODE_BATCHES: the key counts and batches; BENCH_DECODE_ONCE: two untimed calls of
+/// BENCH_DECODE_BATCHES: the key counts and batches; BENCH_DECODE_DIMS: the head dims (64, 128);
+/// BENCH_DECODE_ONCE: two untimed calls of
 /// each kernel per cell (for Nsight Compute); BENCH_DECODE_APPEND: each call appends one key per
 /// sequence with rotary (the cache then holds seqlen_k keys; every call writes the same row), or
 /// with BENCH_DECODE_APPEND=plain without rotary, or with BENCH_DECODE_APPEND=rotary turns q only.
@@ -453,7 +454,11 @@ fn kvcache_decode_table(dev: &Device) -> Result<()> {
     println!("\nflash_attn_with_kvcache, seqlen_q 1, bf16, {what}: the decode kernel against the forward kernel, us per call");
     println!("| shape | batch | seqlen_k | cache | forward us | decode us | decode / forward | forward graph us | decode graph us | decode / forward |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
+    let dims = list("BENCH_DECODE_DIMS", &[64, 128]);
     for (h, hk, d) in [(32, 8, 64), (32, 4, 128)] {
+        if !dims.contains(&d) {
+            continue;
+        }
         for &b in &batches {
             for &sk in &keys {
                 for page in [None, Some(16)] {
