@@ -113,6 +113,19 @@ enum QkvProj {
     Fused(Linear),
 }
 
+/// Head-dim-64 decode steps whose caches hold at most this many keys a sequence, and at most
+/// [`DECODE_KERNEL_MAX_BATCH_KEYS`] over the batch, run their attention on flash-attn3's CUDA-core
+/// decode kernel at every batch, instead of that library's own choice (which stops at one CTA per
+/// SM: batch 8 for the 1B shape). The call then appends the new key inside its kernel, in place
+/// of the model's RoPE + KV store launch, q's copy and the forward kernel. The 1B shape's graph
+/// decode (H200, session 48, docs/kernels/model-fused.md), against the forward kernel's path:
+/// 640-key caches at batch 16 / 32 / 64 / 128 +9.7 / +12.7 / +6.2 / +1.9%; 1,024-key caches at
+/// batch 16 / 32 +5.4 / +8.6%, but batch 128 −5.6%.
+const DECODE_KERNEL_MAX_KEYS: usize = 1024;
+/// The batch's keys (sequences × cache capacity) past which the forward kernel keeps a step's
+/// attention ([`DECODE_KERNEL_MAX_KEYS`]): batch 128 over 1,024 keys (131,072) measured slower.
+const DECODE_KERNEL_MAX_BATCH_KEYS: usize = 65_536;
+
 struct Attention {
     qkv: QkvProj,
     o_proj: Linear,
@@ -122,6 +135,9 @@ struct Attention {
     kv_heads: usize,
     head_dim: usize,
     attn: FlashAttn,
+    /// `attn` asking for flash-attn3's CUDA-core decode kernel wherever it applies
+    /// (`Tuning::decode_kernel`), for the decode steps of [`DECODE_KERNEL_MAX_KEYS`].
+    decode_attn: FlashAttn,
     /// What `attn` was built with, kept for the reference composite.
     scale: f64,
     window_left: Option<usize>,
@@ -188,6 +204,10 @@ impl Attention {
             heads: h,
             kv_heads: hk,
             head_dim: d,
+            decode_attn: attn.clone().tuning(flash_attn3::Tuning {
+                decode_kernel: Some(true),
+                ..Default::default()
+            }),
             attn,
             scale: scale as f64,
             window_left,
@@ -398,11 +418,21 @@ impl Attention {
             y.narrow(1, h, hk)?.unsqueeze(1)?,
             y.narrow(1, h + hk, hk)?.unsqueeze(1)?,
         );
-        let mut call = self
-            .attn
-            .kv_cache(&k_cache, &v_cache, lens)
-            .append(&k_new, &v_new)
-            .rotary(cos, sin, self.rope_interleaved);
+        // Short caches at head dim 64: flash-attn3's decode kernel at every batch, so that the
+        // call appends inside its kernel (DECODE_KERNEL_MAX_KEYS).
+        let capacity = match &g.page_table {
+            Some(table) => table.dim(1)? * k_cache.dim(1)?,
+            None => k_cache.dim(1)?,
+        };
+        let short = capacity <= DECODE_KERNEL_MAX_KEYS && g.batch * capacity <= DECODE_KERNEL_MAX_BATCH_KEYS;
+        let attn = match self.head_dim == 64 && short {
+            true => &self.decode_attn,
+            false => &self.attn,
+        };
+        let mut call =
+            attn.kv_cache(&k_cache, &v_cache, lens)
+                .append(&k_new, &v_new)
+                .rotary(cos, sin, self.rope_interleaved);
         if let Some(table) = &g.page_table {
             call = call.page_table(table);
         }

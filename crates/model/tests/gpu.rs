@@ -851,7 +851,7 @@ fn assert_follows_the_eager_steps_of(
 /// `flash_attn_with_kvcache` over strided views of the cache with the lengths on the device)
 /// against the eager steps fed the graph's own tokens ([`assert_follows_the_eager_steps`]), and
 /// at least 90% of the tokens the eager argmax exactly. Prompts of different lengths (5, 9, 70, so the sequences sit at different positions),
-/// batch 1, d8 and d64 heads, bf16 and f16; a stop token that ends one sequence mid-batch leaves
+/// batch 1 and 17, d8 and d64 heads, bf16 and f16; a stop token that ends one sequence mid-batch leaves
 /// the others' tokens unchanged.
 #[test]
 fn cuda_graph_decode_follows_the_eager_steps() {
@@ -868,7 +868,14 @@ fn cuda_graph_decode_follows_the_eager_steps() {
                 kv_cache_dtype: None,
                 cuda_graphs: true,
             };
-            for prompts in [vec![tokens(5, 1), tokens(9, 2), tokens(70, 3)], vec![tokens(33, 4)]] {
+            // Batch 17: past flash-attn3's own choice of its decode kernel (one CTA per SM), which
+            // the d64 model asks for over short caches (flash_llama's DECODE_KERNEL_MAX_KEYS).
+            let wide: Vec<Vec<u32>> = (0..17).map(|i| tokens(3 + 5 * i, 10 + i as u32)).collect();
+            for prompts in [
+                vec![tokens(5, 1), tokens(9, 2), tokens(70, 3)],
+                vec![tokens(33, 4)],
+                wide,
+            ] {
                 let what = format!("{family:?} {dtype:?} batch {}", prompts.len());
                 let mut streamed = vec![Vec::new(); prompts.len()];
                 let g = generate(&model, &prompts, &opts, |i, t| {
