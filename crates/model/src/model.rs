@@ -119,8 +119,8 @@ enum QkvProj {
 /// SM: batch 8 for the 1B shape). The call then appends the new key inside its kernel, in place
 /// of the model's RoPE + KV store launch, q's copy and the forward kernel. The 1B shape's graph
 /// decode (H200, session 48, docs/kernels/model-fused.md), against the forward kernel's path:
-/// 640-key caches at batch 16 / 32 / 64 / 128 +9.7 / +12.7 / +6.2 / +1.9%; 1,024-key caches at
-/// batch 16 / 32 +5.4 / +8.6%, but batch 128 −5.6%.
+/// 640-key caches at batch 16 / 32 / 64 +9.2 / +12.1 / +6.2%; 1,024-key caches at batch 16 / 32 /
+/// 64 +5.4 / +8.6 / +2.1%, but batch 128 −5.6% (+1.9% over 640 keys).
 const DECODE_KERNEL_MAX_KEYS: usize = 1024;
 /// The batch's keys (sequences × cache capacity) past which the forward kernel keeps a step's
 /// attention ([`DECODE_KERNEL_MAX_KEYS`]): batch 128 over 1,024 keys (131,072) measured slower.

@@ -851,7 +851,7 @@ fn assert_follows_the_eager_steps_of(
 /// `flash_attn_with_kvcache` over strided views of the cache with the lengths on the device)
 /// against the eager steps fed the graph's own tokens ([`assert_follows_the_eager_steps`]), and
 /// at least 90% of the tokens the eager argmax exactly. Prompts of different lengths (5, 9, 70, so the sequences sit at different positions),
-/// batch 1 and 17, d8 and d64 heads, bf16 and f16; a stop token that ends one sequence mid-batch leaves
+/// batches of 3, 1 and 67 sequences, d8 and d64 heads, bf16 and f16; a stop token that ends one sequence mid-batch leaves
 /// the others' tokens unchanged.
 #[test]
 fn cuda_graph_decode_follows_the_eager_steps() {
@@ -868,13 +868,15 @@ fn cuda_graph_decode_follows_the_eager_steps() {
                 kv_cache_dtype: None,
                 cuda_graphs: true,
             };
-            // Batch 17: past flash-attn3's own choice of its decode kernel (one CTA per SM), which
-            // the d64 model asks for over short caches (flash_llama's DECODE_KERNEL_MAX_KEYS).
-            let wide: Vec<Vec<u32>> = (0..17).map(|i| tokens(3 + 5 * i, 10 + i as u32)).collect();
+            // Batch 67: 67 sequences × 2 kv heads are more decode CTAs than an H100 or H200 has
+            // SMs, past flash-attn3's own choice of its decode kernel, which the d64 model asks
+            // for over short caches (flash_llama's DECODE_KERNEL_MAX_KEYS). Prompts of 3 to 98
+            // tokens (the test model's context is 128).
+            let past_one_wave: Vec<Vec<u32>> = (0..67).map(|i| tokens(3 + 5 * (i % 20), 10 + i as u32)).collect();
             for prompts in [
                 vec![tokens(5, 1), tokens(9, 2), tokens(70, 3)],
                 vec![tokens(33, 4)],
-                wide,
+                past_one_wave,
             ] {
                 let what = format!("{family:?} {dtype:?} batch {}", prompts.len());
                 let mut streamed = vec![Vec::new(); prompts.len()];
