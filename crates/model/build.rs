@@ -1,5 +1,5 @@
 //! Compiles flash-llama's kernels (kernels/model/ at the workspace root: fused.cu, the inference
-//! path; train_ops.cu, the training path; sampling.cu, token sampling on the device) into one sm_90a cubin each when the `cuda` feature is
+//! path; linear_rows.cu, its projections of 2-64 tokens; train_ops.cu, the training path; sampling.cu, token sampling on the device) into one sm_90a cubin each when the `cuda` feature is
 //! on, as crates/flash-attn/build.rs does for the attention: embedded with `include_bytes!`,
 //! loaded at run time through candle's cudarc.
 
@@ -21,9 +21,12 @@ fn main() {
     let kernels = manifest.join("../../kernels/model");
     let kernels = kernels.canonicalize().unwrap_or(kernels);
     watch(&kernels);
+    // linear_rows.cu includes the wgmma primitives that flash-attn3's kernels share.
+    let primitives = manifest.join("../../kernels/primitives");
+    watch(&primitives.canonicalize().unwrap_or(primitives));
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     // Each kernels/model/NAME.cu becomes $OUT_DIR/NAME.cubin.
-    let jobs = ["fused", "train_ops", "sampling"].map(|name| {
+    let jobs = ["fused", "linear_rows", "train_ops", "sampling"].map(|name| {
         (
             kernels.join(format!("{name}.cu")),
             out_dir.join(format!("{name}.cubin")),

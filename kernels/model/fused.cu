@@ -579,9 +579,11 @@ __device__ void choose_among_chunks(const float* __restrict__ part_best, const u
 #define FUSED_OPS(T, SUFFIX)                                                                                         \
     extern "C" __global__ void __launch_bounds__(kNormThreads) add_rms_norm_##SUFFIX(                                 \
         const T* x, const T* h, const T* w, T* res, T* out, int dim, float eps) {                                     \
+        let_next_kernel_start(); /* a projection after it (linear_rows) starts loading its weights */                \
         add_rms_norm<T>(x, h, w, res, out, dim, eps);                                                                 \
     }                                                                                                                 \
     extern "C" __global__ void silu_mul_##SUFFIX(const T* y, T* out, unsigned long long rows, int inter) {            \
+        let_next_kernel_start(); /* as add_rms_norm: the down projection after it */                                 \
         silu_mul<T>(y, out, rows, inter);                                                                             \
     }                                                                                                                 \
     extern "C" __global__ void rope_angles_##SUFFIX(const uint32_t* positions, const float* inv_freq, T* cos_out,     \

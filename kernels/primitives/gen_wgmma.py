@@ -8,9 +8,10 @@ Run `python3 kernels/primitives/gen_wgmma.py` after changing it; the output is c
 import os
 
 NS = (64, 80, 96, 112, 128, 192, 256)
-# Shapes of the other wrappers, per name: the backward's 64 x 32 score tiles (head dims > 128),
+# Shapes of the other wrappers, per name: flash-llama's linear_rows (N = 8-64 tokens of a decode
+# step: kernels/model/linear_rows.cu), the backward's 64 x 32 score tiles (head dims > 128),
 # its 64 x 128 dK / dV shares read from shared memory, its 64 x 64 dQ tiles.
-NS_EXTRA = {"wgmma_ss": (32,), "wgmma_ss_bt": (128,), "wgmma_ss_tt": (64,)}
+NS_EXTRA = {"wgmma_ss": (8, 16, 32), "wgmma_ss_bt": (128,), "wgmma_ss_tt": (64,)}
 TYPES = (("bf16", "bf16"), ("f16", "f16"))
 # FP8 (e4m3) wrappers: k = 32 per instruction, both shared-memory operands K-major (fp8 wgmma has no
 # transposed operands). S = Q·Kᵀ with N = the fp8 kernels' key blocks; O += P·V (P from registers,

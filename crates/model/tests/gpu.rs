@@ -9,9 +9,10 @@ mod common;
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use common::{abs_sum, hf_model, mixed_steps, rel_diff, tokens, Family, VOCAB};
 use flash_llama::fused::{
-    add_rms_norm, argmax_rows, argmax_rows_into, decode_prologue, linear_vector, linear_vector_add_norm,
-    linear_vector_add_norm_fits, linear_vector_add_norm_swiglu, linear_vector_add_norm_swiglu_fits, linear_vector_fits,
-    rope_angles, rope_store, silu_mul, store_e4m3, CacheStore, MappedTokens, PrologueInputs,
+    add_rms_norm, argmax_rows, argmax_rows_into, decode_prologue, linear_rows, linear_rows_fits, linear_vector,
+    linear_vector_add_norm, linear_vector_add_norm_fits, linear_vector_add_norm_swiglu,
+    linear_vector_add_norm_swiglu_fits, linear_vector_fits, rope_angles, rope_store, silu_mul, store_e4m3, CacheStore,
+    MappedTokens, PrologueInputs,
 };
 use flash_llama::loader::{load_gguf, load_hf_dir};
 use flash_llama::nn::{rope_angles_per_head, rope_per_head, RmsNorm};
@@ -211,6 +212,91 @@ fn linear_vector_matches_matmul() -> Result<()> {
     assert!(linear_vector(&cpu, &w, None).unwrap_err().to_string().contains("CUDA"));
     let bad_bias = Tensor::zeros(4, DType::BF16, &dev)?;
     assert!(linear_vector(&x, &w, Some(&bad_bias))
+        .unwrap_err()
+        .to_string()
+        .contains("bias"));
+    Ok(())
+}
+
+/// The batched decode projections' tensor-core kernel against an f64 reference of x · wᵀ + bias:
+/// every tile count (2-64 tokens, none a whole tile but 8, 16 and 64), output counts that leave a
+/// partial block of 64, k from one chunk of 64 to 8192 (unsplit, and split over clusters of 2-8
+/// CTAs), x a view into a larger tensor, with and without a bias.
+#[test]
+fn linear_rows_matches_matmul() -> Result<()> {
+    let dev = gpu();
+    for dtype in [DType::BF16, DType::F16] {
+        for (m, n, k) in [
+            (2usize, 64usize, 64usize),
+            (3, 7, 576),
+            (8, 3072, 2048),
+            (9, 2048, 2048),
+            (16, 130, 8192),
+            (17, 5003, 192),
+            (31, 2048, 8192),
+            (33, 16384, 2048),
+            (47, 2049, 960),
+            (64, 3072, 2048),
+        ] {
+            // x: rows 1.. of a (m + 1, k) tensor, as a view the model could pass.
+            let x = randn(&[m + 1, k], dtype, &dev).narrow(0, 1, m)?;
+            let w = (randn(&[n, k], dtype, &dev) * 0.05)?.to_dtype(dtype)?;
+            let bias = randn(&[n], dtype, &dev);
+            assert!(linear_rows_fits(&x, &w), "{m} {n} {k}");
+            for with_bias in [false, true] {
+                let got = linear_rows(&x, &w, with_bias.then_some(&bias))?;
+                assert_eq!(got.dims(), [m, n]);
+                let got = got.to_dtype(DType::F64)?;
+                let (x64, w64) = (x.to_dtype(DType::F64)?, w.to_dtype(DType::F64)?);
+                let mut want = x64.matmul(&w64.t()?)?;
+                if with_bias {
+                    want = want.broadcast_add(&bias.to_dtype(DType::F64)?)?;
+                }
+                // Row by row: every token's outputs within a rounding of its own scale.
+                for row in 0..m {
+                    let (g, w_) = (got.get(row)?, want.get(row)?);
+                    let max_abs = |t: &Tensor| t.abs()?.max(0)?.to_scalar::<f64>();
+                    let (err, scale) = (max_abs(&(&g - &w_)?)?, max_abs(&w_)?.max(1e-3));
+                    assert!(
+                        err.is_finite() && err / scale <= tol(dtype) as f64 / 2.0,
+                        "{dtype:?} m {m} n {n} k {k} bias {with_bias} row {row}: {err:e} of {scale:e}"
+                    );
+                }
+            }
+        }
+    }
+    // Shapes it does not take: the model falls back to candle's matmul, a direct call errs.
+    let x = Tensor::zeros((4, 128), DType::BF16, &dev)?;
+    let w = Tensor::zeros((5, 128), DType::BF16, &dev)?;
+    let one = Tensor::zeros((1, 128), DType::BF16, &dev)?;
+    let many = Tensor::zeros((65, 128), DType::BF16, &dev)?;
+    let odd_k = Tensor::zeros((4, 96), DType::BF16, &dev)?;
+    let odd_w = Tensor::zeros((5, 96), DType::BF16, &dev)?;
+    let offset = Tensor::zeros((4 * 128 + 2,), DType::BF16, &dev)?
+        .narrow(0, 2, 4 * 128)?
+        .reshape((4, 128))?;
+    let strided = Tensor::zeros((128, 4), DType::BF16, &dev)?.t()?;
+    let f16_w = Tensor::zeros((5, 128), DType::F16, &dev)?;
+    let (x32, w32) = (x.to_dtype(DType::F32)?, w.to_dtype(DType::F32)?);
+    let cpu = Tensor::zeros((4, 128), DType::BF16, &Device::Cpu)?;
+    let cpu_w = Tensor::zeros((5, 128), DType::BF16, &Device::Cpu)?;
+    for (what, x, w) in [
+        ("one row", &one, &w),
+        ("65 rows", &many, &w),
+        ("k of 96", &odd_k, &odd_w),
+        ("alignment", &offset, &w),
+        ("strides", &strided, &w),
+        ("dtypes", &x, &f16_w),
+        ("f32", &x32, &w32),
+        ("shared k", &x, &odd_w),
+        ("cpu", &cpu, &cpu_w),
+    ] {
+        assert!(!linear_rows_fits(x, w), "{what}");
+        let e = linear_rows(x, w, None).unwrap_err().to_string();
+        assert!(e.contains("linear_rows"), "{what}: {e}");
+    }
+    let bad_bias = Tensor::zeros(4, DType::BF16, &dev)?;
+    assert!(linear_rows(&x, &w, Some(&bad_bias))
         .unwrap_err()
         .to_string()
         .contains("bias"));

@@ -368,7 +368,7 @@ pub(super) fn linear_vector(
 }
 
 /// The device address of a tensor an op holds besides its inputs (its storage under a read lock).
-fn held_addr<T: CudaDType>(
+pub(super) fn held_addr<T: CudaDType>(
     (storage, layout): (&Storage, &Layout),
     dev: &CudaDevice,
     dtype: DType,
@@ -496,7 +496,7 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
 /// the node before it and left a leaf of the graph: its buffer's last reader was queued before
 /// it, so before this launch. Graph memory nodes' edges cannot be removed once captured
 /// (CUDA_ERROR_NOT_SUPPORTED), hence this at capture time rather than a rewrite of the graph.
-struct OverlapInCapture {
+pub(super) struct OverlapInCapture {
     before: Vec<(sys::CUgraphNode, sys::CUgraphEdgeData)>,
 }
 
@@ -566,7 +566,7 @@ fn set_capture_dependencies(stream: &CudaStream, deps: &[(sys::CUgraphNode, sys:
 impl OverlapInCapture {
     /// While `stream` is capturing: remembers its capture dependencies and clears them, so that
     /// the next node captured (the output's allocation) is a root. `None` otherwise.
-    fn detach(stream: &CudaStream) -> Result<Option<Self>> {
+    pub(super) fn detach(stream: &CudaStream) -> Result<Option<Self>> {
         let Some(before) = capture_dependencies(stream)? else {
             return Ok(None);
         };
@@ -576,7 +576,7 @@ impl OverlapInCapture {
 
     /// Sets the next launch's dependencies: what was captured since [`OverlapInCapture::detach`]
     /// (the allocation) and the nodes before it, kernels through programmatic edges.
-    fn attach(self, stream: &CudaStream) -> Result<()> {
+    pub(super) fn attach(self, stream: &CudaStream) -> Result<()> {
         let mut deps = capture_dependencies(stream)?.unwrap_or_default();
         let mut pending = self.before;
         while let Some((node, edge)) = pending.pop() {
@@ -618,7 +618,7 @@ impl OverlapInCapture {
 }
 
 /// A kernel argument for [`launch_overlapping`]: the address of its value.
-fn arg<T>(value: &T) -> *mut std::ffi::c_void {
+pub(super) fn arg<T>(value: &T) -> *mut std::ffi::c_void {
     value as *const T as *mut std::ffi::c_void
 }
 

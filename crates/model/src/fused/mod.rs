@@ -13,6 +13,8 @@
 //!   first weights load: at batch 1 that op is a few KB, whose own launch costs more than its
 //!   work; [`linear_vector_add_norm_swiglu`]: the gate/up form that writes silu(gate) · up, the
 //!   down projection's input;
+//! - [`linear_rows`]: a linear layer over the 2-64 rows of a batched decode step, on the tensor
+//!   cores (wgmma; k split over a cluster of CTAs where the rows alone are few);
 //! - [`argmax_rows`]: the greedy choice of each row of logits, on the device, so that a decode
 //!   step's next input never has to visit the host (see `generate`).
 //!
@@ -26,8 +28,10 @@ use candle_core::{
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+mod linear_rows;
 #[cfg(feature = "cuda")]
 pub use cuda::MappedTokens;
+pub use linear_rows::{linear_rows, linear_rows_fits, LINEAR_ROWS_MAX_TOKENS};
 
 /// `(x + h, rms_norm(x + h) · w)` for `x`, `h` (.., dim) and `w` (dim): the updated residual
 /// stream and the normalised input of the next sub-block, in one launch. The sum is rounded to
