@@ -2,7 +2,7 @@
 # Builds, here (no GPU needed), what scripts/gpu-run.sh runs on the GPU machine, into .device/
 # (git-ignored): the GPU test binaries (tests/gpu.rs, crates/model/tests/gpu.rs and gpu_train.rs),
 # the GPU benchmark binaries (crates/flash-attn/benches/gpu_attention.rs,
-# crates/model/benches/decode_host.rs) and the generate and serve examples built for the GPU (for
+# crates/model/benches/decode_host.rs and gpu_linear.rs) and the generate and serve examples built for the GPU (for
 # scripts/gpu_model_check.py, gpu_fp8_cache.py and gpu-serve-load.sh), stripped and xz-compressed.
 #
 #   scripts/gpu-pack.sh [--anchors] [--fp8] [--attn] [--baseline REV] [--variant NAME=FLAGS]...
@@ -124,6 +124,7 @@ if ((!ATTN_ONLY)); then
     build_exe RING_EXE ring_attention build --release -p flash-attn3-examples --features nccl --example ring_attention
     build_exe TRAIN_TEST_EXE gpu_train test --release -p flash-llama --features cuda --test gpu_train --no-run
     build_exe HOST_BENCH_EXE decode_host bench -p flash-llama --features cuda --bench decode_host --no-run
+    build_exe LINEAR_BENCH_EXE gpu_linear bench -p flash-llama --features cuda --bench gpu_linear --no-run
     build_exe GENERATE_EXE generate build --release -p flash-attn3-examples --features cuda --example generate
     build_exe SERVE_EXE serve build --release -p flash-attn3-examples --features cuda --example serve
 fi
@@ -155,6 +156,7 @@ if ((!ATTN_ONLY)); then
     pack "$MODEL_TEST_EXE" model-gpu-test
     pack "$TRAIN_TEST_EXE" train-gpu-test
     pack "$HOST_BENCH_EXE" decode-host
+    pack "$LINEAR_BENCH_EXE" gpu-linear
     pack "$GENERATE_EXE" generate
     pack "$SERVE_EXE" serve
 fi

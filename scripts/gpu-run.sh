@@ -4,7 +4,8 @@
 #   bash scripts/gpu-run.sh [--anchors] [--sanitize] [--model] [--fp8] [--kvcache] [--fp8-cache] [--graphs] [--timeline]
 #
 # Steps: GPU name; the GPU test binaries (--test-threads=1); the GPU benchmark binary; the host
-#   cost of a decode step (decode-host);
+#   cost of a decode step (decode-host); the batched decode projections, linear_rows against
+#   cuBLAS (gpu-linear);
 #   --anchors   the anchor benchmark (.device/anchors, from gpu-pack.sh --anchors);
 #               env SEQS, HDIMS, PASSES, IMPLS pass through to anchors_bench.py; then
 #               scripts/decode_anchor.py (FA3 on the decode-like shapes; BENCH_DECODE=0 skips it)
@@ -115,7 +116,7 @@ skip_step() {
         NAMES+=("$1") STATUS+=("skipped (SKIP)") SECS+=(0)
         return
     fi
-    if [[ $1 =~ ^(model-tests|train-tests|decode-host|model-check|fp8-cache)$ ]] && grep -q '^only:' "$DEV/manifest.txt" 2>/dev/null; then
+    if [[ $1 =~ ^(model-tests|train-tests|decode-host|gpu-linear|model-check|fp8-cache)$ ]] && grep -q '^only:' "$DEV/manifest.txt" 2>/dev/null; then
         NAMES+=("$1") STATUS+=("skipped (packed with --attn)") SECS+=(0)
         return
     fi
@@ -142,6 +143,8 @@ TRAIN_BIN=
 if [[ -f $DEV/train-gpu-test.xz ]] && unxz_to "$DEV/train-gpu-test.xz" "$BIN/train-gpu-test"; then TRAIN_BIN=$BIN/train-gpu-test; fi
 HOST_BIN= GENERATE_BIN=
 if [[ -f $DEV/decode-host.xz ]] && unxz_to "$DEV/decode-host.xz" "$BIN/decode-host"; then HOST_BIN=$BIN/decode-host; fi
+LINEAR_BIN=
+if [[ -f $DEV/gpu-linear.xz ]] && unxz_to "$DEV/gpu-linear.xz" "$BIN/gpu-linear"; then LINEAR_BIN=$BIN/gpu-linear; fi
 if [[ -f $DEV/generate.xz ]] && unxz_to "$DEV/generate.xz" "$BIN/generate"; then GENERATE_BIN=$BIN/generate; fi
 
 NOLOG=1 step gpu nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
@@ -188,6 +191,13 @@ if [[ -n $HOST_BIN ]]; then
     step decode-host "$HOST_BIN"
 else
     skip_step decode-host "no .device/decode-host.xz: run scripts/gpu-pack.sh and carry .device"
+fi
+
+# linear_rows against cuBLAS on the 1B shape's projections at 2-64 tokens.
+if [[ -n $LINEAR_BIN ]]; then
+    step gpu-linear "$LINEAR_BIN"
+else
+    skip_step gpu-linear "no .device/gpu-linear.xz: run scripts/gpu-pack.sh and carry .device"
 fi
 
 if ((MODEL)); then
