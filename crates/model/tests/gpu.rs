@@ -303,6 +303,24 @@ fn linear_rows_matches_matmul() -> Result<()> {
     Ok(())
 }
 
+/// Two small `linear_rows` calls for compute-sanitizer (memcheck, racecheck): one CTA per row
+/// block, and a cluster of CTAs summing over distributed shared memory; a partial row block and
+/// token tile in both.
+#[test]
+fn linear_rows_small_for_sanitizer() -> Result<()> {
+    let dev = gpu();
+    for (m, n, k) in [(3usize, 200usize, 128usize), (11, 130, 1024)] {
+        let x = randn(&[m, k], DType::BF16, &dev);
+        let w = (randn(&[n, k], DType::BF16, &dev) * 0.05)?.to_dtype(DType::BF16)?;
+        let got = linear_rows(&x, &w, None)?.to_dtype(DType::F64)?;
+        let want = x.to_dtype(DType::F64)?.matmul(&w.to_dtype(DType::F64)?.t()?)?;
+        let err = (&got - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+        let scale = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+        assert!(err.is_finite() && err <= 1e-2 * scale, "m {m} n {n} k {k}: {err:e} of {scale:e}");
+    }
+    Ok(())
+}
+
 /// The add + RMSNorm form of `linear_vector` gives the results of the two launches it replaces
 /// (the same device code runs in the prologue): the residual's bits, and the projection to the
 /// last place, as it sums in another order; for every dtype, odd sizes, with and without a bias;
