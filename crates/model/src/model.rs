@@ -608,7 +608,7 @@ impl Residual {
 /// cuBLAS at every batch (docs/kernels/model-fused.md, "linear_rows"): batch 2 / 8 / 16 +9.3 /
 /// +5.2 / +3.1%, batch 32 −0.2%, batch 64 −8.4% (the kernel's share of the wgmma work per weight
 /// byte grows with the tokens; cuBLAS's tiles keep up there).
-const LINEAR_ROWS_MAX_TOKENS: usize = 16;
+const LINEAR_ROWS_MODEL_MAX_TOKENS: usize = 16;
 
 /// `linear.forward(x)`; with fused kernels on the GPU, the one row of a batch-1 decode step goes
 /// through [`crate::fused::linear_vector`] and the 2-16 rows of a batched one through
@@ -619,7 +619,7 @@ fn project(linear: &Linear, x: &Tensor, kernels: Kernels) -> Result<Tensor> {
         if crate::fused::linear_vector_fits(x, linear.weight()) {
             return crate::fused::linear_vector(x, linear.weight(), linear.bias());
         }
-        if x.dim(0)? <= LINEAR_ROWS_MAX_TOKENS && crate::fused::linear_rows_fits(x, linear.weight()) {
+        if x.dim(0)? <= LINEAR_ROWS_MODEL_MAX_TOKENS && crate::fused::linear_rows_fits(x, linear.weight()) {
             return crate::fused::linear_rows(x, linear.weight(), linear.bias());
         }
     }

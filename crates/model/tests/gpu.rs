@@ -316,7 +316,10 @@ fn linear_rows_small_for_sanitizer() -> Result<()> {
         let want = x.to_dtype(DType::F64)?.matmul(&w.to_dtype(DType::F64)?.t()?)?;
         let err = (&got - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
         let scale = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-        assert!(err.is_finite() && err <= 1e-2 * scale, "m {m} n {n} k {k}: {err:e} of {scale:e}");
+        assert!(
+            err.is_finite() && err <= 1e-2 * scale,
+            "m {m} n {n} k {k}: {err:e} of {scale:e}"
+        );
     }
     Ok(())
 }
