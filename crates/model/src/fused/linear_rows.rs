@@ -13,8 +13,9 @@ const CHUNK: usize = 64;
 const BLOCK_ROWS: usize = 128;
 
 /// Whether [`linear_rows`] takes `x` (m, k) and `w` (n, k): CUDA tensors of one dtype (bf16 or
-/// f16), 2 to [`LINEAR_ROWS_MAX_TOKENS`] rows, k a positive multiple of 64, both contiguous and
-/// starting on 16 bytes. Shape checks only, on the host.
+/// f16), 2 to [`LINEAR_ROWS_MAX_TOKENS`] rows, k a positive multiple of 64, n at most 65,535
+/// blocks of 128 (the grid's y), both contiguous and starting on 16 bytes. Shape checks only, on
+/// the host.
 pub fn linear_rows_fits(x: &Tensor, w: &Tensor) -> bool {
     let (Ok((m, k)), Ok((n, wk))) = (x.dims2(), w.dims2()) else {
         return false;
@@ -24,6 +25,7 @@ pub fn linear_rows_fits(x: &Tensor, w: &Tensor) -> bool {
         && matches!(dtype, DType::BF16 | DType::F16)
         && (2..=LINEAR_ROWS_MAX_TOKENS).contains(&m)
         && n > 0
+        && n.div_ceil(BLOCK_ROWS) <= 65_535
         && k == wk
         && k > 0
         && k % CHUNK == 0
@@ -37,7 +39,7 @@ pub fn linear_rows_fits(x: &Tensor, w: &Tensor) -> bool {
 pub fn linear_rows(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     if !linear_rows_fits(x, w) {
         bail!(
-            "flash-llama linear_rows: x {:?} ({:?}, strides {:?}, {:?}) and w {:?} ({:?}) need bf16 or f16 on one GPU, 2-{LINEAR_ROWS_MAX_TOKENS} rows, a shared k that is a multiple of {CHUNK}, and contiguous tensors starting on 16 bytes",
+            "flash-llama linear_rows: x {:?} ({:?}, strides {:?}, {:?}) and w {:?} ({:?}) need bf16 or f16 on one GPU, 2-{LINEAR_ROWS_MAX_TOKENS} rows, a shared k that is a multiple of {CHUNK}, at most 65,535 x {BLOCK_ROWS} outputs, and contiguous tensors starting on 16 bytes",
             x.shape(),
             x.dtype(),
             x.stride(),
@@ -109,7 +111,7 @@ fn split(n: usize, k: usize, sms: usize) -> usize {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use std::collections::HashMap;
+    use std::collections::{HashMap, HashSet};
     use std::sync::{Mutex, OnceLock};
 
     use candle_core::backend::BackendStorage;
@@ -153,10 +155,10 @@ mod cuda {
     /// The kernel `name` with its dynamic shared memory raised to `smem` bytes (once per device
     /// and kernel).
     fn kernel(dev: &CudaDevice, name: String, smem: u32) -> Result<CudaFunction> {
-        static RAISED: OnceLock<Mutex<HashMap<(DeviceId, String), ()>>> = OnceLock::new();
+        static RAISED: OnceLock<Mutex<HashSet<(DeviceId, String)>>> = OnceLock::new();
         let func = function_in(CUBIN, dev, name.clone())?;
         let mut raised = RAISED.get_or_init(Default::default).lock().unwrap();
-        if raised.insert((dev.id(), name), ()).is_none() {
+        if raised.insert((dev.id(), name)) {
             func.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
