@@ -24,7 +24,9 @@
 
 #include <cstdint>
 
+#include "../primitives/dependent_launch.cuh"
 #include "../primitives/wgmma.cuh"
+#include "dtype.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -75,22 +77,6 @@ __device__ __forceinline__ void wait_copies() {
     asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// Programmatic dependent launch (as fused.cu's): w is no kernel's output, x is.
-__device__ __forceinline__ void wait_for_earlier_kernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float v) {
-    return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_float(float v) {
-    return __float2half_rn(v);
-}
-
 // After each CTA of the cluster has left its partial outputs of the block in `partial` (shared
 // memory, [token][row] f32): CTA `part` sums its share of them over the cluster, four rows at a
 // time, adds the bias and writes them.
@@ -132,7 +118,7 @@ __device__ __forceinline__ void sum_partials_and_store(float* partial, const T* 
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int row = row0 + r + j;
-            if (row < n) y[(size_t)token * n + row] = from_float<T>(bias != nullptr ? sum[j] + to_float(bias[row]) : sum[j]);
+            if (row < n) y[(size_t)token * n + row] = from_f<T>(bias != nullptr ? sum[j] + to_f(bias[row]) : sum[j]);
         }
     }
     // No CTA leaves while another may still read its shared memory.
@@ -184,7 +170,7 @@ __device__ void linear_rows(const T* __restrict__ x, const T* __restrict__ w, co
     // The first stages' weights are requested before the wait for the kernel that writes x.
     const uint64_t once = evict_first_policy();
     for (int i = 0; i < kStages - 1 && i < count; ++i) load_w<T, kTiles>(stage(i), w, row0, n, k, first + i, once);
-    wait_for_earlier_kernels();
+    fa3::wait_for_prerequisites();  // w is no kernel's output, x is
     for (int i = 0; i < kStages - 1; ++i) {
         if (i < count) load_x<T, kTiles>(stage(i), x, tokens, k, first + i);
         commit_copies();  // one group per stage, empty or not, so the wait below counts stages
