@@ -470,7 +470,7 @@ fn linear_vector_t<T: CudaDType + DeviceRepr>(
         // aligned with k a whole number of 16-byte vectors (checked by `linear_vector` and its
         // fused forms, with h and the norm weight of k); a bias of n if any; an output of
         // res_len + n. The kernel reads only the weights before its `griddepcontrol.wait`.
-        unsafe { launch_overlapping(&stream, &func, cfg, &mut args) }?;
+        unsafe { launch_overlapping(&stream, &func, cfg, None, &mut args) }?;
     }
     drop((bias_g, norm_g));
     Ok(T::wrap_cuda_slice(out, dev))
@@ -624,31 +624,40 @@ pub(super) fn arg<T>(value: &T) -> *mut std::ffi::c_void {
 
 /// Launches `func` on `stream` as a programmatic dependent launch (sm_90): its blocks may start
 /// before the kernel queued before it has finished, as soon as that kernel's blocks have all
-/// started and let it (or have finished). Used for the matrix-vector products of a decode step
-/// and the RoPE + KV store after them: each block requests its first weights (if any), which no
-/// kernel writes, while the kernel before drains, then waits (`griddepcontrol.wait`) until the
-/// earlier kernels are done before it reads its input or writes anything (kernels/model/fused.cu).
-/// Captured into a CUDA graph, the launch keeps the same edge where the node before it is a
-/// kernel ([`OverlapInCapture`]). cudarc's launch builder has no launch attributes, hence the
-/// driver call.
+/// started and let it (or have finished). Used for the projections of a decode step
+/// (`linear_vector`, `linear_rows`) and the RoPE + KV store after them: each block requests its
+/// first weights (if any), which no kernel writes, while the kernel before drains, then waits
+/// (`griddepcontrol.wait`) until the earlier kernels are done before it reads its input or writes
+/// anything (kernels/model/fused.cu, linear_rows.cu). With `cluster_x`, the grid is one of
+/// thread-block clusters of that many CTAs along x. Captured into a CUDA graph, the launch keeps
+/// the same edge where the node before it is a kernel ([`OverlapInCapture`]). cudarc's launch
+/// builder has no launch attributes, hence the driver call.
 ///
 /// # Safety
 /// `args` must be the kernel's arguments, each the address of a value of the parameter's type,
 /// all alive until the call returns; the kernel must not touch memory that earlier kernels write
 /// before its `griddepcontrol.wait`.
-unsafe fn launch_overlapping(
+pub(super) unsafe fn launch_overlapping(
     stream: &CudaStream,
     func: &CudaFunction,
     cfg: LaunchConfig,
+    cluster_x: Option<u32>,
     args: &mut [*mut std::ffi::c_void],
 ) -> Result<()> {
     stream
         .context()
         .bind_to_thread()
         .map_err(|e| err("binding the CUDA context", e))?;
-    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
+    // Plain C structs and unions, all-zero valid; the fields set are the ones the ids select.
+    let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+    attrs[0].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attrs[0].value.programmaticStreamSerializationAllowed = 1;
+    if let Some(x) = cluster_x {
+        attrs[1].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attrs[1].value.clusterDim.x = x;
+        attrs[1].value.clusterDim.y = 1;
+        attrs[1].value.clusterDim.z = 1;
+    }
     let config = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
@@ -658,8 +667,8 @@ unsafe fn launch_overlapping(
         blockDimZ: cfg.block_dim.2,
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: if cluster_x.is_some() { 2 } else { 1 },
     };
     sys::cuLaunchKernelEx(&config, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
         .result()
@@ -882,7 +891,7 @@ fn rope_store_t<T: CudaDType + DeviceRepr>(
     // SAFETY: the arguments of the kernel's signature, in order; y, cos, sin checked contiguous
     // with their shapes by the caller; the cache rows are the model's own (each below the cache's
     // row count), the cache contiguous. The kernel touches memory only after its wait.
-    unsafe { launch_overlapping(&stream, &func, grid(n), &mut args) }?;
+    unsafe { launch_overlapping(&stream, &func, grid(n), None, &mut args) }?;
     drop((kv_g, rows_g, quant_g));
     Ok(())
 }

@@ -29,8 +29,8 @@ pub fn linear_rows_fits(x: &Tensor, w: &Tensor) -> bool {
         && k == wk
         && k > 0
         && k % CHUNK == 0
-        && ready(x, dtype, x)
-        && ready(w, dtype, x)
+        && super::vector_ready(x, dtype, x)
+        && super::vector_ready(w, dtype, x)
 }
 
 /// `x · wᵀ (+ bias)` for `x` (m, k) and a linear layer's `w` (n, k) (and `bias` (n)): (m, n), in
@@ -50,15 +50,6 @@ pub fn linear_rows(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     }
     super::check_bias(bias, w.dim(0)?, x)?;
     x.apply_op2_no_bwd(w, &LinearRows { bias: bias.cloned() })
-}
-
-/// Whether `t` is a contiguous tensor of `dtype` on `x`'s device, starting on 16 bytes.
-fn ready(t: &Tensor, dtype: DType, x: &Tensor) -> bool {
-    let l = t.layout();
-    t.device().same_device(x.device())
-        && t.dtype() == dtype
-        && l.is_contiguous()
-        && (l.start_offset() * dtype.size_in_bytes()) % 16 == 0
 }
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -119,7 +110,9 @@ mod cuda {
     use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
     use candle_core::{bail, CudaStorage, Layout, Result, Tensor};
 
-    use super::super::cuda::{addr, arg, by_dtype, err, function_in, held_addr, same_dtype, suffix, OverlapInCapture};
+    use super::super::cuda::{
+        addr, arg, by_dtype, err, function_in, held_addr, launch_overlapping, same_dtype, suffix, OverlapInCapture,
+    };
 
     static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/linear_rows.cubin"));
 
@@ -211,38 +204,12 @@ mod cuda {
             };
             let (m_i, n_i, k_i) = (m as i32, n as i32, k as i32);
             let mut args = [arg(&xa), arg(&wa), arg(&ba), arg(&ya), arg(&m_i), arg(&n_i), arg(&k_i)];
-            stream
-                .context()
-                .bind_to_thread()
-                .map_err(|e| err("binding the CUDA context", e))?;
-            // SAFETY: plain C structs and unions, all-zero valid; the fields set are the ones the
-            // ids select.
-            let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-            attrs[0].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attrs[0].value.programmaticStreamSerializationAllowed = 1;
-            attrs[1].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[1].value.clusterDim.x = split as u32;
-            attrs[1].value.clusterDim.y = 1;
-            attrs[1].value.clusterDim.z = 1;
-            let config = sys::CUlaunchConfig {
-                gridDimX: cfg.grid_dim.0,
-                gridDimY: cfg.grid_dim.1,
-                gridDimZ: cfg.grid_dim.2,
-                blockDimX: cfg.block_dim.0,
-                blockDimY: cfg.block_dim.1,
-                blockDimZ: cfg.block_dim.2,
-                sharedMemBytes: cfg.shared_mem_bytes,
-                hStream: stream.cu_stream(),
-                attrs: attrs.as_mut_ptr(),
-                numAttrs: attrs.len() as u32,
-            };
             // SAFETY: the arguments of the kernel's signature, in order (kernels/model/
             // linear_rows.cu): contiguous x (m x k) and w (n x k), 16-byte aligned, k a multiple
             // of 64 and m at most 8 * tiles (checked by `linear_rows`); a bias of n if any; an
-            // output of m x n. The kernel reads only w before its `griddepcontrol.wait`.
-            unsafe { sys::cuLaunchKernelEx(&config, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
-                .result()
-                .map_err(|e| err("linear_rows launch", e))?;
+            // output of m x n. The kernel reads only w before its `griddepcontrol.wait`; the
+            // grid's x is one cluster of `split` CTAs.
+            unsafe { launch_overlapping(&stream, &func, cfg, Some(split as u32), &mut args) }?;
         }
         drop(bias_g);
         Ok(T::wrap_cuda_slice(out, dev))
