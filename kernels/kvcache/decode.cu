@@ -646,16 +646,17 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
 // One kernel per head dim, dtype and group bound (GQA groups of up to 4, 8 and, at d64, 16 q
 // heads): the rows' state lives in registers, unrolled to the bound (d128 with 16 rows spilled).
 // d128 asks for one CTA per SM (its 4-row kernel spilled at the 128 registers that ptxas chose for
-// two).
+// two); d64's 4-row kernel asks for two (128 registers, no spills), which the host's share rule
+// counts on (TWO_PER_SM_MAX_GROUP in decode.rs).
 #define FA3_DECODE_KERNEL(name, D, DTYPE, ROWS, ...)                                                      \
     extern "C" __global__ void __launch_bounds__(fa3::kDecodeThreads __VA_OPT__(, ) __VA_ARGS__)          \
         name(const __grid_constant__ fa3::DecodeParams p) {                                               \
         fa3::decode<D, fa3::DTYPE, ROWS>(p);                                                              \
     }
-FA3_DECODE_KERNEL(kvcache_decode_d64_bf16_g4, 64, DT_BF16, 4)
+FA3_DECODE_KERNEL(kvcache_decode_d64_bf16_g4, 64, DT_BF16, 4, 2)
 FA3_DECODE_KERNEL(kvcache_decode_d64_bf16_g8, 64, DT_BF16, 8)
 FA3_DECODE_KERNEL(kvcache_decode_d64_bf16_g16, 64, DT_BF16, 16)
-FA3_DECODE_KERNEL(kvcache_decode_d64_f16_g4, 64, DT_F16, 4)
+FA3_DECODE_KERNEL(kvcache_decode_d64_f16_g4, 64, DT_F16, 4, 2)
 FA3_DECODE_KERNEL(kvcache_decode_d64_f16_g8, 64, DT_F16, 8)
 FA3_DECODE_KERNEL(kvcache_decode_d64_f16_g16, 64, DT_F16, 16)
 FA3_DECODE_KERNEL(kvcache_decode_d128_bf16_g4, 128, DT_BF16, 4, 1)

@@ -44,6 +44,9 @@ const DEFAULT_MAX_KEYS: usize = 2048;
 const HALVED_MAX_KEYS: usize = 1024;
 /// `fa3::kDecodeWarps`: each warp's rows are staged in shared memory for the merge.
 const WARPS: usize = 8;
+/// The largest GQA group whose head-dim-64 kernel fits two CTAs per SM (`kvcache_decode_d64_*_g4`,
+/// `__launch_bounds__(256, 2)` in kernels/kvcache/decode.cu).
+const TWO_PER_SM_MAX_GROUP: usize = 4;
 
 /// `fa3::DecodeSmem`'s bytes for a GQA group of `group` rows at head dim `d`: the merge's inbox
 /// mbarrier (16 bytes), then f32s: q's rows, each warp's probabilities of its step
@@ -177,6 +180,16 @@ pub(super) fn plan(
     let mut shares = by_keys;
     while shares > 1 && s.batch * s.kv_heads * shares > sms {
         shares /= 2;
+    }
+    // Where that leaves one share (one CTA of eight warps walking all of a sequence's keys, step
+    // after step), the head-dim-64 kernel of groups up to 4, which fits two CTAs per SM, takes two
+    // shares at two CTAs per SM: 16 warps an SM, each half the keys. Measured 9-15% faster at
+    // batch 16 of the 1B shape (640 and 1,024 keys); four shares instead of two at batch 8 were
+    // 1.4x slower (docs/kernels/kvcache.md, session 50).
+    if shares == 1 && by_keys >= 2 && s.head_dim == 64 && s.heads / s.kv_heads <= TWO_PER_SM_MAX_GROUP {
+        if s.batch * s.kv_heads * 2 <= 2 * sms {
+            shares = 2;
+        }
     }
     match params.tuning.decode_kernel {
         Some(false) => None,
@@ -427,6 +440,13 @@ mod tests {
         );
         assert_eq!(take(&shape(4, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(4));
         assert_eq!(take(&shape(32, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(1));
+        // Where one CTA per SM leaves one share (batch 9-16 with 8 kv heads), two shares at two
+        // CTAs per SM, for groups of up to 4 at head dim 64; not under the per-call choice.
+        assert_eq!(take(&shape(16, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(2));
+        assert_eq!(take(&shape(9, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(2));
+        assert_eq!(take(&shape(17, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(1));
+        assert_eq!(take(&shape(16, 1, 64, 8, 64, 640), &forced, DType::BF16), Some(1));
+        assert_eq!(take(&shape(16, 1, 32, 8, 64, 64), &forced, DType::BF16), Some(1));
         // A cache of 100 keys: at least 64 keys a share, two shares; 150 keys: three, rounded up
         // to a power of two.
         assert_eq!(take(&shape(1, 1, 32, 8, 64, 100), &auto, DType::BF16), Some(2));
