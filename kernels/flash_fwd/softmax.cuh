@@ -12,7 +12,7 @@
 // (harmless for the fp32 sums and the 16-bit P), and the correction factor is exactly 1, so O
 // needs no rescale (the consumer skips it when every row of a warp kept its max; FA4's trick).
 // The result is the same softmax: O, the row sum and the LSE all use the same reference max.
-// Without it (FwdTraits::kLazyMax false: the d64 kernel on three warpgroups) the max follows
+// Without it (FwdTraits::kLazyMax false: the 16-bit d64 kernel on three warpgroups) the max follows
 // every block.
 //
 // kPScaleLog2 (fp8 kernels: 8): p is computed times 2^kPScaleLog2, as FA3 does, so that P's e4m3

@@ -92,9 +92,10 @@ struct FwdTraits {
     static constexpr bool kClusterCombine = kClusterCombine_;
     static_assert(!kClusterCombine || (kTmaStoreO && kConsumerWGs_ == 2 && !kFp8), "cluster merge: 16-bit, 2 WGs, staged O");
     // The softmax's lazy running max and the O rescale it lets the consumers skip (softmax.cuh,
-    // mainloop.cuh rescale_o; version 29): two consumer warpgroups only, the three-warpgroup d64
-    // kernel's 160 registers measured 4-7% slower with it.
-    static constexpr bool kLazyMax = kConsumerWGs != 3;
+    // mainloop.cuh rescale_o; version 29): every kernel but the 16-bit three-warpgroup d64 one,
+    // whose 160 registers measured 4-7% slower with it. The fp8 one (P in a quarter of S's
+    // registers) gains 2-6% from 8k keys with it, loses 1-3% at 1k-2k (forward-fp8.md, version 6).
+    static constexpr bool kLazyMax = kConsumerWGs != 3 || kFp8;
     // The one-warpgroup decode kernels: a warp's rows that lie past the tile's last query (decode
     // tiles: seqlen_q x group rows of 64, 4 for the Llama-3.2-1B shape) skip the softmax, their p
     // set to 0 (softmax.cuh `live`); with two CTAs per SM their consumers' warp 0 share an SMSP.
