@@ -101,12 +101,17 @@ struct FwdTraits {
     // set to 0 (softmax.cuh `live`); with two CTAs per SM their consumers' warp 0 share an SMSP.
     static constexpr bool kSkipPaddingRows = kConsumerWGs == 1;
     // Every 4th exponential on the FMA pipe (softmax.cuh kExp2FmaEvery): fp8 d128 on 128-key
-    // blocks only, +2..+4% there; every other kernel measured 1-14% slower with it (forward-fp8.md).
+    // blocks, +2..+4% there; every 8th in fp8 d64 on two warpgroups (the masked calls under 4k
+    // queries), +3..+4% (version 7); every other kernel measured 1-14% slower with it
+    // (forward-fp8.md), fp8 d64 on three warpgroups 3.5-5% slower at every 8th or 16th.
     // The boundary blocks' row masks made per block instead of held (mainloop.cuh row_mask): fp8
     // d256, whose consumers spill at 240 registers (125 -> 72 spill instructions; H200, same call:
     // +1..+7%). The other kernels measured -3.5..+5% with it (noise-level or worse), and keep it held.
     static constexpr bool kRowMaskPerBlock = kFp8 && !kTransposeV && kHeadDim_ == 256;
-    static constexpr int kExp2FmaEvery = kFp8 && !kTransposeV && kHeadDim_ == 128 && kBlockN_ == 128 ? 4 : 0;
+    static constexpr int kExp2FmaEvery = !kFp8 || kTransposeV ? 0
+                                         : kHeadDim_ == 128 && kBlockN_ == 128 ? 4
+                                         : kHeadDim_ == 64 && kConsumerWGs == 2 ? 8
+                                                                                : 0;
     // Paged caches of small pages, 16 bits (load.cuh page_warp): warp 3 of the producer
     // warpgroup looks up each key block's page indices into a ring kPageSlots blocks deep, a box
     // of at least 16 rows each. Kernels of their own (the `_pw` instantiations in kernel.cu):
