@@ -16,7 +16,7 @@ pub struct Tuning {
     /// 64 queries per sequence), `Some(true)` every GQA call, `Some(false)` none.
     pub pack_gqa: Option<bool>,
     /// Query rows per tile for head dims up to 64, 128 or 192: `None` takes 192 except for
-    /// masked or varlen calls under 4096 queries.
+    /// masked or varlen calls under 4096 queries (2048 for fp8 inputs).
     pub d64_tile_rows: Option<usize>,
     /// Store O straight from registers instead of through shared memory and a TMA store.
     pub direct_store: bool,

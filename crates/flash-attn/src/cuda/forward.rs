@@ -181,7 +181,7 @@ impl Variant {
             0..=64 => Self {
                 head_dim: 64,
                 block_n: 128,
-                consumer_wgs: d64_consumer_wgs(uneven, seqlen_q, d64_rows),
+                consumer_wgs: d64_consumer_wgs(uneven, seqlen_q, d64_rows, 4096),
                 fp8: false,
                 transpose_v: false,
             },
@@ -240,13 +240,14 @@ impl Variant {
             129..=256 => 256,
             d => bail!("flash-attn3: the GPU kernel supports head dims up to 256, got {d}"),
         };
-        // d64 on 192-row tiles (three consumer warpgroups) by the 16-bit rule: +6..+11% unmasked
-        // from 2k, +2..+7% causal from 4k, -10% causal at 512 and 1k (session 14, same call).
+        // d64 on 192-row tiles (three consumer warpgroups) as for 16 bits, but for uneven calls
+        // from 2k queries instead of 4k (FP8_D64_UNEVEN_MIN). Session 14: +6..+11% unmasked from
+        // 2k, +2..+7% causal from 4k, -10% causal at 512 and 1k (same call).
         Ok(Self {
             head_dim,
             block_n: fp8::block_n(head_dim, transpose_v, seqlen_k, tuning.fp8_d128_block_n),
             consumer_wgs: match head_dim {
-                64 if !transpose_v => d64_consumer_wgs(uneven, seqlen_q, tuning.d64_tile_rows),
+                64 if !transpose_v => d64_consumer_wgs(uneven, seqlen_q, tuning.d64_tile_rows, FP8_D64_UNEVEN_MIN),
                 // d64 decode over an fp8 cache (a sequence's query rows within one warpgroup's
                 // 64): `flash_fwd_d64x1_e4m3_tv`, one consumer warpgroup, two CTAs per SM. The
                 // two-warpgroup kernel reads K and V there at about half a 16-bit call's
@@ -392,14 +393,21 @@ impl Variant {
 }
 
 /// Consumer warpgroups of the d64 kernels: 3 (192-row tiles) except for uneven calls whose
-/// longest query sequence is under 4096, or as [`crate::Tuning::d64_tile_rows`] says.
-fn d64_consumer_wgs(uneven: bool, seqlen_q: usize, rows: Option<usize>) -> usize {
+/// longest query sequence is under `uneven_min` (4096 for 16 bits, [`FP8_D64_UNEVEN_MIN`] for
+/// fp8), or as [`crate::Tuning::d64_tile_rows`] says.
+fn d64_consumer_wgs(uneven: bool, seqlen_q: usize, rows: Option<usize>, uneven_min: usize) -> usize {
     match rows {
         Some(rows) => rows / WG_ROWS,
-        None if uneven && seqlen_q < 4096 => 2,
+        None if uneven && seqlen_q < uneven_min => 2,
         None => 3,
     }
 }
+
+/// The fp8 d64 kernels' threshold for uneven calls: since the 192-row kernel took the lazy running
+/// max (docs/kernels/forward-fp8.md, version 6) it is the faster one from 2k queries, causal 345
+/// against 322 TFLOP/s at 2k (the 128-row kernel with every 8th exponential on the FMA pipe); at 1k
+/// 236 against 238 (H200, session 50).
+const FP8_D64_UNEVEN_MIN: usize = 2048;
 
 /// Whether the q heads of a kv head share one tile (pack-GQA): for decode-like calls (at most 64
 /// queries per sequence), where one tile per q head would hold a handful of rows and every q head
