@@ -101,7 +101,7 @@ struct FwdTraits {
     // set to 0 (softmax.cuh `live`); with two CTAs per SM their consumers' warp 0 share an SMSP.
     static constexpr bool kSkipPaddingRows = kConsumerWGs == 1;
     // Every 4th exponential on the FMA pipe (softmax.cuh kExp2FmaEvery): fp8 d128 on 128-key
-    // blocks, +2..+4% there; every 8th in fp8 d64 on two warpgroups (the masked calls under 4k
+    // blocks, +2..+4% there; every 8th in fp8 d64 on two warpgroups (the masked calls under 2k
     // queries), +3..+4% (version 7); every other kernel measured 1-14% slower with it
     // (forward-fp8.md), fp8 d64 on three warpgroups 3.5-5% slower at every 8th or 16th.
     // The boundary blocks' row masks made per block instead of held (mainloop.cuh row_mask): fp8

@@ -186,10 +186,10 @@ pub(super) fn plan(
     // shares at two CTAs per SM: 16 warps an SM, each half the keys. Measured 9-15% faster at
     // batch 16 of the 1B shape (640 and 1,024 keys); four shares instead of two at batch 8 were
     // 1.4x slower (docs/kernels/kvcache.md, session 50).
-    if shares == 1 && by_keys >= 2 && s.head_dim == 64 && s.heads / s.kv_heads <= TWO_PER_SM_MAX_GROUP {
-        if s.batch * s.kv_heads * 2 <= 2 * sms {
-            shares = 2;
-        }
+    let one_share_fits = s.batch * s.kv_heads <= sms; // so two fit at two CTAs per SM
+    if shares == 1 && by_keys >= 2 && one_share_fits && s.head_dim == 64 && s.heads / s.kv_heads <= TWO_PER_SM_MAX_GROUP
+    {
+        shares = 2;
     }
     match params.tuning.decode_kernel {
         Some(false) => None,
