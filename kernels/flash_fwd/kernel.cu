@@ -179,8 +179,9 @@ FA3_FWD_KERNEL_PW(flash_fwd_d64_f16_pw, 64, fa3::DT_F16)
 FA3_FWD_KERNEL_PW(flash_fwd_d128_f16_pw, 128, fa3::DT_F16)
 // FP8 (e4m3 inputs, bf16 or f16 output): 128-key blocks (whole 128-byte rows of V^T); head dims
 // 96 and 192 run on d128 and d256 with zero-filled columns; d64 also on 192-row tiles, chosen as
-// for 16 bits but for masked calls from 2k queries; d128 also on 224-key blocks (FA3's tile) for calls of 8k keys or more
-// (crates/flash-attn/src/cuda/fp8.rs, block_n). docs/kernels/forward-fp8.md.
+// for 16 bits but for masked calls from 2k queries (cuda/forward.rs, FP8_D64_UNEVEN_MIN); d128
+// also on 224-key blocks (FA3's tile) for calls of 8k keys or more (crates/flash-attn/src/cuda/
+// fp8.rs, block_n). docs/kernels/forward-fp8.md.
 FA3_FWD_KERNEL(flash_fwd_d64_e4m3, 64, 128, fa3::DT_E4M3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_e4m3, 64, 128, fa3::DT_E4M3, 3)
 FA3_FWD_KERNEL(flash_fwd_d128_e4m3, 128, 128, fa3::DT_E4M3)

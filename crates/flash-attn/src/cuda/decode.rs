@@ -183,8 +183,8 @@ pub(super) fn plan(
     }
     // Where that leaves one share (one CTA of eight warps walking all of a sequence's keys, step
     // after step), the head-dim-64 kernel of groups up to 4, which fits two CTAs per SM, takes two
-    // shares at two CTAs per SM: 16 warps an SM, each half the keys. Measured 9-15% faster at
-    // batch 16 of the 1B shape (640 and 1,024 keys); four shares instead of two at batch 8 were
+    // shares at two CTAs per SM: 16 warps an SM, each half the keys. Measured 0.81-0.95x the time at
+    // batch 9-16 of the 1B shape (640-2,048 keys); four shares instead of two at batch 8 were
     // 1.4x slower (docs/kernels/kvcache.md, session 50).
     let one_share_fits = s.batch * s.kv_heads <= sms; // so two fit at two CTAs per SM
     if shares == 1 && by_keys >= 2 && one_share_fits && s.head_dim == 64 && s.heads / s.kv_heads <= TWO_PER_SM_MAX_GROUP

@@ -1016,4 +1016,36 @@ mod tests {
         assert_eq!(v.consumer_wgs, 2);
         assert_eq!(v.kernel_name(DType::F8E4M3), "flash_fwd_d64_e4m3_tv");
     }
+
+    /// d64's tile rows (host logic only): 192 (three consumer warpgroups) except for uneven calls
+    /// under 4096 queries in 16 bits and under 2048 in fp8; `Tuning::d64_tile_rows` overrides.
+    #[test]
+    fn d64_tiles_of_uneven_calls_by_dtype() {
+        let default = Tuning::default();
+        let bf16 = |uneven: bool, seqlen_q: usize| Variant::pick(64, 64, uneven, seqlen_q, None).unwrap().consumer_wgs;
+        let fp8 = |uneven: bool, seqlen_q: usize, tuning: &Tuning| {
+            Variant::pick_fp8(64, 64, uneven, seqlen_q, seqlen_q, WG_ROWS, tuning, false)
+                .unwrap()
+                .consumer_wgs
+        };
+        assert_eq!(
+            (bf16(true, 2048), bf16(true, 4095), bf16(true, 4096), bf16(false, 512)),
+            (2, 2, 3, 3)
+        );
+        assert_eq!(
+            (
+                fp8(true, 1024, &default),
+                fp8(true, 2047, &default),
+                fp8(true, 2048, &default)
+            ),
+            (2, 2, 3)
+        );
+        assert_eq!(fp8(false, 512, &default), 3);
+        let rows_128 = Tuning {
+            d64_tile_rows: Some(128),
+            ..default
+        };
+        assert_eq!(fp8(true, 8192, &rows_128), 2);
+        assert_eq!(Variant::pick(64, 64, false, 8192, Some(128)).unwrap().consumer_wgs, 2);
+    }
 }
