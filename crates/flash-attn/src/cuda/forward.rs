@@ -181,7 +181,7 @@ impl Variant {
             0..=64 => Self {
                 head_dim: 64,
                 block_n: 128,
-                consumer_wgs: d64_consumer_wgs(uneven, seqlen_q, d64_rows, 4096),
+                consumer_wgs: d64_consumer_wgs(uneven, seqlen_q, d64_rows, D64_UNEVEN_MIN),
                 fp8: false,
                 transpose_v: false,
             },
@@ -393,8 +393,8 @@ impl Variant {
 }
 
 /// Consumer warpgroups of the d64 kernels: 3 (192-row tiles) except for uneven calls whose
-/// longest query sequence is under `uneven_min` (4096 for 16 bits, [`FP8_D64_UNEVEN_MIN`] for
-/// fp8), or as [`crate::Tuning::d64_tile_rows`] says.
+/// longest query sequence is under `uneven_min` ([`D64_UNEVEN_MIN`] for 16 bits,
+/// [`FP8_D64_UNEVEN_MIN`] for fp8), or as [`crate::Tuning::d64_tile_rows`] says.
 fn d64_consumer_wgs(uneven: bool, seqlen_q: usize, rows: Option<usize>, uneven_min: usize) -> usize {
     match rows {
         Some(rows) => rows / WG_ROWS,
@@ -402,6 +402,10 @@ fn d64_consumer_wgs(uneven: bool, seqlen_q: usize, rows: Option<usize>, uneven_m
         None => 3,
     }
 }
+
+/// The 16-bit d64 kernels' threshold for uneven calls: below it their coarser tiles cost more in
+/// masked rows and balance than they gain ([`Variant::pick`]).
+const D64_UNEVEN_MIN: usize = 4096;
 
 /// The fp8 d64 kernels' threshold for uneven calls: since the 192-row kernel took the lazy running
 /// max (docs/kernels/forward-fp8.md, version 6) it is the faster one from 2k queries, causal 345
