@@ -103,7 +103,25 @@ LLAMA32_1B = {  # meta-llama/Llama-3.2-1B config.json
     "vocab_size": 128256,
 }
 
-MODELS = {"smollm2-135m": SMOLLM2_135M, "llama3.2-1b-shape": LLAMA32_1B}
+# A Llama-architecture model of Qwen2.5-0.5B's shape (Qwen/Qwen2.5-0.5B config.json, without its
+# q/k/v biases): 14 q heads on 2 kv heads, GQA groups of 7 rows, head dim 64. For timing only.
+QWEN25_05B_SHAPE = {
+    **LLAMA32_1B,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "vocab_size": 151936,
+}
+
+MODELS = {"smollm2-135m": SMOLLM2_135M, "llama3.2-1b-shape": LLAMA32_1B, "qwen2.5-0.5b-shape": QWEN25_05B_SHAPE}
 
 
 def log(*a):
@@ -384,7 +402,7 @@ def main():
     ap.add_argument("--bin", required=True, help="the generate example built with --features cuda")
     ap.add_argument("--work", default="/tmp/flash-llama-check", help="where the model directories go")
     ap.add_argument("--out", default=None, help="where results.json goes")
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    ap.add_argument("--models", default="smollm2-135m,llama3.2-1b-shape", help="comma-separated: " + ", ".join(MODELS))
     ap.add_argument("--steps", type=int, default=16, help="greedy steps compared")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt-len", type=int, default=512)

@@ -429,7 +429,7 @@ fn kvcache_table(dev: &Device) -> Result<()> {
 /// calls, µs per call eager and graph-replayed; the 1B model's shape (d64, 32/8 heads) and the
 /// kvcache grid's (d128, 32/4), contiguous and pages of 16. BENCH_DECODE_KEYS /
 /// BENCH_DECODE_BATCHES: the key counts and batches; BENCH_DECODE_DIMS: the head dims (64, 128);
-/// BENCH_DECODE_ONCE: two untimed calls of
+/// BENCH_DECODE_HEADS=h:hk: the head-dim-64 shape's q and kv heads; BENCH_DECODE_ONCE: two untimed calls of
 /// each kernel per cell (for Nsight Compute); BENCH_DECODE_APPEND: each call appends one key per
 /// sequence with rotary (the cache then holds seqlen_k keys; every call writes the same row), or
 /// with BENCH_DECODE_APPEND=plain without rotary, or with BENCH_DECODE_APPEND=rotary turns q only.
@@ -455,7 +455,13 @@ fn kvcache_decode_table(dev: &Device) -> Result<()> {
     println!("| shape | batch | seqlen_k | cache | forward us | decode us | decode / forward | forward graph us | decode graph us | decode / forward |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let dims = list("BENCH_DECODE_DIMS", &[64, 128]);
-    for (h, hk, d) in [(32, 8, 64), (32, 4, 128)] {
+    // BENCH_DECODE_HEADS=h:hk, the head-dim-64 shape's heads instead of the 1B model's 32/8.
+    let d64_heads = std::env::var("BENCH_DECODE_HEADS").ok().and_then(|v| {
+        let (h, hk) = v.split_once(':')?;
+        Some((h.trim().parse().ok()?, hk.trim().parse().ok()?))
+    });
+    let (h64, hk64) = d64_heads.unwrap_or((32, 8));
+    for (h, hk, d) in [(h64, hk64, 64), (32, 4, 128)] {
         if !dims.contains(&d) {
             continue;
         }
