@@ -6,13 +6,13 @@
 //! A call with at most one new key per sequence has its append done inside the kernel
 //! ([`FusedAppend`]): one launch for the whole call.
 
-use candle_core::cuda_backend::cudarc::driver::{sys, DevicePtrMut, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, DevicePtrMut, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{bail, CudaStorage, DType, Result, Tensor};
 use half::{bf16, f16};
 
 use super::kvcache::{CacheLaunch, GpuCall};
-use super::{device_address, launch_with_attributes, load_kernel};
+use super::{device_address, launch_with_attributes, load_kernel, max_active_clusters};
 use crate::kvcache::CacheShape;
 use crate::params::AttnParams;
 
@@ -47,6 +47,60 @@ const WARPS: usize = 8;
 /// The largest GQA group whose head-dim-64 kernel fits two CTAs per SM (`kvcache_decode_d64_*_g4`,
 /// `__launch_bounds__(256, 2)` in kernels/kvcache/decode.cu).
 const TWO_PER_SM_MAX_GROUP: usize = 4;
+
+/// The decode kernel of a call: the GQA group's rows are unrolled to a bound of 4, 8 or 16 q
+/// heads per kv head.
+fn kernel_name(head_dim: usize, dtype: DType, group: usize) -> Result<&'static str> {
+    Ok(match (head_dim, dtype, group.next_power_of_two().max(4)) {
+        (64, DType::BF16, 4) => "kvcache_decode_d64_bf16_g4",
+        (64, DType::BF16, 8) => "kvcache_decode_d64_bf16_g8",
+        (64, DType::BF16, 16) => "kvcache_decode_d64_bf16_g16",
+        (64, DType::F16, 4) => "kvcache_decode_d64_f16_g4",
+        (64, DType::F16, 8) => "kvcache_decode_d64_f16_g8",
+        (64, DType::F16, 16) => "kvcache_decode_d64_f16_g16",
+        (128, DType::BF16, 4) => "kvcache_decode_d128_bf16_g4",
+        (128, DType::BF16, 8) => "kvcache_decode_d128_bf16_g8",
+        (128, DType::F16, 4) => "kvcache_decode_d128_f16_g4",
+        (128, DType::F16, 8) => "kvcache_decode_d128_f16_g8",
+        (d, dt, _) => {
+            bail!("flash-attn3: kvcache: no decode kernel for head dim {d}, {dt:?} and {group} q heads per kv head")
+        }
+    })
+}
+
+/// The decode kernel's function for a call of head dim `d`, `dtype` and GQA `group`, loaded once
+/// (with the shared-memory attribute for its largest group), and its block size.
+fn kernel(dev: &CudaDevice, d: usize, dtype: DType, group: usize) -> Result<(&'static str, CudaFunction, u32)> {
+    let name = kernel_name(d, dtype, group)?;
+    let func = load_kernel(dev, CUBIN, " kvcache decode", name, smem_bytes(d, max_group(d)))?;
+    // The kernel's block size is its __launch_bounds__ (`fa3::kDecodeThreads`).
+    let threads = func
+        .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+        .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: block size: {e:?}")))?;
+    Ok((name, func, threads as u32))
+}
+
+/// How many CTAs of a call's decode kernel run at once in clusters of 1, 2, 4 and 8 CTAs
+/// ([`plan`]'s `resident`): the driver's count of co-resident clusters
+/// (cuOccupancyMaxActiveClusters) times their size. A cluster's CTAs must share a GPC, so a
+/// kernel of one CTA per SM fits 120 CTAs in clusters of 4 or 8 on a 132-SM H200, not 132; a
+/// call that needs the 128 of 16 such clusters ran a second wave for the last (1.3-1.5x the time
+/// of the same keys on half the shares; docs/kernels/kvcache.md, session 51). A call that no
+/// decode kernel takes gets `sms` everywhere.
+pub(super) fn resident_ctas(dev: &CudaDevice, s: &CacheShape, dtype: DType, sms: usize) -> Result<[usize; 4]> {
+    let group = s.heads / s.kv_heads.max(1);
+    if group == 0 || kernel_name(s.head_dim, dtype, group).is_err() {
+        return Ok([sms; 4]);
+    }
+    let (name, func, threads) = kernel(dev, s.head_dim, dtype, group)?;
+    let smem = smem_bytes(s.head_dim, group) as u32;
+    let mut out = [0; 4];
+    for (i, n) in out.iter_mut().enumerate() {
+        let cluster = 1u32 << i;
+        *n = max_active_clusters(dev, &func, name, cluster, threads, smem)? * cluster as usize;
+    }
+    Ok(out)
+}
 
 /// `fa3::DecodeSmem`'s bytes for a GQA group of `group` rows at head dim `d`: the merge's inbox
 /// mbarrier (16 bytes), then f32s: q's rows, each warp's probabilities of its step
@@ -134,7 +188,7 @@ impl CacheStrides {
 }
 
 /// The key shares (CTAs per sequence and kv head, one cluster) of a call that runs on the decode
-/// kernel, or None for a call the forward kernel runs: one query per sequence (not varlen), a
+/// kernel, or None for a call the forward kernel runs (`resident`: [`resident_ctas`]): one query per sequence (not varlen), a
 /// 16-bit cache with rows aligned to 16 bytes, head dim 64 or 128 for q, k and v, at most 16 q
 /// heads per kv head (8 at head dim 128), `num_splits` 0 (an explicit split is the forward kernel's), and under
 /// `Tuning::decode_kernel: None` head dim 64, a cache of at most [`DEFAULT_MAX_KEYS`] keys and a
@@ -148,6 +202,7 @@ pub(super) fn plan(
     fp8: bool,
     (k, v): (CacheStrides, CacheStrides),
     sms: usize,
+    resident: [usize; 4],
 ) -> Option<usize> {
     let s = shape;
     let supported = !fp8
@@ -177,8 +232,12 @@ pub(super) fn plan(
         .div_ceil(MIN_KEYS_PER_SHARE)
         .next_power_of_two()
         .clamp(1, MAX_SHARES);
+    // At most one CTA per SM, and no more than run at once in clusters of that size (`resident`:
+    // [1, 2, 4, 8]-CTA clusters).
+    let pairs = s.batch * s.kv_heads;
+    let fits = |shares: usize| pairs * shares <= sms.min(resident[shares.trailing_zeros() as usize]);
     let mut shares = by_keys;
-    while shares > 1 && s.batch * s.kv_heads * shares > sms {
+    while shares > 1 && !fits(shares) {
         shares /= 2;
     }
     // Where that leaves one share (one CTA of eight warps walking all of a sequence's keys, step
@@ -186,7 +245,7 @@ pub(super) fn plan(
     // shares at two CTAs per SM: 16 warps an SM, each half the keys. Measured 0.81-0.95x the time at
     // batch 9-16 of the 1B shape (640-2,048 keys); four shares instead of two at batch 8 were
     // 1.4x slower (docs/kernels/kvcache.md, session 50).
-    let one_share_fits = s.batch * s.kv_heads <= sms; // so two fit at two CTAs per SM
+    let one_share_fits = pairs <= sms && 2 * pairs <= resident[1]; // two at two CTAs per SM
     if shares == 1 && by_keys >= 2 && one_share_fits && s.head_dim == 64 && s.heads / s.kv_heads <= TWO_PER_SM_MAX_GROUP
     {
         shares = 2;
@@ -195,7 +254,7 @@ pub(super) fn plan(
         Some(false) => None,
         Some(true) => Some(shares),
         None => {
-            let one_wave = s.batch * s.kv_heads * shares <= sms;
+            let one_wave = fits(shares);
             // Halved to fit the wave (batch 4 and 8 of the 1B shape): measured faster than the
             // forward kernel up to 1,024 keys with two shares or more, not over 2,048 keys or
             // on one share (docs/kernels/kvcache.md, session 44).
@@ -266,34 +325,7 @@ fn launch_t<T: CudaDType + DeviceRepr>(
     };
     let stream = dev.cuda_stream();
     let group = s.heads / s.kv_heads;
-    // The kernel's rows are unrolled to a bound of 4, 8 or 16 q heads per kv head.
-    let name = match (s.head_dim, q.dtype(), group.next_power_of_two().max(4)) {
-        (64, DType::BF16, 4) => "kvcache_decode_d64_bf16_g4",
-        (64, DType::BF16, 8) => "kvcache_decode_d64_bf16_g8",
-        (64, DType::BF16, 16) => "kvcache_decode_d64_bf16_g16",
-        (64, DType::F16, 4) => "kvcache_decode_d64_f16_g4",
-        (64, DType::F16, 8) => "kvcache_decode_d64_f16_g8",
-        (64, DType::F16, 16) => "kvcache_decode_d64_f16_g16",
-        (128, DType::BF16, 4) => "kvcache_decode_d128_bf16_g4",
-        (128, DType::BF16, 8) => "kvcache_decode_d128_bf16_g8",
-        (128, DType::F16, 4) => "kvcache_decode_d128_f16_g4",
-        (128, DType::F16, 8) => "kvcache_decode_d128_f16_g8",
-        (d, dt, _) => {
-            bail!("flash-attn3: kvcache: no decode kernel for head dim {d}, {dt:?} and {group} q heads per kv head")
-        }
-    };
-    // The attribute for the largest group's shared memory is set once, at the kernel's first load.
-    let func = load_kernel(
-        &dev,
-        CUBIN,
-        " kvcache decode",
-        name,
-        smem_bytes(s.head_dim, max_group(s.head_dim)),
-    )?;
-    // The kernel's block size is its __launch_bounds__ (`fa3::kDecodeThreads`).
-    let threads = func
-        .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
-        .map_err(|e| candle_core::Error::Msg(format!("flash-attn3: {name}: block size: {e:?}")))?;
+    let (name, func, threads) = kernel(&dev, s.head_dim, q.dtype(), group)?;
     let (q, q_batch_stride) = token_rows(q)?;
     let new = match append.and_then(|a| a.new) {
         Some((k, v)) => Some((token_rows(k)?, token_rows(v)?)),
@@ -393,6 +425,15 @@ mod tests {
         }
     }
 
+    /// [`super::resident_ctas`] as an H200 (132 SMs) gives it: the kernels of one CTA per SM fit
+    /// 30 clusters of 4 and 15 of 8 (120 CTAs); the 4-row d64 kernel, two per SM, twice that.
+    fn h200(s: &CacheShape) -> [usize; 4] {
+        match s.head_dim == 64 && s.heads / s.kv_heads <= 4 {
+            true => [264, 264, 240, 240],
+            false => [132, 132, 120, 120],
+        }
+    }
+
     fn contiguous(s: &CacheShape) -> CacheStrides {
         let d = s.head_dim;
         CacheStrides {
@@ -415,14 +456,14 @@ mod tests {
         let auto = params(Tuning::default(), 0);
         const SMS: usize = 132;
         let take = |s: &CacheShape, p: &AttnParams, dtype: DType| {
-            plan(s, p, dtype, false, (contiguous(s), contiguous(s)), SMS)
+            plan(s, p, dtype, false, (contiguous(s), contiguous(s)), SMS, h200(s))
         };
         // The 1B model's batch-1 step: d64, 32/8 heads, 640 keys: 8 shares.
         let s = shape(1, 1, 32, 8, 64, 640);
         assert_eq!(take(&s, &auto, DType::BF16), Some(8));
         assert_eq!(take(&s, &auto, DType::F16), Some(8));
         // Batch 2 (128 CTAs) takes it; batch 4 and 8 on fewer shares, one CTA per SM (4 and 2),
-        // up to 1,024 keys; batch 16 (one share) not; with 4 kv heads batch 4 keeps 8.
+        // up to 1,024 keys; batch 16 (one share) not.
         assert_eq!(take(&shape(2, 1, 32, 8, 64, 640), &auto, DType::BF16), Some(8));
         assert_eq!(take(&shape(4, 1, 32, 8, 64, 640), &auto, DType::BF16), Some(4));
         assert_eq!(take(&shape(8, 1, 32, 8, 64, 1024), &auto, DType::BF16), Some(2));
@@ -430,7 +471,9 @@ mod tests {
         assert_eq!(take(&shape(4, 1, 32, 8, 64, 2048), &auto, DType::BF16), None);
         assert_eq!(take(&shape(2, 1, 32, 8, 64, 2048), &auto, DType::BF16), Some(8));
         assert_eq!(take(&shape(16, 1, 32, 8, 64, 640), &auto, DType::BF16), None);
-        assert_eq!(take(&shape(4, 1, 32, 4, 64, 640), &auto, DType::BF16), Some(8));
+        // With 4 kv heads (groups of 8: one CTA per SM), batch 4 on 4 shares: 16 clusters of 8 do
+        // not run at once (15 do).
+        assert_eq!(take(&shape(4, 1, 32, 4, 64, 640), &auto, DType::BF16), Some(4));
         let forced = params(
             Tuning {
                 decode_kernel: Some(true),
@@ -447,6 +490,28 @@ mod tests {
         assert_eq!(take(&shape(17, 1, 32, 8, 64, 640), &forced, DType::BF16), Some(1));
         assert_eq!(take(&shape(16, 1, 64, 8, 64, 640), &forced, DType::BF16), Some(1));
         assert_eq!(take(&shape(16, 1, 32, 8, 64, 64), &forced, DType::BF16), Some(1));
+        // A kernel of one CTA per SM (groups over 4 at d64) in clusters of 4 or 8: no more CTAs
+        // than run at once (120 on an H200, not 132). Groups of 7, 14/2 heads (Qwen2.5-0.5B):
+        // batch 4 on 8 shares (64 CTAs), batch 8 on 4 (64; 8 would be 128), batch 16 on 2 (64;
+        // 4 would be 128), batch 32 on 2 (128 in clusters of 2, which fit).
+        assert_eq!(take(&shape(4, 1, 14, 2, 64, 640), &auto, DType::BF16), Some(8));
+        assert_eq!(take(&shape(8, 1, 14, 2, 64, 640), &auto, DType::BF16), Some(4));
+        assert_eq!(take(&shape(16, 1, 14, 2, 64, 640), &forced, DType::BF16), Some(2));
+        assert_eq!(take(&shape(32, 1, 14, 2, 64, 640), &forced, DType::BF16), Some(2));
+        // The same counts with every cluster fitting (`resident` at the SM count): the old rule.
+        let all_fit = |s: &CacheShape| {
+            plan(
+                s,
+                &forced,
+                DType::BF16,
+                false,
+                (contiguous(s), contiguous(s)),
+                SMS,
+                [SMS; 4],
+            )
+        };
+        assert_eq!(all_fit(&shape(8, 1, 14, 2, 64, 640)), Some(8));
+        assert_eq!(all_fit(&shape(16, 1, 14, 2, 64, 640)), Some(4));
         // A cache of 100 keys: at least 64 keys a share, two shares; 150 keys: three, rounded up
         // to a power of two.
         assert_eq!(take(&shape(1, 1, 32, 8, 64, 100), &auto, DType::BF16), Some(2));
@@ -473,7 +538,15 @@ mod tests {
         assert_eq!(take(&s, &params(Tuning::default(), 3), DType::BF16), None);
         assert_eq!(take(&shape(1, 4, 32, 8, 64, 640), &auto, DType::BF16), None);
         assert_eq!(
-            plan(&s, &auto, DType::F8E4M3, true, (contiguous(&s), contiguous(&s)), SMS),
+            plan(
+                &s,
+                &auto,
+                DType::F8E4M3,
+                true,
+                (contiguous(&s), contiguous(&s)),
+                SMS,
+                h200(&s)
+            ),
             None
         );
         assert_eq!(take(&s, &auto, DType::F32), None);
@@ -484,13 +557,24 @@ mod tests {
             strides: [640 * 8 * 64, 8 * 64, 64, 1],
             start_offset: 4,
         };
-        assert_eq!(plan(&s, &auto, DType::BF16, false, (odd, contiguous(&s)), SMS), None);
+        assert_eq!(
+            plan(&s, &auto, DType::BF16, false, (odd, contiguous(&s)), SMS, h200(&s)),
+            None
+        );
         let strided_d = CacheStrides {
             strides: [640 * 8 * 128, 8 * 128, 128, 2],
             start_offset: 0,
         };
         assert_eq!(
-            plan(&s, &auto, DType::BF16, false, (contiguous(&s), strided_d), SMS),
+            plan(
+                &s,
+                &auto,
+                DType::BF16,
+                false,
+                (contiguous(&s), strided_d),
+                SMS,
+                h200(&s)
+            ),
             None
         );
     }

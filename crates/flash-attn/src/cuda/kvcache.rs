@@ -206,13 +206,15 @@ fn decode_shares(
     (k, v): (&Tensor, &Tensor),
     dev: &CudaDevice,
 ) -> Result<Option<usize>> {
+    let sms = super::sm_count(dev)?;
     Ok(super::decode::plan(
         s,
         params,
         dtype,
         dtype == DType::F8E4M3,
         (super::decode::CacheStrides::of(k), super::decode::CacheStrides::of(v)),
-        super::sm_count(dev)?,
+        sms,
+        super::decode::resident_ctas(dev, s, dtype, sms)?,
     ))
 }
 
