@@ -388,7 +388,7 @@ fn launch_t<T: CudaDType + DeviceRepr>(
         };
         let cfg = LaunchConfig {
             grid_dim: (shares as u32, s.kv_heads as u32, s.batch as u32),
-            block_dim: (threads as u32, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: smem_bytes(s.head_dim, group) as u32,
         };
         // SAFETY: every address is a live buffer of the sizes in `p` (checked by
