@@ -21,7 +21,7 @@ fn main() {
     let kernels = manifest.join("../../kernels/model");
     let kernels = kernels.canonicalize().unwrap_or(kernels);
     watch(&kernels);
-    // linear_rows.cu includes the wgmma primitives that flash-attn3's kernels share.
+    // fused.cu and linear_rows.cu include primitives that flash-attn3's kernels share (cp.async, wgmma).
     let primitives = manifest.join("../../kernels/primitives");
     watch(&primitives.canonicalize().unwrap_or(primitives));
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());

@@ -7,6 +7,7 @@
 
 #include <cuda_fp8.h>
 
+#include "../primitives/cp_async.cuh"
 #include "argmax.cuh"
 #include "dtype.cuh"
 
@@ -327,14 +328,6 @@ static_assert(kMatvecWarps * 32 == kNormThreads, "AddNormInput runs add_rms_norm
 // uncapped: capped, it spills.
 template <typename T> constexpr int kNormBlocksPerSm = sizeof(T) == 2 ? 5 : 1;
 
-// 16 bytes from global to shared memory without passing through registers (cp.async, sm_80+);
-// complete for the issuing thread after wait_for_shared_copies.
-__device__ __forceinline__ void copy_16_to_shared(uint4* dst, const uint4* src) {
-    const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void wait_for_shared_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 template <typename T>
 struct PlainInput {
     const T* x;
@@ -360,11 +353,11 @@ struct AddNormInput {
     __device__ void preload(int k) const {
         constexpr int kVec = 16 / sizeof(T);
         for (int v = threadIdx.x; v < k / kVec; v += kNormThreads) {
-            copy_16_to_shared(reinterpret_cast<uint4*>(staged) + v, reinterpret_cast<const uint4*>(w) + v);
+            fa3::copy_16_to_shared(reinterpret_cast<uint4*>(staged) + v, reinterpret_cast<const uint4*>(w) + v);
         }
     }
     __device__ void prepare(int k) const {
-        wait_for_shared_copies();
+        fa3::wait_all_copies();
         add_rms_norm_row_vec<T>(a, b, staged, blockIdx.x == 0 ? res : nullptr, staged, k, eps);
         __syncthreads();
     }

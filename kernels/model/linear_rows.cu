@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "../primitives/cp_async.cuh"
 #include "../primitives/dependent_launch.cuh"
 #include "../primitives/wgmma.cuh"
 #include "dtype.cuh"
@@ -48,34 +49,6 @@ __host__ __device__ constexpr int stage_units() {
 
 // Where unit u of row r of a stage sits: the 128-byte swizzle of wgmma's K-major operands.
 __device__ __forceinline__ int swizzled(int r, int u) { return r * kUnits + (u ^ (r & 7)); }
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes from global to shared memory, or zeros where `valid` is false (a row past n or a
-// token past the batch: src-size 0 reads nothing).
-__device__ __forceinline__ void copy_16_or_zero(uint4* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-// The same for w, read once: marked first to leave L2 (x, read by every CTA, stays).
-__device__ __forceinline__ uint64_t evict_first_policy() {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
-__device__ __forceinline__ void copy_16_or_zero_once(uint4* dst, const void* src, bool valid, uint64_t policy) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(shared_address(dst)),
-                 "l"(src), "r"(valid ? 16 : 0), "l"(policy)
-                 : "memory");
-}
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void wait_copies() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
 
 // After each CTA of the cluster has left its partial outputs of the block in `partial` (shared
 // memory, [token][row] f32): CTA `part` sums its share of them over the cluster, four rows at a
@@ -135,7 +108,7 @@ __device__ __forceinline__ void load_w(uint4* stage, const T* __restrict__ w, in
         const int r = idx / kUnits, u = idx % kUnits;
         const bool valid = row0 + r < n;
         const T* src = w + (size_t)(valid ? row0 + r : 0) * k + chunk * kChunk + u * 8;
-        copy_16_or_zero_once(stage + swizzled(r, u), src, valid, policy);
+        fa3::copy_16_or_zero_once(stage + swizzled(r, u), src, valid, policy);
     }
 }
 // ... and of x: every token slot of the kernel's tiles, zeros past the batch.
@@ -146,7 +119,7 @@ __device__ __forceinline__ void load_x(uint4* stage, const T* __restrict__ x, in
         const int r = idx / kUnits, u = idx % kUnits;
         const bool valid = r < tokens;
         const T* src = x + (size_t)(valid ? r : 0) * k + chunk * kChunk + u * 8;
-        copy_16_or_zero(xs + swizzled(r, u), src, valid);
+        fa3::copy_16_or_zero(xs + swizzled(r, u), src, valid);
     }
 }
 
@@ -168,12 +141,12 @@ __device__ void linear_rows(const T* __restrict__ x, const T* __restrict__ w, co
     auto stage = [&](int i) { return smem + (i % kStages) * stage_units<kTiles>(); };
 
     // The first stages' weights are requested before the wait for the kernel that writes x.
-    const uint64_t once = evict_first_policy();
+    const uint64_t once = fa3::evict_first_policy();
     for (int i = 0; i < kStages - 1 && i < count; ++i) load_w<T, kTiles>(stage(i), w, row0, n, k, first + i, once);
     fa3::wait_for_prerequisites();  // w is no kernel's output, x is
     for (int i = 0; i < kStages - 1; ++i) {
         if (i < count) load_x<T, kTiles>(stage(i), x, tokens, k, first + i);
-        commit_copies();  // one group per stage, empty or not, so the wait below counts stages
+        fa3::commit_copies();  // one group per stage, empty or not, so the wait below counts stages
     }
 
     float acc[2][kN / 2];  // the two m64 tiles' wgmma accumulators
@@ -182,7 +155,7 @@ __device__ void linear_rows(const T* __restrict__ x, const T* __restrict__ w, co
 #pragma unroll
         for (int j = 0; j < kN / 2; ++j) acc[m][j] = 0.f;
     for (int i = 0; i < count; ++i) {
-        wait_copies<kStages - 2>();  // this thread's copies of stage i have landed
+        fa3::wait_copies<kStages - 2>();  // this thread's copies of stage i have landed
         // cp.async writes through the generic proxy; wgmma reads through the async proxy.
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();  // ... every thread's; and stage i - 1's wgmmas are done (waited below)
@@ -191,9 +164,9 @@ __device__ void linear_rows(const T* __restrict__ x, const T* __restrict__ w, co
             load_w<T, kTiles>(stage(next), w, row0, n, k, first + next, once);
             load_x<T, kTiles>(stage(next), x, tokens, k, first + next);
         }
-        commit_copies();
-        const uint32_t w_lo = fa3::smem_desc_lo(shared_address(stage(i)), 16);
-        const uint32_t x_lo = fa3::smem_desc_lo(shared_address(stage(i) + kBlockRows * kUnits), 16);
+        fa3::commit_copies();
+        const uint32_t w_lo = fa3::smem_desc_lo(fa3::shared_address(stage(i)), 16);
+        const uint32_t x_lo = fa3::smem_desc_lo(fa3::shared_address(stage(i) + kBlockRows * kUnits), 16);
         fa3::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kChunk / 16; ++kk) {
@@ -208,7 +181,7 @@ __device__ void linear_rows(const T* __restrict__ x, const T* __restrict__ w, co
 #pragma unroll
         for (int m = 0; m < 2; ++m) fa3::fence_operand(acc[m]);
     }
-    wait_copies<0>();
+    fa3::wait_copies<0>();
     __syncthreads();
 
     // Partial outputs to shared memory (stage memory, free now), [token][row] in f32, from
