@@ -188,13 +188,14 @@ impl CacheStrides {
 }
 
 /// The key shares (CTAs per sequence and kv head, one cluster) of a call that runs on the decode
-/// kernel, or None for a call the forward kernel runs (`resident`: [`resident_ctas`]): one query per sequence (not varlen), a
-/// 16-bit cache with rows aligned to 16 bytes, head dim 64 or 128 for q, k and v, at most 16 q
-/// heads per kv head (8 at head dim 128), `num_splits` 0 (an explicit split is the forward kernel's), and under
-/// `Tuning::decode_kernel: None` head dim 64, a cache of at most [`DEFAULT_MAX_KEYS`] keys and a
-/// grid of at most one CTA per SM of the `sms` (the shares halved down to two to fit it, over
-/// at most [`HALVED_MAX_KEYS`] keys). Windows, softcap, sinks, pages, cache_batch_idx and an
-/// append before it all apply.
+/// kernel, or None for a call the forward kernel runs; `resident`: the CTAs of that kernel that
+/// run at once in clusters of 1, 2, 4 and 8 ([`resident_ctas`]). The kernel takes one query per
+/// sequence (not varlen), a 16-bit cache with rows aligned to 16 bytes, head dim 64 or 128 for q,
+/// k and v, at most 16 q heads per kv head (8 at head dim 128), `num_splits` 0 (an explicit split
+/// is the forward kernel's), and under `Tuning::decode_kernel: None` head dim 64, a cache of at
+/// most [`DEFAULT_MAX_KEYS`] keys and a grid of at most one CTA per SM of the `sms` (the shares
+/// halved down to two to fit it, over at most [`HALVED_MAX_KEYS`] keys). Windows, softcap, sinks,
+/// pages, cache_batch_idx and an append before it all apply.
 pub(super) fn plan(
     shape: &CacheShape,
     params: &AttnParams,
