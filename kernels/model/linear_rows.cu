@@ -165,8 +165,8 @@ __device__ void linear_rows(const T* __restrict__ x, const T* __restrict__ w, co
             load_x<T, kTiles>(stage(next), x, tokens, k, first + next);
         }
         fa3::commit_copies();
-        const uint32_t w_lo = fa3::smem_desc_lo(fa3::shared_address(stage(i)), 16);
-        const uint32_t x_lo = fa3::smem_desc_lo(fa3::shared_address(stage(i) + kBlockRows * kUnits), 16);
+        const uint32_t w_lo = fa3::smem_desc_lo(fa3::smem_u32(stage(i)), 16);
+        const uint32_t x_lo = fa3::smem_desc_lo(fa3::smem_u32(stage(i) + kBlockRows * kUnits), 16);
         fa3::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kChunk / 16; ++kk) {

@@ -5,20 +5,18 @@
 #pragma once
 #include <cstdint>
 
-namespace fa3 {
+#include "mbarrier.cuh"  // smem_u32
 
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+namespace fa3 {
 
 // 16 bytes from src to dst.
 __device__ __forceinline__ void copy_16_to_shared(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
 
 // 16 bytes, or zeros where `valid` is false (a source size of 0 reads nothing).
 __device__ __forceinline__ void copy_16_or_zero(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
                  "r"(valid ? 16 : 0)
                  : "memory");
 }
@@ -32,7 +30,7 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
 
 // copy_16_or_zero under an L2 policy (evict_first_policy).
 __device__ __forceinline__ void copy_16_or_zero_once(void* dst, const void* src, bool valid, uint64_t policy) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(shared_address(dst)),
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(smem_u32(dst)),
                  "l"(src), "r"(valid ? 16 : 0), "l"(policy)
                  : "memory");
 }
