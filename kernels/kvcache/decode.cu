@@ -647,7 +647,7 @@ template <int kD, int kDtype, int kG> __device__ __forceinline__ void decode(con
 // heads): the rows' state lives in registers, unrolled to the bound (d128 with 16 rows spilled).
 // d128 asks for one CTA per SM (its 4-row kernel spilled at the 128 registers that ptxas chose for
 // two); d64's 4-row kernel asks for two (128 registers, no spills), which the host's share rule
-// counts on (TWO_PER_SM_MAX_GROUP in decode.rs).
+// finds through the driver's occupancy count (decode.rs `resident_ctas`, `plan`).
 #define FA3_DECODE_KERNEL(name, D, DTYPE, ROWS, ...)                                                      \
     extern "C" __global__ void __launch_bounds__(fa3::kDecodeThreads __VA_OPT__(, ) __VA_ARGS__)          \
         name(const __grid_constant__ fa3::DecodeParams p) {                                               \

@@ -6,8 +6,11 @@
 //! A call with at most one new key per sequence has its append done inside the kernel
 //! ([`FusedAppend`]): one launch for the whole call.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, DevicePtrMut, DeviceRepr, LaunchConfig};
-use candle_core::cuda_backend::{CudaDType, CudaDevice};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
 use candle_core::{bail, CudaStorage, DType, Result, Tensor};
 use half::{bf16, f16};
 
@@ -44,9 +47,6 @@ const DEFAULT_MAX_KEYS: usize = 2048;
 const HALVED_MAX_KEYS: usize = 1024;
 /// `fa3::kDecodeWarps`: each warp's rows are staged in shared memory for the merge.
 const WARPS: usize = 8;
-/// The largest GQA group whose head-dim-64 kernel fits two CTAs per SM (`kvcache_decode_d64_*_g4`,
-/// `__launch_bounds__(256, 2)` in kernels/kvcache/decode.cu).
-const TWO_PER_SM_MAX_GROUP: usize = 4;
 
 /// The decode kernel of a call: the GQA group's rows are unrolled to a bound of 4, 8 or 16 q
 /// heads per kv head.
@@ -87,19 +87,27 @@ fn kernel(dev: &CudaDevice, d: usize, dtype: DType, group: usize) -> Result<(&'s
 /// call that needs the 128 of 16 such clusters ran a second wave for the last (1.3-1.5x the time
 /// of the same keys on half the shares; docs/kernels/kvcache.md, session 51). A call that no
 /// decode kernel takes gets `sms` everywhere.
+/// Cached per device, kernel and shared-memory size: every `flash_attn_with_kvcache` call asks.
 pub(super) fn resident_ctas(dev: &CudaDevice, s: &CacheShape, dtype: DType, sms: usize) -> Result<[usize; 4]> {
     let group = s.heads / s.kv_heads.max(1);
-    if group == 0 || kernel_name(s.head_dim, dtype, group).is_err() {
+    let Some(name) = kernel_name(s.head_dim, dtype, group).ok().filter(|_| group > 0) else {
         return Ok([sms; 4]);
+    };
+    let smem = smem_bytes(s.head_dim, group) as u32;
+    type Cache = Mutex<HashMap<(DeviceId, &'static str, u32), [usize; 4]>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let key = (dev.id(), name, smem);
+    if let Some(&counts) = CACHE.get_or_init(Default::default).lock().unwrap().get(&key) {
+        return Ok(counts);
     }
     let (name, func, threads) = kernel(dev, s.head_dim, dtype, group)?;
-    let smem = smem_bytes(s.head_dim, group) as u32;
-    let mut out = [0; 4];
-    for (i, n) in out.iter_mut().enumerate() {
+    let mut counts = [0; 4];
+    for (i, n) in counts.iter_mut().enumerate() {
         let cluster = 1u32 << i;
         *n = max_active_clusters(dev, &func, name, cluster, threads, smem)? * cluster as usize;
     }
-    Ok(out)
+    CACHE.get_or_init(Default::default).lock().unwrap().insert(key, counts);
+    Ok(counts)
 }
 
 /// `fa3::DecodeSmem`'s bytes for a GQA group of `group` rows at head dim `d`: the merge's inbox
@@ -242,13 +250,13 @@ pub(super) fn plan(
         shares /= 2;
     }
     // Where that leaves one share (one CTA of eight warps walking all of a sequence's keys, step
-    // after step), the head-dim-64 kernel of groups up to 4, which fits two CTAs per SM, takes two
-    // shares at two CTAs per SM: 16 warps an SM, each half the keys. Measured 0.81-0.95x the time at
-    // batch 9-16 of the 1B shape (640-2,048 keys); four shares instead of two at batch 8 were
-    // 1.4x slower (docs/kernels/kvcache.md, session 50).
-    let one_share_fits = pairs <= sms && 2 * pairs <= resident[1]; // two at two CTAs per SM
-    if shares == 1 && by_keys >= 2 && one_share_fits && s.head_dim == 64 && s.heads / s.kv_heads <= TWO_PER_SM_MAX_GROUP
-    {
+    // after step), a kernel that runs two CTAs per SM takes two shares if they all run at once:
+    // 16 warps an SM, each half the keys. That is the head-dim-64 kernel of groups up to 4
+    // (`__launch_bounds__(256, 2)`); the others run one CTA per SM, so `resident` holds no more
+    // than the SMs and the halving above already found two shares too many for them. Measured
+    // 0.81-0.95x the time at batch 9-16 of the 1B shape (640-2,048 keys); four shares instead of
+    // two at batch 8 were 1.4x slower (docs/kernels/kvcache.md, session 50).
+    if shares == 1 && by_keys >= 2 && 2 * pairs <= resident[1] {
         shares = 2;
     }
     match params.tuning.decode_kernel {
