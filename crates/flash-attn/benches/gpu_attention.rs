@@ -456,11 +456,13 @@ fn kvcache_decode_table(dev: &Device) -> Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let dims = list("BENCH_DECODE_DIMS", &[64, 128]);
     // BENCH_DECODE_HEADS=h:hk, the head-dim-64 shape's heads instead of the 1B model's 32/8.
-    let d64_heads = std::env::var("BENCH_DECODE_HEADS").ok().and_then(|v| {
-        let (h, hk) = v.split_once(':')?;
-        Some((h.trim().parse().ok()?, hk.trim().parse().ok()?))
-    });
-    let (h64, hk64) = d64_heads.unwrap_or((32, 8));
+    let (h64, hk64) = match std::env::var("BENCH_DECODE_HEADS") {
+        Ok(v) => v
+            .split_once(':')
+            .and_then(|(h, hk)| Some((h.trim().parse().ok()?, hk.trim().parse().ok()?)))
+            .unwrap_or_else(|| panic!("BENCH_DECODE_HEADS: want h:hk (q heads : kv heads), got {v:?}")),
+        Err(_) => (32, 8),
+    };
     for (h, hk, d) in [(h64, hk64, 64), (32, 4, 128)] {
         if !dims.contains(&d) {
             continue;
