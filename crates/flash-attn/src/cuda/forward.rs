@@ -338,6 +338,15 @@ impl Variant {
         2 * self.head_dim * rows + 1024 + 1024
     }
 
+    /// The `_pw` kernels' shared memory (`fa3::FwdTraits` with kPageWarp): [`Self::smem_bytes`]
+    /// with the K/V ring four stages deep at d64 (`kStages`).
+    fn page_warp_smem_bytes(&self) -> usize {
+        match self.head_dim {
+            64 => self.smem_bytes() + 2 * 2 * self.block_n * 2 * self.head_dim,
+            _ => self.smem_bytes(),
+        }
+    }
+
     /// Columns per shared-memory column block (and TMA box): 64 (128-byte swizzle), or 32 (64-byte
     /// swizzle) for head dim 96, which is no multiple of 64 (`fa3::FwdTraits::kColElems`).
     fn col_elems(&self) -> u32 {
@@ -720,12 +729,15 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         }
         _ => None,
     };
-    let (name, func) = match (cluster_kernel, &page_maps) {
-        (Some(cluster), _) => cluster,
-        (None, Some(pw)) => (pw.name, kernel(&dev, pw.name, smem)?),
+    let (name, func, smem) = match (cluster_kernel, &page_maps) {
+        (Some((name, func)), _) => (name, func, smem),
+        (None, Some(pw)) => {
+            let pw_smem = variant.page_warp_smem_bytes();
+            (pw.name, kernel(&dev, pw.name, pw_smem)?, pw_smem)
+        }
         (None, None) => {
             let name = variant.kernel_name(dtype);
-            (name, kernel(&dev, name, smem)?)
+            (name, kernel(&dev, name, smem)?, smem)
         }
     };
     let tma_k = match &page_maps {
@@ -1051,5 +1063,21 @@ mod tests {
         };
         assert_eq!(fp8(true, 8192, &rows_128), 2);
         assert_eq!(Variant::pick(64, 64, false, 8192, Some(128)).unwrap().consumer_wgs, 2);
+    }
+
+    /// The small-page (`_pw`) kernels' shared memory: d64's two extra K/V stages (64 KiB) on top of
+    /// the default kernel's, within the 227 KiB a CTA may have; d128 as the default kernel.
+    #[test]
+    fn page_warp_kernels_fit_shared_memory() {
+        for (d, extra) in [(64, 64 * 1024), (128, 0)] {
+            let v = Variant::pick(d, d, true, 1, None).unwrap();
+            assert_eq!(v.consumer_wgs, 2, "d{d}");
+            assert_eq!(v.page_warp_smem_bytes(), v.smem_bytes() + extra, "d{d}");
+            assert!(
+                v.page_warp_smem_bytes() <= 227 * 1024,
+                "d{d}: {} bytes",
+                v.page_warp_smem_bytes()
+            );
+        }
     }
 }
