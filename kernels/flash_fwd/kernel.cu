@@ -61,8 +61,8 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         }
         mbar_init(&s.tile_full, 1);
         // The consumers, the TMA thread and (paged caches) the V thread release a tile index;
-        // with kPageWarp the page warp too.
-        mbar_init(&s.tile_empty, 128 * consumers + 1 + (paged_v_thread<Tr>(p) ? (Tr::kPageWarp ? 2 : 1) : 0));
+        // with kPageWarp every lane of the page warp too.
+        mbar_init(&s.tile_empty, 128 * consumers + 1 + (paged_v_thread<Tr>(p) ? (Tr::kPageWarp ? 33 : 1) : 0));
         mbar_init_fence();
     }
     __syncthreads();
@@ -161,6 +161,11 @@ FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 80, fa3::DT_F16)
 // except short masked calls (crates/flash-attn/src/cuda/forward.rs, Variant::pick).
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_bf16, 64, 128, fa3::DT_BF16, 3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_f16, 64, 128, fa3::DT_F16, 3)
+// d64 decode over a KV cache on one consumer warpgroup, two CTAs per SM (each tile's rows fit one
+// warpgroup's 64, so the two-warpgroup kernel's second warpgroup would idle): where the host's rule
+// takes it (forward.rs, d64_decode_on_one_warpgroup), two chains of key blocks run per SM.
+FA3_FWD_KERNEL_WG(flash_fwd_d64x1_bf16, 64, 128, fa3::DT_BF16, 1)
+FA3_FWD_KERNEL_WG(flash_fwd_d64x1_f16, 64, 128, fa3::DT_F16, 1)
 // Split-KV decode calls whose shares merge in a thread-block cluster (cluster_combine.cuh; the host's
 // rule in crates/flash-attn/src/cuda/forward.rs): the d64 and d128 kernels with the merge compiled in.
 #define FA3_FWD_KERNEL_CM(NAME, D, DT) FA3_FWD_KERNEL_OF(NAME, 2, fa3::FwdTraits<D, 128, DT, 2, false, true>)

@@ -171,7 +171,10 @@ template <class Tr> __device__ void page_warp(const FwdParams& p, SharedStorage<
                 mbar_arrive(&s.pages_full[slot]);
             }
         }
-        if (lane == 0) mbar_arrive(&s.tile_empty);
+        // Every lane releases the tile slot after its own read of the index (receive_tile), so
+        // that the scheduler thread's next write is ordered after all 32 reads. (One arrival from
+        // lane 0 left lanes 1-31's reads unordered: compute-sanitizer's racecheck, session 52.)
+        mbar_arrive(&s.tile_empty);
     }
 }
 

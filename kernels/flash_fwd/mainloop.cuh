@@ -446,9 +446,8 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         if constexpr (kWGs != 3) {
             // The next iteration issues against ring position it + 2: with two stages, this
             // iteration's K slot (its S retired one iteration ago), refilled.
-            // (With two stages that is this iteration's slot, `stage`.)
-            const int probe = Tr::kStages == 2 ? stage : (it + 2) % Tr::kStages;
-            k_ready = __all_sync(0xffffffffu, mbar_test(&s.full_k[probe], ((it + 2) / Tr::kStages) & 1));
+            static_assert(Tr::kStages == 2, "the K probe assumes a two-stage ring");
+            k_ready = __all_sync(0xffffffffu, mbar_test(&s.full_k[stage], ((it + 2) / Tr::kStages) & 1));
         }
         probs_to_a_operand<Tr>(sc, pa);
         // Two warpgroups: O (now through block n) to the running max of block n-1 here, after the

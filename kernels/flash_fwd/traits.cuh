@@ -30,13 +30,7 @@ struct FwdTraits {
     using Elem = typename std::conditional<kFp8, uint8_t, uint16_t>::type;
     static constexpr int kBlockM = 64 * kConsumerWGs;  // query rows per tile
     static constexpr int kThreads = 128 * (1 + kConsumerWGs);
-    // K/V ring depth: two stages, four in the d64 small-page kernels (kPageWarp below: a key
-    // block is 8 boxes of 16 rows there), where the deeper ring measured 0.91-0.97x the time of
-    // paged decode calls over 640-2,048 keys from batch 32 (H200; docs/kernels/kvcache.md, session
-    // 52). Measured and not kept: four stages in every d64 kernel (contiguous caches of 8k keys
-    // 1.04-1.10x slower, causal prefill 1-2%), three in the d128 small-page kernel (one Q buffer, O
-    // from registers: within the calls' noise).
-    static constexpr int kStages = kPageWarp_ && kHeadDim_ == 64 ? 4 : 2;
+    static constexpr int kStages = 2;
     // Q buffers: with two, the producer loads the next tile's Q while the consumers still work
     // on the current one (no room at d256: fp8's O staging tile takes the second buffer's place).
     // (fp8's one-byte tiles leave room for both next to d128's 224-key K and V^T rings.)

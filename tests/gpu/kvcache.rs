@@ -413,6 +413,44 @@ fn kvcache_decode_kernel_every_option() -> Result<()> {
     Ok(())
 }
 
+/// 16-bit d64 decode on the forward kernel's one-warpgroup instantiation (two CTAs per SM; the
+/// host's rule in cuda/forward.rs `d64_decode_on_one_warpgroup`): pages of 16 over a cache of more
+/// than 2,048 keys, and enough contiguous (sequence, kv head) tiles to fill both CTA slots of every
+/// SM, each with `Tuning::decode_one_cta_per_sm` (the two-warpgroup kernel) too, against the CPU
+/// path. 1 and 2 queries (4 and 8 packed rows), append with rotary, windows, softcap.
+#[test]
+fn kvcache_d64_decode_on_one_warpgroup() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-d64-x1");
+    // (page size, lens, seqlen_q)
+    let many: Vec<usize> = (0..40).map(|b| if b == 3 { 0 } else { rng.range(1, 700) }).collect();
+    let cases = [
+        (Some(16), vec![2100, 0, 1, rng.range(1, 2100)], 1),
+        (Some(32), vec![rng.range(1, 3000), 2500], 2),
+        (None, many, 1),
+    ];
+    for (i, (page_size, lens, seqlen_q)) in cases.into_iter().enumerate() {
+        let (opts, append, rotary) = match i {
+            0 => (Opts::new(0.1).causal(), true, Some((64, false))),
+            1 => (
+                Opts::new(0.09).causal().window(Some(rng.range(0, 900)), Some(0)),
+                true,
+                Some((32, true)),
+            ),
+            _ => (Opts::new(0.11).causal().softcap(6.0), true, Some((64, false))),
+        };
+        let s = Spec::new(&mut rng, page_size, lens, seqlen_q, append as usize, 32, 8, 64, 64);
+        for one_cta_per_sm in [false, true] {
+            let tuning = Tuning {
+                decode_kernel: Some(false),
+                decode_one_cta_per_sm: one_cta_per_sm,
+                ..Default::default()
+            };
+            check(&mut rng, &s, opts.tuned(tuning), rotary, 0)?;
+        }
+    }
+    Ok(())
+}
+
 /// The decode kernel where a call's shares are halved to fit one CTA per SM (cuda/decode.rs
 /// `plan`): the 1B shape's d64, 32/8 heads at batch 8 (two shares), 16 and 32 (one), short
 /// caches contiguous and in pages of 16, with the per-call choice (batch 8 takes the kernel) and

@@ -267,7 +267,11 @@ impl Variant {
     /// The instantiation's name in kernels/flash_fwd/kernel.cu.
     fn kernel_name(&self, dtype: DType) -> &'static str {
         if self.consumer_wgs == 1 {
-            return "flash_fwd_d64x1_e4m3_tv"; // fp8 d64 decode (`pick_fp8`)
+            return match (self.fp8, dtype == DType::BF16) {
+                (true, _) => "flash_fwd_d64x1_e4m3_tv", // fp8 d64 decode (`pick_fp8`)
+                (false, true) => "flash_fwd_d64x1_bf16",
+                (false, false) => "flash_fwd_d64x1_f16",
+            };
         }
         if self.transpose_v {
             return match self.head_dim {
@@ -338,15 +342,6 @@ impl Variant {
         2 * self.head_dim * rows + 1024 + 1024
     }
 
-    /// The `_pw` kernels' shared memory (`fa3::FwdTraits` with kPageWarp): [`Self::smem_bytes`]
-    /// with the K/V ring four stages deep at d64 (`kStages`).
-    fn page_warp_smem_bytes(&self) -> usize {
-        match self.head_dim {
-            64 => self.smem_bytes() + 2 * 2 * self.block_n * 2 * self.head_dim,
-            _ => self.smem_bytes(),
-        }
-    }
-
     /// Columns per shared-memory column block (and TMA box): 64 (128-byte swizzle), or 32 (64-byte
     /// swizzle) for head dim 96, which is no multiple of 64 (`fa3::FwdTraits::kColElems`).
     fn col_elems(&self) -> u32 {
@@ -399,6 +394,20 @@ impl Variant {
     fn threads(&self) -> u32 {
         128 * (1 + self.consumer_wgs as u32)
     }
+}
+
+/// 16-bit d64 decode over a KV cache (each tile's rows within one warpgroup's 64; `tiles` of them,
+/// one a (sequence, kv head) with pack-GQA): whether the one-warpgroup kernel at two CTAs per SM
+/// (`flash_fwd_d64x1_*`) takes it instead of the two-warpgroup kernel, whose second warpgroup has
+/// no rows there. H200, graph-replayed, against the two-warpgroup kernels (docs/kernels/kvcache.md,
+/// session 52): where the tiles fill both CTA slots of most SMs without a split (split_count's
+/// rule at two per SM) over short caches 0.74-0.90x at 640 keys, ~1.0 at 2,048, and 1.05-1.16x at
+/// 8,192 (so not there); over small pages (which it loads the plain way, not with the page warp)
+/// 0.71-0.78x from batch 32, and at batch 8-16 0.79-0.96x from 2,048 keys (its shares then merge
+/// in the combine kernel, which at 640 keys cost more than the warpgroup saves).
+fn d64_decode_on_one_warpgroup(tiles: usize, sms: usize, small_pages: bool, seqlen_k: usize) -> bool {
+    let fills_without_split = tiles * 10 >= 2 * sms * 8;
+    (fills_without_split && (small_pages || seqlen_k <= 2048)) || (small_pages && seqlen_k >= 2048)
 }
 
 /// Consumer warpgroups of the d64 kernels: 3 (192-row tiles) except for uneven calls whose
@@ -556,6 +565,19 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         )?,
         None => Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q, rows)?,
     };
+    let mut variant = variant;
+    let sms = sm_count(&dev)?;
+    if !variant.fp8
+        && variant.head_dim == 64
+        && tile_rows <= WG_ROWS
+        && !tuning.decode_one_cta_per_sm
+        && cache.is_some_and(|c| {
+            let tiles = dims.batch * if pack_gqa { dims.kv_heads } else { dims.heads };
+            d64_decode_on_one_warpgroup(tiles, sms, c.page_table != 0 && c.page_size < 64, dims.seqlen_k)
+        })
+    {
+        variant.consumer_wgs = 1;
+    }
     let elem_bytes = if variant.fp8 { 1 } else { 2 };
     let stream = dev.cuda_stream();
 
@@ -637,7 +659,6 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // kernels/flash_fwd/transpose_v.cuh).
     let solo_consumer = variant.transpose_v && variant.consumer_wgs == 2 && tile_rows <= WG_ROWS;
     let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
-    let sms = sm_count(&dev)?;
     // A call captured into a CUDA graph does not pay a split's host time on replay.
     let captured = is_capturing(&dev.cuda_stream());
     let smem = variant.smem_bytes();
@@ -731,10 +752,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     };
     let (name, func, smem) = match (cluster_kernel, &page_maps) {
         (Some((name, func)), _) => (name, func, smem),
-        (None, Some(pw)) => {
-            let pw_smem = variant.page_warp_smem_bytes();
-            (pw.name, kernel(&dev, pw.name, pw_smem)?, pw_smem)
-        }
+        (None, Some(pw)) => (pw.name, kernel(&dev, pw.name, smem)?, smem),
         (None, None) => {
             let name = variant.kernel_name(dtype);
             (name, kernel(&dev, name, smem)?, smem)
@@ -1001,7 +1019,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
 
 #[cfg(test)]
 mod tests {
-    use super::{Variant, WG_ROWS};
+    use super::{d64_decode_on_one_warpgroup, Variant, WG_ROWS};
     use crate::Tuning;
     use candle_core::DType;
 
@@ -1065,19 +1083,16 @@ mod tests {
         assert_eq!(Variant::pick(64, 64, false, 8192, Some(128)).unwrap().consumer_wgs, 2);
     }
 
-    /// The small-page (`_pw`) kernels' shared memory: d64's two extra K/V stages (64 KiB) on top of
-    /// the default kernel's, within the 227 KiB a CTA may have; d128 as the default kernel.
+    /// Where 16-bit d64 decode takes the one-warpgroup kernel (H200's and H100's 132 SMs: 212
+    /// tiles fill both CTA slots of most SMs; with 8 kv heads, batch 27).
     #[test]
-    fn page_warp_kernels_fit_shared_memory() {
-        for (d, extra) in [(64, 64 * 1024), (128, 0)] {
-            let v = Variant::pick(d, d, true, 1, None).unwrap();
-            assert_eq!(v.consumer_wgs, 2, "d{d}");
-            assert_eq!(v.page_warp_smem_bytes(), v.smem_bytes() + extra, "d{d}");
-            assert!(
-                v.page_warp_smem_bytes() <= 227 * 1024,
-                "d{d}: {} bytes",
-                v.page_warp_smem_bytes()
-            );
-        }
+    fn d64_decode_takes_one_warpgroup_where_it_measured_faster() {
+        let rule = |tiles, small_pages, keys| d64_decode_on_one_warpgroup(tiles, 132, small_pages, keys);
+        // Enough tiles: short caches and small pages; not long contiguous caches.
+        assert!(rule(212, false, 640) && rule(1024, false, 2048) && rule(212, true, 640));
+        assert!(!rule(256, false, 4096) && !rule(1024, false, 8192));
+        // Fewer tiles: only small pages over long caches (their shares then merge in the combine).
+        assert!(!rule(211, false, 640) && !rule(128, true, 640) && !rule(8, false, 8192));
+        assert!(rule(8, true, 2048) && rule(128, true, 8192));
     }
 }
