@@ -829,8 +829,8 @@ fn kvcache_small_for_sanitizer() -> Result<()> {
     let mut rng = TestRng::fresh("gpu-kvcache-sanitizer");
     let s = Spec::new(&mut rng, Some(16), vec![70, 0, 200], 2, 2, 8, 2, 128, 128);
     check(&mut rng, &s, Opts::new(0.1).causal(), Some((64, false)), 0)?;
-    // d64 on the small-page kernel (one share: no cluster merge), whose four-stage K/V ring the
-    // longest sequence's 6 key blocks go round more than once.
+    // d64 on the small-page kernel (one share: no cluster merge; its page warp), the longest
+    // sequence's 6 key blocks round the K/V ring three times.
     let s = Spec::new(&mut rng, Some(16), vec![70, 0, 650], 2, 2, 8, 2, 64, 64);
     check(&mut rng, &s, Opts::new(0.1).causal(), Some((64, false)), 1)
 }
