@@ -161,11 +161,14 @@ FA3_FWD_KERNEL(flash_fwd_d256_f16, 256, 80, fa3::DT_F16)
 // except short masked calls (crates/flash-attn/src/cuda/forward.rs, Variant::pick).
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_bf16, 64, 128, fa3::DT_BF16, 3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_f16, 64, 128, fa3::DT_F16, 3)
-// d64 decode over a KV cache on one consumer warpgroup, two CTAs per SM (each tile's rows fit one
+// Decode over a KV cache on one consumer warpgroup, two CTAs per SM (each tile's rows fit one
 // warpgroup's 64, so the two-warpgroup kernel's second warpgroup would idle): where the host's rule
-// takes it (forward.rs, d64_decode_on_one_warpgroup), two chains of key blocks run per SM.
+// takes it (forward.rs, decode_on_one_warpgroup), two chains of key blocks run per SM. d128 on
+// 64-key blocks with one Q buffer (96 KiB of shared memory a CTA).
 FA3_FWD_KERNEL_WG(flash_fwd_d64x1_bf16, 64, 128, fa3::DT_BF16, 1)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x1_f16, 64, 128, fa3::DT_F16, 1)
+FA3_FWD_KERNEL_WG(flash_fwd_d128x1_bf16, 128, 64, fa3::DT_BF16, 1)
+FA3_FWD_KERNEL_WG(flash_fwd_d128x1_f16, 128, 64, fa3::DT_F16, 1)
 // Split-KV decode calls whose shares merge in a thread-block cluster (cluster_combine.cuh; the host's
 // rule in crates/flash-attn/src/cuda/forward.rs): the d64 and d128 kernels with the merge compiled in.
 #define FA3_FWD_KERNEL_CM(NAME, D, DT) FA3_FWD_KERNEL_OF(NAME, 2, fa3::FwdTraits<D, 128, DT, 2, false, true>)

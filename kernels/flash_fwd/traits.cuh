@@ -34,7 +34,9 @@ struct FwdTraits {
     // Q buffers: with two, the producer loads the next tile's Q while the consumers still work
     // on the current one (no room at d256: fp8's O staging tile takes the second buffer's place).
     // (fp8's one-byte tiles leave room for both next to d128's 224-key K and V^T rings.)
-    static constexpr int kQStages = kHeadDim_ <= 128 && (kBlockN_ <= 128 || kFp8) ? 2 : 1;
+    // (16-bit d128 on one consumer warpgroup, two CTAs per SM: one, for the room.)
+    static constexpr bool kTwoCtasD128 = kConsumerWGs_ == 1 && kHeadDim_ == 128 && !kFp8;
+    static constexpr int kQStages = kHeadDim_ <= 128 && (kBlockN_ <= 128 || kFp8) && !kTwoCtasD128 ? 2 : 1;
     // CTAs resident per SM: one (a CTA's shared memory fills most of the SM), or two for the
     // one-warpgroup decode kernels, whose tiles are a sequence's few query rows: two CTAs run two
     // independent chains of key blocks per SM (docs/kernels/kvcache.md, session 38).

@@ -413,32 +413,35 @@ fn kvcache_decode_kernel_every_option() -> Result<()> {
     Ok(())
 }
 
-/// 16-bit d64 decode on the forward kernel's one-warpgroup instantiation (two CTAs per SM; the
-/// host's rule in cuda/forward.rs `d64_decode_on_one_warpgroup`): pages of 16 over a cache of more
-/// than 2,048 keys, and enough contiguous (sequence, kv head) tiles to fill both CTA slots of every
-/// SM, each with `Tuning::decode_one_cta_per_sm` (the two-warpgroup kernel) too, against the CPU
-/// path. 1 and 2 queries (4 and 8 packed rows), append with rotary, windows, softcap.
+/// 16-bit decode on the forward kernel's one-warpgroup instantiations (two CTAs per SM; the host's
+/// rule in cuda/forward.rs `decode_on_one_warpgroup`): d64 over pages of 16 and 32 and caches of
+/// more than 2,048 keys, and enough contiguous (sequence, kv head) tiles to fill both CTA slots of
+/// every SM; d128 (64-key blocks) over pages of 16 with enough tiles. Each also with
+/// `Tuning::decode_one_cta_per_sm` (the two-warpgroup kernel), against the CPU path: 1 and 2
+/// queries (4 and 8 packed rows), append with rotary, windows, softcap.
 #[test]
-fn kvcache_d64_decode_on_one_warpgroup() -> Result<()> {
-    let mut rng = TestRng::fresh("gpu-kvcache-d64-x1");
-    // (page size, lens, seqlen_q)
-    let many: Vec<usize> = (0..40).map(|b| if b == 3 { 0 } else { rng.range(1, 700) }).collect();
+fn kvcache_decode_on_one_warpgroup() -> Result<()> {
+    let mut rng = TestRng::fresh("gpu-kvcache-x1");
+    let many = |rng: &mut TestRng, n: usize, max: usize| -> Vec<usize> {
+        (0..n).map(|b| if b == 3 { 0 } else { rng.range(1, max) }).collect()
+    };
+    // (head dim, kv heads, page size, lens, seqlen_q)
     let cases = [
-        (Some(16), vec![2100, 0, 1, rng.range(1, 2100)], 1),
-        (Some(32), vec![rng.range(1, 3000), 2500], 2),
-        (None, many, 1),
+        (64, 8, Some(16), vec![2100, 0, 1, rng.range(1, 2100)], 1),
+        (64, 8, Some(32), vec![rng.range(1, 3000), 2500], 2),
+        (64, 8, None, many(&mut rng, 40, 700), 1),
+        (128, 4, Some(16), many(&mut rng, 60, 1000), 1),
     ];
-    for (i, (page_size, lens, seqlen_q)) in cases.into_iter().enumerate() {
-        let (opts, append, rotary) = match i {
-            0 => (Opts::new(0.1).causal(), true, Some((64, false))),
+    for (i, (d, kv_heads, page_size, lens, seqlen_q)) in cases.into_iter().enumerate() {
+        let (opts, rotary) = match i {
+            0 | 3 => (Opts::new(0.1).causal(), Some((64, false))),
             1 => (
                 Opts::new(0.09).causal().window(Some(rng.range(0, 900)), Some(0)),
-                true,
                 Some((32, true)),
             ),
-            _ => (Opts::new(0.11).causal().softcap(6.0), true, Some((64, false))),
+            _ => (Opts::new(0.11).causal().softcap(6.0), Some((64, false))),
         };
-        let s = Spec::new(&mut rng, page_size, lens, seqlen_q, append as usize, 32, 8, 64, 64);
+        let s = Spec::new(&mut rng, page_size, lens, seqlen_q, 1, 32, kv_heads, d, d);
         for one_cta_per_sm in [false, true] {
             let tuning = Tuning {
                 decode_kernel: Some(false),

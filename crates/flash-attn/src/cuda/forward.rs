@@ -269,6 +269,8 @@ impl Variant {
         if self.consumer_wgs == 1 {
             return match (self.fp8, dtype == DType::BF16) {
                 (true, _) => "flash_fwd_d64x1_e4m3_tv", // fp8 d64 decode (`pick_fp8`)
+                (false, true) if self.head_dim == 128 => "flash_fwd_d128x1_bf16",
+                (false, false) if self.head_dim == 128 => "flash_fwd_d128x1_f16",
                 (false, true) => "flash_fwd_d64x1_bf16",
                 (false, false) => "flash_fwd_d64x1_f16",
             };
@@ -337,7 +339,13 @@ impl Variant {
             return bytes + 1024 + 1024;
         }
         let roomy = self.head_dim <= 128 && self.block_n <= 128;
-        let (q_tiles, o_tiles) = if roomy { (2, 1) } else { (1, 0) };
+        // (d128 on one warpgroup: one Q buffer, `kQStages`.)
+        let q_buffers = if self.consumer_wgs == 1 && self.head_dim == 128 {
+            1
+        } else {
+            2
+        };
+        let (q_tiles, o_tiles) = if roomy { (q_buffers, 1) } else { (1, 0) };
         let rows = (q_tiles + o_tiles) * self.block_m() + 2 * 2 * self.block_n;
         2 * self.head_dim * rows + 1024 + 1024
     }
@@ -396,18 +404,26 @@ impl Variant {
     }
 }
 
-/// 16-bit d64 decode over a KV cache (each tile's rows within one warpgroup's 64; `tiles` of them,
-/// one a (sequence, kv head) with pack-GQA): whether the one-warpgroup kernel at two CTAs per SM
-/// (`flash_fwd_d64x1_*`) takes it instead of the two-warpgroup kernel, whose second warpgroup has
-/// no rows there. H200, graph-replayed, against the two-warpgroup kernels (docs/kernels/kvcache.md,
-/// session 52): where the tiles fill both CTA slots of most SMs without a split (split_count's
-/// rule at two per SM) over short caches 0.74-0.90x at 640 keys, ~1.0 at 2,048, and 1.05-1.16x at
-/// 8,192 (so not there); over small pages (which it loads the plain way, not with the page warp)
-/// 0.71-0.78x from batch 32, and at batch 8-16 0.79-0.96x from 2,048 keys (its shares then merge
-/// in the combine kernel, which at 640 keys cost more than the warpgroup saves).
-fn d64_decode_on_one_warpgroup(tiles: usize, sms: usize, small_pages: bool, seqlen_k: usize) -> bool {
+/// 16-bit decode over a KV cache (each tile's rows within one warpgroup's 64; `tiles` of them, one
+/// a (sequence, kv head) with pack-GQA): whether the one-warpgroup kernel at two CTAs per SM
+/// (`flash_fwd_d64x1_*`, `flash_fwd_d128x1_*` on 64-key blocks) takes it instead of the
+/// two-warpgroup kernel, whose second warpgroup has no rows there. H200, graph-replayed, against
+/// the two-warpgroup kernels (docs/kernels/kvcache.md, session 52):
+/// - d64, where the tiles fill both CTA slots of most SMs without a split (split_count's rule at
+///   two per SM): short caches 0.73-0.96x at 640-1,024 keys, ~1.0 at 2,048, 1.05-1.16x at 8,192
+///   (so not there); small pages (which it loads the plain way, not with the page warp) 0.72-0.80x
+///   from batch 32; and small pages at batch 1-16 from 2,048 keys 0.79-0.96x (its shares then merge
+///   in the combine kernel, which at 640 keys cost more than the warpgroup saves).
+/// - d128 (two CTAs fit only with 64-key blocks): small pages over up to 2,048 keys where the tiles
+///   fill both slots, 0.93-0.95x (batch 128, pages of 16, 1,024 keys: 1.03-1.04x the contiguous
+///   call instead of 1.09-1.10x); contiguous and split calls measured 1.0-1.24x, so not there.
+fn decode_on_one_warpgroup(head_dim: usize, tiles: usize, sms: usize, small_pages: bool, seqlen_k: usize) -> bool {
     let fills_without_split = tiles * 10 >= 2 * sms * 8;
-    (fills_without_split && (small_pages || seqlen_k <= 2048)) || (small_pages && seqlen_k >= 2048)
+    match head_dim {
+        64 => (fills_without_split && (small_pages || seqlen_k <= 2048)) || (small_pages && seqlen_k >= 2048),
+        128 => fills_without_split && small_pages && seqlen_k <= 2048,
+        _ => false,
+    }
 }
 
 /// Consumer warpgroups of the d64 kernels: 3 (192-row tiles) except for uneven calls whose
@@ -568,15 +584,19 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let mut variant = variant;
     let sms = sm_count(&dev)?;
     if !variant.fp8
-        && variant.head_dim == 64
         && tile_rows <= WG_ROWS
         && !tuning.decode_one_cta_per_sm
         && cache.is_some_and(|c| {
             let tiles = dims.batch * if pack_gqa { dims.kv_heads } else { dims.heads };
-            d64_decode_on_one_warpgroup(tiles, sms, c.page_table != 0 && c.page_size < 64, dims.seqlen_k)
+            let small_pages = c.page_table != 0 && c.page_size < 64;
+            decode_on_one_warpgroup(variant.head_dim, tiles, sms, small_pages, dims.seqlen_k)
         })
     {
         variant.consumer_wgs = 1;
+        // d128: 64-key blocks and one Q buffer, so that two CTAs fit an SM's shared memory.
+        if variant.head_dim == 128 {
+            variant.block_n = 64;
+        }
     }
     let elem_bytes = if variant.fp8 { 1 } else { 2 };
     let stream = dev.cuda_stream();
@@ -1019,7 +1039,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
 
 #[cfg(test)]
 mod tests {
-    use super::{d64_decode_on_one_warpgroup, Variant, WG_ROWS};
+    use super::{decode_on_one_warpgroup, Variant, WG_ROWS};
     use crate::Tuning;
     use candle_core::DType;
 
@@ -1083,16 +1103,33 @@ mod tests {
         assert_eq!(Variant::pick(64, 64, false, 8192, Some(128)).unwrap().consumer_wgs, 2);
     }
 
-    /// Where 16-bit d64 decode takes the one-warpgroup kernel (H200's and H100's 132 SMs: 212
-    /// tiles fill both CTA slots of most SMs; with 8 kv heads, batch 27).
+    /// Where 16-bit decode takes the one-warpgroup kernel (H200's and H100's 132 SMs: 212 tiles fill
+    /// both CTA slots of most SMs; with 8 kv heads, batch 27), and that its shared memory lets two
+    /// CTAs share an SM.
     #[test]
-    fn d64_decode_takes_one_warpgroup_where_it_measured_faster() {
-        let rule = |tiles, small_pages, keys| d64_decode_on_one_warpgroup(tiles, 132, small_pages, keys);
+    fn decode_takes_one_warpgroup_where_it_measured_faster() {
+        let d64 = |tiles, small_pages, keys| decode_on_one_warpgroup(64, tiles, 132, small_pages, keys);
         // Enough tiles: short caches and small pages; not long contiguous caches.
-        assert!(rule(212, false, 640) && rule(1024, false, 2048) && rule(212, true, 640));
-        assert!(!rule(256, false, 4096) && !rule(1024, false, 8192));
+        assert!(d64(212, false, 640) && d64(1024, false, 2048) && d64(212, true, 640));
+        assert!(!d64(256, false, 4096) && !d64(1024, false, 8192));
         // Fewer tiles: only small pages over long caches (their shares then merge in the combine).
-        assert!(!rule(211, false, 640) && !rule(128, true, 640) && !rule(8, false, 8192));
-        assert!(rule(8, true, 2048) && rule(128, true, 8192));
+        assert!(!d64(211, false, 640) && !d64(128, true, 640) && !d64(8, false, 8192));
+        assert!(d64(8, true, 2048) && d64(128, true, 8192));
+        // d128: small pages over short caches with enough tiles, nothing else; d96 / d256 never.
+        let d128 = |tiles, small_pages, keys| decode_on_one_warpgroup(128, tiles, 132, small_pages, keys);
+        assert!(d128(512, true, 1024) && !d128(512, false, 1024) && !d128(128, true, 1024) && !d128(512, true, 8192));
+        assert!(
+            !decode_on_one_warpgroup(96, 512, 132, true, 1024) && !decode_on_one_warpgroup(256, 512, 132, true, 1024)
+        );
+        for d in [64, 128] {
+            let mut v = Variant::pick(d, d, true, 1, None).unwrap();
+            v.consumer_wgs = 1;
+            v.block_n = if d == 128 { 64 } else { 128 };
+            assert!(
+                2 * (v.smem_bytes() + 1024) <= 228 * 1024,
+                "d{d}: {} bytes",
+                v.smem_bytes()
+            );
+        }
     }
 }
