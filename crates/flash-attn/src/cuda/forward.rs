@@ -264,6 +264,17 @@ impl Variant {
         })
     }
 
+    /// The same on one consumer warpgroup at two CTAs per SM (16-bit decode tiles,
+    /// `decode_on_one_warpgroup`): d128 on 64-key blocks, so that two CTAs fit an SM's shared
+    /// memory (one Q buffer: `smem_bytes`, `fa3::FwdTraits::kQStages`).
+    fn on_one_warpgroup(self) -> Self {
+        Self {
+            consumer_wgs: 1,
+            block_n: if self.head_dim == 128 { 64 } else { self.block_n },
+            ..self
+        }
+    }
+
     /// The instantiation's name in kernels/flash_fwd/kernel.cu.
     fn kernel_name(&self, dtype: DType) -> &'static str {
         if self.consumer_wgs == 1 {
@@ -568,7 +579,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let rows = tuning.d64_tile_rows;
     // The query rows of one sequence in a tile (decode: one tile of seqlen_q x group packed rows).
     let tile_rows = if pack_gqa { dims.seqlen_q * group } else { dims.seqlen_q };
-    let variant = match fp8 {
+    let mut variant = match fp8 {
         Some(_) => Variant::pick_fp8(
             dims.head_dim,
             dims.head_dim_v,
@@ -581,21 +592,14 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         )?,
         None => Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q, rows)?,
     };
-    let mut variant = variant;
+    // 16-bit decode tiles (a sequence's rows within one warpgroup's 64) on one consumer warpgroup
+    // at two CTAs per SM where that measured faster (`decode_on_one_warpgroup`).
     let sms = sm_count(&dev)?;
-    if !variant.fp8
-        && tile_rows <= WG_ROWS
-        && !tuning.decode_one_cta_per_sm
-        && cache.is_some_and(|c| {
-            let tiles = dims.batch * if pack_gqa { dims.kv_heads } else { dims.heads };
-            let small_pages = c.page_table != 0 && c.page_size < 64;
-            decode_on_one_warpgroup(variant.head_dim, tiles, sms, small_pages, dims.seqlen_k)
-        })
-    {
-        variant.consumer_wgs = 1;
-        // d128: 64-key blocks and one Q buffer, so that two CTAs fit an SM's shared memory.
-        if variant.head_dim == 128 {
-            variant.block_n = 64;
+    if let Some(c) = cache.filter(|_| !variant.fp8 && tile_rows <= WG_ROWS && !tuning.decode_one_cta_per_sm) {
+        let tiles = dims.batch * if pack_gqa { dims.kv_heads } else { dims.heads };
+        let small_pages = c.page_table != 0 && c.page_size < 64;
+        if decode_on_one_warpgroup(variant.head_dim, tiles, sms, small_pages, dims.seqlen_k) {
+            variant = variant.on_one_warpgroup();
         }
     }
     let elem_bytes = if variant.fp8 { 1 } else { 2 };
@@ -1122,9 +1126,8 @@ mod tests {
             !decode_on_one_warpgroup(96, 512, 132, true, 1024) && !decode_on_one_warpgroup(256, 512, 132, true, 1024)
         );
         for d in [64, 128] {
-            let mut v = Variant::pick(d, d, true, 1, None).unwrap();
-            v.consumer_wgs = 1;
-            v.block_n = if d == 128 { 64 } else { 128 };
+            let v = Variant::pick(d, d, true, 1, None).unwrap().on_one_warpgroup();
+            assert_eq!((v.consumer_wgs, v.block_n), (1, if d == 128 { 64 } else { 128 }));
             assert!(
                 2 * (v.smem_bytes() + 1024) <= 228 * 1024,
                 "d{d}: {} bytes",
