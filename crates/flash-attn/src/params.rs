@@ -34,12 +34,14 @@ pub struct Tuning {
     /// would merge them itself, each tile's shares as one thread-block cluster
     /// (kernels/flash_fwd/cluster_combine.cuh: single-query decode over short caches).
     pub global_combine: bool,
-    /// KV caches at head dims up to 64, calls whose query rows per sequence fit one warpgroup's
-    /// 64 (decode) on the forward kernel: the two-warpgroup kernel, one CTA per SM, instead of the
-    /// one-warpgroup kernel at two CTAs per SM (two chains of key blocks per SM), which fp8 caches
-    /// take always (docs/kernels/kvcache.md, session 38) and 16-bit caches where it measured
-    /// faster: enough (sequence, kv head) tiles for both CTA slots of most SMs over caches of up
-    /// to 2,048 keys or pages under 64 keys, and pages under 64 keys from 2,048 (session 52).
+    /// KV-cache calls whose query rows per sequence fit one warpgroup's 64 (decode) on the
+    /// forward kernel: the two-warpgroup kernel, one CTA per SM, instead of the one-warpgroup
+    /// kernel at two CTAs per SM (two chains of key blocks per SM). The default takes that one for
+    /// fp8 caches at head dims up to 64 always (docs/kernels/kvcache.md, session 38), and for
+    /// 16-bit caches where it measured faster (session 52): head dim 64 with enough (sequence, kv
+    /// head) tiles for both CTA slots of most SMs over caches of up to 2,048 keys or pages under 64
+    /// keys, or over pages under 64 keys from 2,048; head dim 128 over pages under 64 keys and up
+    /// to 2,048 keys with that many tiles.
     pub decode_one_cta_per_sm: bool,
     /// Single-query calls over a 16-bit KV cache (`flash_attn_with_kvcache`, one query per
     /// sequence, head dim 64 or 128, at most 16 q heads per kv head, `num_splits` 0): `None` runs

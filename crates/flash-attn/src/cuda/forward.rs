@@ -774,12 +774,12 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         }
         _ => None,
     };
-    let (name, func, smem) = match (cluster_kernel, &page_maps) {
-        (Some((name, func)), _) => (name, func, smem),
-        (None, Some(pw)) => (pw.name, kernel(&dev, pw.name, smem)?, smem),
+    let (name, func) = match (cluster_kernel, &page_maps) {
+        (Some(cluster), _) => cluster,
+        (None, Some(pw)) => (pw.name, kernel(&dev, pw.name, smem)?),
         (None, None) => {
             let name = variant.kernel_name(dtype);
-            (name, kernel(&dev, name, smem)?, smem)
+            (name, kernel(&dev, name, smem)?)
         }
     };
     let tma_k = match &page_maps {
