@@ -416,7 +416,8 @@ impl Variant {
 }
 
 /// 16-bit decode over a KV cache (each tile's rows within one warpgroup's 64; `tiles` of them, one
-/// a (sequence, kv head) with pack-GQA): whether the one-warpgroup kernel at two CTAs per SM
+/// a (sequence, kv head) with pack-GQA; `seqlen_k` the keys a sequence's cache holds, as for the
+/// split rule): whether the one-warpgroup kernel at two CTAs per SM
 /// (`flash_fwd_d64x1_*`, `flash_fwd_d128x1_*` on 64-key blocks) takes it instead of the
 /// two-warpgroup kernel, whose second warpgroup has no rows there. H200, graph-replayed, against
 /// the two-warpgroup kernels (docs/kernels/kvcache.md, session 52):
