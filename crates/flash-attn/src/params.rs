@@ -447,6 +447,13 @@ pub(crate) const MAX_UNSPLIT_KEY_BLOCKS: usize = 4;
 /// pays no host time on replay, so it splits from 2 key blocks: graph-replayed on an H100, d128
 /// batch-1 decode over 8 key blocks 11.6 µs split 8 ways against 17.0 unsplit, and flash-llama's
 /// graph decode of the 1B shape (d64, 5 key blocks, 8 tiles) 1.05x the tokens/s.
+/// Whether `tiles` CTAs fill most of `slots` (the CTAs that run at once, at least 80% of them):
+/// then a call has no split ([`split_count`]).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn tiles_fill(tiles: usize, slots: usize) -> bool {
+    tiles * 10 >= slots * 8
+}
+
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn split_count(requested: usize, tiles: usize, sms: usize, key_blocks: usize, captured: bool) -> usize {
     if requested > 0 {
@@ -454,7 +461,7 @@ pub(crate) fn split_count(requested: usize, tiles: usize, sms: usize, key_blocks
     }
     let unsplit_up_to = if captured { 1 } else { MAX_UNSPLIT_KEY_BLOCKS };
     // Enough tiles for most SMs, or too few key blocks to share: no split.
-    if tiles * 10 >= sms * 8 || key_blocks <= unsplit_up_to {
+    if tiles_fill(tiles, sms) || key_blocks <= unsplit_up_to {
         return 1;
     }
     let max_splits = MAX_SPLITS.min(sms).min(key_blocks);

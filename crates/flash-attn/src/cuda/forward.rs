@@ -17,7 +17,7 @@ use super::{
     tensor_map_nd, tile_counter, TmaDesc, WG_ROWS,
 };
 use crate::descale::Fp8Call;
-use crate::params::{l2_section_pairs, split_count, AttnParams, Dims, FastDiv, Varlen};
+use crate::params::{l2_section_pairs, split_count, tiles_fill, AttnParams, Dims, FastDiv, Varlen};
 
 /// Mirror of `fa3::FwdParams` (kernels/flash_fwd/params.cuh), field for field.
 #[repr(C, align(64))]
@@ -421,8 +421,8 @@ impl Variant {
 /// (`flash_fwd_d64x1_*`, `flash_fwd_d128x1_*` on 64-key blocks) takes it instead of the
 /// two-warpgroup kernel, whose second warpgroup has no rows there. H200, graph-replayed, against
 /// the two-warpgroup kernels (docs/kernels/kvcache.md, session 52):
-/// - d64, where the tiles fill both CTA slots of most SMs without a split (split_count's rule at
-///   two per SM): short caches 0.73-0.96x at 640-1,024 keys, ~1.0 at 2,048, 1.05-1.16x at 8,192
+/// - d64, where the tiles fill both CTA slots of most SMs without a split (`tiles_fill` at two
+///   per SM): short caches 0.73-0.96x at 640-1,024 keys, ~1.0 at 2,048, 1.05-1.16x at 8,192
 ///   (so not there); small pages (which it loads the plain way, not with the page warp) 0.72-0.80x
 ///   from batch 32; and small pages at batch 1-16 from 2,048 keys 0.79-0.96x (its shares then merge
 ///   in the combine kernel, which at 640 keys cost more than the warpgroup saves).
@@ -430,7 +430,7 @@ impl Variant {
 ///   fill both slots, 0.93-0.95x (batch 128, pages of 16, 1,024 keys: 1.03-1.04x the contiguous
 ///   call instead of 1.09-1.10x); contiguous and split calls measured 1.0-1.24x, so not there.
 fn decode_on_one_warpgroup(head_dim: usize, tiles: usize, sms: usize, small_pages: bool, seqlen_k: usize) -> bool {
-    let fills_without_split = tiles * 10 >= 2 * sms * 8;
+    let fills_without_split = tiles_fill(tiles, 2 * sms);
     match head_dim {
         64 => (fills_without_split && (small_pages || seqlen_k <= 2048)) || (small_pages && seqlen_k >= 2048),
         128 => fills_without_split && small_pages && seqlen_k <= 2048,
@@ -596,8 +596,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // 16-bit decode tiles (a sequence's rows within one warpgroup's 64) on one consumer warpgroup
     // at two CTAs per SM where that measured faster (`decode_on_one_warpgroup`).
     let sms = sm_count(&dev)?;
+    let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
     if let Some(c) = cache.filter(|_| !variant.fp8 && tile_rows <= WG_ROWS && !tuning.decode_one_cta_per_sm) {
-        let tiles = dims.batch * if pack_gqa { dims.kv_heads } else { dims.heads };
+        let tiles = dims.batch * tile_heads; // one query tile each: the rows fit one warpgroup
         let small_pages = c.page_table != 0 && c.page_size < 64;
         if decode_on_one_warpgroup(variant.head_dim, tiles, sms, small_pages, dims.seqlen_k) {
             variant = variant.on_one_warpgroup();
@@ -683,7 +684,6 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // transposes V beside the producer's two warps (`fa3::FwdParams::solo_consumer`,
     // kernels/flash_fwd/transpose_v.cuh).
     let solo_consumer = variant.transpose_v && variant.consumer_wgs == 2 && tile_rows <= WG_ROWS;
-    let tile_heads = if pack_gqa { dims.kv_heads } else { dims.heads };
     // A call captured into a CUDA graph does not pay a split's host time on replay.
     let captured = is_capturing(&dev.cuda_stream());
     let smem = variant.smem_bytes();
