@@ -523,7 +523,7 @@ fn invalid_tuning_is_rejected() {
                 fp8_d128_block_n: Some(192),
                 ..default
             },
-            &["fp8_d128_block_n", "128 or 224"],
+            &["fp8_d128_block_n", "128 or 256"],
         ),
     ];
     for (tuning, expected) in invalid {
@@ -537,7 +537,7 @@ fn invalid_tuning_is_rejected() {
         direct_store: true,
         per_tile: true,
         l2_section: Some(3),
-        fp8_d128_block_n: Some(224),
+        fp8_d128_block_n: Some(256),
         global_combine: true,
         decode_one_cta_per_sm: true,
         decode_kernel: Some(true),

@@ -59,6 +59,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
                 mbar_init(&s.pages_empty[i], 2);  // the TMA thread (K) and the V thread
             }
         }
+        if constexpr (Tr::kSerialConsumer) s.zero = 0;
         mbar_init(&s.tile_full, 1);
         // The consumers, the TMA thread and (paged caches) the V thread release a tile index;
         // with kPageWarp every lane of the page warp too.
@@ -121,7 +122,11 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
                 epilogue<Tr>(p, s, t, o, inv, lse, wg - 1, tid, row, lane % 4);
                 continue;
             }
-            consumer_pingpong<Tr>(p, s, t, wg - 1, tid, it, tc);
+            if constexpr (Tr::kSerialConsumer) {
+                consumer_serial<Tr>(p, s, t, wg - 1, tid, it, tc);
+            } else {
+                consumer_pingpong<Tr>(p, s, t, wg - 1, tid, it, tc);
+            }
             ++tc;
         }
         if (pingpong) pingpong_ring_end(wg - 1);
@@ -188,12 +193,13 @@ FA3_FWD_KERNEL_PW(flash_fwd_d128_f16_pw, 128, fa3::DT_F16)
 // FP8 (e4m3 inputs, bf16 or f16 output): 128-key blocks (whole 128-byte rows of V^T); head dims
 // 96 and 192 run on d128 and d256 with zero-filled columns; d64 also on 192-row tiles, chosen as
 // for 16 bits but for masked calls from 2k queries (cuda/forward.rs, FP8_D64_UNEVEN_MIN); d128
-// also on 224-key blocks (FA3's tile) for calls of 8k keys or more (crates/flash-attn/src/cuda/
-// fp8.rs, block_n). docs/kernels/forward-fp8.md.
+// also on 256-key blocks without intra-warpgroup overlap (mainloop.cuh consumer_serial) for calls
+// of 1k keys or more, 8k when masked (crates/flash-attn/src/cuda/fp8.rs, block_n).
+// docs/kernels/forward-fp8.md.
 FA3_FWD_KERNEL(flash_fwd_d64_e4m3, 64, 128, fa3::DT_E4M3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_e4m3, 64, 128, fa3::DT_E4M3, 3)
 FA3_FWD_KERNEL(flash_fwd_d128_e4m3, 128, 128, fa3::DT_E4M3)
-FA3_FWD_KERNEL(flash_fwd_d128_n224_e4m3, 128, 224, fa3::DT_E4M3)
+FA3_FWD_KERNEL(flash_fwd_d128_n256_e4m3, 128, 256, fa3::DT_E4M3)
 FA3_FWD_KERNEL(flash_fwd_d256_e4m3, 256, 128, fa3::DT_E4M3)
 
 // FP8 over KV caches (flash_attn_with_kvcache): V as the cache holds it, contiguous or paged,

@@ -132,7 +132,7 @@ struct alignas(64) FwdParams {
 // by flash_attn3::fp8::Q_BLOCK_ROWS.
 constexpr int kFp8QBlockRows = 64;
 // Keys per K descale block: flash_attn3::fp8::K_BLOCK_ROWS (the 128-key blocks of the d64 and
-// d256 kernels; d128's 224-key blocks span up to three, mainloop.cuh scale_by_k_blocks).
+// d256 kernels; d128's 256-key blocks span two, mainloop.cuh scale_by_k_blocks).
 constexpr int kFp8KBlockKeys = 128;
 
 // The fp8 pre-pass (fp8_prepass.cuh): V (tokens, kv heads, head_dim_v) e4m3 -> V^T (sequences,

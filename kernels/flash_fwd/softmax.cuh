@@ -53,38 +53,10 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0>
     __device__ __forceinline__ void step(float (&s)[kSRegs], float scale_log2, float (&corr)[2], unsigned live = 3u) {
         static_assert(kSRegs % 4 == 0 && kSRegs >= 16, "at least 4 column groups per row");
         if constexpr (kLazyMax) {
-            float mx[2];
-            // A dead row's max stays -inf, so it never moves its reference max.
-#pragma unroll
-            for (int h = 0; h < 2; ++h) mx[h] = (live >> h & 1u) ? thread_max(s, h) : -INFINITY;
-            // The reference max moves only past the slack (the first visible key always moves it
-            // off -inf). A row's 4 lanes agree through the quad's max, which is needed only when
-            // some lane of the warp saw a score past the slack: otherwise no row moves, and the
-            // exponentials start without the two shuffles' latency (version 31).
-            bool may_move = false;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) may_move |= mx[h] * scale_log2 > row_max[h] * scale_log2 + kSlack;
-            corr[0] = corr[1] = 1.f;
-            if (__any_sync(0xffffffffu, may_move)) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float m = quad_max(mx[h]);
-                    const float old_scaled = row_max[h] * scale_log2, new_scaled = m * scale_log2;
-                    if (new_scaled > old_scaled + kSlack) {
-                        corr[h] = fast_exp2(old_scaled - new_scaled);
-                        row_max[h] = m;
-                    }
-                }
-            }
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (live >> h & 1u) {
-                    exponentiate_row(s, h, scaled_max(h, scale_log2), scale_log2, corr[h]);
-                } else {
-                    zero_row(s, h);
-                }
-            }
+            update_max(s, scale_log2, corr, live);
+            exponentiate(s, scale_log2, corr, live);
         } else {
+            // Each row's max, correction and exponentials in turn.
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 if (!(live >> h & 1u)) {
@@ -99,6 +71,50 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0>
                 const float m_scaled = m_unscaled - kPScaleLog2;  // as in scaled_max
                 row_max[h] = m;
                 exponentiate_row(s, h, m_scaled, scale_log2, corr[h]);
+            }
+        }
+    }
+
+    // The lazy step's first half (apart, so that a caller can run other work between the halves:
+    // mainloop.cuh consumer_serial): the rows' reference maxes after this block, and O's
+    // correction factors.
+    __device__ __forceinline__ void update_max(const float (&s)[kSRegs], float scale_log2, float (&corr)[2],
+                                               unsigned live = 3u) {
+        static_assert(kLazyMax, "the exact max updates inside step");
+        float mx[2];
+        // A dead row's max stays -inf, so it never moves its reference max.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mx[h] = (live >> h & 1u) ? thread_max(s, h) : -INFINITY;
+        // The reference max moves only past the slack (the first visible key always moves it
+        // off -inf). A row's 4 lanes agree through the quad's max, which is needed only when
+        // some lane of the warp saw a score past the slack: otherwise no row moves, and the
+        // exponentials start without the two shuffles' latency (version 31).
+        bool may_move = false;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) may_move |= mx[h] * scale_log2 > row_max[h] * scale_log2 + kSlack;
+        corr[0] = corr[1] = 1.f;
+        if (__any_sync(0xffffffffu, may_move)) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float m = quad_max(mx[h]);
+                const float old_scaled = row_max[h] * scale_log2, new_scaled = m * scale_log2;
+                if (new_scaled > old_scaled + kSlack) {
+                    corr[h] = fast_exp2(old_scaled - new_scaled);
+                    row_max[h] = m;
+                }
+            }
+        }
+    }
+
+    // The lazy step's second half: s to p against the reference maxes (a dead row's p set to 0).
+    __device__ __forceinline__ void exponentiate(float (&s)[kSRegs], float scale_log2, const float (&corr)[2],
+                                                 unsigned live = 3u) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (live >> h & 1u) {
+                exponentiate_row(s, h, scaled_max(h, scale_log2), scale_log2, corr[h]);
+            } else {
+                zero_row(s, h);
             }
         }
     }

@@ -33,7 +33,7 @@ struct FwdTraits {
     static constexpr int kStages = 2;
     // Q buffers: with two, the producer loads the next tile's Q while the consumers still work
     // on the current one (no room at d256: fp8's O staging tile takes the second buffer's place).
-    // (fp8's one-byte tiles leave room for both next to d128's 224-key K and V^T rings.)
+    // (fp8's one-byte tiles leave room for both next to d128's 256-key K and V^T rings.)
     // (16-bit d128 on one consumer warpgroup, two CTAs per SM: one, for the room.)
     static constexpr bool kTwoCtasD128 = kConsumerWGs_ == 1 && kHeadDim_ == 128 && !kFp8;
     static constexpr int kQStages = kHeadDim_ <= 128 && (kBlockN_ <= 128 || kFp8) && !kTwoCtasD128 ? 2 : 1;
@@ -47,7 +47,7 @@ struct FwdTraits {
     // need 240 (they spill at 232), so its producer gets 24 (and spills a few values to local
     // memory). 3 consumer warpgroups: 32 / 160 (128·32 + 384·160 = 65536). 1 (two CTAs per SM):
     // 40 / 216 (128·40 + 128·216 = 32768).
-    static constexpr bool kWideConsumers = kHeadDim_ > 128 || kBlockN_ > 128;  // also fp8 d128's 224 keys
+    static constexpr bool kWideConsumers = kHeadDim_ > 128 || kBlockN_ > 128;  // also fp8 d128's 256 keys
     static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kWideConsumers ? 24 : 40;
     static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kConsumerWGs == 1 ? 216 : kWideConsumers ? 240 : 232;
     static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1, 2 or 3 consumer warpgroups");
@@ -63,9 +63,9 @@ struct FwdTraits {
     // One wgmma k-step reads 32 bytes of each row: 16 elements of 16 bits, 32 of e4m3.
     static constexpr int kStepElems = 32 / kElemBytes;
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * kElemBytes;
-    // FP8: V^T tiles are kHeadDim rows of kBlockN keys, in 128-byte (128-key) column blocks; a
-    // block that is no multiple of 128 keys (d128's 224) loads its last column block whole (the
-    // keys past the block are the next block's, read again there; P·V's k-steps stop at kBlockN).
+    // FP8: V^T tiles are kHeadDim rows of kBlockN keys, in 128-byte (128-key) column blocks (a
+    // block that were no multiple of 128 keys would load its last column block whole; P·V's
+    // k-steps stop at kBlockN).
     static constexpr int kVtColBlocks = kFp8 ? (kBlockN + 127) / 128 : 0;
     static_assert(!kFp8 || kBlockN % 32 == 0, "fp8 key blocks are whole k-steps of 32 keys");
     static_assert(!kTransposeV || kBlockN == 128, "the in-kernel V transpose moves 128-key blocks");
@@ -133,6 +133,10 @@ struct FwdTraits {
     static constexpr bool kKVRowGroups = kPageWarp;
     static constexpr uint32_t kKVColBlockBytes = kKVRowGroups ? kAtomBytes : kBlockN * kSwizzle;
     static constexpr uint32_t kKVGroupBytes = kKVRowGroups ? kColBlocks * kAtomBytes : kAtomBytes;
+    // The consumer loop without intra-warpgroup overlap (mainloop.cuh consumer_serial): fp8 d128 on
+    // 256-key blocks, the shape of cuDNN's fp8 kernel (docs/kernels/forward-fp8.md, version 9).
+    // There every 4th / 8th exponential on the FMA pipe measured 5% / 1% slower.
+    static constexpr bool kSerialConsumer = kFp8 && kBlockN_ == 256;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     // P as wgmma's register A operand: per k-step 4 registers of 2 (16-bit) or 4 (e4m3) values.
@@ -163,6 +167,7 @@ template <class Tr> struct SharedStorage {
     alignas(8) uint64_t pages_full[Tr::kPageSlots];   // the page warp wrote a block's page indices
     alignas(8) uint64_t pages_empty[Tr::kPageSlots];  // K's and V's boxes of that block went out
     int block_pages[Tr::kPageSlots][Tr::kMaxBlockBoxes];  // a block's page indices, box by box
+    int zero;  // 0 (kSerialConsumer: a value ptxas cannot fold, mainloop.cuh consumer_serial)
 };
 
 }  // namespace fa3

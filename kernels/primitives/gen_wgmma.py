@@ -16,7 +16,7 @@ TYPES = (("bf16", "bf16"), ("f16", "f16"))
 # FP8 (e4m3) wrappers: k = 32 per instruction, both shared-memory operands K-major (fp8 wgmma has no
 # transposed operands). S = Q·Kᵀ with N = the fp8 kernels' key blocks; O += P·V (P from registers,
 # V stored transposed by the kernel's pre-pass) with N = the head dims that have an fp8 kernel.
-FP8_SS_NS = (128, 224)
+FP8_SS_NS = (128, 256)
 FP8_RS_NS = (64, 128, 256)
 
 

@@ -160,15 +160,16 @@ fn fp8_every_option_head_dims_and_granularities() -> Result<()> {
     Ok(())
 }
 
-/// The d128 kernel on 224-key blocks (FA3's tile), which the default choice keeps for calls of
-/// 8k keys or more, forced on small odd shapes: every option, per-head and per-block descales (a
-/// 224-key block spans up to three 128-key K descale blocks), both split choices.
+/// The d128 kernel on 256-key blocks (the consumer without intra-warpgroup overlap, mainloop.cuh
+/// consumer_serial), which the default choice keeps for calls of 1k keys or more (8k masked),
+/// forced on small odd shapes: every option, per-head and per-block descales (a 256-key block spans
+/// two or three 128-key K descale blocks), both split choices.
 #[test]
-fn fp8_d128_224_key_blocks() -> Result<()> {
+fn fp8_d128_256_key_blocks() -> Result<()> {
     let dev = gpu()?;
-    let mut rng = TestRng::fresh("gpu-fp8-224");
+    let mut rng = TestRng::fresh("gpu-fp8-256");
     let tuning = flash_attn3::Tuning {
-        fp8_d128_block_n: Some(224),
+        fp8_d128_block_n: Some(256),
         ..Default::default()
     };
     let mut n = 0;
@@ -184,20 +185,20 @@ fn fp8_d128_224_key_blocks() -> Result<()> {
             let ramp: Vec<f32> = (0..sk).map(|i| 1.0 + (i / fp8::K_BLOCK_ROWS % 3) as f32).collect();
             let k = k.broadcast_mul(&Tensor::from_vec(ramp, (1, sk, 1, 1), &dev)?)?;
             for granularity in [Granularity::Head, Granularity::Block(0)] {
-                let what = format!("fp8 224 keys d{d} {name} {shape:?} seed {}", rng.seed());
+                let what = format!("fp8 256 keys d{d} {name} {shape:?} seed {}", rng.seed());
                 check_fp8((&q, &k, &v), granularity, o.tuned(tuning), DType::BF16, &what)?;
                 n += 1;
             }
         }
     }
-    eprintln!("{n} fp8 cases on 224-key blocks");
+    eprintln!("{n} fp8 cases on 256-key blocks");
     Ok(())
 }
 
 /// A NaN in k or q comes out as NaN in every output it feeds, and only there: through the
 /// SFU's exponentials and through the FMA pipe's (`exp2_fma`: every 4th exponential of a row in
 /// the 128-key d128 kernel: key 9 of a block is one of those in every row, key 0 goes to the
-/// SFU), and on 224-key blocks.
+/// SFU), and on 256-key blocks.
 #[test]
 fn fp8_nan_inputs_reach_the_outputs_they_feed() -> Result<()> {
     let dev = gpu()?;
@@ -215,7 +216,7 @@ fn fp8_nan_inputs_reach_the_outputs_they_feed() -> Result<()> {
     let values = |rng: &mut TestRng, n: usize| -> Result<Vec<f32>> {
         rng.randn((n * heads * d,), DType::F32, &Device::Cpu)?.to_vec1::<f32>()
     };
-    for keys_per_block in [128, 224] {
+    for keys_per_block in [128, 256] {
         let attn = flash_attn3::FlashAttn::new(1.0 / (d as f32).sqrt()).tuning(flash_attn3::Tuning {
             fp8_d128_block_n: Some(keys_per_block),
             ..Default::default()
@@ -475,12 +476,12 @@ fn fp8_cpu_and_gpu_agree() -> Result<()> {
 fn fp8_small_for_sanitizer() -> Result<()> {
     let dev = gpu()?;
     let mut rng = TestRng::fresh("gpu-fp8-small");
-    // (head dim, granularity, causal, d128's key block: 128 or 224)
+    // (head dim, granularity, causal, d128's key block: 128 or 256)
     for (d, granularity, causal, keys) in [
         (64, Granularity::Head, true, 128),
         (64, Granularity::Block(0), false, 128),
         (128, Granularity::Block(0), true, 128),
-        (128, Granularity::Block(0), false, 224),
+        (128, Granularity::Block(0), false, 256),
         (256, Granularity::Tensor, true, 128),
     ] {
         let shape = AttnShape::new((1, 130, 260, 2, 1, d, d));

@@ -39,7 +39,7 @@ use flash_attn3::fp8::{self, Granularity, Quantizer};
 use flash_attn3::{FlashAttn, Tuning};
 
 /// BENCH_TUNING="pack_gqa=0|1,d64_rows=128|192,direct_store,per_tile,l2_section=N,
-/// fp8_d128_keys=128|224,global_combine,decode_one_cta,decode_kernel=0|1": the
+/// fp8_d128_keys=128|256,global_combine,decode_one_cta,decode_kernel=0|1": the
 /// `Tuning` of every call of the benchmark (unset: chosen per call), for comparisons.
 fn tuning() -> Tuning {
     let mut t = Tuning::default();

@@ -26,9 +26,10 @@ pub struct Tuning {
     /// (batch, head) pairs per section of the tile order: `None` sizes sections to the L2 for
     /// masked or varlen calls (one pair for the others).
     pub l2_section: Option<usize>,
-    /// Keys per pipeline stage of the fp8 kernel for head dims 65..=128: 128 or 224 (FA3's tile);
-    /// `None` takes 224 from 8192 keys (the longest key sequence of the call). KV cache calls
-    /// always run on 128.
+    /// Keys per pipeline stage of the fp8 kernel for head dims 65..=128: 128, or 256 (a consumer
+    /// loop without intra-warpgroup overlap, cuDNN's shape); `None` takes 256 from 1,024 keys (the
+    /// longest key sequence of the call), from 8,192 for causal, windowed or varlen calls. KV cache
+    /// calls always run on 128.
     pub fp8_d128_block_n: Option<usize>,
     /// Split-KV calls merge their key shares in the combine kernel even where the forward launch
     /// would merge them itself, each tile's shares as one thread-block cluster
@@ -61,8 +62,8 @@ impl Tuning {
             }
         }
         if let Some(keys) = self.fp8_d128_block_n {
-            if keys != 128 && keys != 224 {
-                bail!("flash-attn3: Tuning::fp8_d128_block_n must be 128 or 224, got {keys}")
+            if keys != 128 && keys != 256 {
+                bail!("flash-attn3: Tuning::fp8_d128_block_n must be 128 or 256, got {keys}")
             }
         }
         if self.l2_section == Some(0) {

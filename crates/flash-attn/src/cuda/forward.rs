@@ -220,7 +220,7 @@ impl Variant {
     }
 
     /// The fp8 kernels: d64, d128 and d256 (96 and 192 run on the next one up, TMA zero-filling
-    /// the columns), 128-key blocks (224 at d128: `fp8::block_n`), two consumer warpgroups (three
+    /// the columns), 128-key blocks (256 at d128: `fp8::block_n`), two consumer warpgroups (three
     /// for d64 where `pick` uses three; one for d64 decode over a KV cache, below).
     /// `tile_rows`: a sequence's query rows in a tile.
     #[allow(clippy::too_many_arguments)]
@@ -245,7 +245,7 @@ impl Variant {
         // 2k, +2..+7% causal from 4k, -10% causal at 512 and 1k (same call).
         Ok(Self {
             head_dim,
-            block_n: fp8::block_n(head_dim, transpose_v, seqlen_k, tuning.fp8_d128_block_n),
+            block_n: fp8::block_n(head_dim, transpose_v, uneven, seqlen_k, tuning.fp8_d128_block_n),
             consumer_wgs: match head_dim {
                 64 if !transpose_v => d64_consumer_wgs(uneven, seqlen_q, tuning.d64_tile_rows, FP8_D64_UNEVEN_MIN),
                 // d64 decode over an fp8 cache (a sequence's query rows within one warpgroup's
@@ -297,7 +297,7 @@ impl Variant {
             return match self.head_dim {
                 64 if self.consumer_wgs == 3 => "flash_fwd_d64x3_e4m3",
                 64 => "flash_fwd_d64_e4m3",
-                128 if self.block_n == 224 => "flash_fwd_d128_n224_e4m3",
+                128 if self.block_n == 256 => "flash_fwd_d128_n256_e4m3",
                 128 => "flash_fwd_d128_e4m3",
                 _ => "flash_fwd_d256_e4m3",
             };
@@ -1074,6 +1074,35 @@ mod tests {
         let v = pick(64, 4, &off, true);
         assert_eq!(v.consumer_wgs, 2);
         assert_eq!(v.kernel_name(DType::F8E4M3), "flash_fwd_d64_e4m3_tv");
+    }
+
+    /// fp8 d128's key blocks (host logic only): 256 (the serial consumer) from 1,024 keys, from
+    /// 8,192 for uneven calls, never over a KV cache (the in-kernel V transpose moves 128-key
+    /// blocks); `Tuning::fp8_d128_block_n` overrides; the 256-key kernel's shared memory fits a CTA.
+    #[test]
+    fn fp8_d128_key_blocks_by_length_and_evenness() {
+        let default = Tuning::default();
+        let pick = |uneven: bool, seqlen_k: usize, tuning: &Tuning, cache: bool| {
+            Variant::pick_fp8(128, 128, uneven, 4096, seqlen_k, WG_ROWS, tuning, cache).unwrap()
+        };
+        let keys = |uneven: bool, seqlen_k: usize| pick(uneven, seqlen_k, &default, false).block_n;
+        assert_eq!(
+            (keys(false, 1023), keys(false, 1024), keys(false, 16384)),
+            (128, 256, 256)
+        );
+        assert_eq!((keys(true, 4096), keys(true, 8191), keys(true, 8192)), (128, 128, 256));
+        assert_eq!(pick(false, 16384, &default, true).block_n, 128);
+        let v = pick(false, 4096, &default, false);
+        assert_eq!(v.kernel_name(DType::F8E4M3), "flash_fwd_d128_n256_e4m3");
+        assert!(v.smem_bytes() <= 227 * 1024, "{} bytes", v.smem_bytes());
+        let forced = Tuning {
+            fp8_d128_block_n: Some(128),
+            ..default
+        };
+        assert_eq!(
+            pick(false, 16384, &forced, false).kernel_name(DType::F8E4M3),
+            "flash_fwd_d128_e4m3"
+        );
     }
 
     /// d64's tile rows (host logic only): 192 (three consumer warpgroups) except for uneven calls

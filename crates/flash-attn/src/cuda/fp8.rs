@@ -14,21 +14,32 @@ use crate::params::Dims;
 /// `FwdTraits::kVtColBlocks`).
 pub(super) const VT_COL_KEYS: usize = 128;
 
-/// Keys per pipeline stage of the fp8 kernel for a (padded) head dim and the call's longest key
-/// sequence (`FwdTraits::kBlockN`): 128, or FA3's 224 at d128 from [`LONG_KEYS`] keys without the
-/// in-kernel V transpose (whose transposer moves 128-key blocks). H200, same call: 224 keys
-/// +4.5..+4.9% at 16k keys, even at 4k, -4..-14% at 1k-2k (a partial last block costs up to 223
-/// keys' work; docs/kernels/forward-fp8.md, version 4). `tuned`: [`crate::Tuning::fp8_d128_block_n`].
-pub(super) fn block_n(head_dim: usize, transpose_v: bool, seqlen_k: usize, tuned: Option<usize>) -> usize {
+/// Keys per pipeline stage of the fp8 kernel for a (padded) head dim, whether the call is uneven
+/// (causal, windows, varlen) and its longest key sequence (`FwdTraits::kBlockN`): 128, or 256 at
+/// d128 (the consumer without intra-warpgroup overlap, kernels/flash_fwd/mainloop.cuh
+/// consumer_serial) from [`LONG_KEYS`] keys, [`LONG_KEYS_UNEVEN`] for uneven calls, without the
+/// in-kernel V transpose (whose transposer moves 128-key blocks). H200, same call against the
+/// 128-key kernel (and the 224-key one it replaced from 8k): unmasked 1k-16k +1..+6%; causal 1k /
+/// 2k 0.94 / 0.96x, 4k even, 8k-16k +2..+5% (docs/kernels/forward-fp8.md, version 9).
+/// `tuned`: [`crate::Tuning::fp8_d128_block_n`].
+pub(super) fn block_n(
+    head_dim: usize,
+    transpose_v: bool,
+    uneven: bool,
+    seqlen_k: usize,
+    tuned: Option<usize>,
+) -> usize {
+    let long = if uneven { LONG_KEYS_UNEVEN } else { LONG_KEYS };
     match (head_dim, transpose_v, tuned) {
         (128, false, Some(keys)) => keys,
-        (128, false, None) if seqlen_k >= LONG_KEYS => 224,
+        (128, false, None) if seqlen_k >= long => 256,
         _ => 128,
     }
 }
 
-/// Keys from which d128 runs on 224-key blocks ([`block_n`]).
-const LONG_KEYS: usize = 8192;
+/// Keys from which d128 runs on 256-key blocks ([`block_n`]); uneven calls from the second.
+const LONG_KEYS: usize = 1024;
+const LONG_KEYS_UNEVEN: usize = 8192;
 
 /// Mirror of `fa3::Fp8PrepassParams` (kernels/flash_fwd/params.cuh).
 #[repr(C)]
