@@ -6,7 +6,9 @@ The log holds, per launch, CTA 0's "FA3T wg iter t0..t7" lines (kernels/primitiv
 the last launch before each "ours" bench line is summarised under that line.
 Consumer points (mainloop.cuh, pingpong loop): 0 loop top, 1 K landed, 2 own turn (barrier),
 3 S and P·V issued + turn handed on, 4 S retired (wait<1>), 5 softmax done, 6 P·V retired
-(wait<0>), 7 P converted / O rescaled. Producer (wg 0): 0/1 K slot wait start/end, 2/3 V's.
+(wait<0>), 7 P converted / O rescaled. (The serial loop, consumer_serial, fp8 d128 on 256 keys,
+stamps other points: 0 loop top, 1 K landed, 2 S retired, 3 max done, 4 turn taken, 5 exponentials
+and P done, turn handed on, 6 P·V issued, 7 P·V retired; this summary's names do not fit it.) Producer (wg 0): 0/1 K slot wait start/end, 2/3 V's.
 Tiles ("FA3E wg tile t0..t7", by the CTA's tile count): consumers 0 tile start, 1 Q landed,
 2 first S retired, 3 first softmax done (loop entry), 4 loop exit, 5 tail P·V retired, 6 epilogue
 done; producer (wg 0) 0 tile start, 1 Q issued, 2 first K issued, 3 last V issued.

@@ -568,16 +568,20 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
         const int stage = it % Tr::kStages;
         const uint32_t phase = (it / Tr::kStages) & 1;
         float sc[Tr::kSRegs];
+        trace_stamp(wg + 1, it, 0);
         mbar_wait(&s.full_k[stage], phase);
+        trace_stamp(wg + 1, it, 1);
         wgmma_fence();
         issue_qk<Tr>(sc, desc.q(), desc.k(stage));
         wgmma_commit();
         wgmma_wait<0>();
         fence_operand(sc);
+        trace_stamp(wg + 1, it, 2);
         mbar_arrive(&s.empty_k[stage]);
         // The scores' max before the turn: only the exponentials wait for the other warpgroup's.
         const float scale_log2 = prepare_scores<Tr>(p, ts, t, held_mask, row_in_tile, sc, n, quad_lane);
         softmax.update_max(sc, scale_log2, corr);
+        trace_stamp(wg + 1, it, 3);
         // The exponentials pinned inside the turn: they touch only registers, so ptxas moves them
         // across bar.sync / bar.arrive (the two barriers ended up side by side after the whole
         // softmax, and the warpgroups' exponentials ran at the same time: 0.90-0.93x the time).
@@ -588,6 +592,7 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
             named_barrier_sync(my_bar, kBoth);
             asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(zero) : "r"(smem_u32(&s.zero)) : "memory");
         }
+        trace_stamp(wg + 1, it, 4);
         softmax.exponentiate(sc, scale_log2 + __int_as_float(zero), corr);
         uint32_t pa[Tr::kPSteps][4];
         probs_to_a_operand<Tr>(sc, pa);
@@ -595,14 +600,17 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
             const int sums = __float_as_int(softmax.row_sum[0]) ^ __float_as_int(softmax.row_sum[1]);
             named_barrier_arrive(next_bar + (sums & zero), kBoth);
         }
+        trace_stamp(wg + 1, it, 5);
         rescale_o<Tr>(o, corr);
         mbar_wait(&s.full_v[stage], phase);
         fence_operand(o);
         wgmma_fence();
         issue_pv<Tr>(o, pa, desc.v(stage));
         wgmma_commit();
+        trace_stamp(wg + 1, it, 6);
         wgmma_wait<0>();
         fence_operand(o);
+        trace_stamp(wg + 1, it, 7);
 #pragma unroll
         for (int kk = 0; kk < Tr::kPSteps; ++kk) fence_operand(pa[kk]);
         mbar_arrive(&s.empty_v[stage]);
