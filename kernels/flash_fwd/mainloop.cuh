@@ -515,6 +515,9 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
 // exponentials instead of at the GEMM issue: one warpgroup's exponentials (at d128 as long as its
 // two GEMMs on the tensor cores) run while the other's GEMMs and max run.
 // ---------------------------------------------------------------------------------------------
+// consumer_idle's counterpart for the serial loop: a warpgroup whose rows are all past the end
+// keeps every handshake of consumer_serial in its order (one turn a block), each release after
+// the wait for the load it releases.
 template <class Tr> __device__ void consumer_serial_idle(SharedStorage<Tr>& s, const TileInfo& t, int wg, int& it, int tc) {
     constexpr int kWGs = Tr::kConsumerWGs;
     const int my_bar = sched_barrier(wg), next_bar = sched_barrier(wg + 1 == kWGs ? 0 : wg + 1);
@@ -601,6 +604,7 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
             named_barrier_arrive(next_bar + (sums & zero), kBoth);
         }
         trace_stamp(wg + 1, it, 5);
+        // O (through the block before) to this block's reference max, outside the turn.
         rescale_o<Tr>(o, corr);
         mbar_wait(&s.full_v[stage], phase);
         fence_operand(o);
@@ -629,6 +633,5 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
     }
     epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane);
 }
-
 
 }  // namespace fa3
