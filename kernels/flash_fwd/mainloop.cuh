@@ -593,7 +593,7 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
         int zero = 0;
         if (pingpong) {
             named_barrier_sync(my_bar, kBoth);
-            asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(zero) : "r"(smem_u32(&s.zero)) : "memory");
+            zero = static_cast<int>(ld_shared_u32(smem_u32(&s.zero)));
         }
         trace_stamp(wg + 1, it, 4);
         softmax.exponentiate(sc, scale_log2 + __int_as_float(zero), corr);
