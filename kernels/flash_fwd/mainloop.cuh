@@ -5,6 +5,9 @@
 // FP8 kernels (Tr::kFp8): the same with e4m3 operands (k = 32 per instruction), P converted to
 // e4m3 in registers, V^T (the pre-pass's) as a K-major B, and the descales (TileScales).
 #pragma once
+#include <type_traits>
+#include <utility>
+
 #include "../primitives/mbarrier.cuh"
 #include "../primitives/trace.cuh"
 #include "../primitives/wgmma.cuh"
@@ -145,11 +148,11 @@ __device__ __forceinline__ void issue_qk(float (&sc)[Tr::kSRegs], uint32_t q_lo,
 // blocks, set in the low word; SBO: between groups of 8 keys).
 // FP8: V^T is K-major (keys contiguous, 128-key column blocks of kHeadDim rows): k-step kk reads
 // the 32-byte slice kk % 4 of column block kk / 4.
-template <class Tr>
+template <class Tr, int kK0 = 0, int kK1 = Tr::kPSteps>
 __device__ __forceinline__ void issue_pv(float (&o)[Tr::kORegs], const uint32_t (&pa)[Tr::kPSteps][4],
                                          uint32_t v_lo) {
 #pragma unroll
-    for (int kk = 0; kk < Tr::kPSteps; ++kk) {
+    for (int kk = kK0; kk < kK1; ++kk) {
         if constexpr (Tr::kFp8) {
             wgmma_rs<Tr::kHeadDim, Tr::kDtype>(
                 o, pa[kk], smem_desc_at<1024, 128>(v_lo, (kk / 4) * Tr::kHeadDim * 128 + (kk % 4) * 32));
@@ -272,11 +275,11 @@ __device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileSc
 // groups 4kk + 2g and + 1). Packing those four as they are computes P·V with the keys of each
 // 16-key group permuted (key 4q + e <- 2q + e for e < 2, 8 + 2q + e - 2 otherwise): the pre-pass
 // stores V^T with the same permutation, so no register moves between lanes.
-template <class Tr>
+template <class Tr, int kK0 = 0, int kK1 = Tr::kPSteps>
 __device__ __forceinline__ void probs_to_a_operand(const float (&sc)[Tr::kSRegs], uint32_t (&pa)[Tr::kPSteps][4]) {
     if constexpr (Tr::kFp8) {
 #pragma unroll
-        for (int kk = 0; kk < Tr::kPSteps; ++kk) {
+        for (int kk = kK0; kk < kK1; ++kk) {
 #pragma unroll
             for (int g = 0; g < 2; ++g) {
                 const int j0 = 4 * kk + 2 * g, j1 = j0 + 1;
@@ -506,6 +509,16 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     trace_edge(wg + 1, tc, 6);
 }
 
+// f(std::integral_constant<int, 0>{}), ..., f(std::integral_constant<int, N - 1>{}): a loop
+// whose index is a compile-time constant in the body.
+template <class F, int... I>
+__device__ __forceinline__ void for_each_index_impl(F& f, std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F> __device__ __forceinline__ void for_each_index(F& f) {
+    for_each_index_impl(f, std::make_integer_sequence<int, N>{});
+}
+
 // ---------------------------------------------------------------------------------------------
 // The consumer without intra-warpgroup overlap (FwdTraits::kSerialConsumer, fp8 d128 on 256-key
 // blocks; the loop of cuDNN's fp8 kernel, read from its SASS): per key block S = Q·Kᵀ, wait, the
@@ -574,6 +587,8 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
         trace_stamp(wg + 1, it, 0);
         mbar_wait(&s.full_k[stage], phase);
         trace_stamp(wg + 1, it, 1);
+        float m[2][2];
+        softmax.max_begin(m);
         wgmma_fence();
         issue_qk<Tr>(sc, desc.q(), desc.k(stage));
         wgmma_commit();
@@ -583,7 +598,8 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
         mbar_arrive(&s.empty_k[stage]);
         // The scores' max before the turn: only the exponentials wait for the other warpgroup's.
         const float scale_log2 = prepare_scores<Tr>(p, ts, t, held_mask, row_in_tile, sc, n, quad_lane);
-        softmax.update_max(sc, scale_log2, corr);
+        softmax.template max_cols<0, Tr::kSRegs / 4>(sc, m);
+        softmax.update_max_from(m, scale_log2, corr);
         trace_stamp(wg + 1, it, 3);
         // The exponentials pinned inside the turn: they touch only registers, so ptxas moves them
         // across bar.sync / bar.arrive (the two barriers ended up side by side after the whole
@@ -596,21 +612,33 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
             zero = static_cast<int>(ld_shared_u32(smem_u32(&s.zero)));
         }
         trace_stamp(wg + 1, it, 4);
-        softmax.exponentiate(sc, scale_log2 + __int_as_float(zero), corr);
         uint32_t pa[Tr::kPSteps][4];
-        probs_to_a_operand<Tr>(sc, pa);
-        if (pingpong) {
-            const int sums = __float_as_int(softmax.row_sum[0]) ^ __float_as_int(softmax.row_sum[1]);
-            named_barrier_arrive(next_bar + (sums & zero), kBoth);
-        }
-        trace_stamp(wg + 1, it, 5);
-        // O (through the block before) to this block's reference max, outside the turn.
-        rescale_o<Tr>(o, corr);
-        mbar_wait(&s.full_v[stage], phase);
-        fence_operand(o);
-        wgmma_fence();
-        issue_pv<Tr>(o, pa, desc.v(stage));
-        wgmma_commit();
+        // P·V in kSerialPVParts parts, each issued as soon as its keys' P is packed, under the
+        // next part's exponentials: only the last part's P·V is left after the turn.
+        constexpr int kParts = Tr::kSerialPVParts;
+        constexpr int kJ = Tr::kSRegs / 4 / kParts, kK = Tr::kPSteps / kParts;
+        auto part = [&](auto index) {
+            constexpr int i = decltype(index)::value;
+            softmax.template exponentiate_part<i * kJ, (i + 1) * kJ>(sc, scale_log2 + __int_as_float(zero), corr);
+            probs_to_a_operand<Tr, i * kK, (i + 1) * kK>(sc, pa);
+            if constexpr (i == 0) {
+                // O (through the block before) to this block's reference max, before its first P·V.
+                rescale_o<Tr>(o, corr);
+                mbar_wait(&s.full_v[stage], phase);
+                fence_operand(o);
+            }
+            if constexpr (i == kParts - 1) {
+                if (pingpong) {
+                    const int sums = __float_as_int(softmax.row_sum[0]) ^ __float_as_int(softmax.row_sum[1]);
+                    named_barrier_arrive(next_bar + (sums & zero), kBoth);
+                }
+                trace_stamp(wg + 1, it, 5);
+            }
+            wgmma_fence();
+            issue_pv<Tr, i * kK, (i + 1) * kK>(o, pa, desc.v(stage));
+            wgmma_commit();
+        };
+        for_each_index<kParts>(part);
         trace_stamp(wg + 1, it, 6);
         wgmma_wait<0>();
         fence_operand(o);

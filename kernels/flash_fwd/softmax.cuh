@@ -85,6 +85,38 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0>
         // A dead row's max stays -inf, so it never moves its reference max.
 #pragma unroll
         for (int h = 0; h < 2; ++h) mx[h] = (live >> h & 1u) ? thread_max(s, h) : -INFINITY;
+        move_max(mx, scale_log2, corr);
+    }
+
+    // update_max for a caller with no spare registers (mainloop.cuh consumer_serial, every row
+    // live): max_begin, max_cols over the scores, update_max_from. Two chains a row, each FMNMX on
+    // its chain's last value: thread_max's pairs-then-folds need a free register per pair, and with
+    // one ptxas waited on it (3 cycles per FMNMX instead of 2; +1..1.5%, forward-fp8.md version 10).
+    __device__ __forceinline__ void max_begin(float (&m)[2][2]) const {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            m[h][0] = row_max[h];
+            m[h][1] = -INFINITY;
+        }
+    }
+    template <int kJ0, int kJ1> __device__ __forceinline__ void max_cols(const float (&s)[kSRegs], float (&m)[2][2]) const {
+#pragma unroll
+        for (int j = kJ0; j < kJ1; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) m[h][e] = fmaxf(m[h][e], s[4 * j + 2 * h + e]);
+    }
+    __device__ __forceinline__ void update_max_from(const float (&m)[2][2], float scale_log2, float (&corr)[2]) {
+        static_assert(kLazyMax, "the exact max updates inside step");
+        float mx[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mx[h] = fmaxf(m[h][0], m[h][1]);
+        move_max(mx, scale_log2, corr);
+    }
+
+    // The lazy max's update from each row's max over this thread's scores (and the old max).
+    __device__ __forceinline__ void move_max(const float (&mx)[2], float scale_log2, float (&corr)[2]) {
         // The reference max moves only past the slack (the first visible key always moves it
         // off -inf). A row's 4 lanes agree through the quad's max, which is needed only when
         // some lane of the warp saw a score past the slack: otherwise no row moves, and the
@@ -119,6 +151,15 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0>
         }
     }
 
+    // exponentiate over the column groups [kJ0, kJ1) only (8 keys each); O's correction enters the
+    // row sums with the first part (kJ0 == 0).
+    template <int kJ0, int kJ1>
+    __device__ __forceinline__ void exponentiate_part(float (&s)[kSRegs], float scale_log2, const float (&corr)[2]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            exponentiate_row<kJ0, kJ1>(s, h, scaled_max(h, scale_log2), scale_log2, kJ0 == 0 ? corr[h] : 1.f);
+    }
+
     // Row h's max over this thread's scores and the row's reference max. Row max and row sum each
     // run as 4 independent chains (then combined): one chain through all 32 elements of a row
     // would serialise on the FMNMX / FADD latency.
@@ -142,15 +183,17 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0>
     }
 
     // p = exp2(s·scale_log2 - m_scaled) in place for row h; the row sum rescaled and extended.
+    template <int kJ0 = 0, int kJ1 = kSRegs / 4>
     __device__ __forceinline__ void exponentiate_row(float (&s)[kSRegs], int h, float m_scaled, float scale_log2,
                                                      float corr) {
         float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < kSRegs / 4; ++j) {
+        for (int j = kJ0; j < kJ1; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const float x = fmaf(s[4 * j + 2 * h + e], scale_log2, -m_scaled);
-                const bool on_fma = kExp2FmaEvery > 0 && (2 * j + e) % kExp2FmaEvery == kExp2FmaEvery - 1;
+                constexpr int kEvery = kExp2FmaEvery > 0 ? kExp2FmaEvery : 1;  // (no % 0 in the dead branch)
+                const bool on_fma = kExp2FmaEvery > 0 && (2 * j + e) % kEvery == kEvery - 1;
                 const float pv = on_fma ? exp2_fma(x) : fast_exp2(x);
                 s[4 * j + 2 * h + e] = pv;
                 s4[(2 * j + e) % 4] += pv;

@@ -135,8 +135,12 @@ struct FwdTraits {
     static constexpr uint32_t kKVGroupBytes = kKVRowGroups ? kColBlocks * kAtomBytes : kAtomBytes;
     // The consumer loop without intra-warpgroup overlap (mainloop.cuh consumer_serial): fp8 d128 on
     // 256-key blocks, the shape of cuDNN's fp8 kernel (docs/kernels/forward-fp8.md, version 9).
-    // There every 4th / 8th exponential on the FMA pipe measured 5% / 1% slower.
+    // There every 4th / 8th exponential on the FMA pipe measured 5% / 1% slower (version 9; every
+    // 8th again 5% slower in version 10).
     static constexpr bool kSerialConsumer = kFp8 && kBlockN_ == 256;
+    // P·V in this many parts, each issued inside the turn as soon as its P is packed (version 10:
+    // 2 parts +1..+3.5%, 4 parts +3..+5%, 8 parts 1-2% under 4).
+    static constexpr int kSerialPVParts = 4;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     // P as wgmma's register A operand: per k-step 4 registers of 2 (16-bit) or 4 (e4m3) values.

@@ -27,8 +27,8 @@ pub struct Tuning {
     /// masked or varlen calls (one pair for the others).
     pub l2_section: Option<usize>,
     /// Keys per pipeline stage of the fp8 kernel for head dims 65..=128: 128, or 256 (a consumer
-    /// loop without intra-warpgroup overlap, cuDNN's shape); `None` takes 256 from 1,024 keys (the
-    /// longest key sequence of the call), from 8,192 for causal, windowed or varlen calls. KV cache
+    /// loop without intra-warpgroup overlap, cuDNN's shape); `None` takes 256 from 512 keys (the
+    /// longest key sequence of the call), from 2,048 for causal, windowed or varlen calls. KV cache
     /// calls always run on 128.
     pub fp8_d128_block_n: Option<usize>,
     /// Split-KV calls merge their key shares in the combine kernel even where the forward launch

@@ -1076,8 +1076,8 @@ mod tests {
         assert_eq!(v.kernel_name(DType::F8E4M3), "flash_fwd_d64_e4m3_tv");
     }
 
-    /// fp8 d128's key blocks (host logic only): 256 (the serial consumer) from 1,024 keys, from
-    /// 8,192 for uneven calls, never over a KV cache (the in-kernel V transpose moves 128-key
+    /// fp8 d128's key blocks (host logic only): 256 (the serial consumer) from 512 keys, from
+    /// 2,048 for uneven calls, never over a KV cache (the in-kernel V transpose moves 128-key
     /// blocks); `Tuning::fp8_d128_block_n` overrides; the 256-key kernel's shared memory fits a CTA.
     #[test]
     fn fp8_d128_key_blocks_by_length_and_evenness() {
@@ -1087,10 +1087,10 @@ mod tests {
         };
         let keys = |uneven: bool, seqlen_k: usize| pick(uneven, seqlen_k, &default, false).block_n;
         assert_eq!(
-            (keys(false, 1023), keys(false, 1024), keys(false, 16384)),
+            (keys(false, 511), keys(false, 512), keys(false, 16384)),
             (128, 256, 256)
         );
-        assert_eq!((keys(true, 4096), keys(true, 8191), keys(true, 8192)), (128, 128, 256));
+        assert_eq!((keys(true, 1024), keys(true, 2047), keys(true, 2048)), (128, 128, 256));
         assert_eq!(pick(false, 16384, &default, true).block_n, 128);
         let v = pick(false, 4096, &default, false);
         assert_eq!(v.kernel_name(DType::F8E4M3), "flash_fwd_d128_n256_e4m3");

@@ -19,8 +19,8 @@ pub(super) const VT_COL_KEYS: usize = 128;
 /// d128 (the consumer without intra-warpgroup overlap, kernels/flash_fwd/mainloop.cuh
 /// consumer_serial) from [`LONG_KEYS`] keys, [`LONG_KEYS_UNEVEN`] for uneven calls, without the
 /// in-kernel V transpose (whose transposer moves 128-key blocks). H200, same call against the
-/// 128-key kernel (and the 224-key one it replaced from 8k): unmasked 1k-16k +1..+6%; causal 1k /
-/// 2k 0.94 / 0.96x, 4k even, 8k-16k +2..+5% (docs/kernels/forward-fp8.md, version 9).
+/// 128-key kernel (docs/kernels/forward-fp8.md, version 10): unmasked 512 / 1k +7 / +8%; causal
+/// 1k 0.97x, 2k +1.5%, 4k-16k +4..+8%.
 /// `tuned`: [`crate::Tuning::fp8_d128_block_n`].
 pub(super) fn block_n(
     head_dim: usize,
@@ -38,8 +38,8 @@ pub(super) fn block_n(
 }
 
 /// Keys from which d128 runs on 256-key blocks ([`block_n`]); uneven calls from the second.
-const LONG_KEYS: usize = 1024;
-const LONG_KEYS_UNEVEN: usize = 8192;
+const LONG_KEYS: usize = 512;
+const LONG_KEYS_UNEVEN: usize = 2048;
 
 /// Mirror of `fa3::Fp8PrepassParams` (kernels/flash_fwd/params.cuh).
 #[repr(C)]
