@@ -597,10 +597,27 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
         trace_stamp(wg + 1, it, 2);
         mbar_arrive(&s.empty_k[stage]);
         // The scores' max before the turn: only the exponentials wait for the other warpgroup's.
-        const float scale_log2 = prepare_scores<Tr>(p, ts, t, held_mask, row_in_tile, sc, n, quad_lane);
+        // A block that prepare_scores leaves as it is (no per-block descale, softcap, sign flip
+        // or mask) skips it in one branch: its several branches cost instruction fetches.
+        const int k0 = n * Tr::kBlockN;
+        bool plain = p.softcap_pre == 0.f && k0 >= t.full_lo && k0 + Tr::kBlockN <= t.full_hi;
+        if constexpr (Tr::kFp8) plain = plain && !ts.negate && ts.k_block_descale == nullptr;
+        else plain = plain && !p.negate;
+        float scale_log2;
+        if (plain) {
+            if constexpr (Tr::kFp8) scale_log2 = ts.scale_log2;
+            else scale_log2 = p.scale_log2;
+        } else {
+            scale_log2 = prepare_scores<Tr>(p, ts, t, held_mask, row_in_tile, sc, n, quad_lane);
+        }
         softmax.template max_cols<0, Tr::kSRegs / 4>(sc, m);
         softmax.update_max_from(m, scale_log2, corr);
         trace_stamp(wg + 1, it, 3);
+        // O (through the block before) to this block's reference max, and V's wait, before the
+        // turn: inside it they held up the exponentials behind them.
+        rescale_o<Tr>(o, corr);
+        mbar_wait(&s.full_v[stage], phase);
+        fence_operand(o);
         // The exponentials pinned inside the turn: they touch only registers, so ptxas moves them
         // across bar.sync / bar.arrive (the two barriers ended up side by side after the whole
         // softmax, and the warpgroups' exponentials ran at the same time: 0.90-0.93x the time).
@@ -621,12 +638,6 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
             constexpr int i = decltype(index)::value;
             softmax.template exponentiate_part<i * kJ, (i + 1) * kJ>(sc, scale_log2 + __int_as_float(zero), corr);
             probs_to_a_operand<Tr, i * kK, (i + 1) * kK>(sc, pa);
-            if constexpr (i == 0) {
-                // O (through the block before) to this block's reference max, before its first P·V.
-                rescale_o<Tr>(o, corr);
-                mbar_wait(&s.full_v[stage], phase);
-                fence_operand(o);
-            }
             if constexpr (i == kParts - 1) {
                 if (pingpong) {
                     const int sums = __float_as_int(softmax.row_sum[0]) ^ __float_as_int(softmax.row_sum[1]);
