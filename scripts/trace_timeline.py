@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Summarises the forward kernel's timeline (a bench run built with FA3_NVCC_FLAGS=-DFA3_TRACE).
 
-usage: trace_timeline.py LOG
+usage: trace_timeline.py [--serial] LOG
 The log holds, per launch, CTA 0's "FA3T wg iter t0..t7" lines (kernels/primitives/trace.cuh);
 the last launch before each "ours" bench line is summarised under that line.
 Consumer points (mainloop.cuh, pingpong loop): 0 loop top, 1 K landed, 2 own turn (barrier),
 3 S and P·V issued + turn handed on, 4 S retired (wait<1>), 5 softmax done, 6 P·V retired
 (wait<0>), 7 P converted / O rescaled. (The serial loop, consumer_serial, fp8 d128 on 256 keys,
 stamps other points: 0 loop top, 1 K landed, 2 S retired, 3 max done, 4 turn taken, 5 exponentials
-and P done, turn handed on, 6 P·V issued, 7 P·V retired; this summary's names do not fit it.) Producer (wg 0): 0/1 K slot wait start/end, 2/3 V's.
+and P done, turn handed on, 6 P·V issued, 7 P·V retired: --serial names those.) Producer (wg 0): 0/1 K slot wait start/end, 2/3 V's.
 Tiles ("FA3E wg tile t0..t7", by the CTA's tile count): consumers 0 tile start, 1 Q landed,
 2 first S retired, 3 first softmax done (loop entry), 4 loop exit, 5 tail P·V retired, 6 epilogue
 done; producer (wg 0) 0 tile start, 1 Q issued, 2 first K issued, 3 last V issued.
@@ -18,6 +18,10 @@ import statistics
 import sys
 
 CONSUMER = ["K wait", "turn wait", "issue", "S wait", "softmax", "PV wait", "convert", "to next top"]
+# consumer_serial's points: the segments, the point a period is measured from, and the turn's
+# hand-over (this warpgroup's point 5 to the next one's point 4).
+SERIAL = ["K wait", "S issue+wait", "max", "turn wait", "turn", "last P·V issue", "P·V wait", "to next top"]
+LAYOUT = {"names": CONSUMER, "period_from": 2, "handed_on": 3, "taken": 2}
 
 
 def gather(records, keep):
@@ -48,22 +52,24 @@ def summarise(launch):
             t, u = rows[wg][a], rows[wg][b]
             if b != a + 1 or not all(t) or not u[0]:
                 continue
+            names, at = LAYOUT["names"], LAYOUT["period_from"]
             for k in range(7):
-                seg[CONSUMER[k]].append(t[k + 1] - t[k])
-            seg[CONSUMER[7]].append(u[0] - t[7])
-            period.append(u[2] - t[2])
+                seg[names[k]].append(t[k + 1] - t[k])
+            seg[names[7]].append(u[0] - t[7])
+            period.append(u[at] - t[at])
         if not period:
             continue
         parts = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in seg.items())
         out.append(f"  wg {wg}: period median {statistics.median(period):.0f} cycles; {parts}")
-    # Hand-over: from one warpgroup's issue end (3) to the next warpgroup's turn (2): same
-    # iteration, or the next one where the ring wraps back to the first warpgroup.
+    # Hand-over: from one warpgroup's issue end (3; serial: 5) to the next warpgroup's turn (2;
+    # serial: 4): same iteration, or the next one where the ring wraps back to the first.
     wgs = sorted(w for w in rows if w > 0)
+    off, on = LAYOUT["handed_on"], LAYOUT["taken"]
     for a, b in zip(wgs, wgs[1:] + wgs[:1]):
         step = 1 if b == wgs[0] else 0
-        d = [rows[b][i + step][2] - t[3] for i, t in rows[a].items() if i + step in rows[b] and t[3] and rows[b][i + step][2]]
+        d = [rows[b][i + step][on] - t[off] for i, t in rows[a].items() if i + step in rows[b] and t[off] and rows[b][i + step][on]]
         if d:
-            out.append(f"  wg {a} hands on -> wg {b} starts issuing: median {statistics.median(d):.0f} cycles")
+            out.append(f"  wg {a} hands on -> wg {b} takes its turn: median {statistics.median(d):.0f} cycles")
     # A few iterations as an absolute timeline.
     for i in sorted(rows[wgs[0]])[8:11]:
         for wg in wgs:
@@ -103,7 +109,11 @@ def main():
     # Per tag, the latest launch's records: a new launch starts where the warpgroup goes back to 0.
     summaries = {"FA3T": summarise, "FA3E": summarise_edges}
     records = {tag: [] for tag in summaries}
-    for line in open(sys.argv[1], errors="replace"):
+    args = sys.argv[1:]
+    if args and args[0] == "--serial":
+        LAYOUT.update(names=SERIAL, period_from=0, handed_on=5, taken=4)
+        args = args[1:]
+    for line in open(args[0], errors="replace"):
         tag, *fields = line.split() or [""]
         if tag in records:
             rec = tuple(int(x) for x in fields)
