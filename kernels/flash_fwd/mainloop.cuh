@@ -231,7 +231,8 @@ __device__ __forceinline__ void scale_by_k_blocks(const FwdParams& p, float (&sc
 
 // Softcap / sign and boundary mask of one S block, in place (fp32); returns the scores' scale (log2
 // units) for the softmax. FP8: per-block K descales multiply the raw scores first; the tile's
-// scales replace the call's.
+// scales replace the call's. (consumer_serial skips it for a block that needs none of these: a new
+// step here needs its condition there too.)
 template <class Tr>
 __device__ __forceinline__ float prepare_scores(const FwdParams& p, const TileScales& ts, const TileInfo& t,
                                                 const RowMask& held_mask, int row_in_tile, float (&sc)[Tr::kSRegs],
