@@ -25,6 +25,9 @@
 // (exp2_fma, primitives/warp.cuh) instead of the SFU. Measured per kernel (FwdTraits); it pays
 // only where the SFU is the softmax's limit and the FMA pipe has room: fp8 d128 on 128-key
 // blocks (docs/kernels/forward-fp8.md, version 4).
+//
+// kSeedSums: each row sum's four chains start from their first p instead of from 0.f + p (ptxas
+// keeps that FADD: 0 + -0 is +0). Measured per kernel (FwdTraits::kSeedRowSums).
 #pragma once
 #include <cmath>
 
@@ -34,7 +37,8 @@ namespace fa3 {
 
 constexpr float kMaxSlack = 8.f;
 
-template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0> struct OnlineSoftmax {
+template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0, bool kSeedSums = false>
+struct OnlineSoftmax {
     static constexpr float kSlack = kPScaleLog2 == 0 ? kMaxSlack : 8.75f - kPScaleLog2;
     static_assert(kPScaleLog2 >= 0 && kPScaleLog2 <= 8, "p <= 2^8.75 < 448 with the slack above");
     float row_max[2];
@@ -196,7 +200,8 @@ template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0>
                 const bool on_fma = kExp2FmaEvery > 0 && (2 * j + e) % kEvery == kEvery - 1;
                 const float pv = on_fma ? exp2_fma(x) : fast_exp2(x);
                 s[4 * j + 2 * h + e] = pv;
-                s4[(2 * j + e) % 4] += pv;
+                if (kSeedSums && 2 * (j - kJ0) + e < 4) s4[(2 * j + e) % 4] = pv;  // no FADD with 0
+                else s4[(2 * j + e) % 4] += pv;
             }
         }
         row_sum[h] = row_sum[h] * corr + ((s4[0] + s4[1]) + (s4[2] + s4[3]));

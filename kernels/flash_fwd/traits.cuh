@@ -141,6 +141,10 @@ struct FwdTraits {
     // P·V in this many parts, each issued inside the turn as soon as its P is packed (version 10:
     // 2 parts +1..+3.5%, 4 parts +3..+5%, 8 parts 1-2% under 4).
     static constexpr int kSerialPVParts = 4;
+    // The row sums' chains seeded with their first p (softmax.cuh kSeedSums; 4 FADDs fewer per row
+    // and exponentiated part): fp8 d128 on 256 keys +0.3..+1.5% (session 55, H200), fp8 d256 +3.5%
+    // at 16k unmasked and even elsewhere; fp8 d64 measured 3% slower with it, the 16-bit kernels even.
+    static constexpr bool kSeedRowSums = kSerialConsumer || (kFp8 && !kTransposeV && kHeadDim_ == 256);
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     // P as wgmma's register A operand: per k-step 4 registers of 2 (16-bit) or 4 (e4m3) values.
