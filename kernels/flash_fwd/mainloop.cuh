@@ -598,6 +598,10 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
         fence_operand(sc);
         trace_stamp(wg + 1, it, 2);
         mbar_arrive(&s.empty_k[stage]);
+        // V's wait here, where its latency (a barrier probe, ~100 cycles even for a V that landed
+        // long ago) hides under the max's FMNMX chains; before the sync it delayed the turn, and
+        // inside the turn the exponentials behind it (+0.6..+1.4%, session 55).
+        mbar_wait(&s.full_v[stage], phase);
         // The scores' max before the turn: only the exponentials wait for the other warpgroup's.
         // A block that prepare_scores leaves as it is (no per-block descale, softcap, sign flip
         // or mask) skips it in one branch: its several branches cost instruction fetches.
@@ -615,10 +619,9 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
         softmax.template max_cols<0, Tr::kSRegs / 4>(sc, m);
         softmax.update_max_from(m, scale_log2, corr);
         trace_stamp(wg + 1, it, 3);
-        // O (through the block before) to this block's reference max, and V's wait, before the
-        // turn: inside it they held up the exponentials behind them.
+        // O (through the block before) to this block's reference max before the turn: inside it
+        // the rescale held up the exponentials behind it.
         rescale_o<Tr>(o, corr);
-        mbar_wait(&s.full_v[stage], phase);
         fence_operand(o);
         // The exponentials pinned inside the turn: they touch only registers, so ptxas moves them
         // across bar.sync / bar.arrive (the two barriers ended up side by side after the whole
