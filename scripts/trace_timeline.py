@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Summarises the forward kernel's timeline (a bench run built with FA3_NVCC_FLAGS=-DFA3_TRACE).
 
-usage: trace_timeline.py [--serial] LOG
+usage: trace_timeline.py [--serial [--warps]] LOG
 The log holds, per launch, CTA 0's "FA3T wg iter t0..t7" lines (kernels/primitives/trace.cuh);
 the last launch before each "ours" bench line is summarised under that line.
 Consumer points (mainloop.cuh, pingpong loop): 0 loop top, 1 K landed, 2 own turn (barrier),
 3 S and P·V issued + turn handed on, 4 S retired (wait<1>), 5 softmax done, 6 P·V retired
 (wait<0>), 7 P converted / O rescaled. (The serial loop, consumer_serial, fp8 d128 on 256 keys,
 stamps other points: 0 loop top, 1 K landed, 2 S retired, 3 max done, 4 turn taken, 5 exponentials
-and P done, turn handed on, 6 P·V issued, 7 P·V retired: --serial names those.) Producer (wg 0): 0/1 K slot wait start/end, 2/3 V's.
+and P done, turn handed on, 6 P·V issued, 7 P·V retired: --serial names those; --warps reads a
+build with FA3_NVCC_FLAGS="-DFA3_TRACE -DFA3_TRACE_WARPS", where every warp stamps.) Producer (wg 0): 0/1 K slot wait start/end, 2/3 V's.
 Tiles ("FA3E wg tile t0..t7", by the CTA's tile count): consumers 0 tile start, 1 Q landed,
 2 first S retired, 3 first softmax done (loop entry), 4 loop exit, 5 tail P·V retired, 6 epilogue
 done; producer (wg 0) 0 tile start, 1 Q issued, 2 first K issued, 3 last V issued.
@@ -105,6 +106,36 @@ def summarise_edges(edges):
     return out
 
 
+def summarise_warps(records):
+    """consumer_serial traced with FA3_TRACE_WARPS (every warp stamps, as row wg + 4·warp): per
+    warp its segments, and per warpgroup how long its turn starts after it could have, i.e. after
+    both its last warp finished the max and the other warpgroup's last warp handed the turn on."""
+    rows, _ = gather(records, lambda t: t[0] > 0)
+    out = []
+    for wg in (1, 2):
+        for k in range(4):
+            its = rows.get(wg + 4 * k, {})
+            seg = [[t[i + 1] - t[i] for t in its.values() if t[0]] for i in range(7)]
+            if seg[0]:
+                parts = ", ".join(f"{n} {statistics.median(v):.0f}" for n, v in zip(SERIAL, seg))
+                out.append(f"  wg {wg} warp {k}: {parts}")
+    for wg, other in ((1, 2), (2, 1)):
+        late, skew = [], []
+        for it in rows.get(wg, {}):
+            mine = [rows[wg + 4 * k].get(it) for k in range(4)]
+            theirs = [rows[other + 4 * k].get(it if wg == 2 else it - 1) for k in range(4)]
+            if not all(mine) or not all(theirs):
+                continue
+            ready = max(max(t[3] for t in mine), max(t[5] for t in theirs))
+            late.append(min(t[4] for t in mine) - ready)
+            skew.append(max(t[3] for t in mine) - min(t[3] for t in mine))
+        if late:
+            out.append(f"  wg {wg}: turn taken {statistics.median(late):.0f} cycles after it could be "
+                       f"(its last warp's max done and wg {other}'s last hand-on); max done spread "
+                       f"over its warps {statistics.median(skew):.0f}")
+    return out
+
+
 def main():
     # Per tag, the latest launch's records: a new launch starts where the warpgroup goes back to 0.
     summaries = {"FA3T": summarise, "FA3E": summarise_edges}
@@ -113,6 +144,9 @@ def main():
     if args and args[0] == "--serial":
         LAYOUT.update(names=SERIAL, period_from=0, handed_on=5, taken=4)
         args = args[1:]
+        if args and args[0] == "--warps":
+            summaries["FA3T"] = summarise_warps
+            args = args[1:]
     for line in open(args[0], errors="replace"):
         tag, *fields = line.split() or [""]
         if tag in records:

@@ -14,7 +14,14 @@
 namespace fa3 {
 
 #ifdef FA3_TRACE
+#ifdef FA3_TRACE_WARPS
+// FA3_NVCC_FLAGS="-DFA3_TRACE -DFA3_TRACE_WARPS": lane 0 of every warp stamps, as "warpgroup"
+// wg + 4·(warp within its warpgroup), so that one run shows how far a warpgroup's warps drift
+// apart (scripts/trace_timeline.py --serial --warps; forward-fp8.md, version 11).
+constexpr int kTraceWGs = 16, kTracePoints = 8;
+#else
 constexpr int kTraceWGs = 4, kTracePoints = 8;
+#endif
 // Loop stamps ("FA3T"): iterations [kTraceFirst, kTraceFirst + kTraceIters) of the key-block loop.
 constexpr int kTraceFirst = 16, kTraceIters = 48;
 __device__ uint32_t trace_buf[kTraceWGs][kTraceIters][kTracePoints];
@@ -23,14 +30,22 @@ __device__ uint32_t trace_buf[kTraceWGs][kTraceIters][kTracePoints];
 constexpr int kTraceFirstTile = 1, kTraceTiles = 12;
 __device__ uint32_t trace_edge_buf[kTraceWGs][kTraceTiles][kTracePoints];
 
-// Thread 0 of warpgroup wg in CTA 0 writes the clock into row i (skipped outside [0, kRows)).
+// Thread 0 of warpgroup wg in CTA 0 (with FA3_TRACE_WARPS lane 0 of each of its warps) writes the
+// clock into row i (skipped outside [0, kRows)).
 template <int kRows>
 __device__ __forceinline__ void clock_stamp(uint32_t (&buf)[kTraceWGs][kRows][kTracePoints], int wg, int i,
                                             int point) {
-    if (blockIdx.x == 0 && threadIdx.x % 128 == 0 && i >= 0 && i < kRows) {
+#ifdef FA3_TRACE_WARPS
+    const bool stamps = threadIdx.x % 32 == 0;
+    const int row = wg + 4 * (threadIdx.x % 128 / 32);
+#else
+    const bool stamps = threadIdx.x % 128 == 0;
+    const int row = wg;
+#endif
+    if (blockIdx.x == 0 && stamps && i >= 0 && i < kRows) {
         uint32_t c;
         asm volatile("mov.u32 %0, %%clock;" : "=r"(c)::"memory");
-        buf[wg][i][point] = c;
+        buf[row][i][point] = c;
     }
 }
 __device__ __forceinline__ void trace_stamp(int wg, int iter, int point) {
