@@ -600,7 +600,7 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
         mbar_arrive(&s.empty_k[stage]);
         // V's wait here, where its latency (a barrier probe, ~100 cycles even for a V that landed
         // long ago) hides under the max's FMNMX chains; before the sync it delayed the turn, and
-        // inside the turn the exponentials behind it (+0.6..+1.4%, session 55).
+        // inside the turn the exponentials behind it (session 55: +0.4..+1.4%).
         mbar_wait(&s.full_v[stage], phase);
         // The scores' max before the turn: only the exponentials wait for the other warpgroup's.
         // A block that prepare_scores leaves as it is (no per-block descale, softcap, sign flip

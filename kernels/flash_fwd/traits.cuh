@@ -142,7 +142,7 @@ struct FwdTraits {
     // 2 parts +1..+3.5%, 4 parts +3..+5%, 8 parts 1-2% under 4).
     static constexpr int kSerialPVParts = 4;
     // The row sums' chains seeded with their first p (softmax.cuh kSeedSums; 4 FADDs fewer per row
-    // and exponentiated part): fp8 d128 on 256 keys +0.3..+1.5% (session 55, H200), fp8 d256
+    // and exponentiated part): fp8 d128 on 256 keys -0.2..+1.3% (session 55, H200), fp8 d256
     // -0.4..+1.4% (+3.5% at 16k unmasked in a first call, not reproduced); fp8 d64 measured 3%
     // slower with it, the 16-bit kernels even (forward-fp8.md, version 11).
     static constexpr bool kSeedRowSums = kSerialConsumer || (kFp8 && !kTransposeV && kHeadDim_ == 256);
