@@ -36,6 +36,27 @@ def gather(records, keep):
     return rows, base
 
 
+def segment_line(stamps):
+    """One row's (warpgroup's or warp's) median period and segments over consecutive iterations
+    ({iteration: stamps}), or None when no two consecutive iterations are complete."""
+    its = sorted(stamps)
+    seg = collections.defaultdict(list)
+    period = []
+    names, at = LAYOUT["names"], LAYOUT["period_from"]
+    for a, b in zip(its, its[1:]):
+        t, u = stamps[a], stamps[b]
+        if b != a + 1 or not all(t) or not u[0]:
+            continue
+        for k in range(7):
+            seg[names[k]].append(t[k + 1] - t[k])
+        seg[names[7]].append(u[0] - t[7])
+        period.append(u[at] - t[at])
+    if not period:
+        return None
+    parts = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in seg.items())
+    return f"period median {statistics.median(period):.0f} cycles; {parts}"
+
+
 def summarise(launch):
     # The buffer has room for 4 warpgroups; a kernel with fewer leaves zeros.
     rows, base = gather(launch, any)
@@ -47,21 +68,9 @@ def summarise(launch):
             vw = [rows[0][i][3] - rows[0][i][2] for i in its]
             out.append(f"  producer: K slot wait median {statistics.median(kw):.0f}, V slot wait median {statistics.median(vw):.0f} cycles")
             continue
-        seg = collections.defaultdict(list)
-        period = []
-        for a, b in zip(its, its[1:]):
-            t, u = rows[wg][a], rows[wg][b]
-            if b != a + 1 or not all(t) or not u[0]:
-                continue
-            names, at = LAYOUT["names"], LAYOUT["period_from"]
-            for k in range(7):
-                seg[names[k]].append(t[k + 1] - t[k])
-            seg[names[7]].append(u[0] - t[7])
-            period.append(u[at] - t[at])
-        if not period:
-            continue
-        parts = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in seg.items())
-        out.append(f"  wg {wg}: period median {statistics.median(period):.0f} cycles; {parts}")
+        line = segment_line(rows[wg])
+        if line:
+            out.append(f"  wg {wg}: {line}")
     # Hand-over: from one warpgroup's issue end (3; serial: 5) to the next warpgroup's turn (2;
     # serial: 4): same iteration, or the next one where the ring wraps back to the first.
     wgs = sorted(w for w in rows if w > 0)
@@ -114,11 +123,9 @@ def summarise_warps(records):
     out = []
     for wg in (1, 2):
         for k in range(4):
-            its = rows.get(wg + 4 * k, {})
-            seg = [[t[i + 1] - t[i] for t in its.values() if t[0]] for i in range(7)]
-            if seg[0]:
-                parts = ", ".join(f"{n} {statistics.median(v):.0f}" for n, v in zip(SERIAL, seg))
-                out.append(f"  wg {wg} warp {k}: {parts}")
+            line = segment_line(rows.get(wg + 4 * k, {}))
+            if line:
+                out.append(f"  wg {wg} warp {k}: {line}")
     for wg, other in ((1, 2), (2, 1)):
         late, skew = [], []
         for it in rows.get(wg, {}):
