@@ -61,8 +61,8 @@ struct PrepassParams {
 unsafe impl DeviceRepr for PrepassParams {}
 
 /// Keys per CTA of the pre-pass (`fa3::kPrepassKeys`) and its threads.
-const PREPASS_KEYS: usize = 64;
-const PREPASS_THREADS: u32 = 256;
+const PREPASS_KEYS: usize = 256;
+const PREPASS_THREADS: u32 = 128;
 
 /// V^T as the fp8 kernels read it: (sequences, kv heads, head_dim_v, keys_padded) e4m3, each
 /// sequence from row 0 of its own slab (varlen calls too), keys permuted inside groups of 16.
