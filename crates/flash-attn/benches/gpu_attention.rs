@@ -7,6 +7,12 @@
 //! Timing: 3 warm-up calls, then as many calls as fit in ~200 ms (at least 5), bracketed by
 //! device synchronisations; the mean per call is reported. Each call includes the op's host
 //! work (validation, TMA descriptor encoding, output allocation) like a user's call would.
+//! BENCH_TIMING=events times as the anchor scripts do instead (median of 20 calls each between
+//! two CUDA events and a synchronisation, after 5 warm-ups): the GPU idles between calls, so the
+//! host work before each launch counts, and the clocks sit higher than under a sustained load
+//! (fp8 calls on an H200 run into the power cap: docs/benchmarks.md). Compare ours and an anchor
+//! under the same method (scripts/fp8_anchors.py TIMING_MODE=sustained is this default).
+//! BENCH_HOST=1 prints, per sustained timing, the host's time to queue one call against the call.
 //!
 //! Env: BENCH_SEQS="512,1024", BENCH_HDIMS="64,128", BENCH_CAUSAL="0" (or "1", default both),
 //! BENCH_DECODE=0 to skip the decode rows, BENCH_TUNING (below, `tuning`) for a `Tuning` other than
@@ -75,8 +81,42 @@ fn list(var: &str, default: &[usize]) -> Vec<usize> {
     }
 }
 
-/// Mean seconds per call of `f`.
-fn time(dev: &Device, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
+/// Seconds per call of `f`: by default the mean of back-to-back calls filling ~0.2 s (sustained
+/// load); BENCH_TIMING=events: the median of 20 calls each timed alone by CUDA events after 5
+/// warm-up calls, the anchor scripts' method (scripts/fp8_anchors.py `t_events`), so that ours
+/// and an anchor can be compared under the same load pattern.
+fn time(dev: &Device, f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
+    if std::env::var("BENCH_TIMING").is_ok_and(|v| v == "events") {
+        time_events(dev, f)
+    } else {
+        time_sustained(dev, f)
+    }
+}
+
+fn time_events(dev: &Device, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+    let stream = dev.as_cuda_device()?.cuda_stream();
+    let event = || {
+        stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(candle_core::Error::wrap)
+    };
+    for _ in 0..5 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let mut times = Vec::with_capacity(20);
+    for _ in 0..20 {
+        let start = event()?;
+        f()?;
+        let end = event()?;
+        times.push(start.elapsed_ms(&end).map_err(candle_core::Error::wrap)? as f64 / 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn time_sustained(dev: &Device, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
     for _ in 0..3 {
         f()?;
     }
@@ -90,8 +130,18 @@ fn time(dev: &Device, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
     for _ in 0..reps {
         f()?;
     }
+    let issued = start.elapsed().as_secs_f64();
     dev.synchronize()?;
-    Ok(start.elapsed().as_secs_f64() / reps as f64)
+    let secs = start.elapsed().as_secs_f64() / reps as f64;
+    if std::env::var_os("BENCH_HOST").is_some() {
+        // The host's time to queue one call against the call's time: near 1, the GPU waits on the host.
+        eprintln!(
+            "host: {:.1} us to queue a call of {:.1} us",
+            issued / reps as f64 * 1e6,
+            secs * 1e6
+        );
+    }
+    Ok(secs)
 }
 
 fn seq_label(s: usize) -> String {
