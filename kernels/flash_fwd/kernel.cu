@@ -217,7 +217,7 @@ FA3_FWD_KERNEL_FP8_TV(flash_fwd_d256_e4m3_tv, 256)
 extern "C" __global__ void fa3_trace_dump(int launch) { fa3::trace_dump(launch); }
 #endif
 
-// The fp8 forward's V transpose (fp8_prepass.cuh): grid (key blocks of 256, kv heads, sequences).
+// The fp8 forward's V transpose (fp8_prepass.cuh): grid (key blocks of 128 (64 for d > 128), kv heads, sequences).
 extern "C" __global__ void __launch_bounds__(fa3::kPrepassThreads)
     flash_fwd_fp8_transpose_v(const __grid_constant__ fa3::Fp8PrepassParams p) {
     fa3::fp8_transpose_v(p);

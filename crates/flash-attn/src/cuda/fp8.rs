@@ -60,8 +60,14 @@ struct PrepassParams {
 // SAFETY: a plain #[repr(C)] POD that matches the kernel's parameter struct byte for byte.
 unsafe impl DeviceRepr for PrepassParams {}
 
-/// Keys per CTA of the pre-pass (`fa3::kPrepassKeys`) and its threads.
-const PREPASS_KEYS: usize = 256;
+/// Keys per CTA of the pre-pass (`fa3::prepass_keys`: 16 KiB of V or less) and its threads.
+fn prepass_keys(head_dim_v: usize) -> usize {
+    if head_dim_v > 128 {
+        64
+    } else {
+        128
+    }
+}
 const PREPASS_THREADS: u32 = 128;
 
 /// V^T as the fp8 kernels read it: (sequences, kv heads, head_dim_v, keys_padded) e4m3, each
@@ -107,7 +113,7 @@ pub(super) fn transpose_v(dev: &CudaDevice, dims: &Dims, v: (&CudaStorage, &Layo
         };
         let cfg = LaunchConfig {
             grid_dim: (
-                keys_padded.div_ceil(PREPASS_KEYS) as u32,
+                keys_padded.div_ceil(prepass_keys(dims.head_dim_v)) as u32,
                 dims.kv_heads as u32,
                 dims.batch as u32,
             ),
