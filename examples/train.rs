@@ -196,6 +196,9 @@ fn run(args: Args) -> Result<()> {
     } else {
         Device::cuda_if_available(0)?
     };
+    // Freed GPU memory stays in the device's pool across the step's synchronisations (the loss
+    // read back to the host), so the next step's allocations need not map it again.
+    flash_attn3::retain_freed_device_memory(&device)?;
     let world = match (args.data_parallel, args.context_parallel) {
         (0, _) | (_, 0) => bail!("--data-parallel and --context-parallel must be at least 1"),
         (d, c) if d > 1 && c > 1 => bail!("--data-parallel and --context-parallel cannot be combined (yet)"),
@@ -309,6 +312,7 @@ fn launch_gpu_ranks(_: usize) -> Result<()> {
 #[cfg(feature = "nccl")]
 fn join_gpu_group(world: usize) -> Result<(usize, Device, Group)> {
     let (rank, device, comm) = launch::join_gpu_group(world)?;
+    flash_attn3::retain_freed_device_memory(&device)?;
     Ok((rank, device, std::sync::Arc::new(comm)))
 }
 

@@ -824,3 +824,11 @@ fn matches_naive_candle_composite() -> Result<()> {
     }
     Ok(())
 }
+
+/// The GPU memory pool's calls are no-ops on the CPU, so a program can make them on any device.
+#[test]
+fn device_memory_pool_calls_do_nothing_on_the_cpu() -> Result<()> {
+    flash_attn3::retain_freed_device_memory(&Device::Cpu)?;
+    assert_eq!(flash_attn3::device_memory_release_threshold(&Device::Cpu)?, None);
+    Ok(())
+}

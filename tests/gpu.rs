@@ -1024,3 +1024,26 @@ mod kvcache;
 
 #[path = "gpu/sinks.rs"]
 mod sinks;
+
+/// flash_attn3::retain_freed_device_memory sets the GPU's default memory pool to keep freed
+/// memory (release threshold u64::MAX, from CUDA's 0), and attention after a synchronisation
+/// still matches the reference.
+#[test]
+fn retain_freed_device_memory_sets_the_pool_threshold() -> Result<()> {
+    let dev = gpu()?;
+    flash_attn3::retain_freed_device_memory(&dev)?;
+    assert_eq!(flash_attn3::device_memory_release_threshold(&dev)?, Some(u64::MAX));
+    let mut rng = TestRng::new(56);
+    let shape = AttnShape::new((1, 70, 90, 4, 2, 64, 64));
+    for round in 0..2 {
+        dev.synchronize()?;
+        check_shape(
+            shape,
+            DType::BF16,
+            Opts::new(0.125),
+            &mut rng,
+            &format!("after a synchronisation, round {round}"),
+        )?;
+    }
+    Ok(())
+}

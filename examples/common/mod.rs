@@ -4,13 +4,27 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 
-/// The GPU unless `cpu` (or no GPU / no `cuda` feature), with cudarc's per-allocation events off.
+/// The GPU unless `cpu` (or no GPU / no `cuda` feature), with cudarc's per-allocation events off
+/// and freed memory kept in the GPU's memory pool.
 pub fn device(cpu: bool) -> Result<Device> {
     if cpu {
         return Ok(Device::Cpu);
     }
     // Device::cuda_if_available is the CPU unless built with the cuda feature and a GPU exists.
-    without_event_tracking(Device::cuda_if_available(0)?)
+    let dev = without_event_tracking(Device::cuda_if_available(0)?)?;
+    retain_freed_memory(&dev)?;
+    Ok(dev)
+}
+
+/// Keeps freed GPU memory in the device's pool across synchronisations (each step's sampled
+/// token copied to the host is one), so that the next step's allocations need not map it again
+/// (flash_attn3::retain_freed_device_memory). FLASH_LLAMA_POOL_RELEASE=1 keeps CUDA's default
+/// (for comparison).
+pub fn retain_freed_memory(dev: &Device) -> Result<()> {
+    if std::env::var("FLASH_LLAMA_POOL_RELEASE").as_deref() != Ok("1") {
+        flash_attn3::retain_freed_device_memory(dev)?;
+    }
+    Ok(())
 }
 
 /// `dev` with cudarc's per-allocation events off (see below).
@@ -64,7 +78,9 @@ pub fn tensor_parallel_rank(world: usize) -> Result<Option<(Device, flash_llama:
         return Ok(None);
     }
     let (_, device, comm) = launch::join_gpu_group(world)?;
-    Ok(Some((without_event_tracking(device)?, std::sync::Arc::new(comm))))
+    let device = without_event_tracking(device)?;
+    retain_freed_memory(&device)?;
+    Ok(Some((device, std::sync::Arc::new(comm))))
 }
 
 #[cfg(not(feature = "nccl"))]

@@ -13,6 +13,8 @@
 //! (fp8 calls on an H200 run into the power cap: docs/benchmarks.md). Compare ours and an anchor
 //! under the same method (scripts/fp8_anchors.py TIMING_MODE=sustained is this default).
 //! BENCH_HOST=1 prints, per sustained timing, the host's time to queue one call against the call.
+//! The GPU's memory pool keeps freed memory (flash_attn3::retain_freed_device_memory);
+//! BENCH_POOL_RELEASE=1 keeps CUDA's default, under which every synchronisation hands it back.
 //!
 //! Env: BENCH_SEQS="512,1024", BENCH_HDIMS="64,128", BENCH_CAUSAL="0" (or "1", default both),
 //! BENCH_DECODE=0 to skip the decode rows, BENCH_TUNING (below, `tuning`) for a `Tuning` other than
@@ -817,6 +819,12 @@ fn fp8_accuracy(dev: &Device, dir: &str) -> Result<()> {
 
 fn main() -> Result<()> {
     let dev = Device::new_cuda(0)?;
+    // Freed memory stays in the GPU's pool across synchronisations, as under PyTorch's caching
+    // allocator (the anchors'); BENCH_POOL_RELEASE=1 keeps CUDA's default, which hands it back at
+    // each one (a call right after a synchronisation then maps its buffers again).
+    if std::env::var_os("BENCH_POOL_RELEASE").is_none() {
+        flash_attn3::retain_freed_device_memory(&dev)?;
+    }
     if let Ok(dir) = std::env::var("BENCH_FP8_ACC_DIR") {
         fp8_accuracy(&dev, &dir)?;
     }

@@ -6,7 +6,8 @@
 //! copies), device addresses, the CUDA context and the dynamic scheduler's counters. Each launch
 //! has its own file: the forward and its split-KV combine (forward.rs), its fp8 pieces (fp8.rs),
 //! the KV-cache calls (kvcache.rs) and their single-query decode kernel (decode.rs), the backward
-//! (backward.rs), the fp8 quantizer (quantize.rs).
+//! (backward.rs), the fp8 quantizer (quantize.rs), and the device memory pool's release threshold
+//! (memory_pool.rs).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -26,6 +27,7 @@ mod decode;
 mod forward;
 mod fp8;
 pub(crate) mod kvcache;
+pub(crate) mod memory_pool;
 pub(crate) mod quantize;
 pub(crate) use backward::{backward, SavedForBackward};
 pub(crate) use forward::{forward, FwdExtras};
