@@ -6,7 +6,7 @@
 // end are zeros (their P is 0, and 0 · NaN would not be).
 //
 // One CTA moves prepass_keys(d) keys of one (sequence, kv head): 16 KiB or less of V rows land in
-// shared memory by cp.async (no registers held while they fly, so ~14 CTAs an SM keep most of V
+// shared memory by cp.async (no registers held while they fly, so 13 CTAs an SM keep most of V
 // in flight at once; zeros past the sequence's end; V is read once, so it goes evict-first and
 // leaves L2 to V^T and K), then each thread takes (16-key group, 4-byte column) items: 16 4-byte
 // shared-memory reads, four 4 × 4 byte transposes of 8 PRMTs, 4 stores of 16 bytes. Consecutive
@@ -28,6 +28,8 @@ constexpr int kPrepassThreads = 128;
 // same rule for the grid).
 __host__ __device__ constexpr int prepass_keys(int head_dim) { return head_dim > 128 ? 64 : 128; }
 constexpr int kPrepassTileBytes = 128 * 128;
+static_assert(prepass_keys(128) * 128 <= kPrepassTileBytes && prepass_keys(256) * 256 <= kPrepassTileBytes,
+              "the V rows of a CTA fit the tile at every fp8 head dim (multiples of 16 up to 256)");
 
 // (a0 b0 c0 d0), (a1 b1 c1 d1), (a2 ...), (a3 ...) from words a, b, c, d: a 4 × 4 byte transpose.
 __device__ __forceinline__ void transpose_bytes_4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&t)[4]) {
