@@ -64,9 +64,9 @@ pub use params::{Tuning, MAX_HEAD_DIM};
 /// candle allocates from the GPU's default stream-ordered memory pool, whose release threshold
 /// is 0: every synchronisation (a `to_vec`, a sampled token copied to the host) hands the memory
 /// freed since back to the driver, and the next allocations map it again. An attention call right
-/// after a synchronisation then waits for that before its first kernel: on an H200, 80-170 µs per
-/// call of the benchmark grid, half or more of a 512-token call. After this, freed memory stays
-/// reserved for this process's later allocations until it exits.
+/// after a synchronisation then waits for that before its first kernel: on an H200, 60-170 µs per
+/// call of the benchmark grid, up to two thirds of a 512-token call's time. After this, freed
+/// memory stays reserved for this process's later allocations until it exits.
 ///
 /// A process-wide setting of the GPU (every user of its default pool keeps freed memory): call it
 /// once where the program picks its device. flash-llama's examples do.

@@ -4,8 +4,9 @@
 //! CUDA's default threshold is 0: at every stream, event or context synchronisation the pool hands
 //! all the memory freed since back to the driver, and the next allocations map it again. A call
 //! right after a synchronisation then pays that mapping before its first kernel starts: on an
-//! H200, 80-170 µs per fp8 or bf16 attention call of the benchmark grid (its output, the fp8 V^T
-//! and split-KV buffers), half or more of a 512-token call (docs/benchmarks.md, session 56).
+//! H200, 60-170 µs per fp8 or bf16 attention call of the benchmark grid (its output, the fp8 V^T
+//! and split-KV buffers), up to two thirds of a 512-token call's time (docs/benchmarks.md,
+//! session 56).
 //! PyTorch's caching allocator never hands memory back on its own; `retain_freed_memory` makes the
 //! pool behave the same.
 
