@@ -17,7 +17,9 @@
 #   --fp8       the FP8 anchors (scripts/fp8_anchors.py with the wheels of .device/fp8, from
 #               gpu-pack.sh --fp8: FA3's fp8 forward and cuDNN's fp8 SDPA, the accuracy protocol's
 #               inputs and f64 reference), then the benchmark's fp8 grid and our RMSE on those
-#               inputs (BENCH_PASSES=fp8 BENCH_FP8_ACC_DIR=/tmp/fp8_acc; FP8_BENCH_ENV adds env)
+#               inputs (BENCH_PASSES=fp8 BENCH_FP8_ACC_DIR=/tmp/fp8_acc; FP8_BENCH_ENV adds env),
+#               both timed the same way: FP8_TIMING=sustained (default: back-to-back calls) or
+#               events (each call between CUDA events; docs/benchmarks.md, session 56)
 #   --kvcache   FA3's flash_attn_with_kvcache on the decode grid (scripts/kvcache_anchor.py, the
 #               fa3-fwd wheel of .device/fp8), PyTorch FlexAttention over a page pool (the paged
 #               anchor: scripts/flex_paged_anchor.py, the machine's torch; FLEX_SHAPES / FLEX_PAGES
@@ -262,7 +264,7 @@ if ((FP8)); then
     wheels=("$DEV"/fp8/*.whl)
     shopt -u nullglob
     if ((${#wheels[@]} > 0)); then
-        step fp8-anchors bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fp8 "$@" &&
+        step fp8-anchors env TIMING_MODE="${FP8_TIMING:-sustained}" bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fp8 "$@" &&
             PYTHONPATH=/tmp/site-fp8${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 ACC_DIR=/tmp/fp8_acc exec python3 scripts/fp8_anchors.py' \
             bash "${wheels[@]}"
     else
@@ -270,7 +272,7 @@ if ((FP8)); then
     fi
     if [[ -n $BENCH_BIN ]]; then
         # shellcheck disable=SC2086 # FP8_BENCH_ENV is a list of NAME=VALUE words
-        step fp8-bench env BENCH_PASSES=fp8 BENCH_DECODE=0 BENCH_FP8_ACC_DIR=/tmp/fp8_acc ${FP8_BENCH_ENV:-} "$BENCH_BIN"
+        step fp8-bench env BENCH_TIMING="${FP8_TIMING:-sustained}" BENCH_PASSES=fp8 BENCH_DECODE=0 BENCH_FP8_ACC_DIR=/tmp/fp8_acc ${FP8_BENCH_ENV:-} "$BENCH_BIN"
     fi
 fi
 
