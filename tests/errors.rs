@@ -538,6 +538,7 @@ fn invalid_tuning_is_rejected() {
         per_tile: true,
         l2_section: Some(3),
         fp8_d128_block_n: Some(256),
+        fp8_vt_in_kernel: Some(false),
         global_combine: true,
         decode_one_cta_per_sm: true,
         decode_kernel: Some(true),

@@ -13,6 +13,7 @@
 #include "params.cuh"
 #include "scheduler.cuh"
 #include "traits.cuh"
+#include "fp8_vt_fill.cuh"
 #include "transpose_v.cuh"
 
 namespace fa3 {
@@ -220,9 +221,11 @@ struct ProducerRole {
 
 // it: K/V blocks issued so far by this CTA (the ring position, continued across tiles);
 // tc: tiles with keys processed so far (the Q buffer and the parity of its barriers).
+// vt_ready: fp8 calls whose kernel writes V^T (fp8_vt_fill.cuh), the last (sequence, kv head)
+// pair this thread waited for (-1: none yet).
 template <class Tr>
 __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int& it, int tc,
-                              ProducerRole role) {
+                              ProducerRole role, int& vt_ready) {
     if (!role.q_and_k) {
         // The V thread: V of every key block in the consumers' order, as below.
         for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
@@ -293,6 +296,15 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
         const int stage = it % kRing;
         uint64_t* full = kRaw ? &s.full_v_raw[stage] : &s.full_v[stage];
         uint64_t* empty = kRaw ? &s.empty_v_raw[stage] : &s.empty_v[stage];
+        if constexpr (Tr::kVtFill) {
+            // V^T written by this launch: the pair's units, before its first load (after K's two
+            // first blocks went out, so Q·Kᵀ starts meanwhile).
+            const int pair = t.batch * p.vt_src.kv_heads + t.kv_head;
+            if (p.vt_done != nullptr && pair != vt_ready) {
+                wait_vt_pair(p, pair);
+                vt_ready = pair;
+            }
+        }
         trace_stamp(0, it, 2);
         mbar_wait(empty, ((it / kRing) & 1) ^ 1);
         trace_stamp(0, it, 3);
@@ -315,14 +327,14 @@ template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<T
     tma_prefetch_desc(&p.tma_k);
     tma_prefetch_desc(&p.tma_v);
     if (role.q_and_k) trace_life(5);
-    int it = 0, tc = 0;
+    int it = 0, tc = 0, vt_ready = -1;
     for (int k = 0;; ++k) {
         const int tile = receive_tile<Tr>(s, k, false);
         if (k == 0 && role.q_and_k) trace_life(6);
         if (tile >= num_tiles(p)) break;  // the consumers stop on the same index
         TileInfo t;
         if (get_tile<Tr>(p, tile, t) && t.n_max > t.n_min) {  // else the consumers skip it too
-            producer_tile<Tr>(p, s, t, it, tc, role);
+            producer_tile<Tr>(p, s, t, it, tc, role, vt_ready);
             ++tc;
         }
         mbar_arrive(&s.tile_empty);  // loads issued: the scheduler may claim the next tile

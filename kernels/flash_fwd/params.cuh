@@ -27,6 +27,22 @@ struct FastDiv {
     }
 };
 
+// The fp8 pre-pass (fp8_prepass.cuh): V (tokens, kv heads, head_dim_v) e4m3 -> V^T (sequences,
+// kv heads, head_dim_v, keys_padded), keys permuted inside each group of 16 so that P's
+// accumulator registers are wgmma's A operand as they are; zeros past each sequence's end.
+struct Fp8PrepassParams {
+    const uint8_t* v;
+    uint8_t* vt;
+    const uint32_t* cu_k;   // varlen: batch + 1 offsets; null: fixed length seqlen_k
+    int64_t v_token_stride; // elements (bytes)
+    int64_t v_head_stride;
+    int64_t v_batch_stride; // fixed length only
+    int seqlen_k;           // fixed length: every sequence's keys
+    int keys_padded;        // V^T row length: max keys rounded up to 16
+    int head_dim_v;
+    int kv_heads;
+};
+
 struct alignas(64) FwdParams {
     // 4-D maps (head_dim, tokens, heads, batch) over q, k and v with their own strides; varlen
     // calls use batch = 1 and address sequences by token offset.
@@ -126,6 +142,14 @@ struct alignas(64) FwdParams {
     // kPageWarp kernels: a paged cache's page stride in kv-head strides (load.cuh issue_page_box;
     // last, so that the other kernels read their parameters where they did).
     int page_units;
+    // FP8 calls with V^T written by the kernel itself (fp8_vt_fill.cuh; null vt_done: the
+    // pre-pass wrote it before the launch): V and the V^T it fills, as the pre-pass has them;
+    // vt_done: vt_pairs counts of units written, one per (sequence, kv head), then the count of
+    // units claimed; zero at launch. A pair is ready at vt_units_per_pair units.
+    Fp8PrepassParams vt_src;
+    int* vt_done;
+    int vt_units_per_pair;
+    int vt_pairs;
 };
 
 // Query rows per Q descale block of the fp8 kernels (one consumer warpgroup's rows): mirrored
@@ -134,22 +158,6 @@ constexpr int kFp8QBlockRows = 64;
 // Keys per K descale block: flash_attn3::fp8::K_BLOCK_ROWS (the 128-key blocks of the d64 and
 // d256 kernels; d128's 256-key blocks span two, mainloop.cuh scale_by_k_blocks).
 constexpr int kFp8KBlockKeys = 128;
-
-// The fp8 pre-pass (fp8_prepass.cuh): V (tokens, kv heads, head_dim_v) e4m3 -> V^T (sequences,
-// kv heads, head_dim_v, keys_padded), keys permuted inside each group of 16 so that P's
-// accumulator registers are wgmma's A operand as they are; zeros past each sequence's end.
-struct Fp8PrepassParams {
-    const uint8_t* v;
-    uint8_t* vt;
-    const uint32_t* cu_k;   // varlen: batch + 1 offsets; null: fixed length seqlen_k
-    int64_t v_token_stride; // elements (bytes)
-    int64_t v_head_stride;
-    int64_t v_batch_stride; // fixed length only
-    int seqlen_k;           // fixed length: every sequence's keys
-    int keys_padded;        // V^T row length: max keys rounded up to 16
-    int head_dim_v;
-    int kv_heads;
-};
 
 // The combine kernel's parameters (combine.cuh).
 struct CombineParams {

@@ -146,6 +146,15 @@ struct FwdTraits {
     // -0.4..+1.4% (+3.5% at 16k unmasked in a first call, not reproduced); fp8 d64 measured 3%
     // slower with it, the 16-bit kernels even (forward-fp8.md, version 11).
     static constexpr bool kSeedRowSums = kSerialConsumer || (kFp8 && !kTransposeV && kHeadDim_ == 256);
+    // V^T written by the kernel itself (fp8_vt_fill.cuh; the host's choice per call, fp8.rs
+    // VtWriter): fp8 kernels with the pre-pass's layout on 128-key blocks up to d128, each of the
+    // two writer warps staging a unit of V rows in shared memory. Not d256 (no shared memory left
+    // next to its rings and O tile) nor d128's 256-key blocks, whose producer warpgroup keeps 24
+    // registers: there the writer's spills reached the TMA thread's loop and the calls ran 2-20%
+    // slower (docs/kernels/forward-fp8.md, "V^T in the kernel").
+    static constexpr bool kVtFill = kFp8 && !kTransposeV && kHeadDim_ <= 128 && kBlockN_ == 128;
+    static constexpr int kVtFillUnitKeys = 64;
+    static constexpr int kVtFillBytes = kVtFill ? 2 * kVtFillUnitKeys * kHeadDim_ : 16;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     // P as wgmma's register A operand: per k-step 4 registers of 2 (16-bit) or 4 (e4m3) values.
@@ -159,6 +168,7 @@ template <class Tr> struct SharedStorage {
     alignas(1024) typename Tr::Elem v[Tr::kStages][Tr::kVStageBytes / Tr::kElemBytes];  // fp8: V^T
     alignas(1024) uint16_t o[Tr::kTmaStoreO ? Tr::kBlockM * Tr::kHeadDim : 8];  // O staging (kOutColElems blocks)
     alignas(Tr::kTransposeV ? 1024 : 16) typename Tr::Elem v_raw[Tr::kVRawStages][Tr::kVRawElems];  // V as loaded
+    alignas(16) uint8_t vt_fill[Tr::kVtFillBytes];  // kVtFill: each writer warp's unit of V rows
     alignas(8) uint64_t bar_q[Tr::kQStages];      // Q of a tile landed
     alignas(8) uint64_t q_empty[Tr::kQStages];    // every consumer warpgroup is done with that Q
     alignas(8) uint64_t full_k[Tr::kStages];      // K of a stage landed

@@ -14,11 +14,14 @@ __device__ __forceinline__ void copy_16_to_shared(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
 
-// 16 bytes, or zeros where `valid` is false (a source size of 0 reads nothing).
-__device__ __forceinline__ void copy_16_or_zero(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
+// 16 bytes to the shared-memory address `dst` (smem_u32), or zeros where `valid` is false (a
+// source size of 0 reads nothing).
+__device__ __forceinline__ void copy_16_or_zero(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
+}
+__device__ __forceinline__ void copy_16_or_zero(void* dst, const void* src, bool valid) {
+    copy_16_or_zero(smem_u32(dst), src, valid);
 }
 
 // An L2 policy for data read once: evicted first, so that data that other CTAs read stays.

@@ -658,3 +658,90 @@ fn fp8_quantize_gpu_matches_host() -> Result<()> {
     }
     Ok(())
 }
+
+/// V^T written by the forward kernel itself (two producer warps, kernels/flash_fwd/fp8_vt_fill.cuh)
+/// and by the pre-pass (fp8_prepass.cuh) are the same bytes, so the two calls agree bit for bit,
+/// and both match the reference: head dims under the kernel's (d32 and d96 on the d64 and d128
+/// kernels), odd key counts (a unit of 64 keys past the sequence's end), GQA, causal, and varlen
+/// calls (each sequence's keys from its own offset).
+#[test]
+fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-vt-writers");
+    let writers = |o: Opts, in_kernel: bool| {
+        o.tuned(flash_attn3::Tuning {
+            fp8_vt_in_kernel: Some(in_kernel),
+            fp8_d128_block_n: Some(128),
+            ..Default::default()
+        })
+    };
+    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+        Ok(t.to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|x| x.to_bits())
+            .collect())
+    };
+    for (d, causal) in [(32, false), (64, true), (96, false), (128, true), (128, false)] {
+        let (sq, sk) = (rng.odd_len(60, 300), rng.odd_len(130, 700));
+        let shape = AttnShape::new((2, sq, sk, 4, 2, d, d));
+        let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
+        let (q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Head, None)?;
+        let (qd, kd, vd) = (fp8::dequantize(&q8)?, fp8::dequantize(&k8)?, fp8::dequantize(&v8)?);
+        let o = if causal {
+            Opts::new(shape.scale()).causal()
+        } else {
+            Opts::new(shape.scale())
+        };
+        let (want, _) = attention_ref(&qd, &kd, &vd, &o.reference())?;
+        let what = format!("fp8 V^T writers d{d} causal {causal} {sq}x{sk} seed {}", rng.seed());
+        poison(&dev, want.elem_count() * 2)?;
+        let in_kernel = fp8_builder(writers(o, true), &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
+        poison(&dev, want.elem_count() * 2)?;
+        let pre_pass = fp8_builder(writers(o, false), &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
+        assert_fp8_close(
+            &in_kernel,
+            &want,
+            (&qd, &kd, &vd),
+            o.scale,
+            &format!("{what}: in kernel"),
+        )?;
+        assert_eq!(
+            bits(&in_kernel)?,
+            bits(&pre_pass)?,
+            "{what}: in kernel and pre-pass differ"
+        );
+    }
+    let lens_k = [rng.odd_len(1, 90), 0, rng.odd_len(200, 400), rng.odd_len(60, 140)];
+    let lens_q = [rng.odd_len(1, 100), 3, rng.odd_len(100, 200), 1];
+    let (cu_q, cu_k) = (cumulative(&lens_q), cumulative(&lens_k));
+    let q = rng.randn((cu_q[4], 4, 64), DType::F32, &dev)?;
+    let k = rng.randn((cu_k[4], 2, 64), DType::F32, &dev)?;
+    let v = rng.randn((cu_k[4], 2, 64), DType::F32, &dev)?;
+    let (q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Tensor, None)?;
+    let (qd, kd, vd) = (fp8::dequantize(&q8)?, fp8::dequantize(&k8)?, fp8::dequantize(&v8)?);
+    let o = Opts::new(0.125).causal();
+    let (want, _) = attention_ref_varlen(&qd, &kd, &vd, &cu_q, &cu_k, &o.reference())?;
+    let mut outs = Vec::new();
+    for in_kernel in [true, false] {
+        poison(&dev, want.elem_count() * 2)?;
+        outs.push(fp8_builder(writers(o, in_kernel), &q8, &k8, &v8).forward_varlen(
+            &q8.data,
+            &k8.data,
+            &v8.data,
+            &seqlens_tensor(&cu_q, &dev)?,
+            &seqlens_tensor(&cu_k, &dev)?,
+            max_len(&cu_q),
+            max_len(&cu_k),
+        )?);
+    }
+    let what = format!("fp8 V^T writers varlen seed {}", rng.seed());
+    assert_fp8_close(&outs[0], &want, (&qd, &kd, &vd), o.scale, &format!("{what}: in kernel"))?;
+    assert_eq!(
+        bits(&outs[0])?,
+        bits(&outs[1])?,
+        "{what}: in kernel and pre-pass differ"
+    );
+    Ok(())
+}

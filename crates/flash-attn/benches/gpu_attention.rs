@@ -47,7 +47,7 @@ use flash_attn3::fp8::{self, Granularity, Quantizer};
 use flash_attn3::{FlashAttn, Tuning};
 
 /// BENCH_TUNING="pack_gqa=0|1,d64_rows=128|192,direct_store,per_tile,l2_section=N,
-/// fp8_d128_keys=128|256,global_combine,decode_one_cta,decode_kernel=0|1": the
+/// fp8_d128_keys=128|256,fp8_vt=kernel|prepass,global_combine,decode_one_cta,decode_kernel=0|1": the
 /// `Tuning` of every call of the benchmark (unset: chosen per call), for comparisons.
 fn tuning() -> Tuning {
     let mut t = Tuning::default();
@@ -62,6 +62,7 @@ fn tuning() -> Tuning {
             "per_tile" => t.per_tile = true,
             "l2_section" => t.l2_section = num,
             "fp8_d128_keys" => t.fp8_d128_block_n = num,
+            "fp8_vt" => t.fp8_vt_in_kernel = Some(value == "kernel"),
             "global_combine" => t.global_combine = true,
             "decode_one_cta" => t.decode_one_cta_per_sm = true,
             "decode_kernel" => t.decode_kernel = Some(value == "1"),

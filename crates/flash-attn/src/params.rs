@@ -31,6 +31,10 @@ pub struct Tuning {
     /// longest key sequence of the call), from 2,048 for causal, windowed or varlen calls. KV cache
     /// calls always run on 128.
     pub fp8_d128_block_n: Option<usize>,
+    /// Who writes V^T, the keys-contiguous copy of V that the fp8 kernels' P·V reads (outside KV
+    /// caches): `Some(true)` (and `None`) the forward kernel itself, two of its producer warps
+    /// under the attention; `Some(false)` a pre-pass kernel before it.
+    pub fp8_vt_in_kernel: Option<bool>,
     /// Split-KV calls merge their key shares in the combine kernel even where the forward launch
     /// would merge them itself, each tile's shares as one thread-block cluster
     /// (kernels/flash_fwd/cluster_combine.cuh: single-query decode over short caches).

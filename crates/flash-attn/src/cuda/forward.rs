@@ -80,6 +80,10 @@ struct FwdParams {
     solo_consumer: i32,
     cluster_combine: i32,
     page_units: i32,
+    vt_src: fp8::PrepassParams,
+    vt_done: u64,
+    vt_units_per_pair: i32,
+    vt_pairs: i32,
 }
 
 /// A small-page call on a `_pw` kernel: the kernel and its K / V maps of one box per page
@@ -345,8 +349,14 @@ impl Variant {
             };
             // V^T stages hold whole 128-key column blocks.
             let vt_keys = self.block_n.div_ceil(fp8::VT_COL_KEYS) * fp8::VT_COL_KEYS;
-            let bytes =
-                self.head_dim * (q_tiles * self.block_m() + (2 + raw_stages) * self.block_n + 2 * vt_keys) + o_bytes;
+            // The in-kernel V^T writer's staging (`kVtFillBytes`), where the kernel has it.
+            let fill_keys = match !self.transpose_v && fp8::has_vt_fill(self.head_dim, self.block_n) {
+                true => fp8::VT_FILL_STAGING_KEYS,
+                false => 0,
+            };
+            let bytes = self.head_dim
+                * (q_tiles * self.block_m() + (2 + raw_stages) * self.block_n + 2 * vt_keys + fill_keys)
+                + o_bytes;
             return bytes + 1024 + 1024;
         }
         let roomy = self.head_dim <= 128 && self.block_n <= 128;
@@ -878,7 +888,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             if let Some(queue) = before_launch.take() {
                 queue()?;
             }
-            Some(fp8::transpose_v(&dev, dims, v, cu_k)?)
+            let writer = fp8::VtWriter::pick(variant.head_dim, variant.block_n, tuning.fp8_vt_in_kernel);
+            Some(fp8::transpose_v(&dev, dims, v, cu_k, writer)?)
         }
         _ => None,
     };
@@ -922,6 +933,14 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         let (out_ptr, _out_sync) = out.device_ptr_mut(&stream);
         let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
         let _vt_sync = vt.as_ref().map(|vt| vt.vt.device_ptr(&stream));
+        let vt_fill = vt.as_ref().and_then(|vt| vt.fill.as_ref());
+        let (vt_done, _vt_done_sync) = match vt_fill {
+            Some(f) => {
+                let (ptr, sync) = f.done.device_ptr(&stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
         let (o_accum_ptr, _o_accum_sync) = optional_ptr_mut(&mut o_accum, &stream);
         let (lse_accum_ptr, _lse_accum_sync) = optional_ptr_mut(&mut lse_accum, &stream);
         let p = FwdParams {
@@ -982,6 +1001,10 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             solo_consumer: solo_consumer as i32,
             cluster_combine: cluster_combine as i32,
             page_units: page_maps.as_ref().map_or(0, |pw| pw.page_units as i32),
+            vt_src: vt_fill.map_or_else(Default::default, |f| f.src),
+            vt_done,
+            vt_units_per_pair: vt_fill.map_or(0, |f| f.units_per_pair as i32),
+            vt_pairs: vt_fill.map_or(0, |f| f.pairs as i32),
         };
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),

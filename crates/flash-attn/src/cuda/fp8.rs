@@ -41,10 +41,10 @@ pub(super) fn block_n(
 const LONG_KEYS: usize = 512;
 const LONG_KEYS_UNEVEN: usize = 2048;
 
-/// Mirror of `fa3::Fp8PrepassParams` (kernels/flash_fwd/params.cuh).
+/// Mirror of `fa3::Fp8PrepassParams` (kernels/flash_fwd/params.cuh); also `FwdParams::vt_src`.
 #[repr(C)]
-#[derive(Clone, Copy)]
-struct PrepassParams {
+#[derive(Clone, Copy, Default)]
+pub(super) struct PrepassParams {
     v: u64,
     vt: u64,
     cu_k: u64,
@@ -75,11 +75,64 @@ const PREPASS_THREADS: u32 = 128;
 pub(super) struct TransposedV {
     pub vt: CudaSlice<u8>,
     pub keys_padded: usize,
+    /// Set when the forward kernel writes `vt` itself ([`VtWriter::ForwardKernel`]).
+    pub fill: Option<VtFill>,
 }
 
-/// Runs the pre-pass (kernels/flash_fwd/fp8_prepass.cuh) on candle's stream. `cu_k`: the varlen
-/// offsets' device address, 0 for fixed-length calls.
-pub(super) fn transpose_v(dev: &CudaDevice, dims: &Dims, v: (&CudaStorage, &Layout), cu_k: u64) -> Result<TransposedV> {
+/// What the forward kernel needs to write V^T itself (kernels/flash_fwd/fp8_vt_fill.cuh):
+/// `FwdParams::vt_src`, `vt_done` (`pairs` counters of units written and the count of units
+/// claimed, zeroed here), `vt_units_per_pair`.
+pub(super) struct VtFill {
+    pub src: PrepassParams,
+    pub done: CudaSlice<i32>,
+    pub units_per_pair: usize,
+    pub pairs: usize,
+}
+
+/// Keys per unit of the in-kernel V^T writer (`FwdTraits::kVtFillUnitKeys`).
+const VT_FILL_KEYS: usize = 64;
+/// Rows of V the in-kernel writer stages in shared memory: a unit for each of its two warps
+/// (`FwdTraits::kVtFillBytes`, compiled into the fp8 kernels up to d128 without transpose_v).
+pub(super) const VT_FILL_STAGING_KEYS: usize = 2 * VT_FILL_KEYS;
+
+/// Who writes V^T for an fp8 call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum VtWriter {
+    /// The pre-pass, a kernel of its own before the forward's (fp8_prepass.cuh).
+    PrePass,
+    /// Two producer warps of the forward kernel itself, under the attention (fp8_vt_fill.cuh).
+    ForwardKernel,
+}
+
+impl VtWriter {
+    /// For a kernel of (padded) head dim `head_dim` on `block_n`-key blocks: the forward kernel
+    /// where it has the writer (`FwdTraits::kVtFill`: up to d128 on 128-key blocks), unless
+    /// `tuned` ([`crate::Tuning::fp8_vt_in_kernel`]) says otherwise.
+    pub fn pick(head_dim: usize, block_n: usize, tuned: Option<bool>) -> Self {
+        match tuned {
+            _ if !has_vt_fill(head_dim, block_n) => Self::PrePass,
+            Some(false) => Self::PrePass,
+            Some(true) | None => Self::ForwardKernel,
+        }
+    }
+}
+
+/// Whether the fp8 kernel of (padded) head dim `head_dim` on `block_n`-key blocks has the
+/// in-kernel V^T writer (`FwdTraits::kVtFill`).
+pub(super) fn has_vt_fill(head_dim: usize, block_n: usize) -> bool {
+    head_dim <= 128 && block_n == 128
+}
+
+/// V^T for an fp8 call on candle's stream: the pre-pass launched (kernels/flash_fwd/fp8_prepass.cuh),
+/// or the buffers and parameters the forward kernel fills it with. `cu_k`: the varlen offsets'
+/// device address, 0 for fixed-length calls.
+pub(super) fn transpose_v(
+    dev: &CudaDevice,
+    dims: &Dims,
+    v: (&CudaStorage, &Layout),
+    cu_k: u64,
+    writer: VtWriter,
+) -> Result<TransposedV> {
     let stream = dev.cuda_stream();
     let (_, [token_stride, head_stride, batch_stride]) = geometry(v.1);
     let (v_addr, _v_sync) = input_ptr(v.0, v.1, &stream)?;
@@ -95,9 +148,10 @@ pub(super) fn transpose_v(dev: &CudaDevice, dims: &Dims, v: (&CudaStorage, &Layo
     }
     let keys_padded = dims.seqlen_k.div_ceil(16) * 16;
     let len = dims.batch * dims.kv_heads * dims.head_dim_v * keys_padded;
-    // SAFETY: the pre-pass writes every byte (zeros past each sequence's end).
+    // SAFETY: the pre-pass or the forward kernel writes every byte (zeros past each sequence's
+    // end) before the forward kernel reads it.
     let mut vt = unsafe { dev.alloc::<u8>(len)? };
-    {
+    let fill = {
         let (vt_ptr, _vt_sync) = vt.device_ptr_mut(&stream);
         let p = PrepassParams {
             v: v_addr,
@@ -111,22 +165,33 @@ pub(super) fn transpose_v(dev: &CudaDevice, dims: &Dims, v: (&CudaStorage, &Layo
             head_dim_v: dims.head_dim_v as i32,
             kv_heads: dims.kv_heads as i32,
         };
-        let cfg = LaunchConfig {
-            grid_dim: (
-                keys_padded.div_ceil(prepass_keys(dims.head_dim_v)) as u32,
-                dims.kv_heads as u32,
-                dims.batch as u32,
-            ),
-            block_dim: (PREPASS_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let name = "flash_fwd_fp8_transpose_v";
-        let func = kernel(dev, name, 0)?;
-        // SAFETY: v and vt are alive (guards held) until the launch is queued; the grid covers
-        // exactly vt's (sequence, kv head, key block) slabs.
-        unsafe { launch_with_params(&stream, &func, name, cfg, &p) }?;
-    }
-    Ok(TransposedV { vt, keys_padded })
+        if writer == VtWriter::ForwardKernel {
+            let pairs = dims.batch * dims.kv_heads;
+            Some(VtFill {
+                src: p,
+                done: dev.alloc_zeros::<i32>(pairs + 1)?,
+                units_per_pair: keys_padded.div_ceil(VT_FILL_KEYS),
+                pairs,
+            })
+        } else {
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    keys_padded.div_ceil(prepass_keys(dims.head_dim_v)) as u32,
+                    dims.kv_heads as u32,
+                    dims.batch as u32,
+                ),
+                block_dim: (PREPASS_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let name = "flash_fwd_fp8_transpose_v";
+            let func = kernel(dev, name, 0)?;
+            // SAFETY: v and vt are alive (guards held) until the launch is queued; the grid covers
+            // exactly vt's (sequence, kv head, key block) slabs.
+            unsafe { launch_with_params(&stream, &func, name, cfg, &p) }?;
+            None
+        }
+    };
+    Ok(TransposedV { vt, keys_padded, fill })
 }
 
 /// The device addresses of an fp8 call's descales (0 where absent: the kernel reads 1.0) and their
