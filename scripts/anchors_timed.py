@@ -10,7 +10,7 @@ with a choice of timing, so that its anchors and our Rust benchmark can be compa
 
 Ours the same ways: BENCH_TIMING=events or unset (sustained) on the gpu_attention binary. The
 anchors script's own environment passes through (SEQS, HDIMS, PASSES, IMPLS, OUT); it writes
-$OUT/anchors.json.
+$OUT/anchors.json (scripts/anchor_table.py reads it), each record with its "timing".
 """
 import importlib.util
 import json
@@ -59,5 +59,7 @@ for impl in bench.IMPLS:
     except Exception:
         print(f"{impl}: SETUP FAILED")
         traceback.print_exc()
-with open(os.path.join(os.environ.get("OUT", "."), f"anchors_{mode}.json"), "w") as f:
+for r in bench.results:
+    r["timing"] = mode if r["impl"] != "fa3_jax" else "dispatches"
+with open(os.path.join(os.environ.get("OUT", "."), "anchors.json"), "w") as f:
     json.dump(bench.results, f, indent=1)

@@ -6,7 +6,11 @@
 # Steps: GPU name; the GPU test binaries (--test-threads=1); the GPU benchmark binary; the host
 #   cost of a decode step (decode-host); the batched decode projections, linear_rows against
 #   cuBLAS (gpu-linear);
-#   --anchors   the anchor benchmark (.device/anchors, from gpu-pack.sh --anchors);
+#   --anchors   the anchor benchmark (.device/anchors, from gpu-pack.sh --anchors) through
+#               scripts/anchors_timed.py, timed as ours: ANCHOR_TIMING=sustained (default: the
+#               mean of back-to-back calls, our benchmark's own method) or events (each call
+#               between CUDA events, anchors_bench.py's; the bench step then runs with
+#               BENCH_TIMING=events too; docs/benchmarks.md, session 57);
 #               env SEQS, HDIMS, PASSES, IMPLS pass through to anchors_bench.py; then
 #               scripts/decode_anchor.py (FA3 on the decode-like shapes; BENCH_DECODE=0 skips it)
 #   --sanitize  compute-sanitizer memcheck and racecheck on the test binary, with the test filter
@@ -182,6 +186,10 @@ else
     skip_step train-tests "no .device/train-gpu-test.xz: run scripts/gpu-pack.sh and carry .device"
 fi
 
+# With --anchors, ours timed as the anchors are (ANCHOR_TIMING).
+ANCHOR_TIMING=${ANCHOR_TIMING:-sustained}
+[[ $ANCHOR_TIMING == sustained || $ANCHOR_TIMING == events ]] || { echo "gpu-run: ANCHOR_TIMING must be sustained or events" >&2; exit 2; }
+if ((ANCHORS)) && [[ $ANCHOR_TIMING == events ]]; then export BENCH_TIMING=events; fi
 if [[ -n $BENCH_BIN ]]; then
     step bench "$BENCH_BIN" ${BENCH_ARGS:-}
 else
@@ -248,8 +256,8 @@ if ((ANCHORS)); then
     if [[ -f $DEV/anchors/anchors_bench.py && ${#wheels[@]} -gt 0 ]]; then
         # SEQS, HDIMS, PASSES, IMPLS come through the environment; the script also writes
         # $OUT/anchors.json.
-        step anchors bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${@:2}" &&
-            PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 exec python3 "$1"' \
+        step anchors env TIMING_MODE="$ANCHOR_TIMING" bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${@:2}" &&
+            PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 exec python3 scripts/anchors_timed.py "$1"' \
             bash "$DEV/anchors/anchors_bench.py" "${wheels[@]}"
         # FA3 on the benchmark's decode-like shapes (split-KV), with the wheels installed above.
         [[ ${BENCH_DECODE:-1} != 0 ]] && step decode-anchor bash -c \
