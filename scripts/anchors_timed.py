@@ -8,6 +8,9 @@ with a choice of timing, so that its anchors and our Rust benchmark can be compa
                          crates/flash-attn/benches/gpu_attention.rs times ours by default and
                          scripts/fp8_anchors.py's TIMING_MODE=sustained (`t_sustained` there)
 
+SETTLE_MS=n (sustained) first runs each cell back to back for n ms, so that it is timed at the
+GPU's steady state under load (BENCH_SETTLE_MS on ours).
+
 Ours the same ways: BENCH_TIMING=events or unset (sustained) on the gpu_attention binary. The
 anchors script's own environment passes through (SEQS, HDIMS, PASSES, IMPLS, OUT); it writes
 $OUT/anchors.json (scripts/anchor_table.py reads it), each record with its "timing".
@@ -24,11 +27,19 @@ bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)  # defines the runners; its __main__ block does not run
 
 
+SETTLE_MS = float(os.environ.get("SETTLE_MS", "0"))
+
+
 def t_sustained(fn):
     torch = bench.torch
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    settle_end = time.perf_counter() + SETTLE_MS / 1e3  # SETTLE_MS: run back to back first
+    while time.perf_counter() < settle_end:
+        for _ in range(4):
+            fn()
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()

@@ -43,6 +43,8 @@
 #               --base-bin /tmp/gb)
 # Env: TEST_ARGS / BENCH_ARGS: extra arguments to the test / benchmark binary (e.g. a filter).
 #      SKIP: step names not to run, comma-separated (e.g. SKIP=model-tests,train-tests,decode-host).
+#      SETTLE_MS: each sustained-timed cell (ours, and the anchors with --anchors or --fp8) runs
+#      back to back this many ms before it is timed (its steady state under the power cap).
 #      DEADLINE (default 570): seconds from the start after which no step runs any more, and each
 #      step is stopped by then, so the summary prints inside a 600 s call; STEP_TIMEOUT (default
 #      DEADLINE) caps each step.
@@ -190,6 +192,9 @@ fi
 ANCHOR_TIMING=${ANCHOR_TIMING:-sustained}
 [[ $ANCHOR_TIMING == sustained || $ANCHOR_TIMING == events ]] || { echo "gpu-run: ANCHOR_TIMING must be sustained or events" >&2; exit 2; }
 if ((ANCHORS)) && [[ $ANCHOR_TIMING == events ]]; then export BENCH_TIMING=events; fi
+# SETTLE_MS=n: sustained timings run each cell back to back for n ms first, ours and the anchors'
+# (--anchors, --fp8), so that every cell is timed at the GPU's steady state under load.
+if [[ -n ${SETTLE_MS:-} ]]; then export SETTLE_MS BENCH_SETTLE_MS=$SETTLE_MS; fi
 if [[ -n $BENCH_BIN ]]; then
     step bench "$BENCH_BIN" ${BENCH_ARGS:-}
 else

@@ -13,6 +13,11 @@
 //! (fp8 calls on an H200 run into the power cap: docs/benchmarks.md). Compare ours and an anchor
 //! under the same method (scripts/fp8_anchors.py TIMING_MODE=sustained is this default).
 //! BENCH_HOST=1 prints, per sustained timing, the host's time to queue one call against the call.
+//! BENCH_SETTLE_MS=n (sustained timing) first runs each cell back to back for n ms, so that every
+//! cell is timed at the GPU's steady state under load (the power cap's clock on an H200) rather
+//! than after whatever ran before it; scripts/anchors_timed.py and scripts/fp8_anchors.py take
+//! SETTLE_MS the same way (docs/benchmarks.md, session 57: a cell's first repeat ran 7-11% faster
+//! than its steady state).
 //! The GPU's memory pool keeps freed memory (flash_attn3::retain_freed_device_memory);
 //! BENCH_POOL_RELEASE=1 keeps CUDA's default, under which every synchronisation hands it back.
 //!
@@ -124,6 +129,18 @@ fn time_sustained(dev: &Device, mut f: impl FnMut() -> Result<Tensor>) -> Result
         f()?;
     }
     dev.synchronize()?;
+    let settle = std::env::var("BENCH_SETTLE_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0);
+    let settle_start = Instant::now();
+    while settle_start.elapsed().as_millis() < settle as u128 {
+        // Synchronising every few calls keeps the queue short, so the loop ends on time.
+        for _ in 0..4 {
+            f()?;
+        }
+        dev.synchronize()?;
+    }
     let probe = Instant::now();
     f()?;
     dev.synchronize()?;
