@@ -10,10 +10,10 @@
 #include "../primitives/tma.cuh"
 #include "../primitives/trace.cuh"
 #include "../primitives/warp.cuh"
+#include "fp8_vt_fill.cuh"
 #include "params.cuh"
 #include "scheduler.cuh"
 #include "traits.cuh"
-#include "fp8_vt_fill.cuh"
 #include "transpose_v.cuh"
 
 namespace fa3 {
