@@ -107,6 +107,25 @@ fn fp8_builder(o: Opts, q: &Quantized, k: &Quantized, v: &Quantized) -> flash_at
         .descale(Some(&q.descale), Some(&k.descale), Some(&v.descale))
 }
 
+/// A varlen fp8 call through `builder` (the descales of q8, k8, v8 attached) over the sequences
+/// `cu_q` / `cu_k`: its output and LSE.
+fn fp8_varlen_call(
+    builder: flash_attn3::FlashAttn,
+    (q8, k8, v8): (&Quantized, &Quantized, &Quantized),
+    (cu_q, cu_k): (&[usize], &[usize]),
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
+    builder.forward_varlen_with_lse(
+        &q8.data,
+        &k8.data,
+        &v8.data,
+        &seqlens_tensor(cu_q, dev)?,
+        &seqlens_tensor(cu_k, dev)?,
+        max_len(cu_q),
+        max_len(cu_k),
+    )
+}
+
 /// One fixed-length fp8 call against the f64 reference of its dequantised inputs, with the
 /// split count chosen per call and with num_splits(1); `out_dtype` bf16 or f16.
 fn check_fp8(
@@ -362,15 +381,7 @@ fn fp8_varlen_with_empty_sequences() -> Result<()> {
             };
             let (want, want_lse) = attention_ref_varlen(&qd, &kd, &vd, &cu_q, &cu_k, &o.reference())?;
             poison(&dev, want.elem_count() * 2)?;
-            let (out, lse) = fp8_builder(o, &q8, &k8, &v8).forward_varlen_with_lse(
-                &q8.data,
-                &k8.data,
-                &v8.data,
-                &seqlens_tensor(&cu_q, &dev)?,
-                &seqlens_tensor(&cu_k, &dev)?,
-                max_len(&cu_q),
-                max_len(&cu_k),
-            )?;
+            let (out, lse) = fp8_varlen_call(fp8_builder(o, &q8, &k8, &v8), (&q8, &k8, &v8), (&cu_q, &cu_k), &dev)?;
             let what = format!("fp8 varlen d{d} causal {causal} {granularity:?} seed {}", rng.seed());
             assert_fp8_close(&out, &want, (&qd, &kd, &vd), o.scale, &format!("{what}: out"))?;
             assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
@@ -726,15 +737,8 @@ fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
     let mut outs = Vec::new();
     for in_kernel in [true, false] {
         poison(&dev, want.elem_count() * 2)?;
-        outs.push(fp8_builder(writers(o, in_kernel), &q8, &k8, &v8).forward_varlen(
-            &q8.data,
-            &k8.data,
-            &v8.data,
-            &seqlens_tensor(&cu_q, &dev)?,
-            &seqlens_tensor(&cu_k, &dev)?,
-            max_len(&cu_q),
-            max_len(&cu_k),
-        )?);
+        let builder = fp8_builder(writers(o, in_kernel), &q8, &k8, &v8);
+        outs.push(fp8_varlen_call(builder, (&q8, &k8, &v8), (&cu_q, &cu_k), &dev)?.0);
     }
     let what = format!("fp8 V^T writers varlen seed {}", rng.seed());
     assert_fp8_close(&outs[0], &want, (&qd, &kd, &vd), o.scale, &format!("{what}: in kernel"))?;
