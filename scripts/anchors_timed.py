@@ -19,38 +19,13 @@ import importlib.util
 import json
 import os
 import sys
-import time
 import traceback
+
+from fp8_anchors import t_sustained  # the fp8 anchors' sustained timer (SETTLE_MS included)
 
 spec = importlib.util.spec_from_file_location("anchors_bench", sys.argv[1])
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)  # defines the runners; its __main__ block does not run
-
-
-SETTLE_MS = float(os.environ.get("SETTLE_MS", "0"))
-
-
-def t_sustained(fn):
-    torch = bench.torch
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    settle_end = time.perf_counter() + SETTLE_MS / 1e3  # SETTLE_MS: run back to back first
-    while time.perf_counter() < settle_end:
-        for _ in range(4):
-            fn()
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    one = time.perf_counter() - t0
-    reps = min(200, max(5, int(0.2 / max(one, 1e-6))))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
-
 
 mode = os.environ.get("TIMING_MODE", "events")
 if mode == "sustained":
