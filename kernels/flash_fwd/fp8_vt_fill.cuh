@@ -94,7 +94,9 @@ template <class Tr> __device__ __forceinline__ void vt_fill_load(const FwdParams
     commit_copies();
 }
 
-// Unit u's V^T words from the staging area (this lane's share, header above).
+// Unit u's V^T words from the staging area (this lane's share, header above). The unit's
+// addresses are derived again from u here rather than kept from vt_fill_load: the producer
+// warpgroup's 24-40 registers cannot hold them across the loop in vt_fill.
 template <class Tr>
 __device__ __forceinline__ void vt_fill_write(const FwdParams& p, int u, uint32_t stage, int lane) {
     constexpr int kChunks = Tr::kHeadDim / 16, D = Tr::kHeadDim;
