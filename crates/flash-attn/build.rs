@@ -41,4 +41,38 @@ fn main() {
     ]
     .map(|(src, cubin)| (kernels.join(src), out_dir.join(cubin)));
     compile_cubins("flash-attn3", &jobs, &extra);
+    smem_table(&kernels, &out_dir);
+}
+
+/// kernels/smem_table.cpp, compiled as host C++ by nvcc and run here: each forward and backward
+/// kernel's dynamic shared memory, from the layouts the kernels are compiled with, as Rust
+/// (OUT_DIR/smem_table.rs, included by src/cuda/mod.rs). Needs no GPU.
+fn smem_table(kernels: &std::path::Path, out_dir: &std::path::Path) {
+    use std::process::Command;
+    let exe = out_dir.join("smem_table");
+    let status = Command::new(find_nvcc("flash-attn3"))
+        .args([
+            "-x",
+            "c++",
+            "-std=c++17",
+            "-cudart",
+            "none",
+            "-include",
+            "cuda_runtime_api.h",
+        ])
+        .arg(kernels.join("smem_table.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .status()
+        .unwrap_or_else(|e| panic!("flash-attn3: could not run nvcc for kernels/smem_table.cpp ({e})"));
+    if !status.success() {
+        panic!("flash-attn3: nvcc failed to compile kernels/smem_table.cpp ({status})");
+    }
+    let out = Command::new(&exe)
+        .output()
+        .unwrap_or_else(|e| panic!("flash-attn3: could not run {} ({e})", exe.display()));
+    if !out.status.success() {
+        panic!("flash-attn3: {} failed ({})", exe.display(), out.status);
+    }
+    std::fs::write(out_dir.join("smem_table.rs"), out.stdout).expect("writing smem_table.rs");
 }

@@ -67,14 +67,8 @@ template <class Tr> __device__ __forceinline__ void flash_bwd(const BwdParams& p
         fa3::flash_bwd<fa3::BwdTraits<D, DT>>(p);                                                        \
     }
 
-// Instantiations: padded head dim 64, 128 and 256 per dtype; any other multiple of 8 up to 256
-// runs on the next one up with TMA zero-filling the missing columns.
-FA3_BWD_KERNEL(flash_bwd_d64_bf16, 64, fa3::DT_BF16)
-FA3_BWD_KERNEL(flash_bwd_d128_bf16, 128, fa3::DT_BF16)
-FA3_BWD_KERNEL(flash_bwd_d256_bf16, 256, fa3::DT_BF16)
-FA3_BWD_KERNEL(flash_bwd_d64_f16, 64, fa3::DT_F16)
-FA3_BWD_KERNEL(flash_bwd_d128_f16, 128, fa3::DT_F16)
-FA3_BWD_KERNEL(flash_bwd_d256_f16, 256, fa3::DT_F16)
+// The instantiations (kernels/flash_bwd/instances.h).
+#include "instances.h"
 
 extern "C" __global__ void __launch_bounds__(256) flash_bwd_preprocess_bf16(const __grid_constant__ fa3::BwdParams p) {
     fa3::bwd_preprocess<fa3::DT_BF16>(p);

@@ -17,8 +17,8 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 
 use super::{
-    bind_context, check_tma_head_dims, device_addr, geometry, launch_with_params, load_kernel, offsets_addr,
-    optional_ptr_mut, tensor_map, TmaDesc,
+    attention_smem, bind_context, check_tma_head_dims, device_addr, geometry, launch_with_params, load_kernel,
+    offsets_addr, optional_ptr_mut, tensor_map, TmaDesc,
 };
 use crate::params::{AttnParams, Dims, Varlen};
 
@@ -123,19 +123,6 @@ impl Variant {
             (_, true) => "flash_bwd_d256_bf16",
             (_, false) => "flash_bwd_d256_f16",
         }
-    }
-
-    /// `fa3::BwdSharedStorage` plus slack to align its start to 1024 bytes.
-    fn smem_bytes(&self) -> usize {
-        let (d, bm, bn) = (self.head_dim, self.block_m, self.block_n);
-        let wide = d > 128;
-        let kv = 2 * bn * d * 2;
-        let q_do = 2 * 2 * bm * d * 2;
-        // dSᵀ, double-buffered; wide: Pᵀ too, and no dQ staging (vector reductions instead).
-        let ds = if wide { 2 } else { 1 } * 2 * bn * bm * 2;
-        let dq_shares = if wide { 0 } else { 2 * 64 * 64 * 4 };
-        let rows = 2 * 2 * bm * 4;
-        kv + q_do + ds + dq_shares + rows + 64 + 1024
     }
 }
 
@@ -317,7 +304,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
     };
     let bf16 = dtype == DType::BF16;
     let name = variant.kernel_name(dtype);
-    let smem = variant.smem_bytes();
+    let smem = attention_smem(name)?;
     let main = kernel(&dev, name, smem)?;
     let (pre_name, post_name) = match bf16 {
         true => ("flash_bwd_preprocess_bf16", "flash_bwd_postprocess_bf16"),

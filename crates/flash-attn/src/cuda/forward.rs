@@ -12,9 +12,9 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::{
-    bind_context, check_tma_head_dims, ctas_per_sm, device_addr, fp8, gcd, geometry, input_ptr, is_capturing, kernel,
-    kvcache, launch_with_attributes, launch_with_params, max_active_clusters, offsets_addr, optional_ptr_mut, sm_count,
-    tensor_map_nd, tile_counter, TmaDesc, WG_ROWS,
+    attention_smem, bind_context, check_tma_head_dims, ctas_per_sm, device_addr, fp8, gcd, geometry, input_ptr,
+    is_capturing, kernel, kvcache, launch_with_attributes, launch_with_params, max_active_clusters, offsets_addr,
+    optional_ptr_mut, sm_count, tensor_map_nd, tile_counter, TmaDesc, WG_ROWS,
 };
 use crate::descale::Fp8Call;
 use crate::params::{l2_section_pairs, split_count, tiles_fill, AttnParams, Dims, FastDiv, Varlen};
@@ -326,49 +326,6 @@ impl Variant {
             (192, false) => "flash_fwd_d192_f16",
             (_, false) => "flash_fwd_d256_f16",
         }
-    }
-
-    /// `fa3::SharedStorage` plus slack to align its start to 1024 bytes: Q (two buffers for
-    /// d <= 128, `kQStages`), the 2-stage K/V ring, the O staging tile of the TMA-store epilogue
-    /// (d <= 128, `kTmaStoreO`) and the barriers.
-    fn smem_bytes(&self) -> usize {
-        if self.fp8 {
-            // One-byte Q (two buffers up to d128), the K and V^T rings, the 16-bit O staging tile
-            // (kTmaStoreO); with transpose_v also V as loaded (two stages, one at d256, whose O
-            // then stores from registers: 1024 bytes of alignment for its placeholder).
-            let small = self.head_dim <= 128;
-            let q_tiles = if small { 2 } else { 1 };
-            let raw_stages = match (self.transpose_v, small) {
-                (false, _) => 0,
-                (true, true) => 2,
-                (true, false) => 1,
-            };
-            let o_bytes = match self.transpose_v && !small {
-                true => 1024,
-                false => 2 * self.block_m() * self.head_dim,
-            };
-            // V^T stages hold whole 128-key column blocks.
-            let vt_keys = self.block_n.div_ceil(fp8::VT_COL_KEYS) * fp8::VT_COL_KEYS;
-            // The in-kernel V^T writer's staging (`kVtFillBytes`), where the kernel has it.
-            let fill_keys = match !self.transpose_v && fp8::has_vt_fill(self.head_dim, self.block_n) {
-                true => fp8::VT_FILL_STAGING_KEYS,
-                false => 0,
-            };
-            let bytes = self.head_dim
-                * (q_tiles * self.block_m() + (2 + raw_stages) * self.block_n + 2 * vt_keys + fill_keys)
-                + o_bytes;
-            return bytes + 1024 + 1024;
-        }
-        let roomy = self.head_dim <= 128 && self.block_n <= 128;
-        // (d128 on one warpgroup: one Q buffer, `kQStages`.)
-        let q_buffers = if self.consumer_wgs == 1 && self.head_dim == 128 {
-            1
-        } else {
-            2
-        };
-        let (q_tiles, o_tiles) = if roomy { (q_buffers, 1) } else { (1, 0) };
-        let rows = (q_tiles + o_tiles) * self.block_m() + 2 * 2 * self.block_n;
-        2 * self.head_dim * rows + 1024 + 1024
     }
 
     /// Columns per shared-memory column block (and TMA box): 64 (128-byte swizzle), or 32 (64-byte
@@ -696,12 +653,12 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let solo_consumer = variant.transpose_v && variant.consumer_wgs == 2 && tile_rows <= WG_ROWS;
     // A call captured into a CUDA graph does not pay a split's host time on replay.
     let captured = is_capturing(&dev.cuda_stream());
-    let smem = variant.smem_bytes();
     // CTAs that run at once: one per SM, two for the one-warpgroup kernels (as the occupancy
     // calculator finds them).
     let slots = match variant.consumer_wgs {
         1 => {
             let name = variant.kernel_name(dtype);
+            let smem = attention_smem(name)?;
             sms * ctas_per_sm(&dev, &kernel(&dev, name, smem)?, name, variant.threads(), smem)?
         }
         _ => sms,
@@ -732,6 +689,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
                 && tile_rows <= MAX_CLUSTER_ROWS
                 && 2 * num_tiles <= sms =>
         {
+            let smem = attention_smem(cm)?;
             let func = kernel(&dev, cm, smem)?;
             let fits = num_tiles / splits
                 <= max_active_clusters(&dev, &func, cm, splits as u32, variant.threads(), smem as u32)?;
@@ -785,13 +743,16 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         }
         _ => None,
     };
-    let (name, func) = match (cluster_kernel, &page_maps) {
-        (Some(cluster), _) => cluster,
-        (None, Some(pw)) => (pw.name, kernel(&dev, pw.name, smem)?),
-        (None, None) => {
-            let name = variant.kernel_name(dtype);
-            (name, kernel(&dev, name, smem)?)
-        }
+    let name = match (&cluster_kernel, &page_maps) {
+        (Some((cluster, _)), _) => *cluster,
+        (None, Some(pw)) => pw.name,
+        (None, None) => variant.kernel_name(dtype),
+    };
+    // The kernel's own shared-memory size (kernels/smem_table.cpp, measured by the build).
+    let smem = attention_smem(name)?;
+    let func = match cluster_kernel {
+        Some((_, func)) => func,
+        None => kernel(&dev, name, smem)?,
     };
     let tma_k = match &page_maps {
         Some(pw) => pw.tma_k,
@@ -1067,6 +1028,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::attention_smem;
     use super::{decode_on_one_warpgroup, Variant, WG_ROWS};
     use crate::Tuning;
     use candle_core::DType;
@@ -1083,7 +1045,8 @@ mod tests {
         let v = pick(64, 4, &default, true);
         assert_eq!((v.consumer_wgs, v.block_m(), v.threads()), (1, 64, 256));
         assert_eq!(v.kernel_name(DType::F8E4M3), "flash_fwd_d64x1_e4m3_tv");
-        assert!(2 * (v.smem_bytes() + 1024) <= 228 * 1024, "{} bytes", v.smem_bytes());
+        let smem = attention_smem(v.kernel_name(DType::F8E4M3)).unwrap();
+        assert!(2 * (smem + 1024) <= 228 * 1024, "{smem} bytes");
         // Head dims up to 64, and rows up to one warpgroup's.
         assert_eq!(pick(48, WG_ROWS, &default, true).consumer_wgs, 1);
         // More rows, a larger head dim, no cache (the pre-pass kernels), or the tuning switch: not.
@@ -1117,7 +1080,8 @@ mod tests {
         assert_eq!(pick(false, 16384, &default, true).block_n, 128);
         let v = pick(false, 4096, &default, false);
         assert_eq!(v.kernel_name(DType::F8E4M3), "flash_fwd_d128_n256_e4m3");
-        assert!(v.smem_bytes() <= 227 * 1024, "{} bytes", v.smem_bytes());
+        let smem = attention_smem(v.kernel_name(DType::F8E4M3)).unwrap();
+        assert!(smem <= 227 * 1024, "{smem} bytes");
         let forced = Tuning {
             fp8_d128_block_n: Some(128),
             ..default
@@ -1181,11 +1145,8 @@ mod tests {
         for d in [64, 128] {
             let v = Variant::pick(d, d, true, 1, None).unwrap().on_one_warpgroup();
             assert_eq!((v.consumer_wgs, v.block_n), (1, if d == 128 { 64 } else { 128 }));
-            assert!(
-                2 * (v.smem_bytes() + 1024) <= 228 * 1024,
-                "d{d}: {} bytes",
-                v.smem_bytes()
-            );
+            let smem = attention_smem(v.kernel_name(DType::BF16)).unwrap();
+            assert!(2 * (smem + 1024) <= 228 * 1024, "d{d}: {smem} bytes");
         }
     }
 }

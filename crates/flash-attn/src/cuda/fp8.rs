@@ -91,9 +91,6 @@ pub(super) struct VtFill {
 
 /// Keys per unit of the in-kernel V^T writer (`FwdTraits::kVtFillUnitKeys`).
 const VT_FILL_KEYS: usize = 64;
-/// Rows of V the in-kernel writer stages in shared memory: a unit for each of its two warps
-/// (`FwdTraits::kVtFillBytes`, compiled into the fp8 kernels up to d128 without transpose_v).
-pub(super) const VT_FILL_STAGING_KEYS: usize = 2 * VT_FILL_KEYS;
 
 /// Who writes V^T for an fp8 call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,7 +116,7 @@ impl VtWriter {
 
 /// Whether the fp8 kernel of (padded) head dim `head_dim` on `block_n`-key blocks has the
 /// in-kernel V^T writer (`FwdTraits::kVtFill`).
-pub(super) fn has_vt_fill(head_dim: usize, block_n: usize) -> bool {
+fn has_vt_fill(head_dim: usize, block_n: usize) -> bool {
     head_dim <= 128 && block_n == 128
 }
 

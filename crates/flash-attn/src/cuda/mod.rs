@@ -34,6 +34,21 @@ pub(crate) use forward::{forward, FwdExtras};
 
 static CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_fwd.cubin"));
 
+/// Each forward and backward attention kernel's dynamic shared memory in bytes, from the layouts
+/// the kernels are compiled with (kernels/smem_table.cpp, compiled and run by build.rs).
+mod smem_table {
+    include!(concat!(env!("OUT_DIR"), "/smem_table.rs"));
+}
+
+/// The dynamic shared memory to launch the attention kernel `name` (a forward or backward main
+/// kernel) with: its `SharedStorage` and the slack to align it, as the build measured them.
+fn attention_smem(name: &str) -> Result<usize> {
+    match smem_table::kernel_smem_bytes(name) {
+        Some(bytes) => Ok(bytes),
+        None => bail!("flash-attn3: internal error: no shared-memory size for kernel {name} (kernels/smem_table.cpp)"),
+    }
+}
+
 /// Query rows per consumer warpgroup (wgmma's M), and of each box of the epilogue's O store.
 const WG_ROWS: usize = 64;
 
