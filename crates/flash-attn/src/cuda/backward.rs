@@ -389,3 +389,24 @@ fn backward_t<T: CudaDType + DeviceRepr>(
     drop((lse_log2, dpsum, dq_accum, semaphore, uploads));
     Ok(T::wrap_cuda_slice(grads, dev))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::attention_smem;
+    use super::Variant;
+    use candle_core::DType;
+
+    /// Every backward kernel the host can pick has its shared memory in the build's table
+    /// (kernels/smem_table.cpp) within a CTA's 227 KiB.
+    #[test]
+    fn every_picked_kernel_has_its_shared_memory_from_the_build() {
+        for d in [32, 64, 96, 128, 192, 256] {
+            let v = Variant::pick(d, d).unwrap();
+            for dtype in [DType::BF16, DType::F16] {
+                let name = v.kernel_name(dtype);
+                let smem = attention_smem(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(smem > 1024 && smem <= 227 * 1024, "{name}: {smem} bytes");
+            }
+        }
+    }
+}

@@ -142,6 +142,7 @@ unsafe impl DeviceRepr for FwdParams {}
 
 /// One compiled instantiation: padded head dim, keys per pipeline stage, consumer warpgroups,
 /// e4m3 inputs or 16-bit.
+#[derive(Clone, Copy)]
 struct Variant {
     head_dim: usize,
     block_n: usize,
@@ -1029,12 +1030,63 @@ fn forward_t<T: CudaDType + DeviceRepr>(
 #[cfg(test)]
 mod tests {
     use super::super::attention_smem;
-    use super::{decode_on_one_warpgroup, Variant, WG_ROWS};
+    use super::{decode_on_one_warpgroup, OwnKernel, Variant, WG_ROWS};
     use crate::Tuning;
     use candle_core::DType;
 
-    /// Which fp8 calls take the one-warpgroup decode kernel (host logic only), and that two of its
-    /// CTAs fit an SM's 228 KiB of shared memory (1 KiB of each reserved by the driver).
+    /// Every forward kernel the host can pick, and each one of its own kinds (`_cm`, `_pw`), has
+    /// its shared memory in the build's table (kernels/smem_table.cpp, from the kernels' own
+    /// layouts) within a CTA's 227 KiB, and the one-warpgroup kernels fit two CTAs an SM (228 KiB,
+    /// 1 KiB of each reserved by the driver).
+    #[test]
+    fn every_picked_kernel_has_its_shared_memory_from_the_build() {
+        let mut picked = Vec::new();
+        let fp8_tunings = [
+            Tuning::default(),
+            Tuning {
+                fp8_d128_block_n: Some(128),
+                ..Tuning::default()
+            },
+            Tuning {
+                decode_one_cta_per_sm: true,
+                ..Tuning::default()
+            },
+        ];
+        for d in [32, 64, 96, 128, 160, 192, 256] {
+            for uneven in [false, true] {
+                for seqlen in [1, 512, 2048, 16384] {
+                    for rows in [None, Some(128)] {
+                        let v = Variant::pick(d, d, uneven, seqlen, rows).unwrap();
+                        for dtype in [DType::BF16, DType::F16] {
+                            picked.push((v, dtype));
+                            if d <= 128 {
+                                picked.push((v.on_one_warpgroup(), dtype));
+                            }
+                        }
+                    }
+                    for tuning in &fp8_tunings {
+                        for (cache, tile_rows) in [(false, WG_ROWS), (true, 4), (true, WG_ROWS + 1)] {
+                            let v = Variant::pick_fp8(d, d, uneven, seqlen, seqlen, tile_rows, tuning, cache).unwrap();
+                            picked.push((v, DType::F8E4M3));
+                        }
+                    }
+                }
+            }
+        }
+        for (v, dtype) in picked {
+            let own = [OwnKernel::ClusterMerge, OwnKernel::PageWarp].map(|kind| v.own_kernel_name(dtype, kind));
+            for name in own.into_iter().flatten().chain([v.kernel_name(dtype)]) {
+                let smem = attention_smem(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(smem > 1024 && smem <= 227 * 1024, "{name}: {smem} bytes");
+                if v.consumer_wgs == 1 {
+                    assert!(2 * (smem + 1024) <= 228 * 1024, "{name}: {smem} bytes, two CTAs an SM");
+                }
+            }
+        }
+    }
+
+    /// Which fp8 calls take the one-warpgroup decode kernel (host logic only; its two CTAs an SM:
+    /// `every_picked_kernel_has_its_shared_memory_from_the_build`).
     #[test]
     fn fp8_d64_decode_takes_the_two_ctas_per_sm_kernel() {
         let pick = |d: usize, tile_rows: usize, tuning: &Tuning, cache: bool| {
@@ -1045,8 +1097,6 @@ mod tests {
         let v = pick(64, 4, &default, true);
         assert_eq!((v.consumer_wgs, v.block_m(), v.threads()), (1, 64, 256));
         assert_eq!(v.kernel_name(DType::F8E4M3), "flash_fwd_d64x1_e4m3_tv");
-        let smem = attention_smem(v.kernel_name(DType::F8E4M3)).unwrap();
-        assert!(2 * (smem + 1024) <= 228 * 1024, "{smem} bytes");
         // Head dims up to 64, and rows up to one warpgroup's.
         assert_eq!(pick(48, WG_ROWS, &default, true).consumer_wgs, 1);
         // More rows, a larger head dim, no cache (the pre-pass kernels), or the tuning switch: not.
@@ -1064,7 +1114,7 @@ mod tests {
 
     /// fp8 d128's key blocks (host logic only): 256 (the serial consumer) from 512 keys, from
     /// 2,048 for uneven calls, never over a KV cache (the in-kernel V transpose moves 128-key
-    /// blocks); `Tuning::fp8_d128_block_n` overrides; the 256-key kernel's shared memory fits a CTA.
+    /// blocks); `Tuning::fp8_d128_block_n` overrides.
     #[test]
     fn fp8_d128_key_blocks_by_length_and_evenness() {
         let default = Tuning::default();
@@ -1080,8 +1130,6 @@ mod tests {
         assert_eq!(pick(false, 16384, &default, true).block_n, 128);
         let v = pick(false, 4096, &default, false);
         assert_eq!(v.kernel_name(DType::F8E4M3), "flash_fwd_d128_n256_e4m3");
-        let smem = attention_smem(v.kernel_name(DType::F8E4M3)).unwrap();
-        assert!(smem <= 227 * 1024, "{smem} bytes");
         let forced = Tuning {
             fp8_d128_block_n: Some(128),
             ..default
@@ -1125,8 +1173,7 @@ mod tests {
     }
 
     /// Where 16-bit decode takes the one-warpgroup kernel (H200's and H100's 132 SMs: 212 tiles fill
-    /// both CTA slots of most SMs; with 8 kv heads, batch 27), and that its shared memory lets two
-    /// CTAs share an SM.
+    /// both CTA slots of most SMs; with 8 kv heads, batch 27), on 64-key blocks at d128.
     #[test]
     fn decode_takes_one_warpgroup_where_it_measured_faster() {
         let d64 = |tiles, small_pages, keys| decode_on_one_warpgroup(64, tiles, 132, small_pages, keys);
@@ -1145,8 +1192,6 @@ mod tests {
         for d in [64, 128] {
             let v = Variant::pick(d, d, true, 1, None).unwrap().on_one_warpgroup();
             assert_eq!((v.consumer_wgs, v.block_n), (1, if d == 128 { 64 } else { 128 }));
-            let smem = attention_smem(v.kernel_name(DType::BF16)).unwrap();
-            assert!(2 * (smem + 1024) <= 228 * 1024, "d{d}: {smem} bytes");
         }
     }
 }
