@@ -5,8 +5,10 @@
 // block; the store drains while the CTA starts its next tile. TMA clips rows past seqlen_q and
 // columns past head_dim_v. Varlen packs sequences back to back, so a warpgroup whose rows run past
 // its sequence's end would overwrite the next sequence: those rows take the direct path.
-// Direct path (d256, and the varlen case above): each thread stores pairs of 16-bit values
-// (4 bytes) of its two rows, skipping rows past the sequence end and padding columns.
+// Direct path (d256, and the varlen case above): each quad of lanes swaps its 16-bit column pairs
+// (quad_transpose_u32) so that every lane stores 16 contiguous bytes of a row (traits.cuh
+// kQuadStoreO; fp8 d256 keeps 4-byte stores), skipping rows past the sequence end and padding
+// columns.
 #pragma once
 
 #include "../primitives/tma.cuh"
@@ -23,20 +25,48 @@ namespace fa3 {
 template <class Tr>
 __device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInfo& t, const float (&o)[Tr::kORegs],
                                                const float (&inv_sum)[2], int row_in_tile, int quad_lane) {
+    if constexpr (!Tr::kQuadStoreO) {
+        // 4-byte stores of the thread's own column pairs (traits.cuh kQuadStoreO).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int i, head;
+            row_position(p, t, row_in_tile + 8 * h, i, head);
+            if (i >= t.seqlen_q) continue;
+            uint16_t* out = reinterpret_cast<uint16_t*>(p.out) + (t.out_tok0 + i) * p.out_row_stride +
+                            (int64_t)head * p.head_dim_v;
+#pragma unroll
+            for (int j = 0; j < Tr::kORegs / 4; ++j) {
+                const int col = 8 * j + 2 * quad_lane;
+                if (col < p.head_dim_v) {
+                    *reinterpret_cast<uint32_t*>(out + col) =
+                        pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+                }
+            }
+        }
+        return;
+    }
+    static_assert(Tr::kORegs % 16 == 0, "whole 32-column groups");
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         int i, head;
         row_position(p, t, row_in_tile + 8 * h, i, head);
-        if (i >= t.seqlen_q) continue;
+        const bool row_in_sequence = i < t.seqlen_q;  // the same for the quad's four lanes
         uint16_t* out = reinterpret_cast<uint16_t*>(p.out) + (t.out_tok0 + i) * p.out_row_stride +
                         (int64_t)head * p.head_dim_v;
 #pragma unroll
-        for (int j = 0; j < Tr::kORegs / 4; ++j) {
-            const int col = 8 * j + 2 * quad_lane;
-            if (col < p.head_dim_v) {
-                *reinterpret_cast<uint32_t*>(out + col) =
-                    pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+        for (int m = 0; m < Tr::kORegs / 16; ++m) {
+            // The quad's 32 columns 32m..: lane q holds columns 8j + 2q, + 1 of the groups j = 4m..4m+3;
+            // after the transpose it holds group 4m + q whole (16 bytes, head_dim_v a multiple of 8).
+            uint32_t w[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int j = 4 * m + k;
+                w[k] = pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
             }
+            quad_transpose_u32(w, quad_lane);
+            const int col = 8 * (4 * m + quad_lane);
+            if (row_in_sequence && col < p.head_dim_v)
+                *reinterpret_cast<uint4*>(out + col) = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
 }

@@ -61,6 +61,36 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, const uint32_t (
                  : "memory");
 }
 
+// A 4 x 4 transpose of 32-bit words across the four lanes of each quad (lanes 4k..4k+3): lane q's
+// a[k] moves to lane k's a[q]. Two exchanges of two words each (lanes 2 apart, then 1 apart); every
+// lane of the warp must take part.
+__device__ __forceinline__ void quad_transpose_u32(uint32_t (&a)[4], int quad_lane) {
+    // Lanes 2 apart swap the off-diagonal 2 x 2 blocks: the lower lane sends words 2-3, the upper 0-1.
+    const bool upper2 = (quad_lane & 2) != 0;
+    uint32_t s0 = upper2 ? a[0] : a[2], s1 = upper2 ? a[1] : a[3];
+    s0 = __shfl_xor_sync(0xffffffffu, s0, 2);
+    s1 = __shfl_xor_sync(0xffffffffu, s1, 2);
+    if (upper2) {
+        a[0] = s0;
+        a[1] = s1;
+    } else {
+        a[2] = s0;
+        a[3] = s1;
+    }
+    // Lanes 1 apart transpose each 2 x 2 block: the even lane sends words 1 and 3, the odd 0 and 2.
+    const bool odd = (quad_lane & 1) != 0;
+    uint32_t t0 = odd ? a[0] : a[1], t1 = odd ? a[2] : a[3];
+    t0 = __shfl_xor_sync(0xffffffffu, t0, 1);
+    t1 = __shfl_xor_sync(0xffffffffu, t1, 1);
+    if (odd) {
+        a[0] = t0;
+        a[2] = t1;
+    } else {
+        a[1] = t0;
+        a[3] = t1;
+    }
+}
+
 // exp2 on the SFU; ex2.approx(-inf) = +0, which the masked softmax relies on.
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
