@@ -392,8 +392,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::attention_smem;
-    use super::Variant;
+    use super::{attention_smem, Variant};
     use candle_core::DType;
 
     /// Every backward kernel the host can pick has its shared memory in the build's table

@@ -1029,8 +1029,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::attention_smem;
-    use super::{decode_on_one_warpgroup, OwnKernel, Variant, WG_ROWS};
+    use super::{attention_smem, decode_on_one_warpgroup, OwnKernel, Variant, WG_ROWS};
     use crate::Tuning;
     use candle_core::DType;
 
