@@ -271,7 +271,7 @@ impl Variant {
 
     /// The same on one consumer warpgroup at two CTAs per SM (16-bit decode tiles,
     /// `decode_on_one_warpgroup`): d128 on 64-key blocks, so that two CTAs fit an SM's shared
-    /// memory (one Q buffer: `smem_bytes`, `fa3::FwdTraits::kQStages`).
+    /// memory (one Q buffer, `fa3::FwdTraits::kQStages`; the sizes: kernels/smem_table.cpp).
     fn on_one_warpgroup(self) -> Self {
         Self {
             consumer_wgs: 1,
