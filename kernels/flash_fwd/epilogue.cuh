@@ -43,30 +43,31 @@ __device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInf
                 }
             }
         }
-        return;
-    }
-    static_assert(Tr::kORegs % 16 == 0, "whole 32-column groups");
+    } else {
+        static_assert(Tr::kORegs % 16 == 0, "whole 32-column groups");
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        int i, head;
-        row_position(p, t, row_in_tile + 8 * h, i, head);
-        const bool row_in_sequence = i < t.seqlen_q;  // the same for the quad's four lanes
-        uint16_t* out = reinterpret_cast<uint16_t*>(p.out) + (t.out_tok0 + i) * p.out_row_stride +
-                        (int64_t)head * p.head_dim_v;
+        for (int h = 0; h < 2; ++h) {
+            int i, head;
+            row_position(p, t, row_in_tile + 8 * h, i, head);
+            const bool row_in_sequence = i < t.seqlen_q;  // the same for the quad's four lanes
+            uint16_t* out = reinterpret_cast<uint16_t*>(p.out) + (t.out_tok0 + i) * p.out_row_stride +
+                            (int64_t)head * p.head_dim_v;
 #pragma unroll
-        for (int m = 0; m < Tr::kORegs / 16; ++m) {
-            // The quad's 32 columns 32m..: lane q holds columns 8j + 2q, + 1 of the groups j = 4m..4m+3;
-            // after the transpose it holds group 4m + q whole (16 bytes, head_dim_v a multiple of 8).
-            uint32_t w[4];
+            for (int m = 0; m < Tr::kORegs / 16; ++m) {
+                // The quad's 32 columns 32m..: lane q holds columns 8j + 2q, + 1 of the groups
+                // j = 4m..4m+3; after the transpose it holds group 4m + q whole (16 bytes,
+                // head_dim_v a multiple of 8).
+                uint32_t w[4];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int j = 4 * m + k;
-                w[k] = pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+                for (int k = 0; k < 4; ++k) {
+                    const int j = 4 * m + k;
+                    w[k] = pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]);
+                }
+                quad_transpose_u32(w, quad_lane);
+                const int col = 8 * (4 * m + quad_lane);
+                if (row_in_sequence && col < p.head_dim_v)
+                    *reinterpret_cast<uint4*>(out + col) = make_uint4(w[0], w[1], w[2], w[3]);
             }
-            quad_transpose_u32(w, quad_lane);
-            const int col = 8 * (4 * m + quad_lane);
-            if (row_in_sequence && col < p.head_dim_v)
-                *reinterpret_cast<uint4*>(out + col) = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
 }
