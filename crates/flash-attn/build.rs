@@ -41,13 +41,15 @@ fn main() {
     ]
     .map(|(src, cubin)| (kernels.join(src), out_dir.join(cubin)));
     compile_cubins("flash-attn3", &jobs, &extra);
-    smem_table(&kernels, &out_dir);
+    smem_table(&kernels, &out_dir, &extra);
 }
 
 /// kernels/smem_table.cpp, compiled as host C++ by nvcc and run here: each forward and backward
 /// kernel's dynamic shared memory, from the layouts the kernels are compiled with, as Rust
-/// (OUT_DIR/smem_table.rs, included by src/cuda/mod.rs). Needs no GPU.
-fn smem_table(kernels: &std::path::Path, out_dir: &std::path::Path) {
+/// (OUT_DIR/smem_table.rs, included by src/cuda/mod.rs). Needs no GPU. The macros of
+/// `FA3_NVCC_FLAGS` (`-D`, `-U`) reach it too, so that a kernel experiment that changes a layout
+/// gets its own sizes.
+fn smem_table(kernels: &std::path::Path, out_dir: &std::path::Path, extra: &[String]) {
     use std::process::Command;
     let exe = out_dir.join("smem_table");
     let status = Command::new(find_nvcc("flash-attn3"))
@@ -60,6 +62,7 @@ fn smem_table(kernels: &std::path::Path, out_dir: &std::path::Path) {
             "-include",
             "cuda_runtime_api.h",
         ])
+        .args(extra.iter().filter(|f| f.starts_with("-D") || f.starts_with("-U")))
         .arg(kernels.join("smem_table.cpp"))
         .arg("-o")
         .arg(&exe)
