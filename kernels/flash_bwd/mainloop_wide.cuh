@@ -11,6 +11,7 @@
 // Pᵀ and dSᵀ live in shared memory (not registers as in mainloop.cuh) because each warpgroup
 // needs all 64 queries of them but computes only 32.
 #pragma once
+#include "../primitives/warp.cuh"
 #include "mainloop.cuh"
 
 namespace fa3 {
@@ -121,31 +122,44 @@ __device__ void bwd_consumer_wide(const BwdParams& p, BwdSharedStorage<Tr>& s, c
 
 // The epilogue: no shared memory is left to stage dK and dV (d64/d128 stage them,
 // store_dk_dv_staged), so this warpgroup stores its columns [wg·kAccCols, ...) of all the block's
-// keys straight from registers, dK times the softmax scale, as 4-byte pairs; keys past the
-// sequence end and padding columns of a rounded-up head dim are skipped.
+// keys straight from registers, dK times the softmax scale, in 16-byte pieces: each quad of lanes
+// first swaps its column pairs (quad_transpose_u32, as the forward's store_o_direct) so that a
+// lane holds 8 consecutive columns. Keys past the sequence end and padding columns of a rounded-up
+// head dim (a multiple of 8) are skipped.
 template <class Tr>
 __device__ __forceinline__ void store_dk_dv_wide(const BwdParams& p, const KeyBlock& kb,
                                                  const float (&dk)[Tr::kAccRegs], const float (&dv)[Tr::kAccRegs],
                                                  int wg, int tid) {
     static_assert(Tr::kWide, "head dims 64 and 128 stage dK and dV (store_dk_dv_staged)");
-    const int warp = tid / 32, lane = tid % 32;
+    static_assert(Tr::kAccRegs % 16 == 0, "whole 32-column groups");
+    const int warp = tid / 32, lane = tid % 32, quad_lane = lane % 4;
     const int key0 = kb.n * Tr::kBlockN + warp * 16 + lane / 4;
     const int col0 = wg * Tr::kAccCols;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int key = key0 + 8 * h;
-        if (key >= kb.seq.seqlen_k) continue;
+        const bool key_in_sequence = key < kb.seq.seqlen_k;  // the same for the quad's four lanes
         const int64_t row = (kb.seq.k_tok0 + key) * p.kv_heads + kb.kv_head;
         uint16_t* dk_row = p.dk + row * p.head_dim;
         uint16_t* dv_row = p.dv + row * p.head_dim_v;
 #pragma unroll
-        for (int j = 0; j < Tr::kAccRegs / 4; ++j) {
-            const int col = col0 + 8 * j + 2 * (lane % 4);
-            if (col < p.head_dim)
-                *reinterpret_cast<uint32_t*>(dk_row + col) =
-                    pack16x2<Tr::kDtype>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
-            if (col < p.head_dim_v)
-                *reinterpret_cast<uint32_t*>(dv_row + col) = pack16x2<Tr::kDtype>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+        for (int m = 0; m < Tr::kAccRegs / 16; ++m) {
+            // The quad's 32 columns col0 + 32m..: lane q holds columns 8j + 2q, + 1 of the groups
+            // j = 4m..4m+3; after the transpose it holds group 4m + q whole.
+            uint32_t wk[4], wv[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int j = 4 * m + k;
+                wk[k] = pack16x2<Tr::kDtype>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
+                wv[k] = pack16x2<Tr::kDtype>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+            }
+            quad_transpose_u32(wk, quad_lane);
+            quad_transpose_u32(wv, quad_lane);
+            const int col = col0 + 8 * (4 * m + quad_lane);
+            if (key_in_sequence && col < p.head_dim)
+                *reinterpret_cast<uint4*>(dk_row + col) = make_uint4(wk[0], wk[1], wk[2], wk[3]);
+            if (key_in_sequence && col < p.head_dim_v)
+                *reinterpret_cast<uint4*>(dv_row + col) = make_uint4(wv[0], wv[1], wv[2], wv[3]);
         }
     }
 }
