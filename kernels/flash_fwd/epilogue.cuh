@@ -1,13 +1,14 @@
 // Writes the normalised O rows and the LSE of one consumer warpgroup (64 rows of the tile).
 //
 // TMA-store path (kTmaStoreO: d <= 128): the warpgroup writes its O rows into the shared staging
-// buffer in TMA's 128B-swizzled layout and one thread issues a bulk tensor store per 64-column
-// block; the store drains while the CTA starts its next tile. TMA clips rows past seqlen_q and
+// buffer in TMA's 128B-swizzled layout (one stmatrix per 8 columns of a warp's 16 rows; traits.cuh
+// kWideStoresO, fp8 d256 keeps 4-byte stores) and one thread issues a bulk tensor store per
+// 64-column block; the store drains while the CTA starts its next tile. TMA clips rows past seqlen_q and
 // columns past head_dim_v. Varlen packs sequences back to back, so a warpgroup whose rows run past
 // its sequence's end would overwrite the next sequence: those rows take the direct path.
 // Direct path (d256, and the varlen case above): each quad of lanes swaps its 16-bit column pairs
 // (quad_transpose_u32) so that every lane stores 16 contiguous bytes of a row (traits.cuh
-// kQuadStoreO; fp8 d256 keeps 4-byte stores), skipping rows past the sequence end and padding
+// kWideStoresO; fp8 d256 keeps 4-byte stores), skipping rows past the sequence end and padding
 // columns.
 #pragma once
 
@@ -25,8 +26,8 @@ namespace fa3 {
 template <class Tr>
 __device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInfo& t, const float (&o)[Tr::kORegs],
                                                const float (&inv_sum)[2], int row_in_tile, int quad_lane) {
-    if constexpr (!Tr::kQuadStoreO) {
-        // 4-byte stores of the thread's own column pairs (traits.cuh kQuadStoreO).
+    if constexpr (!Tr::kWideStoresO) {
+        // 4-byte stores of the thread's own column pairs (traits.cuh kWideStoresO).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             int i, head;
@@ -123,17 +124,35 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         // rows of kOutSwizzle bytes; TMA's swizzle stores the 16-byte chunk u of row r at chunk
         // u ^ ((r * kOutSwizzle / 128) % chunks per row): u ^ (r % 8) for 128B, u ^ (r / 2 % 4) for 64B.
         constexpr int kChunks = Tr::kOutSwizzle / 16;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = row_in_tile + 8 * h;
+        if constexpr (Tr::kWideStoresO) {
+            // One stmatrix per 8-column chunk j of the warp's 16 rows: its two 8 x 8 matrices are
+            // rows +0..7 and +8..15, the thread's word of each is its own column pair (the
+            // accumulator layout), and lane 8m + i (m < 2) names the shared-memory row of matrix
+            // m's row i: 16 contiguous bytes, so each row's chunk is swizzled alone.
+            const int lane = tid % 32, m = lane / 8 % 2;
+            const int r = row_in_tile - lane / 4 + 8 * m + lane % 8;  // the row this lane addresses
             const int row_xor = (r * Tr::kOutSwizzle / 128) % kChunks;
 #pragma unroll
             for (int j = 0; j < Tr::kORegs / 4; ++j) {
+                const uint32_t w[2] = {pack_out<Tr>(p, o[4 * j] * inv_sum[0], o[4 * j + 1] * inv_sum[0]),
+                                       pack_out<Tr>(p, o[4 * j + 2] * inv_sum[1], o[4 * j + 3] * inv_sum[1])};
                 const int c = j / kChunks, chunk = (j % kChunks) ^ row_xor;
-                const uint32_t elem =
-                    c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8 + 2 * quad_lane;
-                st_shared_u32(o_smem + 2 * elem,
-                              pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]));
+                stmatrix_x2(o_smem + 2 * (c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8), w);
+            }
+        } else {
+            // 4-byte stores of the thread's own column pairs.
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row_in_tile + 8 * h;
+                const int row_xor = (r * Tr::kOutSwizzle / 128) % kChunks;
+#pragma unroll
+                for (int j = 0; j < Tr::kORegs / 4; ++j) {
+                    const int c = j / kChunks, chunk = (j % kChunks) ^ row_xor;
+                    const uint32_t elem =
+                        c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8 + 2 * quad_lane;
+                    st_shared_u32(o_smem + 2 * elem,
+                                  pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]));
+                }
             }
         }
         fence_proxy_async_smem();

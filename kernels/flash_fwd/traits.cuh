@@ -87,13 +87,16 @@ struct FwdTraits {
     // one, have no room next to Q and the K/V rings, and store straight from registers).
     static constexpr bool kTmaStoreO =
         kFp8 ? !(kTransposeV && kHeadDim_ > 128) : (kHeadDim_ <= 128 && kBlockN_ <= 128);
-    // The direct O store (epilogue.cuh store_o_direct: 16-bit d192 and d256, varlen tails,
-    // pack-GQA) in 16-byte pieces, each quad of lanes swapping its column pairs first
-    // (session 58, H200, against 4-byte stores in one call: 16-bit d256 +6..+10% at 512-2k keys,
-    // +2..+3% at 4k; the direct path forced on d128, fp8 +4..+10%, bf16 +2..+7%). Not in fp8 d256
-    // on the pre-pass, which stores O by TMA and compiles this path only for varlen tails: there
-    // the code grew the kernel's spill loads from 184 to 336 bytes and its calls ran 1-7% slower.
-    static constexpr bool kQuadStoreO = !(kFp8 && !kTransposeV && kHeadDim_ == 256);
+    // O written in 16-byte pieces (epilogue.cuh). The direct store (16-bit d192 and d256, varlen
+    // tails, pack-GQA): each quad of lanes swaps its column pairs first, then one 16-byte global
+    // store per lane (session 58, H200, against 4-byte stores in one call: 16-bit d256 +6..+10% at
+    // 512-2k keys, +2..+3% at 4k; the direct path forced on d128, fp8 +4..+10%, bf16 +2..+7%). The
+    // staged store into the TMA store's tile: one stmatrix per 8 columns of a warp's 16 rows
+    // instead of four 4-byte stores (session 59: fp8 d64 +1%, fp8 d128 -1..+2%, 16-bit even).
+    // Not in fp8 d256 on the pre-pass, whose consumers spill at 240 registers: the direct code
+    // (compiled there only for varlen tails) grew its spill loads from 184 to 336 bytes and its
+    // calls ran 1-7% slower, stmatrix to 332 bytes and 1-3% slower; it keeps 4-byte stores.
+    static constexpr bool kWideStoresO = !(kFp8 && !kTransposeV && kHeadDim_ == 256);
     // Split-KV shares merged in a thread-block cluster (cluster_combine.cuh): kernels of their own
     // (the `_cm` instantiations in kernel.cu), since compiled into the others the code moved their
     // register allocation and made them 2-6% slower (docs/kernels/kvcache.md, session 34). The

@@ -53,6 +53,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t smem_addr, uint32_t (
                  : "memory");
 }
 
+// Two 8x8 matrices of 16-bit elements stored, as stmatrix_x4 below: register m is (matrix m, row
+// lane / 4, bytes 4·(lane % 4)..+3); lanes 0-15 give the rows' addresses (lane 8m + r: matrix m,
+// row r).
+__device__ __forceinline__ void stmatrix_x2(uint32_t smem_addr, const uint32_t (&r)[2]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};\n" ::"r"(smem_addr), "r"(r[0]), "r"(r[1])
+                 : "memory");
+}
+
 // Four 8x8 matrices of 16-bit elements stored: the thread's register m is (matrix m, row lane / 4,
 // bytes 4·(lane % 4)..+3); lane 8m + r gives the address of (matrix m, row r).
 __device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, const uint32_t (&r)[4]) {
