@@ -1,15 +1,16 @@
 // Writes the normalised O rows and the LSE of one consumer warpgroup (64 rows of the tile).
 //
-// TMA-store path (kTmaStoreO: d <= 128): the warpgroup writes its O rows into the shared staging
-// buffer in TMA's 128B-swizzled layout (one stmatrix per 8 columns of a warp's 16 rows; traits.cuh
-// kWideStoresO, fp8 d256 keeps 4-byte stores) and one thread issues a bulk tensor store per
-// 64-column block; the store drains while the CTA starts its next tile. TMA clips rows past seqlen_q and
-// columns past head_dim_v. Varlen packs sequences back to back, so a warpgroup whose rows run past
-// its sequence's end would overwrite the next sequence: those rows take the direct path.
-// Direct path (d256, and the varlen case above): each quad of lanes swaps its 16-bit column pairs
-// (quad_transpose_u32) so that every lane stores 16 contiguous bytes of a row (traits.cuh
-// kWideStoresO; fp8 d256 keeps 4-byte stores), skipping rows past the sequence end and padding
-// columns.
+// TMA-store path (kTmaStoreO: d <= 128, and fp8 d256): the warpgroup writes its O rows into the
+// shared staging buffer in TMA's swizzled layout (one stmatrix per 8 columns of a warp's 16 rows;
+// traits.cuh kWideStoresO, fp8 d256 keeps 4-byte stores) and one thread issues a bulk tensor store
+// per column block; the store drains while the CTA starts its next tile. TMA clips rows past
+// seqlen_q and columns past head_dim_v. Varlen packs sequences back to back, so a warpgroup whose
+// rows run past its sequence's end would overwrite the next sequence: those rows take the direct
+// path.
+// Direct path (16-bit d192 and d256, and the varlen case above): each quad of lanes swaps its
+// 16-bit column pairs (quad_transpose_u32) so that every lane stores 16 contiguous bytes of a row
+// (traits.cuh kWideStoresO; fp8 d256 keeps 4-byte stores), skipping rows past the sequence end
+// and padding columns.
 #pragma once
 
 #include "../primitives/tma.cuh"
