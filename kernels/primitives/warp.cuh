@@ -71,7 +71,9 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, const uint32_t (
 
 // A 4 x 4 transpose of 32-bit words across the four lanes of each quad (lanes 4k..4k+3): lane q's
 // a[k] moves to lane k's a[q]. Two exchanges of two words each (lanes 2 apart, then 1 apart); every
-// lane of the warp must take part.
+// lane of the warp must take part. The two steps have one shape but stay written out: as one
+// template, ptxas rescheduled 32 forward kernels and bf16 d128 ran 1-2% slower (forward-sm90.md,
+// version 32b).
 __device__ __forceinline__ void quad_transpose_u32(uint32_t (&a)[4], int quad_lane) {
     // Lanes 2 apart swap the off-diagonal 2 x 2 blocks: the lower lane sends words 2-3, the upper 0-1.
     const bool upper2 = (quad_lane & 2) != 0;
