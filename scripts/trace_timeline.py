@@ -12,7 +12,8 @@ and P done, turn handed on, 6 P·V issued, 7 P·V retired: --serial names those;
 build with FA3_NVCC_FLAGS="-DFA3_TRACE -DFA3_TRACE_WARPS", where every warp stamps.) Producer (wg 0): 0/1 K slot wait start/end, 2/3 V's.
 Tiles ("FA3E wg tile t0..t7", by the CTA's tile count): consumers 0 tile start, 1 Q landed,
 2 first S retired, 3 first softmax done (loop entry), 4 loop exit, 5 tail P·V retired, 6 epilogue
-done; producer (wg 0) 0 tile start, 1 Q issued, 2 first K issued, 3 last V issued.
+done; their detail ("FA3F"): 0 epilogue entry, 1 staging free, 2 staged, 3 fenced, 4 stores issued,
+5 epilogue done (LSE included), 6 next tile index received, 7 next tile decoded; producer (wg 0) 0 tile start, 1 Q issued, 2 first K issued, 3 last V issued.
 """
 import collections
 import statistics
@@ -115,6 +116,26 @@ def summarise_edges(edges):
     return out
 
 
+FINE = ["staging free", "staged", "fenced", "stores issued", "LSE stored", "next index", "next decoded"]
+
+
+def summarise_fine(fine):
+    """The boundary's detail ("FA3F wg tile t0..t7"): per warpgroup the median of each step from
+    the epilogue's entry to the next tile decoded (a step that a path skips reads 0: left out)."""
+    rows, _ = gather(fine, lambda t: t[0])
+    out = []
+    for wg in sorted(w for w in rows if w > 0):
+        seg = collections.defaultdict(list)
+        for t in rows[wg].values():
+            last = t[0]
+            for k in range(1, 8):
+                if t[k]:
+                    seg[FINE[k - 1]].append(t[k] - last)
+                    last = t[k]
+        out.append(f"  boundary wg {wg}: " + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in seg.items()))
+    return out
+
+
 def summarise_warps(records):
     """consumer_serial traced with FA3_TRACE_WARPS (every warp stamps, as row wg + 4·warp): per
     warp its segments, and per warpgroup how long its turn starts after it could have, i.e. after
@@ -145,7 +166,7 @@ def summarise_warps(records):
 
 def main():
     # Per tag, the latest launch's records: a new launch starts where the warpgroup goes back to 0.
-    summaries = {"FA3T": summarise, "FA3E": summarise_edges}
+    summaries = {"FA3T": summarise, "FA3E": summarise_edges, "FA3F": summarise_fine}
     records = {tag: [] for tag in summaries}
     args = sys.argv[1:]
     if args and args[0] == "--serial":

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "../primitives/tma.cuh"
+#include "../primitives/trace.cuh"
 #include "../primitives/warp.cuh"
 #include "../primitives/wgmma.cuh"
 #include "cluster_combine.cuh"
@@ -99,11 +100,13 @@ __device__ __forceinline__ void store_split_partial(const FwdParams& p, const Ti
 }
 
 // wg: the consumer warpgroup (0 or 1); tid: thread in the warpgroup; row_in_tile: the thread's
-// first row in the tile (+8 is its second).
+// first row in the tile (+8 is its second); tc: the CTA's tile count, for -DFA3_TRACE's stamps only.
 template <class Tr>
 __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t,
                                          const float (&o)[Tr::kORegs], const float (&inv_sum)[2],
-                                         const float (&lse)[2], int wg, int tid, int row_in_tile, int quad_lane) {
+                                         const float (&lse)[2], int wg, int tid, int row_in_tile, int quad_lane,
+                                         int tc = -1) {
+    trace_fine(wg + 1, tc, 0);
     if (p.num_splits.d > 1) {
         if (Tr::kClusterCombine && p.cluster_combine) {
             cluster_combine<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane);
@@ -120,6 +123,7 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         // The staging rows are free once this warpgroup's previous store has read them.
         if (tid == 0) bulk_wait_group_read<0>();
         named_barrier_sync(bar, 128);
+        trace_fine(wg + 1, tc, 1);
         const uint32_t o_smem = smem_u32(s.o);
         // Tile layout as for Q in 16 bits: column block c at c * kBlockM * kOutColElems elements,
         // rows of kOutSwizzle bytes; TMA's swizzle stores the 16-byte chunk u of row r at chunk
@@ -156,8 +160,10 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
                 }
             }
         }
+        trace_fine(wg + 1, tc, 2);
         fence_proxy_async_smem();
         named_barrier_sync(bar, 128);
+        trace_fine(wg + 1, tc, 3);
         if (tid == 0) {
 #pragma unroll
             for (int c = 0; c < Tr::kOutColBlocks; ++c) {
@@ -167,6 +173,7 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
             }
             bulk_commit_group();
         }
+        trace_fine(wg + 1, tc, 4);
     } else {
         store_o_direct<Tr>(p, t, o, inv_sum, row_in_tile, quad_lane);
     }
@@ -178,6 +185,7 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
             if (i < t.seqlen_q) p.lse[t.lse_row0 + (int64_t)(head - t.head) * p.lse_head_stride + i] = lse[h];
         }
     }
+    trace_fine(wg + 1, tc, 5);
 }
 
 // Before the CTA exits: the last O store must have read its shared-memory source.

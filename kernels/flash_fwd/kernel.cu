@@ -106,9 +106,11 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         if (pingpong) pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);
         for (int k = 0;; ++k) {
             const int tile = receive_tile<Tr>(s, k, true);  // claimed by the scheduler thread
+            trace_fine(wg, tc - 1, 6);
             if (tile >= num_tiles(p)) break;
             TileInfo t;
             if (!get_tile<Tr>(p, tile, t)) continue;  // past this sequence's end (varlen)
+            trace_fine(wg, tc - 1, 7);
             if (t.n_max <= t.n_min) {
                 // No row of the tile sees a key: zero output, LSE -inf (or the row's sink logit);
                 // nothing was loaded.

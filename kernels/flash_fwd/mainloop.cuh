@@ -507,7 +507,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         ++it;
     }
 
-    epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane);
+    epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane, tc);
     trace_edge(wg + 1, tc, 6);
 }
 
@@ -675,7 +675,7 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
     } else {
         softmax.finalize(p.scale_log2, inv_sum, lse, sink_log2);
     }
-    epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane);
+    epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane, tc);
 }
 
 }  // namespace fa3

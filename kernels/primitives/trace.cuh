@@ -29,6 +29,10 @@ __device__ uint32_t trace_buf[kTraceWGs][kTraceIters][kTracePoints];
 // CTA's tile count for tiles [kTraceFirstTile, kTraceFirstTile + kTraceTiles).
 constexpr int kTraceFirstTile = 1, kTraceTiles = 12;
 __device__ uint32_t trace_edge_buf[kTraceWGs][kTraceTiles][kTracePoints];
+// Boundary detail stamps ("FA3F", same tiles): inside the epilogue (epilogue.cuh: 0 entry, 1
+// staging free, 2 staged, 3 fenced, 4 stores issued, 5 done, LSE included) and the step to the next
+// tile (kernel.cu: 6 its index received, 7 decoded).
+__device__ uint32_t trace_fine_buf[kTraceWGs][kTraceTiles][kTracePoints];
 
 // Thread 0 of warpgroup wg in CTA 0 (with FA3_TRACE_WARPS lane 0 of each of its warps) writes the
 // clock into row i (skipped outside [0, kRows)).
@@ -77,6 +81,9 @@ __device__ __forceinline__ void trace_life(int point) {
 #else
 __device__ __forceinline__ void trace_edge(int wg, int tile, int point) {
     clock_stamp(trace_edge_buf, wg, tile - kTraceFirstTile, point);
+}
+__device__ __forceinline__ void trace_fine(int wg, int tile, int point) {
+    clock_stamp(trace_fine_buf, wg, tile - kTraceFirstTile, point);
 }
 __device__ __forceinline__ void trace_life(int) {}
 #endif
@@ -140,12 +147,16 @@ __device__ __forceinline__ void trace_dump(int launch) {
     (void)launch;
     print_stamps("FA3T", trace_buf, kTraceFirst);
     print_stamps("FA3E", trace_edge_buf, kTraceFirstTile);
+    print_stamps("FA3F", trace_fine_buf, kTraceFirstTile);
 #endif
 }
 #else
 __device__ __forceinline__ void trace_stamp(int, int, int) {}
 __device__ __forceinline__ void trace_edge(int, int, int) {}
 __device__ __forceinline__ void trace_life(int) {}
+#endif
+#if !defined(FA3_TRACE) || defined(FA3_TRACE_CTA)
+__device__ __forceinline__ void trace_fine(int, int, int) {}
 #endif
 
 }  // namespace fa3
