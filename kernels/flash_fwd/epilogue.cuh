@@ -3,7 +3,8 @@
 // TMA-store path (kTmaStoreO: d <= 128, and fp8 d256): the warpgroup writes its O rows into the
 // shared staging buffer in TMA's swizzled layout (one stmatrix per 8 columns of a warp's 16 rows;
 // traits.cuh kWideStoresO, fp8 d256 keeps 4-byte stores) and one thread issues a bulk tensor store
-// per column block; the store drains while the CTA starts its next tile. TMA clips rows past
+// per column block, after the epilogue (PendingStore: under the next tile's first S); the store
+// drains while the CTA runs its next tile. TMA clips rows past
 // seqlen_q and columns past head_dim_v. Varlen packs sequences back to back, so a warpgroup whose
 // rows run past its sequence's end would overwrite the next sequence: those rows take the direct
 // path.
@@ -99,13 +100,39 @@ __device__ __forceinline__ void store_split_partial(const FwdParams& p, const Ti
     }
 }
 
+// The bulk tensor stores of a warpgroup's staged O rows, which thread 0 of the warpgroup issues
+// after the epilogue has returned, where it would wait anyway: under the next tile's first S
+// (mainloop.cuh), or at the latest before the staging is written again or the CTA exits. `row` < 0:
+// nothing pending. (Issued in the epilogue itself, the stores held the issuing warp for 300-700
+// cycles between the epilogue and the next tile: forward-sm90.md, version 34.)
+struct PendingStore {
+    int row = -1;  // TMA row coordinate of the warpgroup's first row
+    int head = 0, batch = 0;
+};
+
+template <class Tr>
+__device__ __forceinline__ void issue_pending_store(const FwdParams& p, SharedStorage<Tr>& s, int wg, int tid,
+                                                    PendingStore& pending) {
+    if constexpr (Tr::kTmaStoreO) {
+        if (tid != 0 || pending.row < 0) return;
+#pragma unroll
+        for (int c = 0; c < Tr::kOutColBlocks; ++c) {
+            if (c * Tr::kOutColElems < p.head_dim_v)
+                tma_store_4d(&p.tma_o, s.o + c * Tr::kBlockM * Tr::kOutColElems + wg * 64 * Tr::kOutColElems,
+                             c * Tr::kOutColElems, pending.row, pending.head, pending.batch);
+        }
+        bulk_commit_group();
+        pending.row = -1;
+    }
+}
+
 // wg: the consumer warpgroup (0 or 1); tid: thread in the warpgroup; row_in_tile: the thread's
 // first row in the tile (+8 is its second); tc: the CTA's tile count, for -DFA3_TRACE's stamps only.
 template <class Tr>
 __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t,
                                          const float (&o)[Tr::kORegs], const float (&inv_sum)[2],
                                          const float (&lse)[2], int wg, int tid, int row_in_tile, int quad_lane,
-                                         int tc = -1) {
+                                         PendingStore& pending, int tc = -1) {
     trace_fine(wg + 1, tc, 0);
     if (p.num_splits.d > 1) {
         if (Tr::kClusterCombine && p.cluster_combine) {
@@ -120,8 +147,12 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         Tr::kTmaStoreO && !p.direct_store && !p.pack_gqa && (p.cu_q == nullptr || wg_row0 + 64 <= t.seqlen_q);
     if (tma_store) {
         const int bar = epilogue_barrier(wg);
-        // The staging rows are free once this warpgroup's previous store has read them.
-        if (tid == 0) bulk_wait_group_read<0>();
+        // The staging rows are free once this warpgroup's previous store has read them (issued
+        // here if no S came since to issue it under).
+        if (tid == 0) {
+            issue_pending_store<Tr>(p, s, wg, tid, pending);
+            bulk_wait_group_read<0>();
+        }
         named_barrier_sync(bar, 128);
         trace_fine(wg + 1, tc, 1);
         const uint32_t o_smem = smem_u32(s.o);
@@ -164,15 +195,7 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         fence_proxy_async_smem();
         named_barrier_sync(bar, 128);
         trace_fine(wg + 1, tc, 3);
-        if (tid == 0) {
-#pragma unroll
-            for (int c = 0; c < Tr::kOutColBlocks; ++c) {
-                if (c * Tr::kOutColElems < p.head_dim_v)
-                    tma_store_4d(&p.tma_o, s.o + c * Tr::kBlockM * Tr::kOutColElems + wg * 64 * Tr::kOutColElems,
-                                 c * Tr::kOutColElems, t.q_row0 + wg_row0, t.head, t.tma_batch);
-            }
-            bulk_commit_group();
-        }
+        if (tid == 0) pending = PendingStore{t.q_row0 + wg_row0, t.head, t.tma_batch};
         trace_fine(wg + 1, tc, 4);
     } else {
         store_o_direct<Tr>(p, t, o, inv_sum, row_in_tile, quad_lane);
@@ -188,8 +211,11 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
     trace_fine(wg + 1, tc, 5);
 }
 
-// Before the CTA exits: the last O store must have read its shared-memory source.
-template <class Tr> __device__ __forceinline__ void epilogue_drain(int tid) {
+// Before the CTA exits: the last O store is issued and has read its shared-memory source.
+template <class Tr>
+__device__ __forceinline__ void epilogue_drain(const FwdParams& p, SharedStorage<Tr>& s, int wg, int tid,
+                                               PendingStore& pending) {
+    issue_pending_store<Tr>(p, s, wg, tid, pending);
     if (Tr::kTmaStoreO && tid == 0) bulk_wait_group_read<0>();
 }
 

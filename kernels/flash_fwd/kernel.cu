@@ -102,6 +102,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         if (wg == 1 && tid == 0) trace_life(7);
         // it: K/V blocks consumed so far (ring position); tc: tiles with keys so far (Q parity).
         int it = 0, tc = 0;
+        PendingStore pending;  // thread 0: this warpgroup's staged O, not yet stored (epilogue.cuh)
         const bool pingpong = takes_turns<Tr>(solo);
         if (pingpong) pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);
         for (int k = 0;; ++k) {
@@ -124,18 +125,18 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
                 row_sinks_log2(p, t, row, lse);
                 lse[0] *= 0.69314718055994531f;
                 lse[1] *= 0.69314718055994531f;
-                epilogue<Tr>(p, s, t, o, inv, lse, wg - 1, tid, row, lane % 4);
+                epilogue<Tr>(p, s, t, o, inv, lse, wg - 1, tid, row, lane % 4, pending);
                 continue;
             }
             if constexpr (Tr::kSerialConsumer) {
-                consumer_serial<Tr>(p, s, t, wg - 1, tid, it, tc);
+                consumer_serial<Tr>(p, s, t, wg - 1, tid, it, tc, pending);
             } else {
-                consumer_pingpong<Tr>(p, s, t, wg - 1, tid, it, tc);
+                consumer_pingpong<Tr>(p, s, t, wg - 1, tid, it, tc, pending);
             }
             ++tc;
         }
         if (pingpong) pingpong_ring_end(wg - 1);
-        epilogue_drain<Tr>(tid);
+        epilogue_drain<Tr>(p, s, wg - 1, tid, pending);
         if (wg == 1 && tid == 0) trace_life(3);
     }
 }

@@ -316,7 +316,10 @@ template <class Tr> __device__ __forceinline__ bool rows_past_end(const FwdParam
 // before without its turns: the pingpong barriers (its turn is passed on at once), and the K/V
 // ring's and Q's releases, each after the wait for the load it releases (an arrival before the
 // load could count towards the slot's previous phase).
-template <class Tr> __device__ void consumer_idle(SharedStorage<Tr>& s, const TileInfo& t, int wg, int& it, int tc) {
+template <class Tr>
+__device__ void consumer_idle(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid, int& it,
+                              int tc, PendingStore& pending) {
+    issue_pending_store<Tr>(p, s, wg, tid, pending);
     constexpr int kWGs = Tr::kConsumerWGs;
     const int my_bar = sched_barrier(wg), next_bar = sched_barrier(wg + 1 == kWGs ? 0 : wg + 1);
     constexpr int kBoth = 256;
@@ -349,11 +352,12 @@ template <class Tr> __device__ void consumer_idle(SharedStorage<Tr>& s, const Ti
     }
 }
 
+// pending: this warpgroup's O of its previous tile, staged but not yet stored (epilogue.cuh).
 template <class Tr>
 __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid,
-                                  int& it, int tc) {
+                                  int& it, int tc, PendingStore& pending) {
     if (rows_past_end<Tr>(p, t, wg)) {
-        consumer_idle<Tr>(s, t, wg, it, tc);
+        consumer_idle<Tr>(p, s, t, wg, tid, it, tc, pending);
         return;
     }
     const int warp = tid / 32, lane = tid % 32;
@@ -403,6 +407,8 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         issue_qk<Tr>(sc, desc.q(), desc.k(stage));
         wgmma_commit();
         if (pingpong) named_barrier_arrive(next_bar, kBoth);
+        // The previous tile's O store (thread 0), under this S.
+        issue_pending_store<Tr>(p, s, wg, tid, pending);
         wgmma_wait<0>();
         fence_operand(sc);
         trace_edge(wg + 1, tc, 2);
@@ -507,7 +513,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         ++it;
     }
 
-    epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane, tc);
+    epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane, pending, tc);
     trace_edge(wg + 1, tc, 6);
 }
 
@@ -533,7 +539,10 @@ template <int N, class F> __device__ __forceinline__ void for_each_index(F& f) {
 // consumer_idle's counterpart for the serial loop: a warpgroup whose rows are all past the end
 // keeps every handshake of consumer_serial in its order (one turn a block), each release after
 // the wait for the load it releases.
-template <class Tr> __device__ void consumer_serial_idle(SharedStorage<Tr>& s, const TileInfo& t, int wg, int& it, int tc) {
+template <class Tr>
+__device__ void consumer_serial_idle(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid,
+                                     int& it, int tc, PendingStore& pending) {
+    issue_pending_store<Tr>(p, s, wg, tid, pending);
     constexpr int kWGs = Tr::kConsumerWGs;
     const int my_bar = sched_barrier(wg), next_bar = sched_barrier(wg + 1 == kWGs ? 0 : wg + 1);
     constexpr int kBoth = 256;
@@ -554,9 +563,9 @@ template <class Tr> __device__ void consumer_serial_idle(SharedStorage<Tr>& s, c
 
 template <class Tr>
 __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid, int& it,
-                                int tc) {
+                                int tc, PendingStore& pending) {
     if (rows_past_end<Tr>(p, t, wg)) {
-        consumer_serial_idle<Tr>(s, t, wg, it, tc);
+        consumer_serial_idle<Tr>(p, s, t, wg, tid, it, tc, pending);
         return;
     }
     const int warp = tid / 32, lane = tid % 32;
@@ -580,6 +589,8 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
 
     const int qs = tc % Tr::kQStages;
     const OperandDescs<Tr> desc(s, wg, qs);
+    // The previous tile's O store (thread 0), under Q's wait.
+    issue_pending_store<Tr>(p, s, wg, tid, pending);
     mbar_wait(&s.bar_q[qs], (tc / Tr::kQStages) & 1);
 
     for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
@@ -675,7 +686,7 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
     } else {
         softmax.finalize(p.scale_log2, inv_sum, lse, sink_log2);
     }
-    epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane, tc);
+    epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane, pending, tc);
 }
 
 }  // namespace fa3
