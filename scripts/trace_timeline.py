@@ -14,7 +14,8 @@ Tiles ("FA3E wg tile t0..t7", by the CTA's tile count): consumers 0 tile start, 
 2 first S retired, 3 first softmax done (loop entry), 4 loop exit, 5 tail P·V retired, 6 epilogue
 done; their detail ("FA3F"): 0 epilogue entry, 1 staging free, 2 staged, 3 fenced, 4 store
 recorded (its TMA issue follows under the next tile's first S; before session 60's version 34 the
-issue itself), 5 epilogue done (LSE included), 6 next tile index received, 7 next tile decoded;
+issue itself), 5 epilogue done (LSE included), 6 next tile received (since version 35 its fields
+copied from the scheduler thread's slot, decoded there), 7 its validity checked;
 producer (wg 0) 0 tile start, 1 Q issued, 2 first K issued, 3 last V issued.
 """
 import collections
@@ -118,12 +119,12 @@ def summarise_edges(edges):
     return out
 
 
-FINE = ["staging free", "staged", "fenced", "store recorded", "LSE stored", "next index", "next decoded"]
+FINE = ["staging free", "staged", "fenced", "store recorded", "LSE stored", "next received", "next checked"]
 
 
 def summarise_fine(fine):
     """The boundary's detail ("FA3F wg tile t0..t7"): per warpgroup the median of each step from
-    the epilogue's entry to the next tile decoded (a step that a path skips reads 0: left out)."""
+    the epilogue's entry to the next tile checked (a step that a path skips reads 0: left out)."""
     rows, _ = gather(fine, lambda t: t[0])
     out = []
     for wg in sorted(w for w in rows if w > 0):

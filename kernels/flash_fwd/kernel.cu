@@ -106,11 +106,12 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         const bool pingpong = takes_turns<Tr>(solo);
         if (pingpong) pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);
         for (int k = 0;; ++k) {
-            const int tile = receive_tile<Tr>(s, k, true);  // claimed by the scheduler thread
+            TileInfo t;
+            bool valid;
+            const int tile = receive_tile<Tr>(p, s, k, t, valid);  // claimed and decoded by the scheduler thread
             trace_fine(wg, tc - 1, 6);
             if (tile >= num_tiles(p)) break;
-            TileInfo t;
-            if (!get_tile<Tr>(p, tile, t)) continue;  // past this sequence's end (varlen)
+            if (!valid) continue;  // past this sequence's end (varlen)
             trace_fine(wg, tc - 1, 7);
             if (t.n_max <= t.n_min) {
                 // No row of the tile sees a key: zero output, LSE -inf (or the row's sink logit);

@@ -157,10 +157,10 @@ template <class Tr> __device__ __forceinline__ bool paged_v_thread(const FwdPara
 template <class Tr> __device__ void page_warp(const FwdParams& p, SharedStorage<Tr>& s, int lane) {
     int it = 0;
     for (int k = 0;; ++k) {
-        const int tile = receive_tile<Tr>(s, k, false, 0xffffffffu);
+        const int tile = hold_tile<Tr>(s, k);
         if (tile >= num_tiles(p)) break;
-        TileInfo t;
-        if (get_tile<Tr>(p, tile, t) && t.n_max > t.n_min) {
+        const TileInfo& t = s.tile.info;
+        if (s.tile.valid && t.n_max > t.n_min) {
             const uint32_t* pages = p.page_table + (int64_t)t.batch * p.max_pages;
             for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
                 const int slot = it % Tr::kPageSlots;
@@ -172,7 +172,7 @@ template <class Tr> __device__ void page_warp(const FwdParams& p, SharedStorage<
                 mbar_arrive(&s.pages_full[slot]);
             }
         }
-        // Every lane releases the tile slot after its own read of the index (receive_tile), so
+        // Every lane releases the tile slot after its own reads of the slot (hold_tile), so
         // that the scheduler thread's next write is ordered after all 32 reads. (One arrival from
         // lane 0 left lanes 1-31's reads unordered: compute-sanitizer's racecheck, session 52.)
         mbar_arrive(&s.tile_empty);
@@ -320,7 +320,7 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     trace_edge(0, tc, 3);
 }
 
-// A producer thread: the tiles the scheduler thread claims (receive_tile), each tile's loads as
+// A producer thread: the tiles the scheduler thread claims (hold_tile), each tile's loads as
 // its role says; it releases the tile index after its issues (tile_empty counts each producer).
 template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<Tr>& s, ProducerRole role) {
     tma_prefetch_desc(&p.tma_q);
@@ -329,11 +329,11 @@ template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<T
     if (role.q_and_k) trace_life(5);
     int it = 0, tc = 0, vt_ready = -1;
     for (int k = 0;; ++k) {
-        const int tile = receive_tile<Tr>(s, k, false);
+        const int tile = hold_tile<Tr>(s, k);
         if (k == 0 && role.q_and_k) trace_life(6);
         if (tile >= num_tiles(p)) break;  // the consumers stop on the same index
-        TileInfo t;
-        if (get_tile<Tr>(p, tile, t) && t.n_max > t.n_min) {  // else the consumers skip it too
+        const TileInfo& t = s.tile.info;  // read in place: this thread holds the slot (hold_tile)
+        if (s.tile.valid && t.n_max > t.n_min) {  // else the consumers skip it too
             producer_tile<Tr>(p, s, t, it, tc, role, vt_ready);
             ++tc;
         }

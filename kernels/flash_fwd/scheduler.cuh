@@ -17,29 +17,16 @@
 // order before version 28, left the last pairs' long tiles to the end: a launch tail of up to
 // half a long tile, measured 5-6% of a d128 causal 2k-8k call.)
 //
-// A scheduler thread claims the tiles and hands each index to the TMA thread and the consumer
-// warpgroups through one slot in shared memory (tile_idx, tile_full / tile_empty barriers); an
-// index past the last tile tells everyone to stop.
+// A scheduler thread claims the tiles, decodes each one (get_tile) and hands it to the TMA thread
+// and the consumer warpgroups through one slot in shared memory (TileSlot, tile_full / tile_empty
+// barriers); an index past the last tile tells everyone to stop.
 #pragma once
 #include "../primitives/mbarrier.cuh"
 #include "params.cuh"
+#include "tile_info.cuh"
 #include "traits.cuh"
 
 namespace fa3 {
-
-struct TileInfo {
-    int m_block, head, kv_head, batch;
-    int split;                // split-KV: which share of the key blocks (0 without splits)
-    int seqlen_q, seqlen_k;   // this sequence's lengths
-    int q_row0, k_row0;       // TMA row coordinate of the sequence's first token
-    int tma_batch;            // TMA batch coordinate of Q and O (0 for varlen)
-    int kv_batch;             // TMA batch coordinate of K and V: tma_batch, or the sequence's
-                              // cache row (kv_batch_idx)
-    int64_t out_tok0;         // token index of the sequence's first query in out
-    int64_t lse_row0;         // lse index of (head, query 0) of the tile's (first) head
-    int n_min, n_max;         // key blocks [n_min, n_max) that some row of the tile sees
-    int full_lo, full_hi;     // keys [full_lo, full_hi) are visible to every row of the tile
-};
 
 // The keys [lo, hi) that query i sees (bottom-right aligned window; params.rs key_range).
 __device__ __forceinline__ void key_range(const FwdParams& p, int i, int sq, int sk, int& lo, int& hi) {
@@ -125,9 +112,7 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
         // A KV cache's key count, clamped to what the cache holds; its keys start at the cache
         // row's (or page table's) first. Varlen queries over a cache come with cu_k = cu_q (the
         // host's), whose key fields this replaces, and a contiguous cache's rows through
-        // kv_batch_idx. The load's value differs per lane as far as ptxas knows; redux.sync over
-        // the lanes running this code (all of a consumer warp, the one TMA thread) puts it in a
-        // uniform register, as receive_tile does for the tile index.
+        // kv_batch_idx. (Only the scheduler thread runs this: __activemask() is its one lane.)
         const uint32_t used = __reduce_max_sync(__activemask(), p.seqused_k[t.batch]);
         t.seqlen_k = (int)min(used, (uint32_t)p.seqlen_k);
         t.k_row0 = 0;
@@ -168,16 +153,19 @@ __device__ __forceinline__ int next_tile(const FwdParams& p, int tile) {
 // keeps its few registers for the loads): claims this CTA's k-th tile once the (k-1)-th has been
 // read by every consumer thread and fully issued by the TMA thread (tile_empty: 128 per consumer
 // warpgroup + 1 arrivals), i.e. a couple of key blocks before the CTA finishes it, so a claim
-// reflects real progress. The TMA thread waits for the index before the next tile's Q load; with
-// two Q buffers (d <= 128) that load still lands before the consumers need it unless the atomic
-// is slow.
+// reflects real progress. It decodes the tile (get_tile) before publishing it: the consumers then
+// copy the fields at their tile boundary instead of each warp running the chain of divisions and,
+// for varlen and KV caches, its global loads there (forward-sm90.md version 35: +1..+7% at 1k-2k).
+// The TMA thread waits for the tile before the next tile's Q load; with two Q buffers (d <= 128)
+// that load still lands before the consumers need it unless the atomic is slow.
 template <class Tr> __device__ void scheduler(const FwdParams& p, SharedStorage<Tr>& s) {
     int tile = blockIdx.x;
     for (int k = 0;; ++k) {
         mbar_wait(&s.tile_empty, (k & 1) ^ 1);  // passes at once for k = 0
         if (k > 0) tile = next_tile(p, tile);
-        s.tile_idx = tile;
-        mbar_arrive(&s.tile_full);  // release: the store is visible to the waiters
+        s.tile.idx = tile;
+        if (tile < num_tiles(p)) s.tile.valid = get_tile<Tr>(p, tile, s.tile.info);
+        mbar_arrive(&s.tile_full);  // release: the stores are visible to the waiters
         if (tile >= num_tiles(p)) {  // everyone stops on this index
             // Done claiming; the last CTA to get here (no other will touch the counter again in
             // this launch) zeroes both words for the next one.
@@ -190,19 +178,44 @@ template <class Tr> __device__ void scheduler(const FwdParams& p, SharedStorage<
     }
 }
 
-// The k-th tile index of this CTA, for the TMA thread and the consumer threads. The consumers
-// release the slot at once (release = true); the TMA thread after issuing the tile's loads.
-// `lanes`: the calling warp's lanes (one thread, or the page warp's 32).
+// The k-th tile of this CTA for the consumer threads: waits for the slot, copies the tile's
+// decoded fields into `t`, releases the slot at once (the scheduler thread may claim the next
+// tile) and returns the index (past the last tile: stop); `valid` says whether the tile lies
+// within its sequence (t is defined only for an index before the last tile).
 template <class Tr>
-__device__ __forceinline__ int receive_tile(SharedStorage<Tr>& s, int k, bool release, unsigned lanes = 1u) {
+__device__ __forceinline__ int receive_tile(const FwdParams& p, SharedStorage<Tr>& s, int k, TileInfo& t, bool& valid) {
     mbar_wait(&s.tile_full, k & 1);
-    const int tile = s.tile_idx;
-    if (release) mbar_arrive(&s.tile_empty);
-    // The value is the same in every lane, but ptxas cannot know that for a shared-memory load;
+    // Every value is the same in every lane, but ptxas cannot know that for a shared-memory load;
     // redux.sync's result lives in a uniform register, so the tile's fields, loop bounds and ring
-    // counters stay on the uniform datapath as they did with blockIdx-based striding (without it
-    // the whole kernel ran 5-8% slower, full and causal).
-    return (int)__reduce_max_sync(release ? 0xffffffffu : lanes, (unsigned)tile);
+    // counters stay on the uniform datapath (without it the whole kernel ran 5-8% slower, full and
+    // causal, when only the index came this way).
+    const int tile = (int)__reduce_max_sync(0xffffffffu, (unsigned)s.tile.idx);
+    valid = false;
+    if (tile < num_tiles(p)) {
+        static_assert(sizeof(TileInfo) % 16 == 0, "TileInfo is copied in 16-byte words");
+        constexpr int kWords = sizeof(TileInfo) / 16;
+        uint32_t w[kWords * 4];
+#pragma unroll
+        for (int i = 0; i < kWords; ++i) {
+            const uint4 v = reinterpret_cast<const uint4*>(&s.tile.info)[i];
+            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+        }
+#pragma unroll
+        for (int i = 0; i < kWords * 4; ++i) w[i] = __reduce_max_sync(0xffffffffu, w[i]);
+        memcpy(&t, w, sizeof(TileInfo));
+        valid = __reduce_max_sync(0xffffffffu, (unsigned)s.tile.valid) != 0;
+    }
+    mbar_arrive(&s.tile_empty);
+    return tile;
+}
+
+// The k-th tile of this CTA for the producer threads (the TMA thread, a paged cache's V thread and
+// page warp), which keep the slot until their last issue for the tile and then release it
+// themselves (tile_empty): they read the fields in place, s.tile.info, where they use them,
+// instead of holding a copy in their few registers. Returns the index (past the last tile: stop).
+template <class Tr> __device__ __forceinline__ int hold_tile(SharedStorage<Tr>& s, int k) {
+    mbar_wait(&s.tile_full, k & 1);
+    return s.tile.idx;
 }
 
 }  // namespace fa3

@@ -31,7 +31,8 @@ constexpr int kTraceFirstTile = 1, kTraceTiles = 12;
 __device__ uint32_t trace_edge_buf[kTraceWGs][kTraceTiles][kTracePoints];
 // Boundary detail stamps ("FA3F", same tiles): inside the epilogue (epilogue.cuh: 0 entry, 1
 // staging free, 2 staged, 3 fenced, 4 store recorded (issued later: PendingStore), 5 done, LSE
-// included) and the step to the next tile (kernel.cu: 6 its index received, 7 decoded).
+// included) and the step to the next tile (kernel.cu: 6 it is received, its fields copied from the
+// scheduler thread's slot; 7 its validity checked).
 __device__ uint32_t trace_fine_buf[kTraceWGs][kTraceTiles][kTracePoints];
 
 // Thread 0 of warpgroup wg in CTA 0 (with FA3_TRACE_WARPS lane 0 of each of its warps) writes the
