@@ -157,10 +157,10 @@ template <class Tr> __device__ __forceinline__ bool paged_v_thread(const FwdPara
 template <class Tr> __device__ void page_warp(const FwdParams& p, SharedStorage<Tr>& s, int lane) {
     int it = 0;
     for (int k = 0;; ++k) {
-        const int tile = hold_tile<Tr>(s, k);
-        if (tile >= num_tiles(p)) break;
-        const TileInfo& t = s.tile.info;
-        if (s.tile.valid && t.n_max > t.n_min) {
+        const TileSlot& tile_slot = hold_tile<Tr>(s, k);
+        if (tile_slot.idx >= num_tiles(p)) break;
+        const TileInfo& t = tile_slot.info;
+        if (tile_slot.valid && t.n_max > t.n_min) {
             const uint32_t* pages = p.page_table + (int64_t)t.batch * p.max_pages;
             for (int n = t.n_max - 1; n >= t.n_min; --n, ++it) {
                 const int slot = it % Tr::kPageSlots;
@@ -329,11 +329,11 @@ template <class Tr> __device__ void producer(const FwdParams& p, SharedStorage<T
     if (role.q_and_k) trace_life(5);
     int it = 0, tc = 0, vt_ready = -1;
     for (int k = 0;; ++k) {
-        const int tile = hold_tile<Tr>(s, k);
+        const TileSlot& tile_slot = hold_tile<Tr>(s, k);
         if (k == 0 && role.q_and_k) trace_life(6);
-        if (tile >= num_tiles(p)) break;  // the consumers stop on the same index
-        const TileInfo& t = s.tile.info;  // read in place: this thread holds the slot (hold_tile)
-        if (s.tile.valid && t.n_max > t.n_min) {  // else the consumers skip it too
+        if (tile_slot.idx >= num_tiles(p)) break;  // the consumers stop on the same index
+        const TileInfo& t = tile_slot.info;  // read in place: this thread holds the slot (hold_tile)
+        if (tile_slot.valid && t.n_max > t.n_min) {  // else the consumers skip it too
             producer_tile<Tr>(p, s, t, it, tc, role, vt_ready);
             ++tc;
         }

@@ -18,8 +18,8 @@
 // half a long tile, measured 5-6% of a d128 causal 2k-8k call.)
 //
 // A scheduler thread claims the tiles, decodes each one (get_tile) and hands it to the TMA thread
-// and the consumer warpgroups through one slot in shared memory (TileSlot, tile_full / tile_empty
-// barriers); an index past the last tile tells everyone to stop.
+// and the consumer warpgroups through two slots in shared memory (TileSlot, tile k in slot k % 2;
+// tile_full / tile_empty barriers); an index past the last tile tells everyone to stop.
 #pragma once
 #include "../primitives/mbarrier.cuh"
 #include "params.cuh"
@@ -149,23 +149,37 @@ __device__ __forceinline__ int next_tile(const FwdParams& p, int tile) {
     return (int)gridDim.x + atomicAdd(p.tile_counter, 1);
 }
 
+// Claims `tile` and decodes it into `slot`.
+template <class Tr> __device__ __forceinline__ void fill_slot(const FwdParams& p, TileSlot& slot, int tile) {
+    slot.idx = tile;
+    if (tile < num_tiles(p)) slot.valid = get_tile<Tr>(p, tile, slot.info);
+}
+
 // The scheduler thread (lane 0 of the producer warpgroup's second warp, so that the TMA thread
-// keeps its few registers for the loads): claims this CTA's k-th tile once the (k-1)-th has been
-// read by every consumer thread and fully issued by the TMA thread (tile_empty: 128 per consumer
-// warpgroup + 1 arrivals), i.e. a couple of key blocks before the CTA finishes it, so a claim
-// reflects real progress. It decodes the tile (get_tile) before publishing it: the consumers then
-// copy the fields at their tile boundary instead of each warp running the chain of divisions and,
-// for varlen and KV caches, its global loads there (forward-sm90.md version 35: +1..+7% at 1k-2k).
+// keeps its few registers for the loads). It decodes each tile (get_tile) before publishing it:
+// the consumers then copy the fields at their tile boundary instead of each warp running the
+// chain of divisions and, for varlen and KV caches, its global loads there (forward-sm90.md
+// version 35). Tile k lives in slot k % 2.
+// - With the atomic counter (causal, windows, varlen, caches) it claims tile k once tile k - 1 has
+//   been read by every consumer thread and fully issued by the producers (tile_empty: 128 per
+//   consumer warpgroup + one per producer thread), i.e. a couple of key blocks before the CTA
+//   finishes it, so a claim reflects real progress: a tile held in reserve for a whole tile's
+//   time unbalances the CTAs' ends (causal d256 -7..-11%, forward-sm90.md, session 61).
+// - Statically strided calls claim and decode tile k + 1 as soon as tile k is published, so that
+//   it is ready when the readers release tile k (version 36).
 // The TMA thread waits for the tile before the next tile's Q load; with two Q buffers (d <= 128)
 // that load still lands before the consumers need it unless the atomic is slow.
 template <class Tr> __device__ void scheduler(const FwdParams& p, SharedStorage<Tr>& s) {
+    const bool claim_ahead = p.tile_counter == nullptr;
     int tile = blockIdx.x;
+    fill_slot<Tr>(p, s.tile[0], tile);
     for (int k = 0;; ++k) {
-        mbar_wait(&s.tile_empty, (k & 1) ^ 1);  // passes at once for k = 0
-        if (k > 0) tile = next_tile(p, tile);
-        s.tile.idx = tile;
-        if (tile < num_tiles(p)) s.tile.valid = get_tile<Tr>(p, tile, s.tile.info);
-        mbar_arrive(&s.tile_full);  // release: the stores are visible to the waiters
+        mbar_wait(&s.tile_empty, (k & 1) ^ 1);  // tile k - 1 read and issued (passes at once for k = 0)
+        if (k > 0 && !claim_ahead) {
+            tile = next_tile(p, tile);
+            fill_slot<Tr>(p, s.tile[k & 1], tile);
+        }
+        mbar_arrive(&s.tile_full);  // publishes slot k % 2; release: its stores are visible to the waiters
         if (tile >= num_tiles(p)) {  // everyone stops on this index
             // Done claiming; the last CTA to get here (no other will touch the counter again in
             // this launch) zeroes both words for the next one.
@@ -174,6 +188,11 @@ template <class Tr> __device__ void scheduler(const FwdParams& p, SharedStorage<
                 p.tile_counter[1] = 0;
             }
             break;
+        }
+        if (claim_ahead) {
+            // Into the slot of tile k - 1, which every reader released before the wait above passed.
+            tile = next_tile(p, tile);
+            fill_slot<Tr>(p, s.tile[(k + 1) & 1], tile);
         }
     }
 }
@@ -189,7 +208,8 @@ __device__ __forceinline__ int receive_tile(const FwdParams& p, SharedStorage<Tr
     // redux.sync's result lives in a uniform register, so the tile's fields, loop bounds and ring
     // counters stay on the uniform datapath (without it the whole kernel ran 5-8% slower, full and
     // causal, when only the index came this way).
-    const int tile = (int)__reduce_max_sync(0xffffffffu, (unsigned)s.tile.idx);
+    const TileSlot& slot = s.tile[k & 1];
+    const int tile = (int)__reduce_max_sync(0xffffffffu, (unsigned)slot.idx);
     valid = false;
     if (tile < num_tiles(p)) {
         static_assert(sizeof(TileInfo) % 16 == 0, "TileInfo is copied in 16-byte words");
@@ -197,13 +217,13 @@ __device__ __forceinline__ int receive_tile(const FwdParams& p, SharedStorage<Tr
         uint32_t w[kWords * 4];
 #pragma unroll
         for (int i = 0; i < kWords; ++i) {
-            const uint4 v = reinterpret_cast<const uint4*>(&s.tile.info)[i];
+            const uint4 v = reinterpret_cast<const uint4*>(&slot.info)[i];
             w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
         }
 #pragma unroll
         for (int i = 0; i < kWords * 4; ++i) w[i] = __reduce_max_sync(0xffffffffu, w[i]);
         memcpy(&t, w, sizeof(TileInfo));
-        valid = __reduce_max_sync(0xffffffffu, (unsigned)s.tile.valid) != 0;
+        valid = __reduce_max_sync(0xffffffffu, (unsigned)slot.valid) != 0;
     }
     mbar_arrive(&s.tile_empty);
     return tile;
@@ -211,11 +231,11 @@ __device__ __forceinline__ int receive_tile(const FwdParams& p, SharedStorage<Tr
 
 // The k-th tile of this CTA for the producer threads (the TMA thread, a paged cache's V thread and
 // page warp), which keep the slot until their last issue for the tile and then release it
-// themselves (tile_empty): they read the fields in place, s.tile.info, where they use them,
-// instead of holding a copy in their few registers. Returns the index (past the last tile: stop).
-template <class Tr> __device__ __forceinline__ int hold_tile(SharedStorage<Tr>& s, int k) {
+// themselves (tile_empty): they read the fields in place, where they use them, instead of holding
+// a copy in their few registers. Returns the slot (its index past the last tile: stop).
+template <class Tr> __device__ __forceinline__ const TileSlot& hold_tile(SharedStorage<Tr>& s, int k) {
     mbar_wait(&s.tile_full, k & 1);
-    return s.tile.idx;
+    return s.tile[k & 1];
 }
 
 }  // namespace fa3

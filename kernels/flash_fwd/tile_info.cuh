@@ -1,4 +1,4 @@
-// A tile's decoded fields (TileInfo) and the shared-memory slot that hands them out (TileSlot):
+// A tile's decoded fields (TileInfo) and the shared-memory slots that hand them out (TileSlot):
 // written by the scheduler thread (scheduler.cuh), read by the TMA thread and the consumers.
 #pragma once
 #include <cstdint>
@@ -19,10 +19,11 @@ struct alignas(16) TileInfo {
     int full_lo, full_hi;     // keys [full_lo, full_hi) are visible to every row of the tile
 };
 
-// The slot through which the scheduler thread hands out a CTA's next tile: the index (past the
-// last tile: stop) and that tile decoded once, by the scheduler thread, so that the consumers and
-// the TMA thread copy it instead of each running get_tile's chain of divisions (and, for varlen
-// and KV caches, its global loads) at the tile boundary, where the consumers wait for it.
+// A slot through which the scheduler thread hands out one of a CTA's tiles: the index (past the
+// last tile: stop) and that tile decoded once, by the scheduler thread, so that the consumers copy
+// it and the producer threads read it in place instead of each running get_tile's chain of
+// divisions (and, for varlen and KV caches, its global loads) at the tile boundary, where the
+// consumers wait for it.
 struct TileSlot {
     TileInfo info;
     int idx;

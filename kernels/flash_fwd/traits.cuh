@@ -190,7 +190,7 @@ template <class Tr> struct SharedStorage {
     alignas(8) uint64_t empty_v_raw[Tr::kVRawStages]; // kTransposeV: the transposer warps are done with it
     alignas(8) uint64_t tile_full;                // the scheduler thread published the next tile index
     alignas(8) uint64_t tile_empty;               // the consumers read it and the TMA thread issued its loads
-    TileSlot tile;                                // the next tile, scheduler -> TMA thread, consumers
+    TileSlot tile[2];                             // tile k in slot k % 2, scheduler -> TMA thread, consumers
     int transpose_stop;                           // kTransposeV: the V ring position past the last block, or -1
     float cluster_lse[Tr::kClusterCombine ? 64 : 1];  // cluster_combine.cuh: this share's row LSEs
     // kPageWarp (last, so that the other kernels' layout stays as it was):
