@@ -22,6 +22,7 @@
 // tile_full / tile_empty barriers); an index past the last tile tells everyone to stop.
 #pragma once
 #include "../primitives/mbarrier.cuh"
+#include "../primitives/warp.cuh"
 #include "params.cuh"
 #include "tile_info.cuh"
 #include "traits.cuh"
@@ -204,12 +205,12 @@ template <class Tr> __device__ void scheduler(const FwdParams& p, SharedStorage<
 template <class Tr>
 __device__ __forceinline__ int receive_tile(const FwdParams& p, SharedStorage<Tr>& s, int k, TileInfo& t, bool& valid) {
     mbar_wait(&s.tile_full, k & 1);
-    // Every value is the same in every lane, but ptxas cannot know that for a shared-memory load;
-    // redux.sync's result lives in a uniform register, so the tile's fields, loop bounds and ring
-    // counters stay on the uniform datapath (without it the whole kernel ran 5-8% slower, full and
-    // causal, when only the index came this way).
+    // Every value is the same in every lane, but ptxas cannot know that for a shared-memory load:
+    // uniform() keeps the tile's fields, loop bounds and ring counters on the uniform datapath
+    // (without it the whole kernel ran 5-8% slower, full and causal, when only the index came this
+    // way).
     const TileSlot& slot = s.tile[k & 1];
-    const int tile = (int)__reduce_max_sync(0xffffffffu, (unsigned)slot.idx);
+    const int tile = (int)uniform((uint32_t)slot.idx);
     valid = false;
     if (tile < num_tiles(p)) {
         static_assert(sizeof(TileInfo) % 16 == 0, "TileInfo is copied in 16-byte words");
@@ -221,9 +222,9 @@ __device__ __forceinline__ int receive_tile(const FwdParams& p, SharedStorage<Tr
             w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
         }
 #pragma unroll
-        for (int i = 0; i < kWords * 4; ++i) w[i] = __reduce_max_sync(0xffffffffu, w[i]);
+        for (int i = 0; i < kWords * 4; ++i) w[i] = uniform(w[i]);
         memcpy(&t, w, sizeof(TileInfo));
-        valid = __reduce_max_sync(0xffffffffu, (unsigned)slot.valid) != 0;
+        valid = uniform((uint32_t)slot.valid) != 0;
     }
     mbar_arrive(&s.tile_empty);
     return tile;
