@@ -16,7 +16,9 @@ done; their detail ("FA3F"): 0 epilogue entry, 1 staging free, 2 staged, 3 fence
 recorded (its TMA issue follows under the next tile's first S; before session 60's version 34 the
 issue itself), 5 epilogue done (LSE included), 6 next tile received (since version 35 its fields
 copied from the scheduler thread's slot, decoded there), 7 its validity checked;
-producer (wg 0) 0 tile start, 1 Q issued, 2 first K issued, 3 last V issued.
+producer (wg 0) 0 tile start, 1 Q issued, 2 first K issued, 3 last V issued, 4 / 5 before /
+after the wait for a V^T pair the kernel writes (fp8 calls with fp8_vt_fill.cuh's writer, whose
+units are "FA3W" lines: summarise_writer).
 """
 import collections
 import statistics
@@ -112,11 +114,35 @@ def summarise_edges(edges):
                 seg["to next tile"].append(u[0] - t[6])
                 seg["loop exit -> next loop entry"].append(u[3] - t[4])
         out.append(f"  tiles wg {wg}: " + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in seg.items()))
+    waits = [t[5] - t[4] for t in rows.get(0, {}).values() if t[4] and t[5]]
+    if waits:
+        out.append(f"  TMA thread, wait for a V^T pair written by the kernel (fp8_vt_fill.cuh): median {statistics.median(waits):.0f}, max {max(waits)}")
     for tile in sorted(rows[min(rows)])[:4]:
         for wg in sorted(rows):
             if tile in rows[wg]:
                 out.append(f"  tile {tile} wg {wg}: " + " ".join(f"{x - base:>8}" if x else "       -" for x in rows[wg][tile][:7]))
     return out
+
+
+WRITER = ["V rows landed", "transposed", "store and next load issued", "store performed", "published"]
+
+
+def summarise_writer(units):
+    """The fp8 V^T writer warp ("FA3W 0 unit t0..t7", fp8_vt_fill.cuh): per unit 0 loop top
+    (claim of the next unit sent), 1 its V rows landed, 2 transposed, 3 its TMA store and the next
+    unit's load issued, 4 the store's writes performed, 5 published; the medians of the segments
+    and of the period between units."""
+    rows, _ = gather(units, lambda t: t[0])
+    seg = collections.defaultdict(list)
+    for unit, t in rows.get(0, {}).items():
+        if not all(t[:6]):
+            continue
+        for k in range(5):
+            seg[WRITER[k]].append(t[k + 1] - t[k])
+        u = rows[0].get(unit + 1)
+        if u and u[0]:
+            seg["unit period"].append(u[0] - t[0])
+    return ["  V^T writer: " + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in seg.items())] if seg else []
 
 
 FINE = ["staging free", "staged", "fenced", "store recorded", "LSE stored", "next received", "next checked"]
@@ -168,8 +194,8 @@ def summarise_warps(records):
 
 
 def main():
-    # Per tag, the latest launch's records: a new launch starts where the warpgroup goes back to 0.
-    summaries = {"FA3T": summarise, "FA3E": summarise_edges, "FA3F": summarise_fine}
+    # Per tag, the latest launch's records: a new launch starts where (warpgroup, index) goes back.
+    summaries = {"FA3T": summarise, "FA3E": summarise_edges, "FA3F": summarise_fine, "FA3W": summarise_writer}
     records = {tag: [] for tag in summaries}
     args = sys.argv[1:]
     if args and args[0] == "--serial":
@@ -182,7 +208,7 @@ def main():
         tag, *fields = line.split() or [""]
         if tag in records:
             rec = tuple(int(x) for x in fields)
-            if records[tag] and rec[0] < records[tag][-1][0]:
+            if records[tag] and rec[:2] <= records[tag][-1][:2]:
                 records[tag] = []
             records[tag].append(rec)
         elif line.startswith("ours"):

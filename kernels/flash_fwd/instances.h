@@ -54,7 +54,7 @@ FA3_FWD_KERNEL_PW(flash_fwd_d128_f16_pw, 128, fa3::DT_F16)
 // 96 and 192 run on d128 and d256 with zero-filled columns; d64 also on 192-row tiles, chosen as
 // for 16 bits but for masked calls from 2k queries (cuda/forward.rs, FP8_D64_UNEVEN_MIN); d128
 // also on 256-key blocks without intra-warpgroup overlap (mainloop.cuh consumer_serial) for calls
-// of 1k keys or more, 8k when masked (crates/flash-attn/src/cuda/fp8.rs, block_n).
+// of 512 keys or more, 2k when masked (crates/flash-attn/src/cuda/fp8.rs, block_n).
 // docs/kernels/forward-fp8.md.
 FA3_FWD_KERNEL(flash_fwd_d64_e4m3, 64, 128, fa3::DT_E4M3)
 FA3_FWD_KERNEL_WG(flash_fwd_d64x3_e4m3, 64, 128, fa3::DT_E4M3, 3)

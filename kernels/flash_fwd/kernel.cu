@@ -60,6 +60,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
                 mbar_init(&s.pages_empty[i], 2);  // the TMA thread (K) and the V thread
             }
         }
+        if constexpr (Tr::kVtFill) mbar_init(&s.vt_fill_full, 1);
         if constexpr (Tr::kSerialConsumer) s.zero = 0;
         mbar_init(&s.tile_full, 1);
         // The consumers, the TMA thread and (paged caches) the V thread release a tile index;
@@ -90,7 +91,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         if constexpr (Tr::kTransposeV) {
             if (tid >= 64) v_transposer<Tr>(s, tid - 64, transposers);  // V -> V^T (transpose_v.cuh)
         } else if constexpr (Tr::kVtFill) {
-            if (tid >= 64 && p.vt_done != nullptr) vt_fill<Tr>(p, s, tid / 32 - 2, tid % 32);  // V^T (fp8_vt_fill.cuh)
+            if (tid / 32 == 2 && p.vt_done != nullptr) vt_fill<Tr>(p, s, tid % 32);  // V^T (fp8_vt_fill.cuh)
         }
     } else if (solo && wg == 2) {
         // The second consumer warpgroup of a solo call: the transposer's threads 64..191. It keeps

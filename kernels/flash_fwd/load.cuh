@@ -301,7 +301,9 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
             // first blocks went out, so Q·Kᵀ starts meanwhile).
             const int pair = t.batch * p.vt_src.kv_heads + t.kv_head;
             if (p.vt_done != nullptr && pair != vt_ready) {
+                trace_edge(0, tc, 4);
                 wait_vt_pair(p, pair);
+                trace_edge(0, tc, 5);
                 vt_ready = pair;
             }
         }

@@ -51,6 +51,8 @@ struct alignas(64) FwdParams {
     TmaDesc tma_v;
     TmaDesc tma_o;          // (head_dim_v, tokens, heads, batch) over out, boxes of 64 x 64 (TMA-store
                             // epilogue, kTmaStoreO instantiations)
+    TmaDesc tma_v_rows;     // fp8 calls whose kernel writes V^T (vt_done): v as tma_v would map it
+                            // for 16 bits, boxes of 128 keys (fp8_vt_fill.cuh); unused otherwise
     void* out;              // (total_q, heads, head_dim_v), contiguous, q's dtype
     float* lse;             // (batch, heads, seqlen_q) or (heads, total_q)
     const uint32_t* cu_q;   // varlen: batch + 1 cumulative offsets; null for fixed-length calls

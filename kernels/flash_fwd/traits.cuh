@@ -158,13 +158,12 @@ struct FwdTraits {
     // slower with it, the 16-bit kernels even (forward-fp8.md, version 11).
     static constexpr bool kSeedRowSums = kSerialConsumer || (kFp8 && !kTransposeV && kHeadDim_ == 256);
     // V^T written by the kernel itself (fp8_vt_fill.cuh; the host's choice per call, fp8.rs
-    // VtWriter): fp8 kernels with the pre-pass's layout on 128-key blocks up to d128, each of the
-    // two writer warps staging a unit of V rows in shared memory. Not d256 (no shared memory left
-    // next to its rings and O tile) nor d128's 256-key blocks, whose producer warpgroup keeps 24
-    // registers: there the writer's spills reached the TMA thread's loop and the calls ran 2-20%
-    // slower (docs/kernels/forward-fp8.md, "V^T in the kernel").
-    static constexpr bool kVtFill = kFp8 && !kTransposeV && kHeadDim_ <= 128 && kBlockN_ == 128;
-    static constexpr int kVtFillUnitKeys = 64;
+    // VtWriter): fp8 kernels with the pre-pass's layout up to d128, on 128- and 256-key blocks. One
+    // writer warp; its shared memory holds the V^T box it stores (first, 1024-aligned for the
+    // TMA store's 128B swizzle) and the unit's V rows (second). Not d256: no shared memory left next
+    // to its rings and O tile (docs/kernels/forward-fp8.md, "V^T in the kernel").
+    static constexpr bool kVtFill = kFp8 && !kTransposeV && kHeadDim_ <= 128;
+    static constexpr int kVtFillUnitKeys = 128;
     static constexpr int kVtFillBytes = kVtFill ? 2 * kVtFillUnitKeys * kHeadDim_ : 16;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
@@ -178,8 +177,8 @@ template <class Tr> struct SharedStorage {
     alignas(1024) typename Tr::Elem k[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
     alignas(1024) typename Tr::Elem v[Tr::kStages][Tr::kVStageBytes / Tr::kElemBytes];  // fp8: V^T
     alignas(1024) uint16_t o[Tr::kTmaStoreO ? Tr::kBlockM * Tr::kHeadDim : 8];  // O staging (kOutColElems blocks)
+    alignas(Tr::kVtFill ? 1024 : 16) uint8_t vt_fill[Tr::kVtFillBytes];  // kVtFill: a V^T box, then V rows
     alignas(Tr::kTransposeV ? 1024 : 16) typename Tr::Elem v_raw[Tr::kVRawStages][Tr::kVRawElems];  // V as loaded
-    alignas(16) uint8_t vt_fill[Tr::kVtFillBytes];  // kVtFill: each writer warp's unit of V rows
     alignas(8) uint64_t bar_q[Tr::kQStages];      // Q of a tile landed
     alignas(8) uint64_t q_empty[Tr::kQStages];    // every consumer warpgroup is done with that Q
     alignas(8) uint64_t full_k[Tr::kStages];      // K of a stage landed
@@ -188,6 +187,7 @@ template <class Tr> struct SharedStorage {
     alignas(8) uint64_t empty_v[Tr::kStages];     // ... and with V of a stage
     alignas(8) uint64_t full_v_raw[Tr::kVRawStages];  // kTransposeV: V of a stage landed in v_raw
     alignas(8) uint64_t empty_v_raw[Tr::kVRawStages]; // kTransposeV: the transposer warps are done with it
+    alignas(8) uint64_t vt_fill_full;             // kVtFill: the writer's unit of V rows landed (fp8_vt_fill.cuh)
     alignas(8) uint64_t tile_full;                // the scheduler thread published the next tile index
     alignas(8) uint64_t tile_empty;               // the consumers read it and the TMA thread issued its loads
     TileSlot tile[2];                             // tile k in slot k % 2, scheduler -> TMA thread, consumers

@@ -54,33 +54,52 @@ template <class Tr> __device__ __forceinline__ int transposer_threads(const FwdP
     return Tr::kTransposeThreads + (solo_consumer<Tr>(p) ? 128 : 0);
 }
 
-// One V block: v_raw -> v (both shared-memory addresses). t: the transposer thread, of
-// `threads` (a multiple of 32).
-template <class Tr>
-__device__ __forceinline__ void transpose_v_block(uint32_t raw, uint32_t vt, int t, int threads) {
-    const int lane = t % 32, warp = t / 32, warps = threads / 32;
+// A lane's fixed part of the transposer's step (below): its ldmatrix row, its stmatrix row and
+// the byte permutes that pick its even and odd head-dim bytes.
+struct TransposeLane {
+    int ld_key, ld_chunk, st_row;
+    uint32_t first, second;
+};
+
+__device__ __forceinline__ TransposeLane transpose_lane(int lane) {
     const int m = lane / 8, r = lane % 8, p = lane / 4;
+    TransposeLane l;
     // This lane's ldmatrix row: key r (+8 in matrices 1 and 3) of the group, in the step's first
     // (matrices 0, 1) or second (2, 3) 16-byte column chunk.
-    const int ld_key = r + 8 * (m % 2), ld_chunk = m / 2;
+    l.ld_key = r + 8 * (m % 2);
+    l.ld_chunk = m / 2;
     // This lane's stmatrix row: V^T row 2r or 2r + 1 (matrices 0 / 1, swapped for r >= 4), +16 in
     // matrices 2 and 3.
-    const int st_row = 16 * (m / 2) + 2 * r + ((m % 2) ^ (r >= 4));
+    l.st_row = 16 * (m / 2) + 2 * r + ((m % 2) ^ (r >= 4));
     // Bytes (0, 2 | 4, 6) of (x, y): the even head-dim byte of keys (2q, 2q+1 | 2q+8, 2q+9); (1, 3 |
     // 5, 7): the odd one. First register even for lanes p < 4, odd for p >= 4 (the swap above).
-    const uint32_t first = p < 4 ? 0x6420 : 0x7531, second = p < 4 ? 0x7531 : 0x6420;
+    l.first = p < 4 ? 0x6420 : 0x7531;
+    l.second = p < 4 ? 0x7531 : 0x6420;
+    return l;
+}
+
+// One warp step: keys 16g .. 16g + 15 x head-dim bytes 32 pair .. + 31, raw -> vt (shared-memory
+// addresses of a block as TMA loads V and of a V^T block).
+template <class Tr>
+__device__ __forceinline__ void transpose_v_step(uint32_t raw, uint32_t vt, const TransposeLane& l, int g, int pair) {
+    uint32_t x[4], w[4];
+    ldmatrix_x4_trans(raw + v_raw_offset<Tr>(16 * g + l.ld_key, 16 * (2 * pair + l.ld_chunk)), x);
+    w[0] = __byte_perm(x[0], x[1], l.first);
+    w[1] = __byte_perm(x[0], x[1], l.second);
+    w[2] = __byte_perm(x[2], x[3], l.first);
+    w[3] = __byte_perm(x[2], x[3], l.second);
+    stmatrix_x4(vt + vt_offset<Tr>(32 * pair + l.st_row, 16 * g), w);
+}
+
+// One V block: v_raw -> v (both shared-memory addresses). t: the transposer thread, of `threads`
+// (a multiple of 32).
+template <class Tr>
+__device__ __forceinline__ void transpose_v_block(uint32_t raw, uint32_t vt, int t, int threads) {
+    const TransposeLane l = transpose_lane(t % 32);
+    const int warp = t / 32, warps = threads / 32;
     constexpr int kGroups = Tr::kBlockN / 16, kSteps = kGroups * (Tr::kHeadDim / 32);
 #pragma unroll 2
-    for (int step = warp; step < kSteps; step += warps) {
-        const int g = step % kGroups, pair = step / kGroups;
-        uint32_t x[4], w[4];
-        ldmatrix_x4_trans(raw + v_raw_offset<Tr>(16 * g + ld_key, 16 * (2 * pair + ld_chunk)), x);
-        w[0] = __byte_perm(x[0], x[1], first);
-        w[1] = __byte_perm(x[0], x[1], second);
-        w[2] = __byte_perm(x[2], x[3], first);
-        w[3] = __byte_perm(x[2], x[3], second);
-        stmatrix_x4(vt + vt_offset<Tr>(32 * pair + st_row, 16 * g), w);
-    }
+    for (int step = warp; step < kSteps; step += warps) transpose_v_step<Tr>(raw, vt, l, step % kGroups, step / kGroups);
 }
 
 // The transposer warps' loop: the V ring in the TMA thread's order (ring position it, continued

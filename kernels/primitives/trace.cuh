@@ -88,12 +88,27 @@ __device__ __forceinline__ void trace_fine(int wg, int tile, int point) {
 }
 __device__ __forceinline__ void trace_life(int) {}
 #endif
+#if !defined(FA3_TRACE_CTA)
+// The fp8 V^T writer ("FA3W 0 unit t0 .. t7"): lane 0 of the writer warp (fp8_vt_fill.cuh) in CTA
+// 0, by the count of units it took, for units [kTraceFirstTile, kTraceFirstTile + kTraceTiles).
+__device__ uint32_t trace_writer_buf[1][kTraceTiles][kTracePoints];
+__device__ __forceinline__ void trace_writer(int unit, int point) {
+    const int i = unit - kTraceFirstTile;
+    if (blockIdx.x == 0 && i >= 0 && i < kTraceTiles) {
+        uint32_t c;
+        asm volatile("mov.u32 %0, %%clock;" : "=r"(c)::"memory");
+        trace_writer_buf[0][i][point] = c;
+    }
+}
+#else
+__device__ __forceinline__ void trace_writer(int, int) {}
+#endif
 
 // One line per (warpgroup, row): "TAG wg index t0 .. t7", index = first + row.
-template <int kRows>
-__device__ __forceinline__ void print_stamps(const char* tag, const uint32_t (&buf)[kTraceWGs][kRows][kTracePoints],
+template <int kWGs, int kRows>
+__device__ __forceinline__ void print_stamps(const char* tag, const uint32_t (&buf)[kWGs][kRows][kTracePoints],
                                              int first) {
-    for (int w = 0; w < kTraceWGs; ++w)
+    for (int w = 0; w < kWGs; ++w)
         for (int i = 0; i < kRows; ++i) {
             const uint32_t* t = buf[w][i];
             printf("%s %d %d %u %u %u %u %u %u %u %u\n", tag, w, i + first, t[0], t[1], t[2], t[3], t[4], t[5], t[6],
@@ -149,11 +164,13 @@ __device__ __forceinline__ void trace_dump(int launch) {
     print_stamps("FA3T", trace_buf, kTraceFirst);
     print_stamps("FA3E", trace_edge_buf, kTraceFirstTile);
     print_stamps("FA3F", trace_fine_buf, kTraceFirstTile);
+    print_stamps("FA3W", trace_writer_buf, kTraceFirstTile);
 #endif
 }
 #else
 __device__ __forceinline__ void trace_stamp(int, int, int) {}
 __device__ __forceinline__ void trace_edge(int, int, int) {}
+__device__ __forceinline__ void trace_writer(int, int) {}
 __device__ __forceinline__ void trace_life(int) {}
 #endif
 #if !defined(FA3_TRACE) || defined(FA3_TRACE_CTA)

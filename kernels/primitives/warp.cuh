@@ -35,6 +35,11 @@ __device__ __forceinline__ void st_shared_u32(uint32_t smem_addr, uint32_t value
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem_addr), "r"(value) : "memory");
 }
 
+// 16 zero bytes to shared memory (16-byte aligned).
+__device__ __forceinline__ void st_shared_zero_16(uint32_t smem_addr) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(smem_addr), "r"(0u) : "memory");
+}
+
 // 4-byte load from shared memory through its 32-bit shared-window address.
 __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t smem_addr) {
     uint32_t v;

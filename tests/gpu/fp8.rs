@@ -670,19 +670,19 @@ fn fp8_quantize_gpu_matches_host() -> Result<()> {
     Ok(())
 }
 
-/// V^T written by the forward kernel itself (two producer warps, kernels/flash_fwd/fp8_vt_fill.cuh)
+/// V^T written by the forward kernel itself (a producer warp, kernels/flash_fwd/fp8_vt_fill.cuh)
 /// and by the pre-pass (fp8_prepass.cuh) are the same bytes, so the two calls agree bit for bit,
 /// and both match the reference: head dims under the kernel's (d32 and d96 on the d64 and d128
-/// kernels), odd key counts (a unit of 64 keys past the sequence's end), GQA, causal, and varlen
-/// calls (each sequence's keys from its own offset).
+/// kernels), d128 on 128- and 256-key blocks, odd key counts (a unit of 128 keys past the
+/// sequence's end), GQA, causal, and varlen calls (each sequence's keys from its own offset).
 #[test]
 fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
     let dev = gpu()?;
     let mut rng = TestRng::fresh("gpu-fp8-vt-writers");
-    let writers = |o: Opts, in_kernel: bool| {
+    let writers = |o: Opts, in_kernel: bool, block_n: usize| {
         o.tuned(flash_attn3::Tuning {
             fp8_vt_in_kernel: Some(in_kernel),
-            fp8_d128_block_n: Some(128),
+            fp8_d128_block_n: Some(block_n),
             ..Default::default()
         })
     };
@@ -694,7 +694,14 @@ fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
             .map(|x| x.to_bits())
             .collect())
     };
-    for (d, causal) in [(32, false), (64, true), (96, false), (128, true), (128, false)] {
+    for (d, causal, block_n) in [
+        (32, false, 128),
+        (64, true, 128),
+        (96, false, 256),
+        (128, true, 128),
+        (128, false, 256),
+        (128, true, 256),
+    ] {
         let (sq, sk) = (rng.odd_len(60, 300), rng.odd_len(130, 700));
         let shape = AttnShape::new((2, sq, sk, 4, 2, d, d));
         let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
@@ -706,11 +713,14 @@ fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
             Opts::new(shape.scale())
         };
         let (want, _) = attention_ref(&qd, &kd, &vd, &o.reference())?;
-        let what = format!("fp8 V^T writers d{d} causal {causal} {sq}x{sk} seed {}", rng.seed());
+        let what = format!(
+            "fp8 V^T writers d{d} causal {causal} {block_n}-key blocks {sq}x{sk} seed {}",
+            rng.seed()
+        );
         poison(&dev, want.elem_count() * 2)?;
-        let in_kernel = fp8_builder(writers(o, true), &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
+        let in_kernel = fp8_builder(writers(o, true, block_n), &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
         poison(&dev, want.elem_count() * 2)?;
-        let pre_pass = fp8_builder(writers(o, false), &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
+        let pre_pass = fp8_builder(writers(o, false, block_n), &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
         assert_fp8_close(
             &in_kernel,
             &want,
@@ -737,7 +747,7 @@ fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
     let mut outs = Vec::new();
     for in_kernel in [true, false] {
         poison(&dev, want.elem_count() * 2)?;
-        let builder = fp8_builder(writers(o, in_kernel), &q8, &k8, &v8);
+        let builder = fp8_builder(writers(o, in_kernel, 128), &q8, &k8, &v8);
         outs.push(fp8_varlen_call(builder, (&q8, &k8, &v8), (&cu_q, &cu_k), &dev)?.0);
     }
     let what = format!("fp8 V^T writers varlen seed {}", rng.seed());

@@ -27,6 +27,7 @@ struct FwdParams {
     tma_k: TmaDesc,
     tma_v: TmaDesc,
     tma_o: TmaDesc,
+    tma_v_rows: TmaDesc,
     out: u64,
     lse: u64,
     cu_q: u64,
@@ -850,7 +851,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             if let Some(queue) = before_launch.take() {
                 queue()?;
             }
-            let writer = fp8::VtWriter::pick(variant.head_dim, variant.block_n, tuning.fp8_vt_in_kernel);
+            let writer = fp8::VtWriter::pick(variant.head_dim, tuning.fp8_vt_in_kernel);
             Some(fp8::transpose_v(&dev, dims, v, cu_k, writer)?)
         }
         _ => None,
@@ -896,6 +897,19 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
         let _vt_sync = vt.as_ref().map(|vt| vt.vt.device_ptr(&stream));
         let vt_fill = vt.as_ref().and_then(|vt| vt.fill.as_ref());
+        // The writer's loads: V as the caller laid it out, 128-key boxes in the kernel's
+        // column-block width (fp8_vt_fill.cuh, `FwdTraits::kVtFillUnitKeys`).
+        let tma_v_rows = match vt_fill {
+            Some(_) => map(
+                "v (rows)",
+                v_addr,
+                dims.head_dim_v,
+                v_sizes,
+                v_strides,
+                fp8::VT_FILL_KEYS,
+            )?,
+            None => TmaDesc([0; 16]),
+        };
         let (vt_done, _vt_done_sync) = match vt_fill {
             Some(f) => {
                 let (ptr, sync) = f.done.device_ptr(&stream);
@@ -910,6 +924,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             tma_k,
             tma_v,
             tma_o,
+            tma_v_rows,
             out: out_ptr,
             lse: lse_ptr,
             cu_q,

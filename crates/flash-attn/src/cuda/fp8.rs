@@ -90,34 +90,34 @@ pub(super) struct VtFill {
 }
 
 /// Keys per unit of the in-kernel V^T writer (`FwdTraits::kVtFillUnitKeys`).
-const VT_FILL_KEYS: usize = 64;
+pub(super) const VT_FILL_KEYS: usize = 128;
 
 /// Who writes V^T for an fp8 call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum VtWriter {
     /// The pre-pass, a kernel of its own before the forward's (fp8_prepass.cuh).
     PrePass,
-    /// Two producer warps of the forward kernel itself, under the attention (fp8_vt_fill.cuh).
+    /// A producer warp of the forward kernel itself, under the attention (fp8_vt_fill.cuh).
     ForwardKernel,
 }
 
 impl VtWriter {
-    /// For a kernel of (padded) head dim `head_dim` on `block_n`-key blocks: the forward kernel
-    /// where it has the writer (`FwdTraits::kVtFill`: up to d128 on 128-key blocks), unless
-    /// `tuned` ([`crate::Tuning::fp8_vt_in_kernel`]) says otherwise.
-    pub fn pick(head_dim: usize, block_n: usize, tuned: Option<bool>) -> Self {
+    /// For a kernel of (padded) head dim `head_dim`: the forward kernel where it has the writer
+    /// (`FwdTraits::kVtFill`: up to d128, on 128- and 256-key blocks), unless `tuned`
+    /// ([`crate::Tuning::fp8_vt_in_kernel`]) says otherwise.
+    pub fn pick(head_dim: usize, tuned: Option<bool>) -> Self {
         match tuned {
-            _ if !has_vt_fill(head_dim, block_n) => Self::PrePass,
+            _ if !has_vt_fill(head_dim) => Self::PrePass,
             Some(false) => Self::PrePass,
             Some(true) | None => Self::ForwardKernel,
         }
     }
 }
 
-/// Whether the fp8 kernel of (padded) head dim `head_dim` on `block_n`-key blocks has the
-/// in-kernel V^T writer (`FwdTraits::kVtFill`).
-fn has_vt_fill(head_dim: usize, block_n: usize) -> bool {
-    head_dim <= 128 && block_n == 128
+/// Whether the fp8 kernel of (padded) head dim `head_dim` has the in-kernel V^T writer
+/// (`FwdTraits::kVtFill`; d256 has no shared memory left for it).
+fn has_vt_fill(head_dim: usize) -> bool {
+    head_dim <= 128
 }
 
 /// V^T for an fp8 call on candle's stream: the pre-pass launched (kernels/flash_fwd/fp8_prepass.cuh),
