@@ -1,25 +1,25 @@
 // The fp8 forward's V^T written by the forward kernel itself, in the background (FwdParams::vt_done
 // set by the host): the pre-pass's work (fp8_prepass.cuh: the same V^T layout, key order and zeros
-// past each sequence's end) done by warp 2 of the producer warpgroup, idle otherwise in these
-// kernels, while the consumers compute. Only the (sequence, kv head) pairs of the first
+// past each sequence's end) done by warps 2 and 3 of the producer warpgroup, idle otherwise in
+// these kernels, while the consumers compute. Only the (sequence, kv head) pairs of the first
 // tiles must be ready before those tiles' first P·V; the rest is written under the attention
 // instead of in a pass before it (docs/kernels/forward-fp8.md, "V^T in the kernel").
 //
 // Work is cut into units of kVtFillUnitKeys (128) keys of one (sequence, kv head) pair, every
 // column: one box of the V^T map the TMA thread loads with. Units are claimed from a global counter
 // in the order of the pairs (sequence-major, kv heads inner: the order in which the tile scheduler
-// first reaches them, scheduler.cuh get_tile). The writer is one warp (warp 2 of the producer
-// warpgroup) that holds almost nothing in registers, so it fits the 24 registers the 256-key d128
-// kernel leaves its producers:
+// first reaches them, scheduler.cuh get_tile). The two warps hold almost nothing in registers, so
+// they fit the 24 registers the 256-key d128 kernel leaves its producers:
 // - the unit's V rows land in shared memory by one TMA load (`in`, through FwdParams::tma_v_rows:
 //   V as the caller laid it out, in K's swizzled layout);
-// - the warp transposes them with ldmatrix.trans, two byte permutes and stmatrix per 512 bytes
-//   (transpose_v.cuh transpose_v_step, the kTransposeV kernels' step, unrolled over the unit) into
-//   `out`, the V^T box;
-// - lane 0 stores the box with one TMA store, waits until its writes are performed, and publishes
-//   the unit by a release add to its pair's count; the TMA thread acquires a pair's full count
-//   before its first V^T load of the pair (wait_vt_pair), then fences into the async proxy.
-// docs/kernels/forward-fp8.md, "V^T in the kernel", version 5.
+// - each warp transposes half of them (alternate 32-byte column pairs) with ldmatrix.trans, two
+//   byte permutes and stmatrix per 512 bytes (transpose_v.cuh transpose_v_step, the kTransposeV
+//   kernels' step) into `out`, the V^T box;
+// - lane 0 of warp 2 stores the box with one TMA store, waits until its writes are performed, and
+//   publishes the unit by a release add to its pair's count; the TMA thread acquires a pair's
+//   full count before its first V^T load of the pair (wait_vt_pair), then fences into the async
+//   proxy.
+// docs/kernels/forward-fp8.md, "V^T in the kernel", versions 5-7.
 #pragma once
 #include <cstdint>
 
@@ -29,6 +29,7 @@
 #include "../primitives/tma.cuh"
 #include "../primitives/trace.cuh"
 #include "fp8_prepass.cuh"
+#include "output.cuh"
 #include "transpose_v.cuh"
 #include "params.cuh"
 #include "traits.cuh"
@@ -76,62 +77,76 @@ __device__ __forceinline__ void vt_fill_load(const FwdParams& p, int u, SharedSt
     tma_load_4d(&p.tma_v_rows, in, &s.vt_fill_full, 0, w.row, w.kv_head, w.batch);
 }
 
-// The writer warp's loop (warp 2 of the producer warpgroup): claim a unit, transpose it, store it,
-// publish it, until every unit is claimed. The next unit's claim and its V rows' load fly while
-// the current unit is stored and published.
-template <class Tr> __device__ void vt_fill(const FwdParams& p, SharedStorage<Tr>& s, int lane) {
+// The writer's loop, on warps 2 and 3 of the producer warpgroup (w = 0, 1): claim a unit,
+// transpose it (each warp half of its head-dim bytes), store it, publish it, until every unit is
+// claimed. Lane 0 of warp 2 (the leader) claims, loads, stores and publishes; the warps meet at
+// one named barrier per unit (kVtFillBarrier), where the leader hands over the next unit's
+// index. The next unit's claim flies while the current one is transposed, its load is issued
+// once the store has read `out` (so a unit's landed rows also say that `out` is free), and the
+// leader's wait for the store's writes and its release overlap the other warp's next transpose.
+template <class Tr> __device__ void vt_fill(const FwdParams& p, SharedStorage<Tr>& s, int w, int lane) {
     static_assert(Tr::kVtFill, "V^T written by the kernel");
     constexpr int kUnitKeys = Tr::kVtFillUnitKeys, kGroups = kUnitKeys / 16;
     uint8_t* in = s.vt_fill + kUnitKeys * Tr::kHeadDim;
     const uint32_t in_addr = smem_u32(in), out_addr = smem_u32(s.vt_fill);
     const TransposeLane l = transpose_lane(lane);
+    const bool leader = w == 0 && lane == 0;
     const int units = p.vt_pairs * p.vt_units_per_pair;
     int* claims = p.vt_done + p.vt_pairs;
-    int u = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(claims, 1) : 0, 0);
-    if (lane == 0 && u < units) vt_fill_load<Tr>(p, u, s, in);
+    if (leader) {
+        const int first = atomicAdd(claims, 1);
+        st_shared_u32(smem_u32(&s.vt_fill_next[1]), (uint32_t)first);
+        if (first < units) vt_fill_load<Tr>(p, first, s, in);
+    }
+    named_barrier_sync(kVtFillBarrier, 64);
+    int u = (int)ld_shared_u32(smem_u32(&s.vt_fill_next[1]));
     for (int taken = 0; u < units; ++taken) {
         // The next claim goes out now; its result is needed after this unit's transpose.
-        const int claimed = lane == 0 ? atomicAdd(claims, 1) : 0;
-        if (lane == 0) trace_writer(taken, 0);
+        const int claimed = leader ? atomicAdd(claims, 1) : 0;
+        if (leader) trace_writer(taken, 0);
         mbar_wait(&s.vt_fill_full, taken & 1);
-        if (lane == 0) trace_writer(taken, 1);
+        if (leader) trace_writer(taken, 1);
         if (p.vt_src.cu_k != nullptr) {
             // Varlen: rows past the sequence's end hold the next sequence's keys; V^T has zeros
             // there (the pre-pass's layout), so they are cleared before the transpose.
-            const VtFillUnit w = vt_fill_unit(p, u, kUnitKeys);
+            const VtFillUnit v = vt_fill_unit(p, u, kUnitKeys);
             constexpr int kChunks = Tr::kHeadDim / 16;
-            for (int j = max(w.seqlen - w.key0, 0) * kChunks + lane; j < kUnitKeys * kChunks; j += 32)
+            for (int j = max(v.seqlen - v.key0, 0) * kChunks + 32 * w + lane; j < kUnitKeys * kChunks; j += 64)
                 st_shared_zero_16(in_addr + j * 16);
-            __syncwarp();
+            named_barrier_sync(kVtFillBarrier, 64);
         }
-        // V rows -> the V^T box; `out` is free: lane 0 waited for the last store.
+        // V rows -> the V^T box, this warp's 32-byte column pairs.
 #pragma unroll 1
-        for (int pair = 0; pair < Tr::kHeadDim / 32; ++pair) {
+        for (int pair = w; pair < Tr::kHeadDim / 32; pair += 2) {
 #pragma unroll
             for (int g = 0; g < kGroups; ++g) transpose_v_step<Tr>(in_addr, out_addr, l, g, pair);
         }
-        if (lane == 0) trace_writer(taken, 2);
+        if (leader) trace_writer(taken, 2);
         // The generic-proxy accesses of both buffers, before the async proxy's: the store reads
-        // `out`, the next load overwrites `in`.
+        // `out`, the next load overwrites `in`. Slot taken % 2 is read by the other warp after the
+        // barrier; the leader writes it again two units later, after the other warp passed the
+        // barrier between (its read comes first).
         fence_proxy_async_smem();
-        __syncwarp();
-        const int next = __shfl_sync(0xffffffffu, claimed, 0);
-        if (lane == 0) {
+        if (leader) st_shared_u32(smem_u32(&s.vt_fill_next[taken & 1]), (uint32_t)claimed);
+        named_barrier_sync(kVtFillBarrier, 64);
+        const int next = (int)ld_shared_u32(smem_u32(&s.vt_fill_next[taken & 1]));
+        if (leader) {
             // One box through the V^T map the TMA thread loads with (keys past keys_padded and
             // rows past head_dim_v are not written). Published once its writes are performed:
             // the release pairs with the TMA thread's acquire (wait_vt_pair).
-            const VtFillUnit w = vt_fill_unit(p, u, kUnitKeys);
-            tma_store_4d(&p.tma_v, s.vt_fill, w.key0, 0, w.kv_head, w.pair / p.vt_src.kv_heads);
+            const VtFillUnit v = vt_fill_unit(p, u, kUnitKeys);
+            tma_store_4d(&p.tma_v, s.vt_fill, v.key0, 0, v.kv_head, v.pair / p.vt_src.kv_heads);
             bulk_commit_group();
+            bulk_wait_group_read<0>();  // `out` read: the next unit's rows may land
             if (next < units) vt_fill_load<Tr>(p, next, s, in);
             trace_writer(taken, 3);
             bulk_wait_group<0>();
             trace_writer(taken, 4);
             fence_proxy_async_global();
-            red_release_add(p.vt_done + w.pair, 1);
+            red_release_add(p.vt_done + v.pair, 1);
             trace_writer(taken, 5);
         }
-        __syncwarp();  // `out` read by the store, before the next transpose writes it
+        __syncwarp();
         u = next;
     }
 }

@@ -91,7 +91,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         if constexpr (Tr::kTransposeV) {
             if (tid >= 64) v_transposer<Tr>(s, tid - 64, transposers);  // V -> V^T (transpose_v.cuh)
         } else if constexpr (Tr::kVtFill) {
-            if (tid / 32 == 2 && p.vt_done != nullptr) vt_fill<Tr>(p, s, tid % 32);  // V^T (fp8_vt_fill.cuh)
+            if (tid >= 64 && p.vt_done != nullptr) vt_fill<Tr>(p, s, tid / 32 - 2, tid % 32);  // V^T (fp8_vt_fill.cuh)
         }
     } else if (solo && wg == 2) {
         // The second consumer warpgroup of a solo call: the transposer's threads 64..191. It keeps

@@ -8,9 +8,11 @@
 namespace fa3 {
 
 // Named barriers: 1..3 order the consumer warpgroups' GEMMs (mainloop.cuh), 4..6 are each
-// consumer warpgroup's own epilogue barrier.
+// consumer warpgroup's own epilogue barrier, 7 joins the fp8 V^T writer's two warps
+// (fp8_vt_fill.cuh).
 constexpr int kPingpongBarrier0 = 1;
 constexpr int kEpilogueBarrier0 = 4;
+constexpr int kVtFillBarrier = 7;
 __device__ __forceinline__ int epilogue_barrier(int wg) { return kEpilogueBarrier0 + wg; }
 
 // A pair of output values as 16 bits each: the kernel's dtype, or for fp8 kernels bf16 or f16 as

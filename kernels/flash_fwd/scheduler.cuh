@@ -113,13 +113,13 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
         // A KV cache's key count, clamped to what the cache holds; its keys start at the cache
         // row's (or page table's) first. Varlen queries over a cache come with cu_k = cu_q (the
         // host's), whose key fields this replaces, and a contiguous cache's rows through
-        // kv_batch_idx. (Only the scheduler thread runs this: __activemask() is its one lane.)
-        const uint32_t used = __reduce_max_sync(__activemask(), p.seqused_k[t.batch]);
+        // kv_batch_idx. (Only the scheduler thread decodes tiles, so these are plain loads.)
+        const uint32_t used = p.seqused_k[t.batch];
         t.seqlen_k = (int)min(used, (uint32_t)p.seqlen_k);
         t.k_row0 = 0;
     }
     t.kv_batch = t.tma_batch;
-    if (p.kv_batch_idx != nullptr) t.kv_batch = (int)__reduce_max_sync(__activemask(), p.kv_batch_idx[t.batch]);
+    if (p.kv_batch_idx != nullptr) t.kv_batch = (int)p.kv_batch_idx[t.batch];
     int m0 = t.m_block * p.q_tile_queries;
     if (m0 >= t.seqlen_q) return false;
     int m1 = min(m0 + p.q_tile_queries, t.seqlen_q) - 1;

@@ -158,9 +158,9 @@ struct FwdTraits {
     // slower with it, the 16-bit kernels even (forward-fp8.md, version 11).
     static constexpr bool kSeedRowSums = kSerialConsumer || (kFp8 && !kTransposeV && kHeadDim_ == 256);
     // V^T written by the kernel itself (fp8_vt_fill.cuh; the host's choice per call, fp8.rs
-    // VtWriter): fp8 kernels with the pre-pass's layout up to d128, on 128- and 256-key blocks. One
-    // writer warp; its shared memory holds the V^T box it stores (first, 1024-aligned for the
-    // TMA store's 128B swizzle) and the unit's V rows (second). Not d256: no shared memory left next
+    // VtWriter): fp8 kernels with the pre-pass's layout up to d128, on 128- and 256-key blocks. Two
+    // writer warps on one unit at a time; its shared memory holds the V^T box they store (first,
+    // 1024-aligned for the TMA store's 128B swizzle) and the unit's V rows (second). Not d256: no shared memory left next
     // to its rings and O tile (docs/kernels/forward-fp8.md, "V^T in the kernel").
     static constexpr bool kVtFill = kFp8 && !kTransposeV && kHeadDim_ <= 128;
     static constexpr int kVtFillUnitKeys = 128;
@@ -188,6 +188,7 @@ template <class Tr> struct SharedStorage {
     alignas(8) uint64_t full_v_raw[Tr::kVRawStages];  // kTransposeV: V of a stage landed in v_raw
     alignas(8) uint64_t empty_v_raw[Tr::kVRawStages]; // kTransposeV: the transposer warps are done with it
     alignas(8) uint64_t vt_fill_full;             // kVtFill: the writer's unit of V rows landed (fp8_vt_fill.cuh)
+    int vt_fill_next[2];                          // kVtFill: the next unit, leader -> the other writer warp
     alignas(8) uint64_t tile_full;                // the scheduler thread published the next tile index
     alignas(8) uint64_t tile_empty;               // the consumers read it and the TMA thread issued its loads
     TileSlot tile[2];                             // tile k in slot k % 2, scheduler -> TMA thread, consumers

@@ -670,7 +670,7 @@ fn fp8_quantize_gpu_matches_host() -> Result<()> {
     Ok(())
 }
 
-/// V^T written by the forward kernel itself (a producer warp, kernels/flash_fwd/fp8_vt_fill.cuh)
+/// V^T written by the forward kernel itself (two producer warps, kernels/flash_fwd/fp8_vt_fill.cuh)
 /// and by the pre-pass (fp8_prepass.cuh) are the same bytes, so the two calls agree bit for bit,
 /// and both match the reference: head dims under the kernel's (d32 and d96 on the d64 and d128
 /// kernels), d128 on 128- and 256-key blocks, odd key counts (a unit of 128 keys past the

@@ -32,8 +32,8 @@ pub struct Tuning {
     /// calls always run on 128.
     pub fp8_d128_block_n: Option<usize>,
     /// Who writes V^T, the keys-contiguous copy of V that the fp8 kernels' P·V reads (outside KV
-    /// caches): `Some(true)` (and `None`) the forward kernel itself, one of its producer warps
-    /// under the attention, where the kernel has it (head dims up to 128; d256 always takes the
+    /// caches): `Some(true)` (and `None`) the forward kernel itself, two of its producer warps
+    /// under the attention, where the kernel has them (head dims up to 128; d256 always takes the
     /// pre-pass); `Some(false)` a pre-pass kernel before it (docs/kernels/forward-fp8.md, "V^T
     /// in the kernel").
     pub fp8_vt_in_kernel: Option<bool>,

@@ -97,7 +97,7 @@ pub(super) const VT_FILL_KEYS: usize = 128;
 pub(super) enum VtWriter {
     /// The pre-pass, a kernel of its own before the forward's (fp8_prepass.cuh).
     PrePass,
-    /// A producer warp of the forward kernel itself, under the attention (fp8_vt_fill.cuh).
+    /// Two producer warps of the forward kernel itself, under the attention (fp8_vt_fill.cuh).
     ForwardKernel,
 }
 
