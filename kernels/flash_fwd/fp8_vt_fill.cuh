@@ -28,7 +28,6 @@
 #include "../primitives/warp.cuh"
 #include "../primitives/tma.cuh"
 #include "../primitives/trace.cuh"
-#include "fp8_prepass.cuh"
 #include "output.cuh"
 #include "transpose_v.cuh"
 #include "params.cuh"
@@ -42,10 +41,11 @@ __device__ __forceinline__ void fence_proxy_async_global() {
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
-// Where unit u lies: its pair, its first key, and the TMA coordinates of its V rows (tma_v_rows:
-// key row, kv head, batch; varlen calls address a sequence by its first token).
+// Where unit u lies: its pair (sequence seq, kv head), its first key, and the TMA coordinates of
+// its V rows (tma_v_rows: key row, kv head, batch; varlen calls address a sequence by its first
+// token, in batch 0).
 struct VtFillUnit {
-    int pair, key0, seqlen, row, kv_head, batch;
+    int pair, seq, kv_head, key0, seqlen, row, batch;
 };
 
 __device__ __forceinline__ VtFillUnit vt_fill_unit(const FwdParams& p, int u, int unit_keys) {
@@ -53,17 +53,17 @@ __device__ __forceinline__ VtFillUnit vt_fill_unit(const FwdParams& p, int u, in
     VtFillUnit w;
     w.pair = u / p.vt_units_per_pair;
     w.key0 = (u - w.pair * p.vt_units_per_pair) * unit_keys;
-    const int seq = w.pair / src.kv_heads;
-    w.kv_head = w.pair - seq * src.kv_heads;
+    w.seq = w.pair / src.kv_heads;
+    w.kv_head = w.pair - w.seq * src.kv_heads;
     if (src.cu_k != nullptr) {
-        const int tok0 = (int)src.cu_k[seq];
-        w.seqlen = (int)src.cu_k[seq + 1] - tok0;
+        const int tok0 = (int)src.cu_k[w.seq];
+        w.seqlen = (int)src.cu_k[w.seq + 1] - tok0;
         w.row = tok0 + w.key0;
         w.batch = 0;
     } else {
         w.seqlen = src.seqlen_k;
         w.row = w.key0;
-        w.batch = seq;
+        w.batch = w.seq;
     }
     return w;
 }
@@ -135,7 +135,7 @@ template <class Tr> __device__ void vt_fill(const FwdParams& p, SharedStorage<Tr
             // rows past head_dim_v are not written). Published once its writes are performed:
             // the release pairs with the TMA thread's acquire (wait_vt_pair).
             const VtFillUnit v = vt_fill_unit(p, u, kUnitKeys);
-            tma_store_4d(&p.tma_v, s.vt_fill, v.key0, 0, v.kv_head, v.pair / p.vt_src.kv_heads);
+            tma_store_4d(&p.tma_v, s.vt_fill, v.key0, 0, v.kv_head, v.seq);
             bulk_commit_group();
             bulk_wait_group_read<0>();  // `out` read: the next unit's rows may land
             if (next < units) vt_fill_load<Tr>(p, next, s, in);

@@ -160,8 +160,9 @@ struct FwdTraits {
     // V^T written by the kernel itself (fp8_vt_fill.cuh; the host's choice per call, fp8.rs
     // VtWriter): fp8 kernels with the pre-pass's layout up to d128, on 128- and 256-key blocks. Two
     // writer warps on one unit at a time; its shared memory holds the V^T box they store (first,
-    // 1024-aligned for the TMA store's 128B swizzle) and the unit's V rows (second). Not d256: no shared memory left next
-    // to its rings and O tile (docs/kernels/forward-fp8.md, "V^T in the kernel").
+    // 1024-aligned for the TMA store's 128B swizzle) and the unit's V rows (second). Not d256: no
+    // shared memory left next to its rings and O tile (docs/kernels/forward-fp8.md, "V^T in the
+    // kernel").
     static constexpr bool kVtFill = kFp8 && !kTransposeV && kHeadDim_ <= 128;
     static constexpr int kVtFillUnitKeys = 128;
     static constexpr int kVtFillBytes = kVtFill ? 2 * kVtFillUnitKeys * kHeadDim_ : 16;

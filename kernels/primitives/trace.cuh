@@ -35,6 +35,13 @@ __device__ uint32_t trace_edge_buf[kTraceWGs][kTraceTiles][kTracePoints];
 // scheduler thread's slot; 7 its validity checked).
 __device__ uint32_t trace_fine_buf[kTraceWGs][kTraceTiles][kTracePoints];
 
+// The SM's cycle counter (a volatile read, so that ptxas keeps it where it stands).
+__device__ __forceinline__ uint32_t sm_clock() {
+    uint32_t c;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(c)::"memory");
+    return c;
+}
+
 // Thread 0 of warpgroup wg in CTA 0 (with FA3_TRACE_WARPS lane 0 of each of its warps) writes the
 // clock into row i (skipped outside [0, kRows)).
 template <int kRows>
@@ -47,11 +54,7 @@ __device__ __forceinline__ void clock_stamp(uint32_t (&buf)[kTraceWGs][kRows][kT
     const bool stamps = threadIdx.x % 128 == 0;
     const int row = wg;
 #endif
-    if (blockIdx.x == 0 && stamps && i >= 0 && i < kRows) {
-        uint32_t c;
-        asm volatile("mov.u32 %0, %%clock;" : "=r"(c)::"memory");
-        buf[row][i][point] = c;
-    }
+    if (blockIdx.x == 0 && stamps && i >= 0 && i < kRows) buf[row][i][point] = sm_clock();
 }
 __device__ __forceinline__ void trace_stamp(int wg, int iter, int point) {
     clock_stamp(trace_buf, wg, iter - kTraceFirst, point);
@@ -94,11 +97,7 @@ __device__ __forceinline__ void trace_life(int) {}
 __device__ uint32_t trace_writer_buf[1][kTraceTiles][kTracePoints];
 __device__ __forceinline__ void trace_writer(int unit, int point) {
     const int i = unit - kTraceFirstTile;
-    if (blockIdx.x == 0 && i >= 0 && i < kTraceTiles) {
-        uint32_t c;
-        asm volatile("mov.u32 %0, %%clock;" : "=r"(c)::"memory");
-        trace_writer_buf[0][i][point] = c;
-    }
+    if (blockIdx.x == 0 && i >= 0 && i < kTraceTiles) trace_writer_buf[0][i][point] = sm_clock();
 }
 #else
 __device__ __forceinline__ void trace_writer(int, int) {}
