@@ -4,7 +4,9 @@
 // shared staging buffer in TMA's swizzled layout (one stmatrix per 8 columns of a warp's 16 rows;
 // traits.cuh kWideStoresO, fp8 d256 keeps 4-byte stores) and one thread issues a bulk tensor store
 // per column block, after the epilogue (PendingStore: under the next tile's first S); the store
-// drains while the CTA runs its next tile. TMA clips rows past
+// drains while the CTA runs its next tile. fp8 d256 stages half the columns at a time (traits.cuh
+// kOutPasses: the other half of its staging room holds the V^T writer's unit): the first half's
+// stores are issued and read inside the epilogue, the second's are the pending ones. TMA clips rows past
 // seqlen_q and columns past head_dim_v. Varlen packs sequences back to back, so a warpgroup whose
 // rows run past its sequence's end would overwrite the next sequence: those rows take the direct
 // path.
@@ -110,18 +112,28 @@ struct PendingStore {
     int head = 0, batch = 0;
 };
 
+// Thread 0 of a warpgroup: the bulk tensor stores of pass `pass`'s column blocks of its staged O
+// rows (traits.cuh kOutPasses), at `at`'s coordinates.
+template <class Tr>
+__device__ __forceinline__ void issue_o_stores(const FwdParams& p, SharedStorage<Tr>& s, int wg, int pass,
+                                               const PendingStore& at) {
+#pragma unroll
+    for (int b = 0; b < Tr::kOutPassBlocks; ++b) {
+        const int c = pass * Tr::kOutPassBlocks + b;
+        if (c * Tr::kOutColElems < p.head_dim_v)
+            tma_store_4d(&p.tma_o, s.o + b * Tr::kBlockM * Tr::kOutColElems + wg * 64 * Tr::kOutColElems,
+                         c * Tr::kOutColElems, at.row, at.head, at.batch);
+    }
+    bulk_commit_group();
+}
+
+// The pending stores: the last pass's.
 template <class Tr>
 __device__ __forceinline__ void issue_pending_store(const FwdParams& p, SharedStorage<Tr>& s, int wg, int tid,
                                                     PendingStore& pending) {
     if constexpr (Tr::kTmaStoreO) {
         if (tid != 0 || pending.row < 0) return;
-#pragma unroll
-        for (int c = 0; c < Tr::kOutColBlocks; ++c) {
-            if (c * Tr::kOutColElems < p.head_dim_v)
-                tma_store_4d(&p.tma_o, s.o + c * Tr::kBlockM * Tr::kOutColElems + wg * 64 * Tr::kOutColElems,
-                             c * Tr::kOutColElems, pending.row, pending.head, pending.batch);
-        }
-        bulk_commit_group();
+        issue_o_stores<Tr>(p, s, wg, Tr::kOutPasses - 1, pending);
         pending.row = -1;
     }
 }
@@ -156,46 +168,60 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         named_barrier_sync(bar, 128);
         trace_fine(wg + 1, tc, 1);
         const uint32_t o_smem = smem_u32(s.o);
+        const PendingStore at{t.q_row0 + wg_row0, t.head, t.tma_batch};
         // Tile layout as for Q in 16 bits: column block c at c * kBlockM * kOutColElems elements,
         // rows of kOutSwizzle bytes; TMA's swizzle stores the 16-byte chunk u of row r at chunk
         // u ^ ((r * kOutSwizzle / 128) % chunks per row): u ^ (r % 8) for 128B, u ^ (r / 2 % 4) for 64B.
-        constexpr int kChunks = Tr::kOutSwizzle / 16;
-        if constexpr (Tr::kWideStoresO) {
-            // One stmatrix per 8-column chunk j of the warp's 16 rows: its two 8 x 8 matrices are
-            // rows +0..7 and +8..15, the thread's word of each is its own column pair (the
-            // accumulator layout), and lane 8m + i (m < 2) names the shared-memory row of matrix
-            // m's row i: 16 contiguous bytes, so each row's chunk is swizzled alone.
-            const int lane = tid % 32, m = lane / 8 % 2;
-            const int r = row_in_tile - lane / 4 + 8 * m + lane % 8;  // the row this lane addresses
-            const int row_xor = (r * Tr::kOutSwizzle / 128) % kChunks;
+        // Pass `pass` stages column blocks pass * kOutPassBlocks.. into the tile's blocks 0.. (fp8
+        // d256: two passes, the first one's stores issued and read in between).
+        constexpr int kChunks = Tr::kOutSwizzle / 16, kPassJ = Tr::kORegs / 4 / Tr::kOutPasses;
 #pragma unroll
-            for (int j = 0; j < Tr::kORegs / 4; ++j) {
-                const uint32_t w[2] = {pack_out<Tr>(p, o[4 * j] * inv_sum[0], o[4 * j + 1] * inv_sum[0]),
-                                       pack_out<Tr>(p, o[4 * j + 2] * inv_sum[1], o[4 * j + 3] * inv_sum[1])};
-                const int c = j / kChunks, chunk = (j % kChunks) ^ row_xor;
-                stmatrix_x2(o_smem + 2 * (c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8), w);
+        for (int pass = 0; pass < Tr::kOutPasses; ++pass) {
+            if (pass > 0) {
+                if (tid == 0) {
+                    issue_o_stores<Tr>(p, s, wg, pass - 1, at);
+                    bulk_wait_group_read<0>();
+                }
+                named_barrier_sync(bar, 128);
             }
-        } else {
-            // 4-byte stores of the thread's own column pairs.
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = row_in_tile + 8 * h;
+            if constexpr (Tr::kWideStoresO) {
+                // One stmatrix per 8-column chunk j of the warp's 16 rows: its two 8 x 8 matrices are
+                // rows +0..7 and +8..15, the thread's word of each is its own column pair (the
+                // accumulator layout), and lane 8m + i (m < 2) names the shared-memory row of matrix
+                // m's row i: 16 contiguous bytes, so each row's chunk is swizzled alone.
+                const int lane = tid % 32, m = lane / 8 % 2;
+                const int r = row_in_tile - lane / 4 + 8 * m + lane % 8;  // the row this lane addresses
                 const int row_xor = (r * Tr::kOutSwizzle / 128) % kChunks;
 #pragma unroll
-                for (int j = 0; j < Tr::kORegs / 4; ++j) {
-                    const int c = j / kChunks, chunk = (j % kChunks) ^ row_xor;
-                    const uint32_t elem =
-                        c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8 + 2 * quad_lane;
-                    st_shared_u32(o_smem + 2 * elem,
-                                  pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]));
+                for (int j = pass * kPassJ; j < (pass + 1) * kPassJ; ++j) {
+                    const uint32_t w[2] = {pack_out<Tr>(p, o[4 * j] * inv_sum[0], o[4 * j + 1] * inv_sum[0]),
+                                           pack_out<Tr>(p, o[4 * j + 2] * inv_sum[1], o[4 * j + 3] * inv_sum[1])};
+                    const int c = j / kChunks - pass * Tr::kOutPassBlocks, chunk = (j % kChunks) ^ row_xor;
+                    stmatrix_x2(o_smem + 2 * (c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8),
+                                w);
+                }
+            } else {
+                // 4-byte stores of the thread's own column pairs.
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = row_in_tile + 8 * h;
+                    const int row_xor = (r * Tr::kOutSwizzle / 128) % kChunks;
+#pragma unroll
+                    for (int j = pass * kPassJ; j < (pass + 1) * kPassJ; ++j) {
+                        const int c = j / kChunks - pass * Tr::kOutPassBlocks, chunk = (j % kChunks) ^ row_xor;
+                        const uint32_t elem =
+                            c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8 + 2 * quad_lane;
+                        st_shared_u32(o_smem + 2 * elem, pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h],
+                                                                      o[4 * j + 2 * h + 1] * inv_sum[h]));
+                    }
                 }
             }
+            trace_fine(wg + 1, tc, 2);
+            fence_proxy_async_smem();
+            named_barrier_sync(bar, 128);
+            trace_fine(wg + 1, tc, 3);
         }
-        trace_fine(wg + 1, tc, 2);
-        fence_proxy_async_smem();
-        named_barrier_sync(bar, 128);
-        trace_fine(wg + 1, tc, 3);
-        if (tid == 0) pending = PendingStore{t.q_row0 + wg_row0, t.head, t.tma_batch};
+        if (tid == 0) pending = at;
         trace_fine(wg + 1, tc, 4);
     } else {
         store_o_direct<Tr>(p, t, o, inv_sum, row_in_tile, quad_lane);

@@ -5,10 +5,11 @@
 // tiles must be ready before those tiles' first P·V; the rest is written under the attention
 // instead of in a pass before it (docs/kernels/forward-fp8.md, "V^T in the kernel").
 //
-// Work is cut into units of kVtFillUnitKeys (128) keys of one (sequence, kv head) pair, every
-// column: one box of the V^T map the TMA thread loads with. Units are claimed from a global counter
-// in the order of the pairs (sequence-major, kv heads inner: the order in which the tile scheduler
-// first reaches them, scheduler.cuh get_tile). The two warps hold almost nothing in registers, so
+// Work is cut into units of kVtFillUnitKeys (128) keys by kVtFillUnitCols (up to 128) head-dim
+// bytes of one (sequence, kv head) pair: one box of the V^T map the TMA thread loads with (d256:
+// two units per 128 keys). Units are claimed from a global counter in the order of the pairs
+// (sequence-major, kv heads inner: the order in which the tile scheduler first reaches them,
+// scheduler.cuh get_tile). The two warps hold almost nothing in registers, so
 // they fit the 24 registers the 256-key d128 kernel leaves its producers:
 // - the unit's V rows land in shared memory by one TMA load (`in`, through FwdParams::tma_v_rows:
 //   V as the caller laid it out, in K's swizzled layout);
@@ -35,24 +36,25 @@
 
 namespace fa3 {
 
-// Makes this thread's generic-proxy global writes visible to the async proxy (TMA) and orders its
-// async-proxy reads after what it acquired.
-__device__ __forceinline__ void fence_proxy_async_global() {
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-
-// Where unit u lies: its pair (sequence seq, kv head), its first key, and the TMA coordinates of
-// its V rows (tma_v_rows: key row, kv head, batch; varlen calls address a sequence by its first
-// token, in batch 0).
+// Where unit u lies: its pair (sequence seq, kv head), its first key and head-dim byte, and the
+// TMA coordinates of its V rows (tma_v_rows: col0, key row, kv head, batch; varlen calls address a
+// sequence by its first token, in batch 0). A pair's units run keys-inner: key units
+// (keys_padded / kVtFillUnitKeys, rounded up) of its first head-dim bytes, then of the next.
 struct VtFillUnit {
-    int pair, seq, kv_head, key0, seqlen, row, batch;
+    int pair, seq, kv_head, key0, col0, seqlen, row, batch;
 };
 
-__device__ __forceinline__ VtFillUnit vt_fill_unit(const FwdParams& p, int u, int unit_keys) {
+template <class Tr> __device__ __forceinline__ VtFillUnit vt_fill_unit(const FwdParams& p, int u) {
+    constexpr int kUnitKeys = Tr::kVtFillUnitKeys, kUnitCols = Tr::kVtFillUnitCols;
     const Fp8PrepassParams& src = p.vt_src;
     VtFillUnit w;
     w.pair = u / p.vt_units_per_pair;
-    w.key0 = (u - w.pair * p.vt_units_per_pair) * unit_keys;
+    const int in_pair = u - w.pair * p.vt_units_per_pair;
+    // One unit of columns up to d128: no division.
+    const int key_units = (src.keys_padded + kUnitKeys - 1) / kUnitKeys;
+    const int col_unit = Tr::kHeadDim > kUnitCols ? in_pair / key_units : 0;
+    w.key0 = (in_pair - col_unit * key_units) * kUnitKeys;
+    w.col0 = col_unit * kUnitCols;
     w.seq = w.pair / src.kv_heads;
     w.kv_head = w.pair - w.seq * src.kv_heads;
     if (src.cu_k != nullptr) {
@@ -72,9 +74,9 @@ __device__ __forceinline__ VtFillUnit vt_fill_unit(const FwdParams& p, int u, in
 // head_dim_v), completing on `full`.
 template <class Tr>
 __device__ __forceinline__ void vt_fill_load(const FwdParams& p, int u, SharedStorage<Tr>& s, uint8_t* in) {
-    const VtFillUnit w = vt_fill_unit(p, u, Tr::kVtFillUnitKeys);
-    mbar_arrive_expect_tx(&s.vt_fill_full, Tr::kVtFillUnitKeys * Tr::kHeadDim);
-    tma_load_4d(&p.tma_v_rows, in, &s.vt_fill_full, 0, w.row, w.kv_head, w.batch);
+    const VtFillUnit w = vt_fill_unit<Tr>(p, u);
+    mbar_arrive_expect_tx(&s.vt_fill_full, Tr::kVtFillUnitKeys * Tr::kVtFillUnitCols);
+    tma_load_4d(&p.tma_v_rows, in, &s.vt_fill_full, w.col0, w.row, w.kv_head, w.batch);
 }
 
 // The writer's loop, on warps 2 and 3 of the producer warpgroup (w = 0, 1): claim a unit,
@@ -86,8 +88,8 @@ __device__ __forceinline__ void vt_fill_load(const FwdParams& p, int u, SharedSt
 // leader's wait for the store's writes and its release overlap the other warp's next transpose.
 template <class Tr> __device__ void vt_fill(const FwdParams& p, SharedStorage<Tr>& s, int w, int lane) {
     static_assert(Tr::kVtFill, "V^T written by the kernel");
-    constexpr int kUnitKeys = Tr::kVtFillUnitKeys, kGroups = kUnitKeys / 16;
-    uint8_t* in = s.vt_fill + kUnitKeys * Tr::kHeadDim;
+    constexpr int kUnitKeys = Tr::kVtFillUnitKeys, kUnitCols = Tr::kVtFillUnitCols, kGroups = kUnitKeys / 16;
+    uint8_t* in = s.vt_fill + kUnitKeys * kUnitCols;
     const uint32_t in_addr = smem_u32(in), out_addr = smem_u32(s.vt_fill);
     const TransposeLane l = transpose_lane(lane);
     const bool leader = w == 0 && lane == 0;
@@ -109,15 +111,15 @@ template <class Tr> __device__ void vt_fill(const FwdParams& p, SharedStorage<Tr
         if (p.vt_src.cu_k != nullptr) {
             // Varlen: rows past the sequence's end hold the next sequence's keys; V^T has zeros
             // there (the pre-pass's layout), so they are cleared before the transpose.
-            const VtFillUnit v = vt_fill_unit(p, u, kUnitKeys);
-            constexpr int kChunks = Tr::kHeadDim / 16;
+            const VtFillUnit v = vt_fill_unit<Tr>(p, u);
+            constexpr int kChunks = kUnitCols / 16;
             for (int j = max(v.seqlen - v.key0, 0) * kChunks + 32 * w + lane; j < kUnitKeys * kChunks; j += 64)
                 st_shared_zero_16(in_addr + j * 16);
             named_barrier_sync(kVtFillBarrier, 64);
         }
         // V rows -> the V^T box, this warp's 32-byte column pairs.
 #pragma unroll 1
-        for (int pair = w; pair < Tr::kHeadDim / 32; pair += 2) {
+        for (int pair = w; pair < kUnitCols / 32; pair += 2) {
 #pragma unroll
             for (int g = 0; g < kGroups; ++g) transpose_v_step<Tr>(in_addr, out_addr, l, g, pair);
         }
@@ -134,8 +136,8 @@ template <class Tr> __device__ void vt_fill(const FwdParams& p, SharedStorage<Tr
             // One box through the V^T map the TMA thread loads with (keys past keys_padded and
             // rows past head_dim_v are not written). Published once its writes are performed:
             // the release pairs with the TMA thread's acquire (wait_vt_pair).
-            const VtFillUnit v = vt_fill_unit(p, u, kUnitKeys);
-            tma_store_4d(&p.tma_v, s.vt_fill, v.key0, 0, v.kv_head, v.seq);
+            const VtFillUnit v = vt_fill_unit<Tr>(p, u);
+            tma_store_4d(&p.tma_v, s.vt_fill, v.key0, v.col0, v.kv_head, v.seq);
             bulk_commit_group();
             bulk_wait_group_read<0>();  // `out` read: the next unit's rows may land
             if (next < units) vt_fill_load<Tr>(p, next, s, in);

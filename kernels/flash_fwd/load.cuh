@@ -124,15 +124,19 @@ __device__ __forceinline__ void load_kv_block(const FwdParams& p, const TmaDesc*
     }
 }
 
-// FP8 with the pre-pass: key block n of V^T (head_dim rows x kBlockN keys), one box per 128-key
-// column block (the last one whole, traits.cuh kVtColBlocks); the pre-pass padded every sequence
-// to its own rows of V^T, so the coordinates are (key, 0, kv head, sequence) for fixed-length and
-// varlen calls alike.
+// FP8 with V^T (pre-pass or in-kernel writer): key block n of V^T (head_dim rows x kBlockN keys),
+// one box of kVtBoxRows rows per 128-key column block (the last one whole, traits.cuh
+// kVtColBlocks; d256: two boxes); V^T holds every sequence padded to its own rows, so the
+// coordinates are (key, head-dim row, kv head, sequence) for fixed-length and varlen calls alike.
 template <class Tr>
 __device__ __forceinline__ void load_vt_block(const FwdParams& p, uint8_t* dst, uint64_t* bar, int n, const TileInfo& t) {
 #pragma unroll
-    for (int c = 0; c < Tr::kVtColBlocks; ++c)
-        tma_load_4d(&p.tma_v, dst + c * Tr::kHeadDim * 128, bar, n * Tr::kBlockN + c * 128, 0, t.kv_head, t.batch);
+    for (int c = 0; c < Tr::kVtColBlocks; ++c) {
+#pragma unroll
+        for (int r = 0; r < Tr::kHeadDim; r += Tr::kVtBoxRows)
+            tma_load_4d(&p.tma_v, dst + c * Tr::kHeadDim * 128 + r * 128, bar, n * Tr::kBlockN + c * 128, r, t.kv_head,
+                        t.batch);
+    }
 }
 
 // Paged caches of small pages (16 or 32 keys), 16-bit kernels: V's boxes are issued by a second

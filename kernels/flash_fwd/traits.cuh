@@ -72,6 +72,9 @@ struct FwdTraits {
     static_assert(!kTransposeV || kBlockN == 128, "the in-kernel V transpose moves 128-key blocks");
     // Bytes of one V stage: V (16 bits), or V^T's column blocks (fp8).
     static constexpr uint32_t kVStageBytes = kFp8 ? kVtColBlocks * 128 * kHeadDim : kKVBytes;
+    // Head-dim rows of one V^T TMA box (load.cuh load_vt_block): at most 128, so that d256's column
+    // block is two boxes and the in-kernel writer's 128 x 128 unit is one (fp8_vt_fill.cuh).
+    static constexpr int kVtBoxRows = kHeadDim_ < 128 ? kHeadDim_ : 128;
     // kTransposeV: V lands (TMA) in K's layout in the `v_raw` ring (two stages, one at d256 for
     // room), and warps 2 and 3 of the producer warpgroup (with the second consumer warpgroup in
     // decode calls, transpose_v.cuh) write it transposed into the V ring.
@@ -98,6 +101,13 @@ struct FwdTraits {
     // (compiled there only for varlen tails) grew its spill loads from 184 to 336 bytes and its
     // calls ran 1-7% slower, stmatrix to 332 bytes and 1-3% slower; it keeps 4-byte stores.
     static constexpr bool kWideStoresO = !(kFp8 && !kTransposeV && kHeadDim_ == 256);
+    // The staging tile holds the column blocks of kOutPasses passes at a time: fp8 d256 stages O in
+    // two passes of 128 columns (32 KiB), so that the other 32 KiB hold the V^T writer's unit
+    // (kVtFill; its smem was full). The epilogue stages a pass, has its bulk stores read it, then
+    // stages the next (epilogue.cuh).
+    static constexpr int kOutPasses = kFp8 && !kTransposeV && kHeadDim_ == 256 ? 2 : 1;
+    static constexpr int kOutPassBlocks = kOutColBlocks / kOutPasses;
+    static_assert(kOutColBlocks % kOutPasses == 0, "whole column blocks per pass");
     // Split-KV shares merged in a thread-block cluster (cluster_combine.cuh): kernels of their own
     // (the `_cm` instantiations in kernel.cu), since compiled into the others the code moved their
     // register allocation and made them 2-6% slower (docs/kernels/kvcache.md, session 34). The
@@ -158,14 +168,15 @@ struct FwdTraits {
     // slower with it, the 16-bit kernels even (forward-fp8.md, version 11).
     static constexpr bool kSeedRowSums = kSerialConsumer || (kFp8 && !kTransposeV && kHeadDim_ == 256);
     // V^T written by the kernel itself (fp8_vt_fill.cuh; the host's choice per call, fp8.rs
-    // VtWriter): fp8 kernels with the pre-pass's layout up to d128, on 128- and 256-key blocks. Two
-    // writer warps on one unit at a time; its shared memory holds the V^T box they store (first,
-    // 1024-aligned for the TMA store's 128B swizzle) and the unit's V rows (second). Not d256: no
-    // shared memory left next to its rings and O tile (docs/kernels/forward-fp8.md, "V^T in the
-    // kernel").
-    static constexpr bool kVtFill = kFp8 && !kTransposeV && kHeadDim_ <= 128;
+    // VtWriter): every fp8 kernel with the pre-pass's layout. Two writer warps on one unit at a
+    // time, 128 keys by up to 128 head-dim bytes (d256: two units per 128 keys, one V^T box each,
+    // kVtBoxRows); its shared memory holds the V^T box they store (first, 1024-aligned for the TMA
+    // store's 128B swizzle) and the unit's V rows (second). d256 finds the room in its O staging
+    // tile (kOutPasses; docs/kernels/forward-fp8.md, "V^T in the kernel").
+    static constexpr bool kVtFill = kFp8 && !kTransposeV;
     static constexpr int kVtFillUnitKeys = 128;
-    static constexpr int kVtFillBytes = kVtFill ? 2 * kVtFillUnitKeys * kHeadDim_ : 16;
+    static constexpr int kVtFillUnitCols = kVtBoxRows;
+    static constexpr int kVtFillBytes = kVtFill ? 2 * kVtFillUnitKeys * kVtFillUnitCols : 16;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     // P as wgmma's register A operand: per k-step 4 registers of 2 (16-bit) or 4 (e4m3) values.
@@ -177,7 +188,7 @@ template <class Tr> struct SharedStorage {
     alignas(1024) typename Tr::Elem q[Tr::kQStages][Tr::kBlockM * Tr::kHeadDim];
     alignas(1024) typename Tr::Elem k[Tr::kStages][Tr::kBlockN * Tr::kHeadDim];
     alignas(1024) typename Tr::Elem v[Tr::kStages][Tr::kVStageBytes / Tr::kElemBytes];  // fp8: V^T
-    alignas(1024) uint16_t o[Tr::kTmaStoreO ? Tr::kBlockM * Tr::kHeadDim : 8];  // O staging (kOutColElems blocks)
+    alignas(1024) uint16_t o[Tr::kTmaStoreO ? Tr::kBlockM * Tr::kOutColElems * Tr::kOutPassBlocks : 8];  // O staging (kOutPassBlocks blocks of kOutColElems columns)
     alignas(Tr::kVtFill ? 1024 : 16) uint8_t vt_fill[Tr::kVtFillBytes];  // kVtFill: a V^T box, then V rows
     alignas(Tr::kTransposeV ? 1024 : 16) typename Tr::Elem v_raw[Tr::kVRawStages][Tr::kVRawElems];  // V as loaded
     alignas(8) uint64_t bar_q[Tr::kQStages];      // Q of a tile landed

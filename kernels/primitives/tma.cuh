@@ -70,6 +70,12 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Makes this thread's generic-proxy global writes visible to the async proxy (TMA) and orders its
+// async-proxy reads after what it acquired.
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 // Copies `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte aligned) from global to
 // shared memory with the bulk copy engine; completion is signalled to `bar` as transaction bytes.
 // The backward streams its per-row f32 vectors (log2-LSE, rowsum(dO∘O)) this way.

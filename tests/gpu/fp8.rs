@@ -672,9 +672,10 @@ fn fp8_quantize_gpu_matches_host() -> Result<()> {
 
 /// V^T written by the forward kernel itself (two producer warps, kernels/flash_fwd/fp8_vt_fill.cuh)
 /// and by the pre-pass (fp8_prepass.cuh) are the same bytes, so the two calls agree bit for bit,
-/// and both match the reference: head dims under the kernel's (d32 and d96 on the d64 and d128
-/// kernels), d128 on 128- and 256-key blocks, odd key counts (a unit of 128 keys past the
-/// sequence's end), GQA, causal, and varlen calls (each sequence's keys from its own offset).
+/// and both match the reference: head dims under the kernel's (d32, d96 and d192 on the d64, d128
+/// and d256 kernels), d128 on 128- and 256-key blocks, d256 (two units of head-dim rows per 128
+/// keys, O staged in two passes), odd key counts (a unit of 128 keys past the sequence's end),
+/// GQA, causal, and varlen calls (each sequence's keys from its own offset) at d64 and d256.
 #[test]
 fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
     let dev = gpu()?;
@@ -701,6 +702,8 @@ fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
         (128, true, 128),
         (128, false, 256),
         (128, true, 256),
+        (256, false, 128),
+        (192, true, 128),
     ] {
         let (sq, sk) = (rng.odd_len(60, 300), rng.odd_len(130, 700));
         let shape = AttnShape::new((2, sq, sk, 4, 2, d, d));
@@ -734,28 +737,46 @@ fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
             "{what}: in kernel and pre-pass differ"
         );
     }
-    let lens_k = [rng.odd_len(1, 90), 0, rng.odd_len(200, 400), rng.odd_len(60, 140)];
-    let lens_q = [rng.odd_len(1, 100), 3, rng.odd_len(100, 200), 1];
-    let (cu_q, cu_k) = (cumulative(&lens_q), cumulative(&lens_k));
-    let q = rng.randn((cu_q[4], 4, 64), DType::F32, &dev)?;
-    let k = rng.randn((cu_k[4], 2, 64), DType::F32, &dev)?;
-    let v = rng.randn((cu_k[4], 2, 64), DType::F32, &dev)?;
-    let (q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Tensor, None)?;
-    let (qd, kd, vd) = (fp8::dequantize(&q8)?, fp8::dequantize(&k8)?, fp8::dequantize(&v8)?);
-    let o = Opts::new(0.125).causal();
-    let (want, _) = attention_ref_varlen(&qd, &kd, &vd, &cu_q, &cu_k, &o.reference())?;
-    let mut outs = Vec::new();
-    for in_kernel in [true, false] {
-        poison(&dev, want.elem_count() * 2)?;
-        let builder = fp8_builder(writers(o, in_kernel, 128), &q8, &k8, &v8);
-        outs.push(fp8_varlen_call(builder, (&q8, &k8, &v8), (&cu_q, &cu_k), &dev)?.0);
-    }
-    let what = format!("fp8 V^T writers varlen seed {}", rng.seed());
-    assert_fp8_close(&outs[0], &want, (&qd, &kd, &vd), o.scale, &format!("{what}: in kernel"))?;
-    assert_eq!(
-        bits(&outs[0])?,
-        bits(&outs[1])?,
-        "{what}: in kernel and pre-pass differ"
+    // The d256 cell of the benchmark grid at 2k keys: 2,048 units written by 132 CTAs' writers
+    // while their consumers compute and their first tiles end; still the pre-pass's bits.
+    let shape = AttnShape::new((8, 2048, 2048, 8, 8, 256, 256));
+    let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
+    let (q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Head, None)?;
+    let o = Opts::new(shape.scale());
+    poison(&dev, shape.batch * shape.seqlen_q * shape.heads * shape.head_dim_v * 2)?;
+    let in_kernel = fp8_builder(writers(o, true, 128), &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
+    poison(&dev, shape.batch * shape.seqlen_q * shape.heads * shape.head_dim_v * 2)?;
+    let pre_pass = fp8_builder(writers(o, false, 128), &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
+    let in_kernel_bits = bits(&in_kernel)?;
+    assert!(
+        in_kernel_bits.iter().all(|b| f32::from_bits(*b).is_finite()),
+        "fp8 V^T writers d256 2k: a non-finite output"
     );
+    assert_eq!(in_kernel_bits, bits(&pre_pass)?, "fp8 V^T writers d256 2k: in kernel and pre-pass differ");
+    for d in [64, 256] {
+        let lens_k = [rng.odd_len(1, 90), 0, rng.odd_len(200, 400), rng.odd_len(60, 140)];
+        let lens_q = [rng.odd_len(1, 100), 3, rng.odd_len(100, 200), 1];
+        let (cu_q, cu_k) = (cumulative(&lens_q), cumulative(&lens_k));
+        let q = rng.randn((cu_q[4], 4, d), DType::F32, &dev)?;
+        let k = rng.randn((cu_k[4], 2, d), DType::F32, &dev)?;
+        let v = rng.randn((cu_k[4], 2, d), DType::F32, &dev)?;
+        let (q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Tensor, None)?;
+        let (qd, kd, vd) = (fp8::dequantize(&q8)?, fp8::dequantize(&k8)?, fp8::dequantize(&v8)?);
+        let o = Opts::new(1.0 / (d as f64).sqrt()).causal();
+        let (want, _) = attention_ref_varlen(&qd, &kd, &vd, &cu_q, &cu_k, &o.reference())?;
+        let mut outs = Vec::new();
+        for in_kernel in [true, false] {
+            poison(&dev, want.elem_count() * 2)?;
+            let builder = fp8_builder(writers(o, in_kernel, 128), &q8, &k8, &v8);
+            outs.push(fp8_varlen_call(builder, (&q8, &k8, &v8), (&cu_q, &cu_k), &dev)?.0);
+        }
+        let what = format!("fp8 V^T writers varlen d{d} seed {}", rng.seed());
+        assert_fp8_close(&outs[0], &want, (&qd, &kd, &vd), o.scale, &format!("{what}: in kernel"))?;
+        assert_eq!(
+            bits(&outs[0])?,
+            bits(&outs[1])?,
+            "{what}: in kernel and pre-pass differ"
+        );
+    }
     Ok(())
 }

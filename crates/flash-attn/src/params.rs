@@ -33,9 +33,8 @@ pub struct Tuning {
     pub fp8_d128_block_n: Option<usize>,
     /// Who writes V^T, the keys-contiguous copy of V that the fp8 kernels' P·V reads (outside KV
     /// caches): `Some(true)` (and `None`) the forward kernel itself, two of its producer warps
-    /// under the attention, where the kernel has them (head dims up to 128; d256 always takes the
-    /// pre-pass); `Some(false)` a pre-pass kernel before it (docs/kernels/forward-fp8.md, "V^T
-    /// in the kernel").
+    /// under the attention (every head dim); `Some(false)` a pre-pass kernel before it
+    /// (docs/kernels/forward-fp8.md, "V^T in the kernel").
     pub fp8_vt_in_kernel: Option<bool>,
     /// Split-KV calls merge their key shares in the combine kernel even where the forward launch
     /// would merge them itself, each tile's shares as one thread-block cluster

@@ -840,7 +840,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     )?;
 
     // V as the kernel reads it: the caller's (keys, head_dim_v) rows, or for fp8 outside KV caches
-    // V^T written by the pre-pass (sequences, kv heads, head_dim_v, keys), 128-key boxes of the whole head dim.
+    // V^T written by the pre-pass or the kernel's writer warps (sequences, kv heads, head_dim_v,
+    // keys), boxes of 128 keys by up to 128 head-dim rows (d256: two per 128 keys).
     // (KV-cache calls: the kernel transposes V tiles itself, transpose_v.cuh; a pass over the
     // whole cache per call would cost more than the attention.)
     // The kernel queued before the forward's (`FwdExtras::before_launch`): right before it, or
@@ -851,8 +852,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             if let Some(queue) = before_launch.take() {
                 queue()?;
             }
-            let writer = fp8::VtWriter::pick(variant.head_dim, tuning.fp8_vt_in_kernel);
-            Some(fp8::transpose_v(&dev, dims, v, cu_k, writer)?)
+            let writer = fp8::VtWriter::pick(tuning.fp8_vt_in_kernel);
+            Some(fp8::transpose_v(&dev, dims, v, cu_k, writer, variant.head_dim)?)
         }
         _ => None,
     };
@@ -868,7 +869,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
                 padded,
                 &[dims.head_dim_v, dims.kv_heads, dims.batch],
                 &[padded, slab, slab * dims.kv_heads],
-                &[variant.head_dim as u32, 1, 1],
+                &[fp8::vt_box_rows(variant.head_dim) as u32, 1, 1],
                 fp8::VT_COL_KEYS as u32,
             )?
         }

@@ -92,6 +92,12 @@ pub(super) struct VtFill {
 /// Keys per unit of the in-kernel V^T writer (`FwdTraits::kVtFillUnitKeys`).
 pub(super) const VT_FILL_KEYS: usize = 128;
 
+/// Head-dim rows of a V^T TMA box and of the writer's unit (`FwdTraits::kVtBoxRows`, at most 128:
+/// d256's V^T blocks load as two boxes, and its writer takes two units per 128 keys).
+pub(super) fn vt_box_rows(head_dim: usize) -> usize {
+    head_dim.min(128)
+}
+
 /// Who writes V^T for an fp8 call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum VtWriter {
@@ -102,33 +108,27 @@ pub(super) enum VtWriter {
 }
 
 impl VtWriter {
-    /// For a kernel of (padded) head dim `head_dim`: the forward kernel where it has the writer
-    /// (`FwdTraits::kVtFill`: up to d128, on 128- and 256-key blocks), unless `tuned`
-    /// ([`crate::Tuning::fp8_vt_in_kernel`]) says otherwise.
-    pub fn pick(head_dim: usize, tuned: Option<bool>) -> Self {
+    /// The forward kernel (every fp8 kernel with the pre-pass's layout has the writer,
+    /// `FwdTraits::kVtFill`), unless `tuned` ([`crate::Tuning::fp8_vt_in_kernel`]) says otherwise.
+    pub fn pick(tuned: Option<bool>) -> Self {
         match tuned {
-            _ if !has_vt_fill(head_dim) => Self::PrePass,
             Some(false) => Self::PrePass,
             Some(true) | None => Self::ForwardKernel,
         }
     }
 }
 
-/// Whether the fp8 kernel of (padded) head dim `head_dim` has the in-kernel V^T writer
-/// (`FwdTraits::kVtFill`; d256 has no shared memory left for it).
-fn has_vt_fill(head_dim: usize) -> bool {
-    head_dim <= 128
-}
-
 /// V^T for an fp8 call on candle's stream: the pre-pass launched (kernels/flash_fwd/fp8_prepass.cuh),
 /// or the buffers and parameters the forward kernel fills it with. `cu_k`: the varlen offsets'
-/// device address, 0 for fixed-length calls.
+/// device address, 0 for fixed-length calls; `kernel_head_dim`: the forward kernel's (padded) head
+/// dim.
 pub(super) fn transpose_v(
     dev: &CudaDevice,
     dims: &Dims,
     v: (&CudaStorage, &Layout),
     cu_k: u64,
     writer: VtWriter,
+    kernel_head_dim: usize,
 ) -> Result<TransposedV> {
     let stream = dev.cuda_stream();
     let (_, [token_stride, head_stride, batch_stride]) = geometry(v.1);
@@ -167,7 +167,8 @@ pub(super) fn transpose_v(
             Some(VtFill {
                 src: p,
                 done: dev.alloc_zeros::<i32>(pairs + 1)?,
-                units_per_pair: keys_padded.div_ceil(VT_FILL_KEYS),
+                // Key units of each unit of head-dim rows (fp8_vt_fill.cuh vt_fill_unit).
+                units_per_pair: keys_padded.div_ceil(VT_FILL_KEYS) * dims.head_dim_v.div_ceil(vt_box_rows(kernel_head_dim)),
                 pairs,
             })
         } else {
