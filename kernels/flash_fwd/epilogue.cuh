@@ -216,10 +216,10 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
                     }
                 }
             }
-            trace_fine(wg + 1, tc, 2);
+            if (pass == 0) trace_fine(wg + 1, tc, 2);  // (stamps 2 and 3: the first pass's)
             fence_proxy_async_smem();
             named_barrier_sync(bar, 128);
-            trace_fine(wg + 1, tc, 3);
+            if (pass == 0) trace_fine(wg + 1, tc, 3);
         }
         if (tid == 0) pending = at;
         trace_fine(wg + 1, tc, 4);
