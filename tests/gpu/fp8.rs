@@ -752,7 +752,11 @@ fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
         in_kernel_bits.iter().all(|b| f32::from_bits(*b).is_finite()),
         "fp8 V^T writers d256 2k: a non-finite output"
     );
-    assert_eq!(in_kernel_bits, bits(&pre_pass)?, "fp8 V^T writers d256 2k: in kernel and pre-pass differ");
+    assert_eq!(
+        in_kernel_bits,
+        bits(&pre_pass)?,
+        "fp8 V^T writers d256 2k: in kernel and pre-pass differ"
+    );
     for d in [64, 256] {
         let lens_k = [rng.odd_len(1, 90), 0, rng.odd_len(200, 400), rng.odd_len(60, 140)];
         let lens_q = [rng.odd_len(1, 100), 3, rng.odd_len(100, 200), 1];

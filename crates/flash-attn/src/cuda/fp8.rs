@@ -168,7 +168,8 @@ pub(super) fn transpose_v(
                 src: p,
                 done: dev.alloc_zeros::<i32>(pairs + 1)?,
                 // Key units of each unit of head-dim rows (fp8_vt_fill.cuh vt_fill_unit).
-                units_per_pair: keys_padded.div_ceil(VT_FILL_KEYS) * dims.head_dim_v.div_ceil(vt_box_rows(kernel_head_dim)),
+                units_per_pair: keys_padded.div_ceil(VT_FILL_KEYS)
+                    * dims.head_dim_v.div_ceil(vt_box_rows(kernel_head_dim)),
                 pairs,
             })
         } else {
