@@ -15,8 +15,9 @@ Tiles ("FA3E wg tile t0..t7", by the CTA's tile count): consumers 0 tile start, 
 done; their detail ("FA3F"): 0 epilogue entry, 1 staging free, 2 staged, 3 fenced (fp8 d256's two
 passes: 2 and 3 the first pass's; 3 to 4 then the first half's stores read, the second staged), 4 store
 recorded (its TMA issue follows under the next tile's first S; before session 60's version 34 the
-issue itself), 5 epilogue done (LSE included), 6 next tile received (since version 35 its fields
-copied from the scheduler thread's slot, decoded there), 7 its validity checked;
+issue itself), 5 epilogue done (LSE included), 7 the next tile's receive starts (the wait for the
+scheduler thread's slot; until session 63: its validity checked, after 6), 6 next tile received
+(since version 35 its fields copied from the scheduler thread's slot, decoded there);
 producer (wg 0) 0 tile start, 1 Q issued, 2 first K issued, 3 last V issued, 4 / 5 before /
 after the wait for a V^T pair the kernel writes (fp8 calls with fp8_vt_fill.cuh's writer, whose
 units are "FA3W" lines: summarise_writer).
@@ -146,21 +147,23 @@ def summarise_writer(units):
     return ["  V^T writer: " + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in seg.items())] if seg else []
 
 
-FINE = ["staging free", "staged", "fenced", "store recorded", "LSE stored", "next received", "next checked"]
+# FA3F points in time order (point 7, the receive's start, comes before point 6, its end).
+FINE = [(1, "staging free"), (2, "staged"), (3, "fenced"), (4, "store recorded"), (5, "LSE stored"),
+        (7, "to the receive"), (6, "next received")]
 
 
 def summarise_fine(fine):
     """The boundary's detail ("FA3F wg tile t0..t7"): per warpgroup the median of each step from
-    the epilogue's entry to the next tile checked (a step that a path skips reads 0: left out)."""
+    the epilogue's entry to the next tile received (a step that a path skips reads 0: left out)."""
     rows, _ = gather(fine, lambda t: t[0])
     out = []
     for wg in sorted(w for w in rows if w > 0):
         seg = collections.defaultdict(list)
         for t in rows[wg].values():
             last = t[0]
-            for k in range(1, 8):
+            for k, name in FINE:
                 if t[k]:
-                    seg[FINE[k - 1]].append(t[k] - last)
+                    seg[name].append(t[k] - last)
                     last = t[k]
         out.append(f"  boundary wg {wg}: " + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in seg.items()))
     return out

@@ -109,11 +109,11 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         for (int k = 0;; ++k) {
             TileInfo t;
             bool valid;
+            trace_fine(wg, tc - 1, 7);
             const int tile = receive_tile<Tr>(p, s, k, t, valid);  // claimed and decoded by the scheduler thread
             trace_fine(wg, tc - 1, 6);
             if (tile >= num_tiles(p)) break;
             if (!valid) continue;  // past this sequence's end (varlen)
-            trace_fine(wg, tc - 1, 7);
             if (t.n_max <= t.n_min) {
                 // No row of the tile sees a key: zero output, LSE -inf (or the row's sink logit);
                 // nothing was loaded.
