@@ -12,7 +12,8 @@ and P done, turn handed on, 6 P·V issued, 7 P·V retired: --serial names those;
 build with FA3_NVCC_FLAGS="-DFA3_TRACE -DFA3_TRACE_WARPS", where every warp stamps.) Producer (wg 0): 0/1 K slot wait start/end, 2/3 V's.
 Tiles ("FA3E wg tile t0..t7", by the CTA's tile count): consumers 0 tile start, 1 Q landed,
 2 first S retired, 3 first softmax done (loop entry), 4 loop exit, 5 tail P·V retired, 6 epilogue
-done; their detail ("FA3F"): 0 epilogue entry, 1 staging free, 2 staged, 3 fenced (fp8 d256's two
+done, 7 (session 63) the next tile's slot wait passed (inside its receive: FA3F 7 -> FA3E 7 the
+wait, FA3E 7 -> FA3F 6 the copy); their detail ("FA3F"): 0 epilogue entry, 1 staging free, 2 staged, 3 fenced (fp8 d256's two
 passes: 2 and 3 the first pass's; 3 to 4 then the first half's stores read, the second staged), 4 store
 recorded (its TMA issue follows under the next tile's first S; before session 60's version 34 the
 issue itself), 5 epilogue done (LSE included), 7 the next tile's receive starts (the wait for the

@@ -110,7 +110,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
             TileInfo t;
             bool valid;
             trace_fine(wg, tc - 1, 7);
-            const int tile = receive_tile<Tr>(p, s, k, t, valid);  // claimed and decoded by the scheduler thread
+            const int tile = receive_tile<Tr>(p, s, k, t, valid, wg, tc);  // claimed and decoded by the scheduler thread
             trace_fine(wg, tc - 1, 6);
             if (tile >= num_tiles(p)) break;
             if (!valid) continue;  // past this sequence's end (varlen)

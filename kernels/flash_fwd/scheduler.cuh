@@ -22,6 +22,7 @@
 // tile_full / tile_empty barriers); an index past the last tile tells everyone to stop.
 #pragma once
 #include "../primitives/mbarrier.cuh"
+#include "../primitives/trace.cuh"
 #include "../primitives/warp.cuh"
 #include "params.cuh"
 #include "tile_info.cuh"
@@ -201,10 +202,13 @@ template <class Tr> __device__ void scheduler(const FwdParams& p, SharedStorage<
 // The k-th tile of this CTA for the consumer threads: waits for the slot, copies the tile's
 // decoded fields into `t`, releases the slot at once (the scheduler thread may claim the next
 // tile) and returns the index (past the last tile: stop); `valid` says whether the tile lies
-// within its sequence (t is defined only for an index before the last tile).
+// within its sequence (t is defined only for an index before the last tile). wg, tc: the
+// consumer warpgroup and its tile count, for -DFA3_TRACE's stamp only.
 template <class Tr>
-__device__ __forceinline__ int receive_tile(const FwdParams& p, SharedStorage<Tr>& s, int k, TileInfo& t, bool& valid) {
+__device__ __forceinline__ int receive_tile(const FwdParams& p, SharedStorage<Tr>& s, int k, TileInfo& t, bool& valid,
+                                           int wg, int tc) {
     mbar_wait(&s.tile_full, k & 1);
+    trace_edge(wg, tc - 1, 7);  // -DFA3_TRACE: the slot's wait passed (FA3E point 7 of the tile before)
     // Every value is the same in every lane, but ptxas cannot know that for a shared-memory load:
     // uniform() keeps the tile's fields, loop bounds and ring counters on the uniform datapath
     // (without it the whole kernel ran 5-8% slower, full and causal, when only the index came this
