@@ -26,13 +26,14 @@ constexpr int kTraceWGs = 4, kTracePoints = 8;
 constexpr int kTraceFirst = 16, kTraceIters = 48;
 __device__ uint32_t trace_buf[kTraceWGs][kTraceIters][kTracePoints];
 // Tile stamps ("FA3E"; the tile boundary: tail, epilogue, the next tile's first block), by the
-// CTA's tile count for tiles [kTraceFirstTile, kTraceFirstTile + kTraceTiles).
+// CTA's tile count for tiles [kTraceFirstTile, kTraceFirstTile + kTraceTiles); consumers' point 7:
+// the next tile's slot wait passed (scheduler.cuh receive_tile).
 constexpr int kTraceFirstTile = 1, kTraceTiles = 12;
 __device__ uint32_t trace_edge_buf[kTraceWGs][kTraceTiles][kTracePoints];
 // Boundary detail stamps ("FA3F", same tiles): inside the epilogue (epilogue.cuh: 0 entry, 1
 // staging free, 2 staged, 3 fenced, 4 store recorded (issued later: PendingStore), 5 done, LSE
-// included) and the step to the next tile (kernel.cu: 6 it is received, its fields copied from the
-// scheduler thread's slot; 7 its validity checked).
+// included) and the step to the next tile (kernel.cu: 7 its receive starts, 6 it is received, its
+// fields copied from the scheduler thread's slot).
 __device__ uint32_t trace_fine_buf[kTraceWGs][kTraceTiles][kTracePoints];
 
 // The SM's cycle counter (a volatile read, so that ptxas keeps it where it stands).
