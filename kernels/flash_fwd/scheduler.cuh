@@ -213,22 +213,39 @@ __device__ __forceinline__ int receive_tile(const FwdParams& p, SharedStorage<Tr
     // uniform() keeps the tile's fields, loop bounds and ring counters on the uniform datapath
     // (without it the whole kernel ran 5-8% slower, full and causal, when only the index came this
     // way).
-    const TileSlot& slot = s.tile[k & 1];
-    const int tile = (int)uniform((uint32_t)slot.idx);
-    valid = false;
-    if (tile < num_tiles(p)) {
-        static_assert(sizeof(TileInfo) % 16 == 0, "TileInfo is copied in 16-byte words");
-        constexpr int kWords = sizeof(TileInfo) / 16;
-        uint32_t w[kWords * 4];
+    static_assert(sizeof(TileInfo) % 16 == 0, "TileInfo is copied in 16-byte words");
+    constexpr int kWords = sizeof(TileInfo) / 16;
+    uint32_t w[kWords * 4];
+    int tile;
+    if constexpr (Tr::kReceiveWholeSlot) {
+        // Every word at once, index and fields, through the shared window: one shared-memory round
+        // trip where the index-first copy below takes two (and generic loads). A stop slot's
+        // fields are stale or never written: read and left unused.
+        const uint32_t slot_addr = smem_u32(&s.tile[k & 1]);
 #pragma unroll
-        for (int i = 0; i < kWords; ++i) {
-            const uint4 v = reinterpret_cast<const uint4*>(&slot.info)[i];
-            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
-        }
+        for (int i = 0; i < kWords; ++i) ld_shared_v4(slot_addr + 16 * i, w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+        uint32_t idx_word, valid_word;
+        ld_shared_v2(slot_addr + offsetof(TileSlot, idx), idx_word, valid_word);
+        tile = (int)uniform(idx_word);
 #pragma unroll
         for (int i = 0; i < kWords * 4; ++i) w[i] = uniform(w[i]);
         memcpy(&t, w, sizeof(TileInfo));
-        valid = uniform((uint32_t)slot.valid) != 0;
+        valid = (tile < num_tiles(p)) & (uniform(valid_word) != 0);
+    } else {
+        const TileSlot& slot = s.tile[k & 1];
+        tile = (int)uniform((uint32_t)slot.idx);
+        valid = false;
+        if (tile < num_tiles(p)) {
+#pragma unroll
+            for (int i = 0; i < kWords; ++i) {
+                const uint4 v = reinterpret_cast<const uint4*>(&slot.info)[i];
+                w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+            }
+#pragma unroll
+            for (int i = 0; i < kWords * 4; ++i) w[i] = uniform(w[i]);
+            memcpy(&t, w, sizeof(TileInfo));
+            valid = uniform((uint32_t)slot.valid) != 0;
+        }
     }
     mbar_arrive(&s.tile_empty);
     return tile;

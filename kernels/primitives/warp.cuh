@@ -47,6 +47,17 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t smem_addr) {
     return v;
 }
 
+// 16 and 8 bytes (aligned) from shared memory through its 32-bit shared-window address.
+__device__ __forceinline__ void ld_shared_v4(uint32_t smem_addr, uint32_t& a, uint32_t& b, uint32_t& c, uint32_t& d) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+                 : "r"(smem_addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ld_shared_v2(uint32_t smem_addr, uint32_t& a, uint32_t& b) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(a), "=r"(b) : "r"(smem_addr) : "memory");
+}
+
 // Four 8x8 matrices of 16-bit elements, each row 16 contiguous bytes whose shared-memory address
 // lane 8m + r gives (matrix m, row r), loaded transposed: the thread's register m holds the
 // elements (row 2·(lane % 4), column lane / 4) in its low half and (row 2·(lane % 4) + 1, same
