@@ -174,13 +174,13 @@ struct FwdTraits {
     // store's 128B swizzle) and the unit's V rows (second). d256 finds the room in its O staging
     // tile (kOutPasses; docs/kernels/forward-fp8.md, "V^T in the kernel").
     static constexpr bool kVtFill = kFp8 && !kTransposeV;
-    // receive_tile (scheduler.cuh) loads the whole slot before it looks at the index: +0.4..+4% in
-    // the fp8 kernels, bf16 d128 unmasked 1-2% slower at 2k-16k (ptxas's schedule of its loop,
-    // not the copy), so the 16-bit kernels keep the index-first copy (forward-sm90.md version 37).
-    static constexpr bool kReceiveWholeSlot = kFp8;
     static constexpr int kVtFillUnitKeys = 128;
     static constexpr int kVtFillUnitCols = kVtBoxRows;
     static constexpr int kVtFillBytes = kVtFill ? 2 * kVtFillUnitKeys * kVtFillUnitCols : 16;
+    // receive_tile (scheduler.cuh) loads the whole slot before it looks at the index: fp8 +0.2..+3.9%
+    // in most cells; bf16 d128 unmasked ran 1-2% slower at 2k-16k with it (ptxas's schedule of its
+    // loop, not the copy), so the 16-bit kernels keep the index-first copy (forward-sm90.md v37).
+    static constexpr bool kReceiveWholeSlot = kFp8;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     // P as wgmma's register A operand: per k-step 4 registers of 2 (16-bit) or 4 (e4m3) values.
