@@ -58,7 +58,8 @@ __device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const RowMask& rm
 // The consumers' online softmax (softmax.cuh), lazy or exact as the traits choose.
 // FP8 kernels scale p by 2^8 for P's e4m3 rounding (softmax.cuh).
 template <class Tr>
-using Softmax = OnlineSoftmax<Tr::kSRegs, Tr::kLazyMax, Tr::kFp8 ? 8 : 0, Tr::kExp2FmaEvery, Tr::kSeedRowSums>;
+using Softmax =
+    OnlineSoftmax<Tr::kSRegs, Tr::kLazyMax, Tr::kFp8 ? 8 : 0, Tr::kExp2FmaEvery, Tr::kSeedRowSums, Tr::kSeedRowMax>;
 
 // O's rows times the softmax's correction factors (rows r and r + 8 of the thread). With the lazy
 // max, skipped when every row of the warp kept its reference max (factors exactly 1): after the

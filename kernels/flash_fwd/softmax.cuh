@@ -28,6 +28,11 @@
 //
 // kSeedSums: each row sum's four chains start from their first p instead of from 0.f + p (ptxas
 // keeps that FADD: 0 + -0 is +0). Measured per kernel (FwdTraits::kSeedRowSums).
+//
+// kSeedMax: the same for the row max's four chains (thread_max): chains 1-3 start from their first
+// pair of scores instead of -inf (ptxas keeps fmaxf(-inf, x): a NaN x would come out as -inf).
+// Chain 0 still starts from the running max, so the result is never NaN, as before. Measured per
+// kernel (FwdTraits::kSeedRowMax).
 #pragma once
 #include <cmath>
 
@@ -37,7 +42,8 @@ namespace fa3 {
 
 constexpr float kMaxSlack = 8.f;
 
-template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0, bool kSeedSums = false>
+template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0, bool kSeedSums = false,
+          bool kSeedMax = false>
 struct OnlineSoftmax {
     static constexpr float kSlack = kPScaleLog2 == 0 ? kMaxSlack : 8.75f - kPScaleLog2;
     static_assert(kPScaleLog2 >= 0 && kPScaleLog2 <= 8, "p <= 2^8.75 < 448 with the slack above");
@@ -168,9 +174,14 @@ struct OnlineSoftmax {
     // run as 4 independent chains (then combined): one chain through all 32 elements of a row
     // would serialise on the FMNMX / FADD latency.
     __device__ __forceinline__ float thread_max(const float (&s)[kSRegs], int h) const {
+        static_assert(kSRegs >= 16, "four chains of at least one pair");
         float m4[4] = {row_max[h], -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-        for (int j = 0; j < kSRegs / 4; ++j) m4[j % 4] = fmaxf(m4[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        for (int j = 0; j < kSRegs / 4; ++j) {
+            const float pair = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+            // (fmaxf(-inf, x) is not x for a NaN x, so ptxas keeps the FMNMX with -inf.)
+            m4[j % 4] = kSeedMax && j > 0 && j < 4 ? pair : fmaxf(m4[j % 4], pair);
+        }
         return fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
     }
 

@@ -167,6 +167,11 @@ struct FwdTraits {
     // -0.4..+1.4% (+3.5% at 16k unmasked in a first call, not reproduced); fp8 d64 measured 3%
     // slower with it, the 16-bit kernels even (forward-fp8.md, version 11).
     static constexpr bool kSeedRowSums = kSerialConsumer || (kFp8 && !kTransposeV && kHeadDim_ == 256);
+    // The row max's chains seeded with their first pair of scores (softmax.cuh kSeedMax; 6 FMNMX
+    // fewer per block and thread): fp8 d64 +0.7..+1.8%, d256 unmasked -0.1..+1.7% (session 65,
+    // H200); bf16 d128 unmasked measured 0.7-1.5% slower with it at 2k-16k, so the 16-bit kernels
+    // keep the -inf starts (forward-fp8.md, version 16).
+    static constexpr bool kSeedRowMax = kFp8;
     // V^T written by the kernel itself (fp8_vt_fill.cuh; the host's choice per call, fp8.rs
     // VtWriter): every fp8 kernel with the pre-pass's layout. Two writer warps on one unit at a
     // time, 128 keys by up to 128 head-dim bytes (d256: two units per 128 keys, one V^T box each,
