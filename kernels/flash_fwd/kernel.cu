@@ -102,7 +102,8 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         warpgroup_reg_alloc<Tr::kConsumerRegs>();
         if (wg == 1 && tid == 0) trace_life(7);
         // it: K/V blocks consumed so far (ring position); tc: tiles with keys so far (Q parity).
-        int it = 0, tc = 0;
+        RingCount it = 0;
+        int tc = 0;
         PendingStore pending;  // thread 0: this warpgroup's staged O, not yet stored (epilogue.cuh)
         const bool pingpong = takes_turns<Tr>(solo);
         if (pingpong) pingpong_ring_start<Tr::kConsumerWGs>(wg - 1);

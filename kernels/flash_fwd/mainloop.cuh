@@ -20,6 +20,10 @@
 
 namespace fa3 {
 
+// A position in the K/V ring (blocks consumed so far): unsigned, so that its stage (it % kStages)
+// and phase ((it / kStages) & 1) compile to a mask and a shift, not signed division's fix-ups.
+using RingCount = uint32_t;
+
 // Per-thread view of the rows it owns, for masking.
 struct RowMask {
     int lo[2], hi[2];  // visible keys [lo, hi) of the thread's two rows
@@ -61,13 +65,15 @@ template <class Tr>
 using Softmax =
     OnlineSoftmax<Tr::kSRegs, Tr::kLazyMax, Tr::kFp8 ? 8 : 0, Tr::kExp2FmaEvery, Tr::kSeedRowSums, Tr::kSeedRowMax>;
 
-// O's rows times the softmax's correction factors (rows r and r + 8 of the thread). With the lazy
-// max, skipped when every row of the warp kept its reference max (factors exactly 1): after the
-// first blocks nearly always, which takes kHeadDim / 2 multiplies per thread off the chain
-// between a block's P·V and the next issue (version 29).
-template <class Tr> __device__ __forceinline__ void rescale_o(float (&o)[Tr::kORegs], const float (&corr)[2]) {
+// O's rows times the softmax's correction factors (rows r and r + 8 of the thread) from its last
+// step. With the lazy max, skipped when no row of the warp moved its reference max there (factors
+// exactly 1): after the first blocks nearly always, which takes kHeadDim / 2 multiplies per thread
+// off the chain between a block's P·V and the next issue (version 29). The step's vote says so
+// (softmax.moved), without comparing the factors again.
+template <class Tr>
+__device__ __forceinline__ void rescale_o(float (&o)[Tr::kORegs], const float (&corr)[2], const Softmax<Tr>& softmax) {
     if constexpr (Tr::kLazyMax) {
-        if (__all_sync(0xffffffffu, corr[0] == 1.f && corr[1] == 1.f)) return;
+        if (!softmax.moved) return;
     }
 #pragma unroll
     for (int j = 0; j < Tr::kORegs / 4; ++j) {
@@ -233,8 +239,8 @@ __device__ __forceinline__ void scale_by_k_blocks(const FwdParams& p, float (&sc
 
 // Softcap / sign and boundary mask of one S block, in place (fp32); returns the scores' scale (log2
 // units) for the softmax. FP8: per-block K descales multiply the raw scores first; the tile's
-// scales replace the call's. (consumer_serial skips it for a block that needs none of these: a new
-// step here needs its condition there too.)
+// scales replace the call's. (plain_blocks names the blocks that skip it: a new step here needs its
+// condition there too.)
 template <class Tr>
 __device__ __forceinline__ float prepare_scores(const FwdParams& p, const TileScales& ts, const TileInfo& t,
                                                 const RowMask& held_mask, int row_in_tile, float (&sc)[Tr::kSRegs],
@@ -261,13 +267,41 @@ __device__ __forceinline__ float prepare_scores(const FwdParams& p, const TileSc
     return scale_log2;
 }
 
-// prepare_scores and the online softmax of one S block, in place.
+// The key blocks of a tile that prepare_scores would leave as they are (no per-block descale,
+// softcap, sign flip or mask), as a range made once per tile: such a block skips it with one
+// compare and branch, where its several tests cost issue slots in every block (forward-fp8.md
+// version 17).
+struct PlainBlocks {
+    int lo;         // the first plain block
+    unsigned span;  // plain blocks: lo .. lo + span (none: lo past every block)
+    __device__ __forceinline__ bool has(int n) const { return unsigned(n - lo) <= span; }
+};
+template <class Tr>
+__device__ __forceinline__ PlainBlocks plain_blocks(const FwdParams& p, const TileScales& ts, const TileInfo& t) {
+    bool tile_plain = p.softcap_pre == 0.f;
+    if constexpr (Tr::kFp8) tile_plain = tile_plain && !ts.negate && ts.k_block_descale == nullptr;
+    else tile_plain = tile_plain && !p.negate;
+    // Blocks n with n·kBlockN >= full_lo and (n + 1)·kBlockN <= full_hi.
+    const int lo = (t.full_lo + Tr::kBlockN - 1) / Tr::kBlockN, end = t.full_hi / Tr::kBlockN;
+    if (!tile_plain || end <= lo) return PlainBlocks{1 << 30, 0u};
+    return PlainBlocks{lo, unsigned(end - 1 - lo)};
+}
+
+// The scores' scale (log2 units) of a plain block: the tile's for fp8, the call's otherwise.
+template <class Tr> __device__ __forceinline__ float plain_scale(const FwdParams& p, const TileScales& ts) {
+    if constexpr (Tr::kFp8) return ts.scale_log2;
+    else return p.scale_log2;
+}
+
+// prepare_scores (where the block needs it) and the online softmax of one S block, in place.
 template <class Tr>
 __device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileScales& ts, const TileInfo& t,
                                                 const RowMask& held_mask, int row_in_tile, Softmax<Tr>& softmax,
-                                                float (&sc)[Tr::kSRegs],
+                                                float (&sc)[Tr::kSRegs], const PlainBlocks& plain,
                                                 int n, int quad_lane, float (&corr)[2], unsigned live = 3u) {
-    const float scale_log2 = prepare_scores<Tr>(p, ts, t, held_mask, row_in_tile, sc, n, quad_lane);
+    const float scale_log2 = plain.has(n)
+                                 ? plain_scale<Tr>(p, ts)
+                                 : prepare_scores<Tr>(p, ts, t, held_mask, row_in_tile, sc, n, quad_lane);
     softmax.step(sc, scale_log2, corr, live);
 }
 
@@ -318,7 +352,7 @@ template <class Tr> __device__ __forceinline__ bool rows_past_end(const FwdParam
 // ring's and Q's releases, each after the wait for the load it releases (an arrival before the
 // load could count towards the slot's previous phase).
 template <class Tr>
-__device__ void consumer_idle(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid, int& it,
+__device__ void consumer_idle(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid, RingCount& it,
                               int tc, PendingStore& pending) {
     issue_pending_store<Tr>(p, s, wg, tid, pending);
     constexpr int kWGs = Tr::kConsumerWGs;
@@ -356,7 +390,7 @@ __device__ void consumer_idle(const FwdParams& p, SharedStorage<Tr>& s, const Ti
 // pending: this warpgroup's O of its previous tile, staged but not yet stored (epilogue.cuh).
 template <class Tr>
 __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid,
-                                  int& it, int tc, PendingStore& pending) {
+                                  RingCount& it, int tc, PendingStore& pending) {
     if (rows_past_end<Tr>(p, t, wg)) {
         consumer_idle<Tr>(p, s, t, wg, tid, it, tc, pending);
         return;
@@ -383,6 +417,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     float corr[2];
     TileScales ts{};
     if constexpr (Tr::kFp8) ts = tile_scales<Tr>(p, t, wg);
+    const PlainBlocks plain = plain_blocks<Tr>(p, ts, t);
     // Which of this thread's two rows (the same for the whole warp: rows 16·warp + 0..7 and
     // + 8..15) hold a real query; a tile's real rows are a prefix (row_position).
     unsigned live = 3u;
@@ -415,7 +450,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         trace_edge(wg + 1, tc, 2);
         mbar_arrive(&s.empty_k[stage]);
     }
-    scores_to_probs<Tr>(p, ts, t, held_mask, row_in_tile, softmax, sc, n, quad_lane, corr, live);
+    scores_to_probs<Tr>(p, ts, t, held_mask, row_in_tile, softmax, sc, plain, n, quad_lane, corr, live);
     probs_to_a_operand<Tr>(sc, pa);
     trace_edge(wg + 1, tc, 3);
     // Whether the K block the next iteration issues against has already landed (two consumer
@@ -437,7 +472,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         wgmma_commit();
         // O (through block n+1) to the running max of block n, whose P·V comes next: with three
         // consumer warpgroups here, while Q·Kᵀ runs; with two after this iteration's P·V (below).
-        if constexpr (kWGs == 3) rescale_o<Tr>(o, corr);
+        if constexpr (kWGs == 3) rescale_o<Tr>(o, corr, softmax);
         mbar_wait(&s.full_v[stage], phase);
         fence_operand(o);
         wgmma_fence();
@@ -454,7 +489,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         // wait<0> (ptxas places the wait as early as its basic block allows; FA3's SASS has about
         // two thirds of its softmax there too). Forcing all of it above the wait measured ±1.5% on
         // d128/d256 and −7% on d64 (docs/kernels/forward-sm90.md, version 20), so it stays as is.
-        scores_to_probs<Tr>(p, ts, t, held_mask, row_in_tile, softmax, sc, n - 1, quad_lane, corr, live);
+        scores_to_probs<Tr>(p, ts, t, held_mask, row_in_tile, softmax, sc, plain, n - 1, quad_lane, corr, live);
         trace_stamp(wg + 1, it, 5);
         wgmma_wait<0>();
         fence_operand(o);
@@ -476,7 +511,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         // wait (FA3's order), not between the two GEMMs' issue, where the multiplies delay P·V and
         // the other warpgroup's turn. Measured (same call, interleaved): d128 and d256 +0..3%;
         // d64 on three warpgroups lost 1.5..3% with it, so that kernel keeps the other place.
-        if constexpr (kWGs != 3) rescale_o<Tr>(o, corr);
+        if constexpr (kWGs != 3) rescale_o<Tr>(o, corr, softmax);
         trace_stamp(wg + 1, it, 7);
     }
 
@@ -489,7 +524,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     {
         const int stage = it % Tr::kStages;
         const uint32_t phase = (it / Tr::kStages) & 1;
-        if constexpr (kWGs == 3) rescale_o<Tr>(o, corr);
+        if constexpr (kWGs == 3) rescale_o<Tr>(o, corr, softmax);
         mbar_wait(&s.full_v[stage], phase);
         if (pingpong) named_barrier_sync(my_bar, kBoth);
         fence_operand(o);
@@ -501,11 +536,11 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         float sink_log2[2];
         row_sinks_log2(p, t, row_in_tile, sink_log2);
         if constexpr (Tr::kFp8) {
-            softmax.finalize(ts.scale_log2, inv_sum, lse, sink_log2);
+            softmax.finalize(inv_sum, lse, sink_log2);
             inv_sum[0] *= ts.v_descale;
             inv_sum[1] *= ts.v_descale;
         } else {
-            softmax.finalize(p.scale_log2, inv_sum, lse, sink_log2);
+            softmax.finalize(inv_sum, lse, sink_log2);
         }
         wgmma_wait<0>();
         fence_operand(o);
@@ -542,7 +577,7 @@ template <int N, class F> __device__ __forceinline__ void for_each_index(F& f) {
 // the wait for the load it releases.
 template <class Tr>
 __device__ void consumer_serial_idle(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid,
-                                     int& it, int tc, PendingStore& pending) {
+                                     RingCount& it, int tc, PendingStore& pending) {
     issue_pending_store<Tr>(p, s, wg, tid, pending);
     constexpr int kWGs = Tr::kConsumerWGs;
     const int my_bar = sched_barrier(wg), next_bar = sched_barrier(wg + 1 == kWGs ? 0 : wg + 1);
@@ -563,7 +598,7 @@ __device__ void consumer_serial_idle(const FwdParams& p, SharedStorage<Tr>& s, c
 }
 
 template <class Tr>
-__device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid, int& it,
+__device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const TileInfo& t, int wg, int tid, RingCount& it,
                                 int tc, PendingStore& pending) {
     if (rows_past_end<Tr>(p, t, wg)) {
         consumer_serial_idle<Tr>(p, s, t, wg, tid, it, tc, pending);
@@ -587,6 +622,7 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
     float corr[2];
     TileScales ts{};
     if constexpr (Tr::kFp8) ts = tile_scales<Tr>(p, t, wg);
+    const PlainBlocks plain = plain_blocks<Tr>(p, ts, t);
 
     const int qs = tc % Tr::kQStages;
     const OperandDescs<Tr> desc(s, wg, qs);
@@ -615,16 +651,9 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
         // inside the turn the exponentials behind it (session 55: +0.4..+1.4%).
         mbar_wait(&s.full_v[stage], phase);
         // The scores' max before the turn: only the exponentials wait for the other warpgroup's.
-        // A block that prepare_scores leaves as it is (no per-block descale, softcap, sign flip
-        // or mask) skips it in one branch: its several branches cost instruction fetches.
-        const int k0 = n * Tr::kBlockN;
-        bool plain = p.softcap_pre == 0.f && k0 >= t.full_lo && k0 + Tr::kBlockN <= t.full_hi;
-        if constexpr (Tr::kFp8) plain = plain && !ts.negate && ts.k_block_descale == nullptr;
-        else plain = plain && !p.negate;
         float scale_log2;
-        if (plain) {
-            if constexpr (Tr::kFp8) scale_log2 = ts.scale_log2;
-            else scale_log2 = p.scale_log2;
+        if (plain.has(n)) {
+            scale_log2 = plain_scale<Tr>(p, ts);
         } else {
             scale_log2 = prepare_scores<Tr>(p, ts, t, held_mask, row_in_tile, sc, n, quad_lane);
         }
@@ -633,7 +662,7 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
         trace_stamp(wg + 1, it, 3);
         // O (through the block before) to this block's reference max before the turn: inside it
         // the rescale held up the exponentials behind it.
-        rescale_o<Tr>(o, corr);
+        rescale_o<Tr>(o, corr, softmax);
         fence_operand(o);
         // The exponentials pinned inside the turn: they touch only registers, so ptxas moves them
         // across bar.sync / bar.arrive (the two barriers ended up side by side after the whole
@@ -681,11 +710,11 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
     float sink_log2[2];
     row_sinks_log2(p, t, row_in_tile, sink_log2);
     if constexpr (Tr::kFp8) {
-        softmax.finalize(ts.scale_log2, inv_sum, lse, sink_log2);
+        softmax.finalize(inv_sum, lse, sink_log2);
         inv_sum[0] *= ts.v_descale;
         inv_sum[1] *= ts.v_descale;
     } else {
-        softmax.finalize(p.scale_log2, inv_sum, lse, sink_log2);
+        softmax.finalize(inv_sum, lse, sink_log2);
     }
     epilogue<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane, pending, tc);
 }

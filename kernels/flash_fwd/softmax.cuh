@@ -5,7 +5,11 @@
 // A row is therefore spread over the 4 lanes of a quad: row reductions are 2 xor-shuffles.
 //
 // Scores stay in raw units (q·k, or tanh(.) under softcap); scale·log2(e) is folded into one FFMA
-// per element: p = exp2(s·scale_log2 - max·scale_log2).
+// per element: p = exp2(s·scale_log2 - ref), where ref, the row's reference max, is kept in those
+// exp2 units (max·scale_log2, less kPScaleLog2 below), so that a block's check, its exponentials
+// and the LSE use it as it is, without a multiply and a -inf test per row and block. A row that has
+// seen no finite score yet has ref = kNoMax, a finite stand-in for -inf: s·scale_log2 - kNoMax is
+// -inf for a masked score (p = 0) and huge for any finite one (the reference max moves).
 //
 // kLazyMax: the running max a row's probabilities are taken against moves only when a block's max
 // exceeds it by more than kMaxSlack (log2 units): until then p may reach 2^kMaxSlack = 256
@@ -29,9 +33,8 @@
 // kSeedSums: each row sum's four chains start from their first p instead of from 0.f + p (ptxas
 // keeps that FADD: 0 + -0 is +0). Measured per kernel (FwdTraits::kSeedRowSums).
 //
-// kSeedMax: the same for the row max's four chains (thread_max): chains 1-3 start from their first
-// pair of scores instead of -inf (ptxas keeps fmaxf(-inf, x): a NaN x would come out as -inf).
-// Chain 0 still starts from the running max, so the result is never NaN, as before. Measured per
+// kSeedMax: the same for the row max's four chains (thread_max): each starts from its first pair of
+// scores instead of -inf (ptxas keeps fmaxf(-inf, x): a NaN x would come out as -inf). Measured per
 // kernel (FwdTraits::kSeedRowMax).
 #pragma once
 #include <cmath>
@@ -41,18 +44,24 @@
 namespace fa3 {
 
 constexpr float kMaxSlack = 8.f;
+constexpr float kNoMax = -3.40282347e38f;  // -FLT_MAX: a row's ref before its first finite score
 
 template <int kSRegs, bool kLazyMax, int kPScaleLog2 = 0, int kExp2FmaEvery = 0, bool kSeedSums = false,
           bool kSeedMax = false>
 struct OnlineSoftmax {
     static constexpr float kSlack = kPScaleLog2 == 0 ? kMaxSlack : 8.75f - kPScaleLog2;
     static_assert(kPScaleLog2 >= 0 && kPScaleLog2 <= 8, "p <= 2^8.75 < 448 with the slack above");
-    float row_max[2];
+    // The rows' reference maxes in exp2 units: max·scale_log2 - kPScaleLog2 (kNoMax: none yet).
+    float ref[2];
     float row_sum[2];  // this thread's partial sums; reduced over the quad at the end
+    // Whether the last step may have moved a reference max of some row of the warp, so that O
+    // needs its correction factors (the same in every lane; always true without the lazy max).
+    bool moved;
 
     __device__ __forceinline__ void init() {
-        row_max[0] = row_max[1] = -INFINITY;
+        ref[0] = ref[1] = kNoMax;
         row_sum[0] = row_sum[1] = 0.f;
+        moved = false;
     }
 
     // Turns s into unnormalised probabilities; returns the factors by which O must be rescaled
@@ -66,6 +75,7 @@ struct OnlineSoftmax {
             update_max(s, scale_log2, corr, live);
             exponentiate(s, scale_log2, corr, live);
         } else {
+            moved = true;
             // Each row's max, correction and exponentials in turn.
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -74,13 +84,11 @@ struct OnlineSoftmax {
                     zero_row(s, h);
                     continue;
                 }
-                const float m = quad_max(thread_max(s, h));
-                const float m_unscaled = m == -INFINITY ? 0.f : m * scale_log2;
-                // Old and new p both carry 2^kPScaleLog2: the correction is between the maxes alone.
-                corr[h] = fast_exp2(row_max[h] * scale_log2 - m_unscaled);
-                const float m_scaled = m_unscaled - kPScaleLog2;  // as in scaled_max
-                row_max[h] = m;
-                exponentiate_row(s, h, m_scaled, scale_log2, corr[h]);
+                // This block's max (-inf: every score masked) joins the reference max.
+                const float m = fmaxf(ref[h], fmaf(quad_max(thread_max(s, h)), scale_log2, -kPScaleLog2));
+                corr[h] = fast_exp2(ref[h] - m);
+                ref[h] = m;
+                exponentiate_row(s, h, m, scale_log2, corr[h]);
             }
         }
     }
@@ -104,10 +112,7 @@ struct OnlineSoftmax {
     // one ptxas waited on it (3 cycles per FMNMX instead of 2; +1..1.5%, forward-fp8.md version 10).
     __device__ __forceinline__ void max_begin(float (&m)[2][2]) const {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            m[h][0] = row_max[h];
-            m[h][1] = -INFINITY;
-        }
+        for (int h = 0; h < 2; ++h) m[h][0] = m[h][1] = -INFINITY;
     }
     template <int kJ0, int kJ1> __device__ __forceinline__ void max_cols(const float (&s)[kSRegs], float (&m)[2][2]) const {
 #pragma unroll
@@ -125,24 +130,25 @@ struct OnlineSoftmax {
         move_max(mx, scale_log2, corr);
     }
 
-    // The lazy max's update from each row's max over this thread's scores (and the old max).
+    // The lazy max's update from each row's max over this thread's scores (-inf: none visible).
     __device__ __forceinline__ void move_max(const float (&mx)[2], float scale_log2, float (&corr)[2]) {
         // The reference max moves only past the slack (the first visible key always moves it
-        // off -inf). A row's 4 lanes agree through the quad's max, which is needed only when
+        // off kNoMax). A row's 4 lanes agree through the quad's max, which is needed only when
         // some lane of the warp saw a score past the slack: otherwise no row moves, and the
-        // exponentials start without the two shuffles' latency (version 31).
+        // exponentials start without the two shuffles' latency (version 31). One FFMA and one
+        // compare a row: mx·scale_log2 - ref is the block's largest exponent, before the slack.
         bool may_move = false;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) may_move |= mx[h] * scale_log2 > row_max[h] * scale_log2 + kSlack;
+        for (int h = 0; h < 2; ++h) may_move |= fmaf(mx[h], scale_log2, -ref[h]) > kSlack + kPScaleLog2;
         corr[0] = corr[1] = 1.f;
-        if (__any_sync(0xffffffffu, may_move)) {
+        moved = __any_sync(0xffffffffu, may_move);
+        if (moved) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float m = quad_max(mx[h]);
-                const float old_scaled = row_max[h] * scale_log2, new_scaled = m * scale_log2;
-                if (new_scaled > old_scaled + kSlack) {
-                    corr[h] = fast_exp2(old_scaled - new_scaled);
-                    row_max[h] = m;
+                const float m = fmaf(quad_max(mx[h]), scale_log2, -kPScaleLog2);
+                if (m - ref[h] > kSlack) {
+                    corr[h] = fast_exp2(ref[h] - m);
+                    ref[h] = m;
                 }
             }
         }
@@ -154,7 +160,7 @@ struct OnlineSoftmax {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             if (live >> h & 1u) {
-                exponentiate_row(s, h, scaled_max(h, scale_log2), scale_log2, corr[h]);
+                exponentiate_row(s, h, ref[h], scale_log2, corr[h]);
             } else {
                 zero_row(s, h);
             }
@@ -167,20 +173,20 @@ struct OnlineSoftmax {
     __device__ __forceinline__ void exponentiate_part(float (&s)[kSRegs], float scale_log2, const float (&corr)[2]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-            exponentiate_row<kJ0, kJ1>(s, h, scaled_max(h, scale_log2), scale_log2, kJ0 == 0 ? corr[h] : 1.f);
+            exponentiate_row<kJ0, kJ1>(s, h, ref[h], scale_log2, kJ0 == 0 ? corr[h] : 1.f);
     }
 
-    // Row h's max over this thread's scores and the row's reference max. Row max and row sum each
-    // run as 4 independent chains (then combined): one chain through all 32 elements of a row
-    // would serialise on the FMNMX / FADD latency.
+    // Row h's max over this thread's scores (raw units). Row max and row sum each run as 4
+    // independent chains (then combined): one chain through all 32 elements of a row would
+    // serialise on the FMNMX / FADD latency.
     __device__ __forceinline__ float thread_max(const float (&s)[kSRegs], int h) const {
         static_assert(kSRegs >= 16, "four chains of at least one pair");
-        float m4[4] = {row_max[h], -INFINITY, -INFINITY, -INFINITY};
+        float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
         for (int j = 0; j < kSRegs / 4; ++j) {
             const float pair = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
             // (fmaxf(-inf, x) is not x for a NaN x, so ptxas keeps the FMNMX with -inf.)
-            m4[j % 4] = kSeedMax && j > 0 && j < 4 ? pair : fmaxf(m4[j % 4], pair);
+            m4[j % 4] = kSeedMax && j < 4 ? pair : fmaxf(m4[j % 4], pair);
         }
         return fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
     }
@@ -191,22 +197,16 @@ struct OnlineSoftmax {
         return fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
     }
 
-    // Row h's reference max in scaled units; a row that has seen only masked keys keeps max -inf:
-    // subtract 0 so that exp2(-inf) = 0.
-    __device__ __forceinline__ float scaled_max(int h, float scale_log2) const {
-        return (row_max[h] == -INFINITY ? 0.f : row_max[h] * scale_log2) - kPScaleLog2;
-    }
-
-    // p = exp2(s·scale_log2 - m_scaled) in place for row h; the row sum rescaled and extended.
+    // p = exp2(s·scale_log2 - m_ref) in place for row h; the row sum rescaled and extended.
     template <int kJ0 = 0, int kJ1 = kSRegs / 4>
-    __device__ __forceinline__ void exponentiate_row(float (&s)[kSRegs], int h, float m_scaled, float scale_log2,
+    __device__ __forceinline__ void exponentiate_row(float (&s)[kSRegs], int h, float m_ref, float scale_log2,
                                                      float corr) {
         float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int j = kJ0; j < kJ1; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const float x = fmaf(s[4 * j + 2 * h + e], scale_log2, -m_scaled);
+                const float x = fmaf(s[4 * j + 2 * h + e], scale_log2, -m_ref);
                 constexpr int kEvery = kExp2FmaEvery > 0 ? kExp2FmaEvery : 1;  // (no % 0 in the dead branch)
                 const bool on_fma = kExp2FmaEvery > 0 && (2 * j + e) % kEvery == kEvery - 1;
                 const float pv = on_fma ? exp2_fma(x) : fast_exp2(x);
@@ -228,17 +228,15 @@ struct OnlineSoftmax {
     // inv_sum 0 (a zero output row) and LSE -inf. `sink_log2`: each row's attention-sink logit in
     // log2 units, one more term of its denominator (-inf: none); the LSE then includes it, and a
     // row with no visible key gets the sink's logit as its LSE.
-    __device__ __forceinline__ void finalize(float scale_log2, float (&inv_sum)[2], float (&lse)[2],
-                                             const float (&sink_log2)[2]) {
+    __device__ __forceinline__ void finalize(float (&inv_sum)[2], float (&lse)[2], const float (&sink_log2)[2]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float sum = row_sum[h];
             sum += __shfl_xor_sync(0xffffffff, sum, 1);
             sum += __shfl_xor_sync(0xffffffff, sum, 2);
-            const bool empty = !(sum > 0.f) || row_max[h] == -INFINITY;
+            const bool empty = !(sum > 0.f) || ref[h] == kNoMax;
             // The sum's unit: p = 2^(s·scale_log2 - ref) (kPScaleLog2 included).
-            const float ref = row_max[h] * scale_log2 - kPScaleLog2;
-            const float keys_lse2 = empty ? -INFINITY : ref + log2f(sum);
+            const float keys_lse2 = empty ? -INFINITY : ref[h] + log2f(sum);
             const float z = sink_log2[h];
             if (z == -INFINITY) {
                 inv_sum[h] = empty ? 0.f : 1.f / sum;
@@ -246,7 +244,7 @@ struct OnlineSoftmax {
             } else {
                 // log2 of keys + sink without overflow for a sink far above the keys.
                 const float lse2 = empty ? z : fmaxf(keys_lse2, z) + log2f(1.f + exp2f(-fabsf(keys_lse2 - z)));
-                inv_sum[h] = empty ? 0.f : exp2f(ref - lse2);
+                inv_sum[h] = empty ? 0.f : exp2f(ref[h] - lse2);
                 lse[h] = lse2 * 0.69314718055994531f;
             }
         }

@@ -165,7 +165,8 @@ struct FwdTraits {
     // The row sums' chains seeded with their first p (softmax.cuh kSeedSums; 4 FADDs fewer per row
     // and exponentiated part): fp8 d128 on 256 keys -0.2..+1.3% (session 55, H200), fp8 d256
     // -0.4..+1.4% (+3.5% at 16k unmasked in a first call, not reproduced); fp8 d64 measured 3%
-    // slower with it, the 16-bit kernels even (forward-fp8.md, version 11).
+    // slower with it, the 16-bit kernels even (forward-fp8.md, version 11); fp8 d64 again -0.3..+0.4%
+    // against version 17 (session 66).
     static constexpr bool kSeedRowSums = kSerialConsumer || (kFp8 && !kTransposeV && kHeadDim_ == 256);
     // The row max's chains seeded with their first pair of scores (softmax.cuh kSeedMax; 6 FMNMX
     // fewer per block and thread): fp8 d64 +0.7..+1.8%, d256 unmasked -0.1..+1.7% (session 65,
