@@ -459,9 +459,25 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     // version 23). Three warpgroups measured 1-3% slower with it and always wait.
     bool k_ready = false;
 
+    // Tr::kRingState: the ring position's stage and phase carried in two registers and toggled,
+    // instead of made from `it` in every block.
+    static_assert(!Tr::kRingState || Tr::kStages == 2, "the ring state toggles two stages");
+    uint32_t ring_stage = it % Tr::kStages, ring_phase = (it / Tr::kStages) & 1;
     for (; n > t.n_min; --n, ++it) {
-        const int stage = it % Tr::kStages, next = (it + 1) % Tr::kStages;
-        const uint32_t phase = (it / Tr::kStages) & 1, next_phase = ((it + 1) / Tr::kStages) & 1;
+        uint32_t stage, next, phase, next_phase;
+        if constexpr (Tr::kRingState) {
+            stage = ring_stage;
+            next = ring_stage ^ 1u;
+            phase = ring_phase;
+            next_phase = ring_phase ^ ring_stage;
+            ring_stage = next;
+            ring_phase = next_phase;
+        } else {
+            stage = it % Tr::kStages;
+            next = (it + 1) % Tr::kStages;
+            phase = (it / Tr::kStages) & 1;
+            next_phase = ((it + 1) / Tr::kStages) & 1;
+        }
         trace_stamp(wg + 1, it, 0);
         if (!k_ready) mbar_wait(&s.full_k[next], next_phase);
         trace_stamp(wg + 1, it, 1);

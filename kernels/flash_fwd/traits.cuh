@@ -187,6 +187,11 @@ struct FwdTraits {
     // in most cells; bf16 d128 unmasked ran 1-2% slower at 2k-16k with it (ptxas's schedule of its
     // loop, not the copy), so the 16-bit kernels keep the index-first copy (forward-sm90.md v37).
     static constexpr bool kReceiveWholeSlot = kFp8;
+    // The consumer loop's ring stage and phase carried in registers and toggled (mainloop.cuh
+    // consumer_pingpong) instead of made from the ring counter in each block: 6 instructions fewer
+    // a block in fp8 d64 on three warpgroups, +1.1..+1.7% there (H200, session 66); in the other
+    // kernels within -1.4..+2.1%, noise-level, so only where it measured a gain.
+    static constexpr bool kRingState = kConsumerWGs == 3;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
     // P as wgmma's register A operand: per k-step 4 registers of 2 (16-bit) or 4 (e4m3) values.
