@@ -237,6 +237,12 @@ __device__ __forceinline__ void scale_by_k_blocks(const FwdParams& p, float (&sc
     }
 }
 
+// The scores' scale (log2 units) of a block (plain or not): the tile's for fp8, the call's otherwise.
+template <class Tr> __device__ __forceinline__ float plain_scale(const FwdParams& p, const TileScales& ts) {
+    if constexpr (Tr::kFp8) return ts.scale_log2;
+    else return p.scale_log2;
+}
+
 // Softcap / sign and boundary mask of one S block, in place (fp32); returns the scores' scale (log2
 // units) for the softmax. FP8: per-block K descales multiply the raw scores first; the tile's
 // scales replace the call's. (plain_blocks names the blocks that skip it: a new step here needs its
@@ -245,12 +251,11 @@ template <class Tr>
 __device__ __forceinline__ float prepare_scores(const FwdParams& p, const TileScales& ts, const TileInfo& t,
                                                 const RowMask& held_mask, int row_in_tile, float (&sc)[Tr::kSRegs],
                                                 int n, int quad_lane) {
-    float softcap_pre = p.softcap_pre, scale_log2 = p.scale_log2;
+    float softcap_pre = p.softcap_pre;
     int negate = p.negate;
     if constexpr (Tr::kFp8) {
         if (ts.k_block_descale != nullptr) scale_by_k_blocks<Tr>(p, sc, ts, n);
         softcap_pre = ts.softcap_pre;
-        scale_log2 = ts.scale_log2;
         negate = ts.negate;
     }
     if (p.softcap_pre != 0.f) {
@@ -264,7 +269,7 @@ __device__ __forceinline__ float prepare_scores(const FwdParams& p, const TileSc
     if (!(k0 >= t.full_lo && k0 + Tr::kBlockN <= t.full_hi)) {
         apply_mask(sc, Tr::kRowMaskPerBlock ? row_mask(p, t, row_in_tile) : held_mask, k0, 2 * quad_lane);
     }
-    return scale_log2;
+    return plain_scale<Tr>(p, ts);
 }
 
 // The key blocks of a tile that prepare_scores would leave as they are (no per-block descale,
@@ -285,12 +290,6 @@ __device__ __forceinline__ PlainBlocks plain_blocks(const FwdParams& p, const Ti
     const int lo = (t.full_lo + Tr::kBlockN - 1) / Tr::kBlockN, end = t.full_hi / Tr::kBlockN;
     if (!tile_plain || end <= lo) return PlainBlocks{1 << 30, 0u};
     return PlainBlocks{lo, unsigned(end - 1 - lo)};
-}
-
-// The scores' scale (log2 units) of a plain block: the tile's for fp8, the call's otherwise.
-template <class Tr> __device__ __forceinline__ float plain_scale(const FwdParams& p, const TileScales& ts) {
-    if constexpr (Tr::kFp8) return ts.scale_log2;
-    else return p.scale_log2;
 }
 
 // prepare_scores (where the block needs it) and the online softmax of one S block, in place.

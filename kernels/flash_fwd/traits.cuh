@@ -189,8 +189,9 @@ struct FwdTraits {
     static constexpr bool kReceiveWholeSlot = kFp8;
     // The consumer loop's ring stage and phase carried in registers and toggled (mainloop.cuh
     // consumer_pingpong) instead of made from the ring counter in each block: 6 instructions fewer
-    // a block in fp8 d64 on three warpgroups, +1.1..+1.7% there (H200, session 66); in the other
-    // kernels within -1.4..+2.1%, noise-level, so only where it measured a gain.
+    // a block in fp8 d64 on three warpgroups, +1.1..+1.7% there (H200, session 66). The 16-bit d64
+    // three-warpgroup kernels carry it too, where it measured neutral (bf16 d64 0.992-1.001x); the
+    // two-warpgroup kernels measured within -1.4..+2.1%, noise-level, and keep the counter.
     static constexpr bool kRingState = kConsumerWGs == 3;
     static constexpr int kSRegs = kBlockN / 2;      // f32 accumulators of S per thread
     static constexpr int kORegs = kHeadDim / 2;     // f32 accumulators of O per thread
