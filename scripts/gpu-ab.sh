@@ -10,7 +10,7 @@
 #   here:  scripts/gpu-pack.sh --attn [--baseline REV] [--variant NAME=FLAGS]...
 #   run    carry [".device", ".device-base"]  command "bash scripts/gpu-ab.sh"
 #
-# Env: PASSES (fwd, fp8, bwd, kvcache, kvcache_fp8, comma-separated; default fwd), SEQS (default 512..8192), HD
+# Env: TUNINGS (below: builds run again with a BENCH_TUNING), PASSES (fwd, fp8, bwd, kvcache, kvcache_fp8, comma-separated; default fwd), SEQS (default 512..8192), HD
 # (head dims, default 64,128,256), KV_FP8_D (the kvcache_fp8 pass's head dim: 128, or 64), ROUNDS (default 2), TESTS (a test filter; empty: every test;
 # "none": no tests), DEADLINE (seconds for the whole script, default 540: keep it under the device
 # call's limit, so that the tables still print), RUN_TIMEOUT (seconds per benchmark run, default
@@ -61,7 +61,20 @@ for f in .device-base/gpu-bench-*.xz; do
     name=${f#.device-base/gpu-bench-}
     unpack "$f" "${name%.xz}"
 done
-((${#BUILDS[@]} >= 2)) || { echo "gpu-ab: one build only (pack a --baseline or a --variant)" >&2; exit 2; }
+# TUNINGS="NAME=TUNING;...": each packed build also runs with BENCH_TUNING=TUNING, as build
+# "BUILD-NAME" (a kernel the default choice does not take, forced: e.g. prepass=fp8_vt=prepass).
+if [[ -n ${TUNINGS:-} ]]; then
+    IFS=';' read -ra entries <<<"$TUNINGS"
+    packed=("${BUILDS[@]}")
+    for e in "${entries[@]}"; do
+        [[ $e =~ ^[A-Za-z0-9_-]+=.+$ ]] || { echo "gpu-ab: TUNINGS entry '$e' is not NAME=TUNING" >&2; exit 2; }
+        for b in "${packed[@]}"; do
+            printf '#!/usr/bin/env bash\nBENCH_TUNING=%q exec %q "$@"\n' "${e#*=}" "$WORK/$b" >"$WORK/$b-${e%%=*}"
+            chmod +x "$WORK/$b-${e%%=*}" && BUILDS+=("$b-${e%%=*}")
+        done
+    done
+fi
+((${#BUILDS[@]} >= 2)) || { echo "gpu-ab: one build only (pack a --baseline or a --variant, or set TUNINGS)" >&2; exit 2; }
 [[ -f .device-base/manifest.txt ]] && cat .device-base/manifest.txt
 for r in $(seq "${ROUNDS:-2}"); do
     for b in "${BUILDS[@]}"; do
