@@ -237,8 +237,8 @@ __device__ __forceinline__ void scale_by_k_blocks(const FwdParams& p, float (&sc
     }
 }
 
-// The scores' scale (log2 units) of a block (plain or not): the tile's for fp8, the call's otherwise.
-template <class Tr> __device__ __forceinline__ float plain_scale(const FwdParams& p, const TileScales& ts) {
+// The scores' scale (log2 units) of a key block, plain or not: the tile's for fp8, the call's otherwise.
+template <class Tr> __device__ __forceinline__ float scores_scale_log2(const FwdParams& p, const TileScales& ts) {
     if constexpr (Tr::kFp8) return ts.scale_log2;
     else return p.scale_log2;
 }
@@ -269,7 +269,7 @@ __device__ __forceinline__ float prepare_scores(const FwdParams& p, const TileSc
     if (!(k0 >= t.full_lo && k0 + Tr::kBlockN <= t.full_hi)) {
         apply_mask(sc, Tr::kRowMaskPerBlock ? row_mask(p, t, row_in_tile) : held_mask, k0, 2 * quad_lane);
     }
-    return plain_scale<Tr>(p, ts);
+    return scores_scale_log2<Tr>(p, ts);
 }
 
 // The key blocks of a tile that prepare_scores would leave as they are (no per-block descale,
@@ -299,7 +299,7 @@ __device__ __forceinline__ void scores_to_probs(const FwdParams& p, const TileSc
                                                 float (&sc)[Tr::kSRegs], const PlainBlocks& plain,
                                                 int n, int quad_lane, float (&corr)[2], unsigned live = 3u) {
     const float scale_log2 = plain.has(n)
-                                 ? plain_scale<Tr>(p, ts)
+                                 ? scores_scale_log2<Tr>(p, ts)
                                  : prepare_scores<Tr>(p, ts, t, held_mask, row_in_tile, sc, n, quad_lane);
     softmax.step(sc, scale_log2, corr, live);
 }
@@ -668,7 +668,7 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
         // The scores' max before the turn: only the exponentials wait for the other warpgroup's.
         float scale_log2;
         if (plain.has(n)) {
-            scale_log2 = plain_scale<Tr>(p, ts);
+            scale_log2 = scores_scale_log2<Tr>(p, ts);
         } else {
             scale_log2 = prepare_scores<Tr>(p, ts, t, held_mask, row_in_tile, sc, n, quad_lane);
         }
