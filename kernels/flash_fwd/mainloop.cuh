@@ -243,6 +243,13 @@ template <class Tr> __device__ __forceinline__ float scores_scale_log2(const Fwd
     else return p.scale_log2;
 }
 
+// Whether a key block's scores flip sign (a negative scale): the tile's for fp8 (the descales'
+// signs included), the call's otherwise.
+template <class Tr> __device__ __forceinline__ int scores_negate(const FwdParams& p, const TileScales& ts) {
+    if constexpr (Tr::kFp8) return ts.negate;
+    else return p.negate;
+}
+
 // Softcap / sign and boundary mask of one S block, in place (fp32); returns the scores' scale (log2
 // units) for the softmax. FP8: per-block K descales multiply the raw scores first; the tile's
 // scales replace the call's. (plain_blocks names the blocks that skip it: a new step here needs its
@@ -252,16 +259,14 @@ __device__ __forceinline__ float prepare_scores(const FwdParams& p, const TileSc
                                                 const RowMask& held_mask, int row_in_tile, float (&sc)[Tr::kSRegs],
                                                 int n, int quad_lane) {
     float softcap_pre = p.softcap_pre;
-    int negate = p.negate;
     if constexpr (Tr::kFp8) {
         if (ts.k_block_descale != nullptr) scale_by_k_blocks<Tr>(p, sc, ts, n);
         softcap_pre = ts.softcap_pre;
-        negate = ts.negate;
     }
     if (p.softcap_pre != 0.f) {
 #pragma unroll
         for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = tanhf(sc[i] * softcap_pre);
-    } else if (negate) {
+    } else if (scores_negate<Tr>(p, ts)) {
 #pragma unroll
         for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = -sc[i];
     }
@@ -283,9 +288,8 @@ struct PlainBlocks {
 };
 template <class Tr>
 __device__ __forceinline__ PlainBlocks plain_blocks(const FwdParams& p, const TileScales& ts, const TileInfo& t) {
-    bool tile_plain = p.softcap_pre == 0.f;
-    if constexpr (Tr::kFp8) tile_plain = tile_plain && !ts.negate && ts.k_block_descale == nullptr;
-    else tile_plain = tile_plain && !p.negate;
+    bool tile_plain = p.softcap_pre == 0.f && !scores_negate<Tr>(p, ts);
+    if constexpr (Tr::kFp8) tile_plain = tile_plain && ts.k_block_descale == nullptr;
     // Blocks n with n·kBlockN >= full_lo and (n + 1)·kBlockN <= full_hi.
     const int lo = (t.full_lo + Tr::kBlockN - 1) / Tr::kBlockN, end = t.full_hi / Tr::kBlockN;
     if (!tile_plain || end <= lo) return PlainBlocks{1 << 30, 0u};
