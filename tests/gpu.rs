@@ -393,6 +393,26 @@ fn tuning_choices_agree_with_the_reference() -> Result<()> {
             assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
         }
     }
+    // Static and atomic tile claims over more tiles than the GPU has SMs (the counter is used only
+    // then): unmasked d64 whose last 192-row tile leaves warpgroups idle (the default's counter)
+    // and d128 whose tiles are even (the default's strides), both ways, against the reference.
+    for dynamic in [Some(true), Some(false)] {
+        let tuning = Tuning {
+            dynamic_tiles: dynamic,
+            ..default
+        };
+        for (d, sq) in [(64, 192 * 3 + rng.odd_len(1, 60)), (128, 128 * 3)] {
+            let shape = AttnShape::new((4, sq, rng.odd_len(100, 300), 48, 48, d, d));
+            let (q, k, v) = shape.random_qkv(&mut rng, DType::BF16, &dev)?;
+            let o = Opts::new(shape.scale());
+            let (want, want_lse) = attention_ref(&q, &k, &v, &o.reference())?;
+            poison(&dev, 2 * want.elem_count())?;
+            let (out, lse) = o.builder().tuning(tuning).forward_with_lse(&q, &k, &v)?;
+            let what = format!("{tuning:?} {shape:?} seed {}", rng.seed());
+            assert_close(&out, &want, OUT_TOL, &format!("{what}: out"))?;
+            assert_close(&lse, &want_lse, LSE_TOL, &format!("{what}: lse"))?;
+        }
+    }
     let q = rng.randn((1, 8, 2, 64), DType::BF16, &dev)?;
     for (bad, needle) in [
         (

@@ -162,7 +162,8 @@ template <class Tr> __device__ __forceinline__ void fill_slot(const FwdParams& p
 // the consumers then copy the fields at their tile boundary instead of each warp running the
 // chain of divisions and, for varlen and KV caches, its global loads there (forward-sm90.md
 // version 35). Tile k lives in slot k % 2.
-// - With the atomic counter (causal, windows, varlen, caches) it claims tile k once tile k - 1 has
+// - With the atomic counter (causal, windows, varlen, caches, and calls whose last query tile
+//   idles a consumer warpgroup: forward.rs) it claims tile k once tile k - 1 has
 //   been read by every consumer thread and fully issued by the producers (tile_empty: 128 per
 //   consumer warpgroup + one per producer thread), i.e. a couple of key blocks before the CTA
 //   finishes it, so a claim reflects real progress: a tile held in reserve for a whole tile's

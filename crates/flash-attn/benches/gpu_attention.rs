@@ -51,7 +51,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use flash_attn3::fp8::{self, Granularity, Quantizer};
 use flash_attn3::{FlashAttn, Tuning};
 
-/// BENCH_TUNING="pack_gqa=0|1,d64_rows=128|192,direct_store,per_tile,l2_section=N,
+/// BENCH_TUNING="pack_gqa=0|1,d64_rows=128|192,direct_store,per_tile,dynamic_tiles=0|1,l2_section=N,
 /// fp8_d128_keys=128|256,fp8_vt=kernel|prepass,global_combine,decode_one_cta,decode_kernel=0|1": the
 /// `Tuning` of every call of the benchmark (unset: chosen per call), for comparisons.
 fn tuning() -> Tuning {
@@ -65,6 +65,7 @@ fn tuning() -> Tuning {
             "d64_rows" => t.d64_tile_rows = num,
             "direct_store" => t.direct_store = true,
             "per_tile" => t.per_tile = true,
+            "dynamic_tiles" => t.dynamic_tiles = Some(value == "1"),
             "l2_section" => t.l2_section = num,
             "fp8_d128_keys" => t.fp8_d128_block_n = num,
             "fp8_vt" => t.fp8_vt_in_kernel = Some(value == "kernel"),

@@ -23,6 +23,12 @@ pub struct Tuning {
     /// Masked or varlen calls: one CTA per tile instead of the persistent grid claiming tiles
     /// through an atomic counter.
     pub per_tile: bool,
+    /// How the persistent grid hands out tiles: `Some(true)` through an atomic counter, each CTA
+    /// claiming its next tile as it nears the end of the one before; `Some(false)` statically
+    /// strided (CTA c takes tiles c, c + grid, ...); `None` the counter where tiles differ in work
+    /// (masked or varlen calls, and calls whose last query tile leaves a consumer warpgroup
+    /// without rows), strided for the others.
+    pub dynamic_tiles: Option<bool>,
     /// (batch, head) pairs per section of the tile order: `None` sizes sections to the L2 for
     /// masked or varlen calls (one pair for the others).
     pub l2_section: Option<usize>,

@@ -790,9 +790,13 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     };
     // A persistent grid, one CTA per SM (a CTA's shared memory fills most of an SM; two for the
     // one-warpgroup kernels), so that a CTA's next Q and K/V loads overlap its current tile's last
-    // P·V and epilogue. Tiles of equal work (no mask, fixed lengths) are strided statically;
-    // uneven tiles (causal/windows, varlen) are claimed through an atomic counter, longest first
-    // (kernels/flash_fwd/scheduler.cuh).
+    // P·V and epilogue. Tiles of equal work are strided statically; uneven tiles (causal/windows,
+    // varlen) are claimed through an atomic counter, longest first (kernels/flash_fwd/scheduler.cuh),
+    // and so are the tiles of calls whose last query tile leaves a consumer warpgroup without
+    // rows: that tile costs less than the others (d64's 192-row tiles at every power-of-two
+    // length: 2,048 queries are 10 2/3 tiles), and strided, the CTAs that draw the short tiles
+    // finish a tile ahead of the rest (fp8 d64 unmasked +3% at 2k-4k on an H200,
+    // docs/kernels/forward-sm90.md, version 39).
     // `Tuning::per_tile` launches one CTA per uneven tile instead (the hardware's block
     // scheduler balances them; the path before the counter, kept for comparison).
     let grid = if cluster_combine || (uneven && tuning.per_tile) {
@@ -807,7 +811,11 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // The dynamic scheduler's counters: one zeroed buffer per device and thread, which every
     // launch leaves zeroed (kernels/flash_fwd/scheduler.cuh), so no memset per call.
     let counter = tile_counter(&dev)?;
-    let counter_addr = match uneven && grid < num_tiles && !cluster_combine {
+    let last_tile_rows =
+        (dims.seqlen_q - num_m_blocks.saturating_sub(1) * q_tile_queries) * if pack_gqa { group } else { 1 };
+    let idle_warpgroup = last_tile_rows + WG_ROWS <= block_m;
+    let dynamic = tuning.dynamic_tiles.unwrap_or(uneven || idle_warpgroup);
+    let counter_addr = match dynamic && grid < num_tiles && !cluster_combine {
         true => counter,
         false => 0,
     };
