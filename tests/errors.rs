@@ -536,6 +536,7 @@ fn invalid_tuning_is_rejected() {
         d64_tile_rows: Some(128),
         direct_store: true,
         per_tile: true,
+        dynamic_tiles: Some(true),
         l2_section: Some(3),
         fp8_d128_block_n: Some(256),
         fp8_vt_in_kernel: Some(false),
