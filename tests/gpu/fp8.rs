@@ -737,52 +737,52 @@ fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
             "{what}: in kernel and pre-pass differ"
         );
     }
-    // The d256 cell of the benchmark grid at 2k keys: 2,048 units written by 132 CTAs' writers
-    // while their consumers compute and their first tiles end; still the pre-pass's bits.
+    // Two grid cells at 2k keys, each run two ways that must give the same bits (and no
+    // non-finite output): fresh inputs quantized per head, the output poisoned before each call.
+    let same_bits = |rng: &mut TestRng, shape: AttnShape, a: Opts, b: Opts, what: &str| -> Result<()> {
+        let (q, k, v) = shape.random_qkv(rng, DType::F32, &dev)?;
+        let (q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Head, None)?;
+        let out_elems = shape.batch * shape.seqlen_q * shape.heads * shape.head_dim_v;
+        poison(&dev, out_elems * 2)?;
+        let first = fp8_builder(a, &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
+        poison(&dev, out_elems * 2)?;
+        let second = fp8_builder(b, &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
+        let first_bits = bits(&first)?;
+        assert!(
+            first_bits.iter().all(|b| f32::from_bits(*b).is_finite()),
+            "{what}: a non-finite output"
+        );
+        assert_eq!(first_bits, bits(&second)?, "{what}: the two differ");
+        Ok(())
+    };
+    // d256: 2,048 units written by 132 CTAs' writers while their consumers compute and their first
+    // tiles end; still the pre-pass's bits.
     let shape = AttnShape::new((8, 2048, 2048, 8, 8, 256, 256));
-    let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
-    let (q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Head, None)?;
     let o = Opts::new(shape.scale());
-    poison(&dev, shape.batch * shape.seqlen_q * shape.heads * shape.head_dim_v * 2)?;
-    let in_kernel = fp8_builder(writers(o, true, 128), &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
-    poison(&dev, shape.batch * shape.seqlen_q * shape.heads * shape.head_dim_v * 2)?;
-    let pre_pass = fp8_builder(writers(o, false, 128), &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
-    let in_kernel_bits = bits(&in_kernel)?;
-    assert!(
-        in_kernel_bits.iter().all(|b| f32::from_bits(*b).is_finite()),
-        "fp8 V^T writers d256 2k: a non-finite output"
-    );
-    assert_eq!(
-        in_kernel_bits,
-        bits(&pre_pass)?,
-        "fp8 V^T writers d256 2k: in kernel and pre-pass differ"
-    );
-    // The d64 cell at 2k: its last 192-row tile per (sequence, head) leaves a warpgroup idle, so
-    // the default claims tiles through the atomic counter (Tuning::dynamic_tiles) beside the
-    // kernel's V^T writer; the pre-pass with static strides gives the same bits.
+    same_bits(
+        &mut rng,
+        shape,
+        writers(o, true, 128),
+        writers(o, false, 128),
+        "fp8 V^T writers d256 2k (in kernel, pre-pass)",
+    )?;
+    // d64: its last 192-row tile per (sequence, head) leaves a warpgroup idle, so the default
+    // claims tiles through the atomic counter (Tuning::dynamic_tiles) beside the kernel's V^T
+    // writer; the pre-pass with static strides gives the same bits.
     let shape = AttnShape::new((8, 2048, 2048, 32, 32, 64, 64));
-    let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
-    let (q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Head, None)?;
     let o = Opts::new(shape.scale());
-    poison(&dev, shape.batch * shape.seqlen_q * shape.heads * shape.head_dim_v * 2)?;
-    let dynamic = fp8_builder(o, &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
     let strided = o.tuned(flash_attn3::Tuning {
         fp8_vt_in_kernel: Some(false),
         dynamic_tiles: Some(false),
         ..Default::default()
     });
-    poison(&dev, shape.batch * shape.seqlen_q * shape.heads * shape.head_dim_v * 2)?;
-    let strided = fp8_builder(strided, &q8, &k8, &v8).forward(&q8.data, &k8.data, &v8.data)?;
-    let dynamic_bits = bits(&dynamic)?;
-    assert!(
-        dynamic_bits.iter().all(|b| f32::from_bits(*b).is_finite()),
-        "fp8 d64 2k, tiles claimed through the counter: a non-finite output"
-    );
-    assert_eq!(
-        dynamic_bits,
-        bits(&strided)?,
-        "fp8 d64 2k: the counter's claims with the kernel's V^T and strided claims with the pre-pass differ"
-    );
+    same_bits(
+        &mut rng,
+        shape,
+        o,
+        strided,
+        "fp8 d64 2k (the counter's claims with the kernel's V^T, strided claims with the pre-pass)",
+    )?;
     for d in [64, 256] {
         let lens_k = [rng.odd_len(1, 90), 0, rng.odd_len(200, 400), rng.odd_len(60, 140)];
         let lens_q = [rng.odd_len(1, 100), 3, rng.odd_len(100, 200), 1];
