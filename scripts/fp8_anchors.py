@@ -27,7 +27,8 @@ Not anchors, and why (checked when this script was written):
     (flash-attn-4): CuTe-DSL JIT, needs nvidia-cutlass-dsl (far over the carry budget).
 
 Timing (TIMING=1, default): the grid of ../shared/anchors/anchors_bench.py (16k tokens, hidden 2048,
-heads = 2048/d, head dims HDIMS (64,128,256), seqlens SEQS (512..16384), causal and not), forward
+heads = 2048/d, head dims HDIMS (64,128,256), seqlens SEQS (512..16384), CAUSAL "0,1" (default: unmasked
+then causal; "0" or "1" for one), forward
 only, e4m3 inputs with every descale 1.0, CUDA events, median of 20 after 5 warmup; lines in
 anchors_bench.py's format (impl names fa3_fp8, cudnn_fp8; FLOPs 4*b*h*s*s*d, halved when causal).
 TIMING_MODE=sustained times as our Rust benchmark does by default instead (the mean of back-to-back
@@ -79,6 +80,7 @@ except ImportError:
 
 SEQS = [int(s) for s in os.environ.get("SEQS", "512,1024,2048,4096,8192,16384").split(",")]
 HDIMS = [int(s) for s in os.environ.get("HDIMS", "64,128,256").split(",")]
+CAUSAL = [c != "0" for c in os.environ.get("CAUSAL", "0,1").split(",")]  # as BENCH_CAUSAL: "0", "1" or both
 IMPLS = [s for s in os.environ.get("IMPLS", "fa3_fp8,cudnn_fp8").split(",") if s]
 TIMING = os.environ.get("TIMING", "1") != "0"
 TIMING_MODE = os.environ.get("TIMING_MODE", "events")  # or "sustained" (t_sustained)
@@ -141,7 +143,7 @@ def shapes():
         h = 2048 // d
         for s in SEQS:
             b = max(1, 16384 // s)
-            for causal in (False, True):
+            for causal in CAUSAL:
                 yield b, s, h, d, causal
 
 
