@@ -305,6 +305,35 @@ fn fp8_every_granularity_long_keys_and_gqa() -> Result<()> {
     Ok(())
 }
 
+/// Grids of two to four tiles per CTA (the other tests' grids fit one wave, but for the bit
+/// comparisons of fp8_v_transpose_in_kernel_matches_the_pre_pass), against the reference: each
+/// CTA's tile boundaries (the K/V ring and the turns running across tiles, O's stores issued
+/// under the next tile's first S, fp8 d256's two staging passes), with query lengths whose last
+/// tile leaves the second consumer warpgroup idle (d256: 1,050 = 8 · 128 + 26) or not, and causal
+/// tiles that see no key (sq > sk).
+#[test]
+fn fp8_several_tiles_per_cta() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-tiles");
+    for (d, causal, sq) in [
+        (256, false, 1050),
+        (256, true, 1000),
+        (128, false, 1100),
+        (64, true, 1500),
+    ] {
+        let shape = AttnShape::new((1, sq, rng.odd_len(260, 400), 48, 8, d, d));
+        let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
+        let o = if causal {
+            Opts::new(shape.scale()).causal()
+        } else {
+            Opts::new(shape.scale())
+        };
+        let what = format!("fp8 several tiles a CTA {shape:?} causal {causal} seed {}", rng.seed());
+        check_fp8((&q, &k, &v), Granularity::Head, o, DType::BF16, &what)?;
+    }
+    Ok(())
+}
+
 /// Scales that are not 1: inputs of very different magnitudes per head, and a softmax scale
 /// that is negative or zero (the descales fold into it).
 #[test]
