@@ -11,9 +11,9 @@
 #   --ncu    Nsight Compute on one launch of each (clocks left alone): elapsed cycles, warp
 #            instructions, tensor-pipe instructions, local-memory load sectors, DRAM bytes; ours
 #            also with V^T written by the pre-pass (BENCH_TUNING=fp8_vt=prepass, the pre-pass's
-#            own kernel not counted). Two lengths of one head dim give the per-key period p and
-#            each tile's fixed part B (elapsed = tiles per CTA · (B + keys · p); table and numbers
-#            in docs/kernels/forward-fp8.md, session 70)
+#            own kernel not counted); then, from the two shortest lengths of each head dim, the
+#            period p per 128 keys and each tile's fixed part B (elapsed = tiles per CTA · (B +
+#            keys · p); the numbers and what B holds: docs/kernels/forward-fp8.md, session 70)
 # Default: both. Env: HDIMS (default 64,128,256), SEQS (default 2048,16384), unmasked only.
 # Logs and the tables go to $OUT (the device tool brings it back) or /tmp/gpu-fp8-counts.
 set -uo pipefail
@@ -110,8 +110,9 @@ if ((NCU)); then
         done
     done
     python3 - "$LOGS" <<'EOF'
-import glob, os, re, sys
+import collections, glob, math, os, re, sys
 logs = sys.argv[1]
+cycles = collections.defaultdict(dict)
 cols = [("sm__cycles_elapsed.avg", "cycles", 1), ("sm__inst_executed.sum", "warp inst M", 1e6),
         ("sm__inst_executed_pipe_tensor_op_gmma.sum", "gmma inst M", 1e6),
         ("l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum", "local ld sectors M", 1e6),
@@ -127,5 +128,23 @@ for f in sorted(glob.glob(f"{logs}/ncu-*.log")):
     name = os.path.basename(f)[4:-4]
     if not vals: print(f"| {name} | no launch profiled (log: {f}) |"); continue
     print(f"| {name} | " + " | ".join(f"{vals.get(k, float('nan')) / div:.4g}" for k, _, div in cols) + " |")
+    kernel, d, s = name.rsplit("-", 2)
+    cycles[(kernel, int(d))][int(s)] = vals.get("sm__cycles_elapsed.avg")
+
+# Per kernel and head dim, from its two shortest lengths: elapsed = k · (B + keys · p), k the tiles
+# of the busiest CTA (the grid's tiles over 132 CTAs, rounded up; d64, whose 192-row tiles leave
+# a partial one per sequence and go through the atomic counter: the average), tiles of 192 query
+# rows at d64 and 128 otherwise (ours and FA3's; cuDNN's taken as 128 too).
+print("\n| kernel, head dim | p (cycles per 128 keys) | B (cycles per tile) |\n|---|---|---|")
+for (kernel, d), by_len in sorted(cycles.items()):
+    lens = sorted(s for s, c in by_len.items() if c)
+    if len(lens) < 2: continue
+    def per_tile(s):
+        rows = 192 if d == 64 else 128
+        tiles = math.ceil(s / rows) * (2048 // d) * max(1, 16384 // s)
+        return by_len[s] / (tiles / 132 if d == 64 else math.ceil(tiles / 132))
+    (s0, s1) = lens[:2]
+    p = (per_tile(s1) - per_tile(s0)) / (s1 - s0)
+    print(f"| {kernel} d{d} | {p * 128:.0f} | {per_tile(s0) - s0 * p:.0f} |")
 EOF
 fi
