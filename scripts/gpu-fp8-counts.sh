@@ -14,7 +14,8 @@
 #            own kernel not counted); then, from the two shortest lengths of each head dim, the
 #            period p per 128 keys and each tile's fixed part B (elapsed = tiles per CTA · (B +
 #            keys · p); the numbers and what B holds: docs/kernels/forward-fp8.md, session 70)
-# Default: both. Env: HDIMS (default 64,128,256), SEQS (default 2048,16384), unmasked only.
+# Default: both. Env: HDIMS (default 64,128,256), SEQS (default 2048,16384), unmasked only;
+# KERNELS (--ncu: default "ours prepass fa3 cudnn").
 # Logs and the tables go to $OUT (the device tool brings it back) or /tmp/gpu-fp8-counts.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -102,10 +103,15 @@ if ((NCU)); then
     one=(ncu --clock-control none --launch-skip 3 --launch-count 1 --metrics "$M" --kernel-name-base demangled)
     for d in ${HDIMS//,/ }; do
         for s in ${SEQS//,/ }; do
-            ours "$d" "$s" "" "${one[@]}" -k regex:flash_fwd_d >"$LOGS/ncu-ours-$d-$s.log" 2>&1
-            ours "$d" "$s" fp8_vt=prepass "${one[@]}" -k regex:flash_fwd_d >"$LOGS/ncu-prepass-$d-$s.log" 2>&1
-            anchor fa3_fp8 "$d" "$s" "${one[@]}" -k regex:FlashAttnFwdSm90 >"$LOGS/ncu-fa3-$d-$s.log" 2>&1
-            anchor cudnn_fp8 "$d" "$s" "${one[@]}" -k regex:sdpa >"$LOGS/ncu-cudnn-$d-$s.log" 2>&1
+            for kernel in ${KERNELS:-ours prepass fa3 cudnn}; do
+                case $kernel in
+                ours) ours "$d" "$s" "" "${one[@]}" -k regex:flash_fwd_d ;;
+                prepass) ours "$d" "$s" fp8_vt=prepass "${one[@]}" -k regex:flash_fwd_d ;;
+                fa3) anchor fa3_fp8 "$d" "$s" "${one[@]}" -k regex:FlashAttnFwdSm90 ;;
+                cudnn) anchor cudnn_fp8 "$d" "$s" "${one[@]}" -k regex:sdpa ;;
+                *) echo "gpu-fp8-counts: unknown kernel $kernel (ours, prepass, fa3, cudnn)" ;;
+                esac >"$LOGS/ncu-$kernel-$d-$s.log" 2>&1
+            done
             echo "ncu d$d $s done"
         done
     done
