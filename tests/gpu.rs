@@ -380,11 +380,7 @@ fn tuning_choices_agree_with_the_reference() -> Result<()> {
         ] {
             let shape = AttnShape::new((2, sq, rng.odd_len(100, 600), 8, 2, d, d));
             let (q, k, v) = shape.random_qkv(&mut rng, DType::BF16, &dev)?;
-            let o = if causal {
-                Opts::new(shape.scale()).causal()
-            } else {
-                Opts::new(shape.scale())
-            };
+            let o = Opts::new(shape.scale()).causal_if(causal);
             let what = format!("{tuning:?} {shape:?} causal {causal} seed {}", rng.seed());
             check_splits(&q, &k, &v, o.tuned(tuning), &[0], &what)?;
         }

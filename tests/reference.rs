@@ -60,6 +60,14 @@ impl Opts {
     pub fn causal(self) -> Self {
         Self { right: Some(0), ..self }
     }
+    /// `causal()` when `causal` is true, else unchanged.
+    pub fn causal_if(self, causal: bool) -> Self {
+        if causal {
+            self.causal()
+        } else {
+            self
+        }
+    }
     pub fn window(self, left: Option<usize>, right: Option<usize>) -> Self {
         Self { left, right, ..self }
     }

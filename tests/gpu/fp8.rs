@@ -293,11 +293,7 @@ fn fp8_every_granularity_long_keys_and_gqa() -> Result<()> {
             let d = rng.pick(&[64, 128, 256]);
             let shape = AttnShape::new((2, rng.odd_len(300, 700), rng.odd_len(700, 1500), 8, 2, d, d));
             let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
-            let o = if causal {
-                Opts::new(shape.scale()).causal()
-            } else {
-                Opts::new(shape.scale())
-            };
+            let o = Opts::new(shape.scale()).causal_if(causal);
             let what = format!("fp8 {shape:?} causal {causal} seed {}", rng.seed());
             check_fp8((&q, &k, &v), granularity, o, DType::BF16, &what)?;
         }
@@ -323,11 +319,7 @@ fn fp8_several_tiles_per_cta() -> Result<()> {
     ] {
         let shape = AttnShape::new((1, sq, rng.odd_len(260, 400), 48, 8, d, d));
         let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
-        let o = if causal {
-            Opts::new(shape.scale()).causal()
-        } else {
-            Opts::new(shape.scale())
-        };
+        let o = Opts::new(shape.scale()).causal_if(causal);
         let what = format!("fp8 several tiles a CTA {shape:?} causal {causal} seed {}", rng.seed());
         check_fp8((&q, &k, &v), Granularity::Head, o, DType::BF16, &what)?;
     }
@@ -403,11 +395,7 @@ fn fp8_varlen_with_empty_sequences() -> Result<()> {
         let (q8, k8, v8) = quantize_qkv((&q, &k, &v), granularity, None)?;
         let (qd, kd, vd) = (fp8::dequantize(&q8)?, fp8::dequantize(&k8)?, fp8::dequantize(&v8)?);
         for causal in [false, true] {
-            let o = if causal {
-                Opts::new(0.1).causal()
-            } else {
-                Opts::new(0.1)
-            };
+            let o = Opts::new(0.1).causal_if(causal);
             let (want, want_lse) = attention_ref_varlen(&qd, &kd, &vd, &cu_q, &cu_k, &o.reference())?;
             poison(&dev, want.elem_count() * 2)?;
             let (out, lse) = fp8_varlen_call(fp8_builder(o, &q8, &k8, &v8), (&q8, &k8, &v8), (&cu_q, &cu_k), &dev)?;
@@ -526,11 +514,7 @@ fn fp8_small_for_sanitizer() -> Result<()> {
     ] {
         let shape = AttnShape::new((1, 130, 260, 2, 1, d, d));
         let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
-        let o = if causal {
-            Opts::new(shape.scale()).causal()
-        } else {
-            Opts::new(shape.scale())
-        };
+        let o = Opts::new(shape.scale()).causal_if(causal);
         let o = o.tuned(flash_attn3::Tuning {
             fp8_d128_block_n: Some(keys),
             ..Default::default()
@@ -739,11 +723,7 @@ fn fp8_v_transpose_in_kernel_matches_the_pre_pass() -> Result<()> {
         let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
         let (q8, k8, v8) = quantize_qkv((&q, &k, &v), Granularity::Head, None)?;
         let (qd, kd, vd) = (fp8::dequantize(&q8)?, fp8::dequantize(&k8)?, fp8::dequantize(&v8)?);
-        let o = if causal {
-            Opts::new(shape.scale()).causal()
-        } else {
-            Opts::new(shape.scale())
-        };
+        let o = Opts::new(shape.scale()).causal_if(causal);
         let (want, _) = attention_ref(&qd, &kd, &vd, &o.reference())?;
         let what = format!(
             "fp8 V^T writers d{d} causal {causal} {block_n}-key blocks {sq}x{sk} seed {}",
