@@ -90,7 +90,7 @@ struct BlockPages {
 };
 
 template <class Tr> __device__ __forceinline__ bool few_block_pages(const FwdParams& p) {
-    return p.page_table != nullptr && 2 * p.page_box_rows >= Tr::kBlockN;
+    return Tr::kServesCache && p.page_table != nullptr && 2 * p.page_box_rows >= Tr::kBlockN;
 }
 
 template <class Tr> __device__ __forceinline__ BlockPages lookup_block_pages(const FwdParams& p, int n, const TileInfo& t) {
@@ -117,7 +117,7 @@ __device__ __forceinline__ void issue_block_pages(const FwdParams& p, const TmaD
 template <class Tr>
 __device__ __forceinline__ void load_kv_block(const FwdParams& p, const TmaDesc* desc, typename Tr::Elem* dst,
                                               uint64_t* bar, int n, const TileInfo& t) {
-    if (p.page_table != nullptr) {
+    if (Tr::kServesCache && p.page_table != nullptr) {
         load_paged_rows<Tr>(p, desc, dst, bar, n, t);
     } else {
         load_tile_rows<Tr>(desc, dst, bar, Tr::kBlockN, t.k_row0 + n * Tr::kBlockN, t.kv_head, t.kv_batch);

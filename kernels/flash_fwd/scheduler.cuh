@@ -110,7 +110,7 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
         t.out_tok0 = (int64_t)t.batch * p.seqlen_q;
         t.lse_row0 = (int64_t)t.batch * p.lse_batch_stride + (int64_t)t.head * p.lse_head_stride;
     }
-    if (p.seqused_k != nullptr) {
+    if (Tr::kServesCache && p.seqused_k != nullptr) {
         // A KV cache's key count, clamped to what the cache holds; its keys start at the cache
         // row's (or page table's) first. Varlen queries over a cache come with cu_k = cu_q (the
         // host's), whose key fields this replaces, and a contiguous cache's rows through
@@ -120,7 +120,7 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
         t.k_row0 = 0;
     }
     t.kv_batch = t.tma_batch;
-    if (p.kv_batch_idx != nullptr) t.kv_batch = (int)p.kv_batch_idx[t.batch];
+    if (Tr::kServesCache && p.kv_batch_idx != nullptr) t.kv_batch = (int)p.kv_batch_idx[t.batch];
     int m0 = t.m_block * p.q_tile_queries;
     if (m0 >= t.seqlen_q) return false;
     int m1 = min(m0 + p.q_tile_queries, t.seqlen_q) - 1;

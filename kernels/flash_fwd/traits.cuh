@@ -27,6 +27,12 @@ struct FwdTraits {
     // descales, and write a 16-bit output. docs/kernels/forward-fp8.md.
     static constexpr bool kFp8 = kDtype_ == DT_E4M3;
     static constexpr bool kTransposeV = kFp8 && kTransposeV_;
+    // Whether the kernel may serve a KV-cache call (a page table, key counts per sequence, cache
+    // rows). fp8 cache calls take the kTransposeV kernels (forward.rs pick_fp8), so the other fp8
+    // kernels compile the cache paths out: with them, ptxas spilled 308 / 520 bytes at d256, 188 /
+    // 316 at d128 on 256 keys and 136 / 248 at d64 on three warpgroups; without, 156 / 240, 56 / 76
+    // and 84 / 128 (docs/kernels/forward-fp8.md, session 70).
+    static constexpr bool kServesCache = !kFp8 || kTransposeV;
     static constexpr int kElemBytes = kFp8 ? 1 : 2;
     using Elem = typename std::conditional<kFp8, uint8_t, uint16_t>::type;
     static constexpr int kBlockM = 64 * kConsumerWGs;  // query rows per tile
