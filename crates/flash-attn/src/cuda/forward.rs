@@ -562,6 +562,11 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         )?,
         None => Variant::pick(dims.head_dim, dims.head_dim_v, uneven || pack_gqa, dims.seqlen_q, rows)?,
     };
+    // Only the fp8 kernels that transpose V tiles themselves compile the KV-cache paths (page
+    // table, key counts, cache rows; `FwdTraits::kServesCache`): the others would ignore them.
+    if variant.fp8 && cache.is_some() && !variant.transpose_v {
+        bail!("flash-attn3: internal error: an fp8 KV-cache call picked a kernel without the cache paths")
+    }
     // 16-bit decode tiles (a sequence's rows within one warpgroup's 64) on one consumer warpgroup
     // at two CTAs per SM where that measured faster (`decode_on_one_warpgroup`).
     let sms = sm_count(&dev)?;
