@@ -36,7 +36,7 @@ __device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInf
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             int i, head;
-            row_position(p, t, row_in_tile + 8 * h, i, head);
+            row_position<Tr>(p, t, row_in_tile + 8 * h, i, head);
             if (i >= t.seqlen_q) continue;
             uint16_t* out = reinterpret_cast<uint16_t*>(p.out) + (t.out_tok0 + i) * p.out_row_stride +
                             (int64_t)head * p.head_dim_v;
@@ -54,7 +54,7 @@ __device__ __forceinline__ void store_o_direct(const FwdParams& p, const TileInf
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             int i, head;
-            row_position(p, t, row_in_tile + 8 * h, i, head);
+            row_position<Tr>(p, t, row_in_tile + 8 * h, i, head);
             const bool row_in_sequence = i < t.seqlen_q;  // the same for the quad's four lanes
             uint16_t* out = reinterpret_cast<uint16_t*>(p.out) + (t.out_tok0 + i) * p.out_row_stride +
                             (int64_t)head * p.head_dim_v;
@@ -87,7 +87,7 @@ __device__ __forceinline__ void store_split_partial(const FwdParams& p, const Ti
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         int i, head;
-        row_position(p, t, row_in_tile + 8 * h, i, head);
+        row_position<Tr>(p, t, row_in_tile + 8 * h, i, head);
         if (i >= t.seqlen_q) continue;
         const int64_t row = ((int64_t)t.split * p.total_q + t.out_tok0 + i) * p.heads + head;
         float* dst = p.o_accum + row * p.head_dim_v;
@@ -146,7 +146,7 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
                                          const float (&lse)[2], int wg, int tid, int row_in_tile, int quad_lane,
                                          PendingStore& pending, int tc = -1) {
     trace_fine(wg + 1, tc, 0);
-    if (p.num_splits.d > 1) {
+    if (is_split<Tr>(p)) {
         if (Tr::kClusterCombine && p.cluster_combine) {
             cluster_combine<Tr>(p, s, t, o, inv_sum, lse, wg, tid, row_in_tile, quad_lane);
         } else {
@@ -156,7 +156,7 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
     }
     const int wg_row0 = t.m_block * Tr::kBlockM + wg * 64;  // first query row of this warpgroup
     const bool tma_store =
-        Tr::kTmaStoreO && !p.direct_store && !p.pack_gqa && (p.cu_q == nullptr || wg_row0 + 64 <= t.seqlen_q);
+        Tr::kTmaStoreO && !stores_direct<Tr>(p) && !packs_gqa<Tr>(p) && (!is_varlen<Tr>(p) || wg_row0 + 64 <= t.seqlen_q);
     if (tma_store) {
         const int bar = epilogue_barrier(wg);
         // The staging rows are free once this warpgroup's previous store has read them (issued
@@ -230,7 +230,7 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             int i, head;
-            row_position(p, t, row_in_tile + 8 * h, i, head);
+            row_position<Tr>(p, t, row_in_tile + 8 * h, i, head);
             if (i < t.seqlen_q) p.lse[t.lse_row0 + (int64_t)(head - t.head) * p.lse_head_stride + i] = lse[h];
         }
     }

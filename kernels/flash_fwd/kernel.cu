@@ -125,7 +125,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
                 const int row = (wg - 1) * 64 + warp * 16 + lane / 4;
                 const float inv[2] = {0.f, 0.f};
                 float lse[2];
-                row_sinks_log2(p, t, row, lse);
+                row_sinks_log2<Tr>(p, t, row, lse);
                 lse[0] *= 0.69314718055994531f;
                 lse[1] *= 0.69314718055994531f;
                 epilogue<Tr>(p, s, t, o, inv, lse, wg - 1, tid, row, lane % 4, pending);

@@ -253,7 +253,7 @@ __device__ void producer_tile(const FwdParams& p, SharedStorage<Tr>& s, const Ti
     trace_edge(0, tc, 1);
     mbar_arrive_expect_tx(&s.bar_q[qs], p.q_tile_bytes);
     const int q_row = t.q_row0 + t.m_block * p.q_tile_queries;
-    if (p.pack_gqa) {
+    if (packs_gqa<Tr>(p)) {
         // Boxes of (column block, group heads, q_tile_queries tokens): rows in the order
         // (token, head in group), i.e. tile row r = token * group + head.
 #pragma unroll

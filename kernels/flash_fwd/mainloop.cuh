@@ -32,12 +32,12 @@ struct RowMask {
 // The visible keys of the thread's rows (tile rows row_in_tile and + 8): held across the key loop,
 // or (FwdTraits::kRowMaskPerBlock) made again at each boundary block, four registers fewer next
 // to S, P and O.
-__device__ __forceinline__ RowMask row_mask(const FwdParams& p, const TileInfo& t, int row_in_tile) {
+template <class Tr> __device__ __forceinline__ RowMask row_mask(const FwdParams& p, const TileInfo& t, int row_in_tile) {
     RowMask rm;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         int query, head;
-        row_position(p, t, row_in_tile + 8 * h, query, head);
+        row_position<Tr>(p, t, row_in_tile + 8 * h, query, head);
         key_range(p, query, t.seqlen_q, t.seqlen_k, rm.lo[h], rm.hi[h]);
     }
     return rm;
@@ -185,10 +185,10 @@ struct TileScales {
 template <class Tr>
 __device__ __forceinline__ TileScales tile_scales(const FwdParams& p, const TileInfo& t, int wg) {
     TileScales ts;
-    const int q_blocks = max(p.q_descale_blocks, 1), k_blocks = max(p.k_descale_blocks, 1);
+    const int q_blocks = max(q_descale_blocks<Tr>(p), 1), k_blocks = max(k_descale_blocks<Tr>(p), 1);
     // A warpgroup whose rows all lie past the sequence's end (the last tile) reads the last
     // block's descale: its rows are never stored.
-    const int q_block = p.q_descale_blocks > 0 ? min(t.m_block * Tr::kConsumerWGs + wg, p.q_descale_blocks - 1) : 0;
+    const int q_block = q_descale_blocks<Tr>(p) > 0 ? min(t.m_block * Tr::kConsumerWGs + wg, q_blocks - 1) : 0;
     const int q_head = p.q_descale_per_kv_head ? t.kv_head : t.head;
     float qk = p.q_descale == nullptr
                    ? 1.f
@@ -196,16 +196,16 @@ __device__ __forceinline__ TileScales tile_scales(const FwdParams& p, const Tile
     ts.k_block_descale = nullptr;
     if (p.k_descale != nullptr) {
         const float* k_descale = p.k_descale + (int64_t)t.batch * p.k_descale_batch_stride + t.kv_head * k_blocks;
-        if (p.k_descale_blocks > 0) {
+        if (k_descale_blocks<Tr>(p) > 0) {
             ts.k_block_descale = k_descale;
         } else {
             qk *= *k_descale;
         }
     }
     ts.v_descale = p.v_descale == nullptr ? 1.f : p.v_descale[(int64_t)t.batch * p.v_descale_batch_stride + t.kv_head];
-    ts.softcap_pre = p.softcap_pre * qk;
+    ts.softcap_pre = softcap_pre<Tr>(p) * qk;
     ts.negate = p.negate ^ (qk < 0.f);
-    ts.scale_log2 = p.softcap_pre != 0.f ? p.scale_log2 : fmaxf(p.scale_log2 * fabsf(qk), 1e-30f);
+    ts.scale_log2 = softcap_pre<Tr>(p) != 0.f ? p.scale_log2 : fmaxf(p.scale_log2 * fabsf(qk), 1e-30f);
     return ts;
 }
 
@@ -258,21 +258,21 @@ template <class Tr>
 __device__ __forceinline__ float prepare_scores(const FwdParams& p, const TileScales& ts, const TileInfo& t,
                                                 const RowMask& held_mask, int row_in_tile, float (&sc)[Tr::kSRegs],
                                                 int n, int quad_lane) {
-    float softcap_pre = p.softcap_pre;
+    float softcap = softcap_pre<Tr>(p);
     if constexpr (Tr::kFp8) {
         if (ts.k_block_descale != nullptr) scale_by_k_blocks<Tr>(p, sc, ts, n);
-        softcap_pre = ts.softcap_pre;
+        softcap = ts.softcap_pre;
     }
-    if (p.softcap_pre != 0.f) {
+    if (softcap_pre<Tr>(p) != 0.f) {
 #pragma unroll
-        for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = tanhf(sc[i] * softcap_pre);
+        for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = tanhf(sc[i] * softcap);
     } else if (scores_negate<Tr>(p, ts)) {
 #pragma unroll
         for (int i = 0; i < Tr::kSRegs; ++i) sc[i] = -sc[i];
     }
     const int k0 = n * Tr::kBlockN;
     if (!(k0 >= t.full_lo && k0 + Tr::kBlockN <= t.full_hi)) {
-        apply_mask(sc, Tr::kRowMaskPerBlock ? row_mask(p, t, row_in_tile) : held_mask, k0, 2 * quad_lane);
+        apply_mask(sc, Tr::kRowMaskPerBlock ? row_mask<Tr>(p, t, row_in_tile) : held_mask, k0, 2 * quad_lane);
     }
     return scores_scale_log2<Tr>(p, ts);
 }
@@ -288,7 +288,7 @@ struct PlainBlocks {
 };
 template <class Tr>
 __device__ __forceinline__ PlainBlocks plain_blocks(const FwdParams& p, const TileScales& ts, const TileInfo& t) {
-    bool tile_plain = p.softcap_pre == 0.f && !scores_negate<Tr>(p, ts);
+    bool tile_plain = softcap_pre<Tr>(p) == 0.f && !scores_negate<Tr>(p, ts);
     if constexpr (Tr::kFp8) tile_plain = tile_plain && ts.k_block_descale == nullptr;
     // Blocks n with n·kBlockN >= full_lo and (n + 1)·kBlockN <= full_hi.
     const int lo = (t.full_lo + Tr::kBlockN - 1) / Tr::kBlockN, end = t.full_hi / Tr::kBlockN;
@@ -345,7 +345,7 @@ __device__ __forceinline__ void probs_to_a_operand(const float (&sc)[Tr::kSRegs]
 template <class Tr> __device__ __forceinline__ bool rows_past_end(const FwdParams& p, const TileInfo& t, int wg) {
     if constexpr (Tr::kConsumerWGs == 1) return false;  // a tile exists only where its first row does
     int query, head;
-    row_position(p, t, wg * 64, query, head);
+    row_position<Tr>(p, t, wg * 64, query, head);
     return query >= t.seqlen_q;
 }
 
@@ -408,7 +408,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     trace_edge(wg + 1, tc, 0);
 
     RowMask held_mask;  // unused with kRowMaskPerBlock
-    if constexpr (!Tr::kRowMaskPerBlock) held_mask = row_mask(p, t, row_in_tile);
+    if constexpr (!Tr::kRowMaskPerBlock) held_mask = row_mask<Tr>(p, t, row_in_tile);
 
     float o[Tr::kORegs];
 #pragma unroll
@@ -426,7 +426,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
     unsigned live = 3u;
     if constexpr (Tr::kSkipPaddingRows) {
         const int queries = min(p.q_tile_queries, t.seqlen_q - t.m_block * p.q_tile_queries);
-        const int real_rows = p.pack_gqa ? queries * p.group.d : queries;
+        const int real_rows = packs_gqa<Tr>(p) ? queries * p.group.d : queries;
         const int r0 = wg * 64 + warp * 16;
         live = (r0 < real_rows ? 1u : 0u) | (r0 + 8 < real_rows ? 2u : 0u);
     }
@@ -553,7 +553,7 @@ __device__ void consumer_pingpong(const FwdParams& p, SharedStorage<Tr>& s, cons
         if (pingpong) named_barrier_arrive(next_bar, kBoth);
         // The row sums' reduction and the LSE need only the softmax state: under the tail P·V.
         float sink_log2[2];
-        row_sinks_log2(p, t, row_in_tile, sink_log2);
+        row_sinks_log2<Tr>(p, t, row_in_tile, sink_log2);
         if constexpr (Tr::kFp8) {
             softmax.finalize(inv_sum, lse, sink_log2);
             inv_sum[0] *= ts.v_descale;
@@ -632,7 +632,7 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
     const bool pingpong = takes_turns<Tr>(solo_consumer<Tr>(p));
 
     RowMask held_mask;
-    if constexpr (!Tr::kRowMaskPerBlock) held_mask = row_mask(p, t, row_in_tile);
+    if constexpr (!Tr::kRowMaskPerBlock) held_mask = row_mask<Tr>(p, t, row_in_tile);
     float o[Tr::kORegs];
 #pragma unroll
     for (int i = 0; i < Tr::kORegs; ++i) o[i] = 0.f;
@@ -727,7 +727,7 @@ __device__ void consumer_serial(const FwdParams& p, SharedStorage<Tr>& s, const 
 
     float inv_sum[2], lse[2];
     float sink_log2[2];
-    row_sinks_log2(p, t, row_in_tile, sink_log2);
+    row_sinks_log2<Tr>(p, t, row_in_tile, sink_log2);
     if constexpr (Tr::kFp8) {
         softmax.finalize(inv_sum, lse, sink_log2);
         inv_sum[0] *= ts.v_descale;

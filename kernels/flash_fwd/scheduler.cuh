@@ -24,6 +24,7 @@
 #include "../primitives/mbarrier.cuh"
 #include "../primitives/trace.cuh"
 #include "../primitives/warp.cuh"
+#include "options.cuh"
 #include "params.cuh"
 #include "tile_info.cuh"
 #include "traits.cuh"
@@ -45,9 +46,9 @@ __device__ __forceinline__ int num_tiles(const FwdParams& p) {
 
 // Tile row r -> its query (index in the sequence) and q head. Rows past the last packed query
 // group get query = seqlen_q, i.e. past the end: never stored.
-__device__ __forceinline__ void row_position(const FwdParams& p, const TileInfo& t, int r, int& query, int& head) {
+template <class Tr> __device__ __forceinline__ void row_position(const FwdParams& p, const TileInfo& t, int r, int& query, int& head) {
     const int m0 = t.m_block * p.q_tile_queries;
-    if (p.pack_gqa) {
+    if (packs_gqa<Tr>(p)) {
         int head_in_group;
         const int q = p.group.divmod(r, head_in_group);
         query = q < p.q_tile_queries ? m0 + q : t.seqlen_q;
@@ -60,13 +61,13 @@ __device__ __forceinline__ void row_position(const FwdParams& p, const TileInfo&
 
 // The attention-sink logits (log2 units) of this thread's two rows, tile rows r and r + 8: -inf
 // without sinks, and for split-KV partials (the combine adds the sink once).
-__device__ __forceinline__ void row_sinks_log2(const FwdParams& p, const TileInfo& t, int r, float (&z)[2]) {
+template <class Tr> __device__ __forceinline__ void row_sinks_log2(const FwdParams& p, const TileInfo& t, int r, float (&z)[2]) {
     z[0] = z[1] = -INFINITY;
-    if (p.sinks == nullptr || p.num_splits.d > 1) return;
+    if (p.sinks == nullptr || is_split<Tr>(p)) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         int query, head;
-        row_position(p, t, r + 8 * h, query, head);
+        row_position<Tr>(p, t, r + 8 * h, query, head);
         z[h] = p.sinks[head] * 1.4426950408889634f;
     }
 }
@@ -78,21 +79,23 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
     // running at the same time read (heads inner over all heads streamed them from HBM and ran up
     // to 25% slower at seqlen 512, version 4).
     int in_section, hb_in_section, tile_head;
-    const int share = p.num_splits.divmod(tile, t.split);
+    int share = tile;
+    t.split = 0;
+    if (!Tr::kPlain) share = p.num_splits.divmod(tile, t.split);  // (one split: share = tile)
     const int section = p.l2_section_tiles.divmod(share, in_section);
     const FastDiv& pairs = section < p.l2_full_sections ? p.l2_section : p.l2_last_section;
     const int m_rev = pairs.divmod(in_section, hb_in_section);
     const int hb = section * p.l2_section.d + hb_in_section;
     t.m_block = p.num_m_blocks.d - 1 - m_rev;
     t.batch = p.tile_heads.divmod(hb, tile_head);
-    if (p.pack_gqa) {  // a tile covers every q head of its kv head; t.head is the first
+    if (packs_gqa<Tr>(p)) {  // a tile covers every q head of its kv head; t.head is the first
         t.kv_head = tile_head;
         t.head = t.kv_head * p.group.d;
     } else {
         t.head = tile_head;
         t.kv_head = p.group.div(t.head);
     }
-    if (p.cu_q != nullptr) {
+    if (is_varlen<Tr>(p)) {
         int q0 = (int)p.cu_q[t.batch], k0 = (int)p.cu_k[t.batch];
         t.seqlen_q = (int)p.cu_q[t.batch + 1] - q0;
         t.seqlen_k = (int)p.cu_k[t.batch + 1] - k0;
@@ -133,7 +136,7 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
     t.n_max = hi1 > lo0 ? (hi1 + Tr::kBlockN - 1) / Tr::kBlockN : t.n_min;
     t.full_lo = lo1;
     t.full_hi = hi0;
-    if (p.num_splits.d > 1) {
+    if (is_split<Tr>(p)) {
         // The split's share of the tile's key blocks; a share past the end is empty (n_max ==
         // n_min) and stores a zero partial with LSE -inf, which the combine weighs 0.
         const int per_split = p.num_splits.div(t.n_max - t.n_min + p.num_splits.d - 1);

@@ -14,9 +14,10 @@ namespace fa3 {
 // shared memory by the kernel (transpose_v.cuh), instead of V^T from the pre-pass.
 // kClusterCombine: split-KV shares merged in a thread-block cluster (cluster_combine.cuh), in
 // kernels of their own. kPageWarp: small-page caches' page indices looked up by a warp of their
-// own (load.cuh page_warp), in kernels of their own.
+// own (load.cuh page_warp), in kernels of their own. kPlain (fp8): the options of options.cuh
+// compiled out, for the calls without them.
 template <int kHeadDim_, int kBlockN_, int kDtype_, int kConsumerWGs_ = 2, bool kTransposeV_ = false,
-          bool kClusterCombine_ = false, bool kPageWarp_ = false>
+          bool kClusterCombine_ = false, bool kPageWarp_ = false, bool kPlain_ = false>
 struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockN = kBlockN_;
@@ -27,12 +28,20 @@ struct FwdTraits {
     // descales, and write a 16-bit output. docs/kernels/forward-fp8.md.
     static constexpr bool kFp8 = kDtype_ == DT_E4M3;
     static constexpr bool kTransposeV = kFp8 && kTransposeV_;
+    // A plain kernel (options.cuh) reads pack-GQA, varlen, split-KV, softcap, direct stores and
+    // per-block descales as off, and serves no cache either. (-DFA3_EXP_FP8_PLAIN: every fp8
+    // kernel but the kTransposeV ones plain, for an A/B of the unmasked and causal grid only.)
+#ifdef FA3_EXP_FP8_PLAIN
+    static constexpr bool kPlain = kFp8 && !kTransposeV;
+#else
+    static constexpr bool kPlain = kFp8 && kPlain_;
+#endif
     // Whether the kernel may serve a KV-cache call (a page table, key counts per sequence, cache
     // rows). fp8 cache calls take the kTransposeV kernels (forward.rs pick_fp8), so the other fp8
     // kernels compile the cache paths out: with them, ptxas spilled 308 / 520 bytes at d256, 188 /
     // 316 at d128 on 256 keys and 136 / 248 at d64 on three warpgroups; without, 156 / 240, 56 / 76
-    // and 84 / 128 (docs/kernels/forward-fp8.md, session 70).
-    static constexpr bool kServesCache = !kFp8 || kTransposeV;
+    // and 84 / 128, at the same speed (docs/kernels/forward-fp8.md, sessions 70-71).
+    static constexpr bool kServesCache = (!kFp8 || kTransposeV) && !kPlain;
     static constexpr int kElemBytes = kFp8 ? 1 : 2;
     using Elem = typename std::conditional<kFp8, uint8_t, uint16_t>::type;
     static constexpr int kBlockM = 64 * kConsumerWGs;  // query rows per tile
