@@ -61,6 +61,19 @@ FA3_FWD_KERNEL_WG(flash_fwd_d64x3_e4m3, 64, 128, fa3::DT_E4M3, 3)
 FA3_FWD_KERNEL(flash_fwd_d128_e4m3, 128, 128, fa3::DT_E4M3)
 FA3_FWD_KERNEL(flash_fwd_d128_n256_e4m3, 128, 256, fa3::DT_E4M3)
 FA3_FWD_KERNEL(flash_fwd_d256_e4m3, 256, 128, fa3::DT_E4M3)
+// The same five without pack-GQA, varlen, split-KV, softcap, direct stores and per-block descales
+// (options.cuh, FwdTraits::kPlain), for the calls that use none of them (forward.rs,
+// OwnKernel::Plain): unmasked, causal and windowed fixed-length calls with one descale per head.
+// Those paths cost the general kernels a tile's worth of fixed time (spills and 2-2.5x the SASS);
+// without them, H200: +8-11% at 512 tokens, +2-5% at 2k, within noise from 8k
+// (docs/kernels/forward-fp8.md, version 19).
+#define FA3_FWD_KERNEL_FP8_PLAIN(NAME, D, BN, WGS) \
+    FA3_FWD_KERNEL_OF(NAME, WGS, fa3::FwdTraits<D, BN, fa3::DT_E4M3, WGS, false, false, false, true>)
+FA3_FWD_KERNEL_FP8_PLAIN(flash_fwd_d64_e4m3_plain, 64, 128, 2)
+FA3_FWD_KERNEL_FP8_PLAIN(flash_fwd_d64x3_e4m3_plain, 64, 128, 3)
+FA3_FWD_KERNEL_FP8_PLAIN(flash_fwd_d128_e4m3_plain, 128, 128, 2)
+FA3_FWD_KERNEL_FP8_PLAIN(flash_fwd_d128_n256_e4m3_plain, 128, 256, 2)
+FA3_FWD_KERNEL_FP8_PLAIN(flash_fwd_d256_e4m3_plain, 256, 128, 2)
 
 // FP8 over KV caches (flash_attn_with_kvcache): V as the cache holds it, contiguous or paged,
 // transposed in shared memory (transpose_v.cuh) instead of by a pre-pass over the whole cache.

@@ -29,13 +29,9 @@ struct FwdTraits {
     static constexpr bool kFp8 = kDtype_ == DT_E4M3;
     static constexpr bool kTransposeV = kFp8 && kTransposeV_;
     // A plain kernel (options.cuh) reads pack-GQA, varlen, split-KV, softcap, direct stores and
-    // per-block descales as off, and serves no cache either. (-DFA3_EXP_FP8_PLAIN: every fp8
-    // kernel but the kTransposeV ones plain, for an A/B of the unmasked and causal grid only.)
-#ifdef FA3_EXP_FP8_PLAIN
-    static constexpr bool kPlain = kFp8 && !kTransposeV;
-#else
+    // per-block descales as off, and serves no cache either: the fp8 `_plain` kernels, which the
+    // host picks for calls without those options (forward.rs, OwnKernel::Plain).
     static constexpr bool kPlain = kFp8 && kPlain_;
-#endif
     // Whether the kernel may serve a KV-cache call (a page table, key counts per sequence, cache
     // rows). fp8 cache calls take the kTransposeV kernels (forward.rs pick_fp8), so the other fp8
     // kernels compile the cache paths out: with them, ptxas spilled 308 / 520 bytes at d256, 188 /

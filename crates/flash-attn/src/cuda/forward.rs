@@ -165,6 +165,13 @@ enum OwnKernel {
     /// A small-page cache's page indices looked up by the page warp (`fa3::FwdTraits::kPageWarp`,
     /// the `_pw` kernels).
     PageWarp,
+    /// The other way round: fp8 calls without pack-GQA, varlen, split-KV, softcap, direct stores,
+    /// per-block descales or a cache, on kernels with those paths compiled out
+    /// (`fa3::FwdTraits::kPlain`, kernels/flash_fwd/options.cuh, the `_plain` kernels). With
+    /// them, the fp8 kernels had 2-2.5x the SASS and spilled; without, H200, same calls
+    /// (docs/kernels/forward-fp8.md, version 19): +8-11% at 512 tokens, +2-5% at 2k, within noise
+    /// from 8k.
+    Plain,
 }
 
 impl Variant {
@@ -345,8 +352,21 @@ impl Variant {
     }
 
     /// This variant's instantiation of a kind of its own ([`OwnKernel`]), if there is one: 16
-    /// bits, two consumer warpgroups, head dims 64 and 128. Same shared-memory layout.
+    /// bits, two consumer warpgroups, head dims 64 and 128 (plain: every fp8 kernel that serves
+    /// no cache). Same shared-memory layout.
     fn own_kernel_name(&self, dtype: DType, kind: OwnKernel) -> Option<&'static str> {
+        if let OwnKernel::Plain = kind {
+            if !self.fp8 || self.transpose_v {
+                return None;
+            }
+            return Some(match self.head_dim {
+                64 if self.consumer_wgs == 3 => "flash_fwd_d64x3_e4m3_plain",
+                64 => "flash_fwd_d64_e4m3_plain",
+                128 if self.block_n == 256 => "flash_fwd_d128_n256_e4m3_plain",
+                128 => "flash_fwd_d128_e4m3_plain",
+                _ => "flash_fwd_d256_e4m3_plain",
+            });
+        }
         if self.fp8 || self.consumer_wgs != 2 {
             return None;
         }
@@ -364,6 +384,7 @@ impl Variant {
                 "flash_fwd_d64_f16_pw",
                 "flash_fwd_d128_f16_pw",
             ],
+            OwnKernel::Plain => unreachable!("handled above"),
         };
         let head_dim = match self.head_dim {
             64 => 0,
@@ -750,10 +771,20 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         }
         _ => None,
     };
-    let name = match (&cluster_kernel, &page_maps) {
-        (Some((cluster, _)), _) => *cluster,
-        (None, Some(pw)) => pw.name,
-        (None, None) => variant.kernel_name(dtype),
+    // An fp8 call that uses none of the options the plain kernels compile out.
+    let plain_call = fp8.is_some_and(|f| f.q_blocks == 0 && f.k_blocks == 0)
+        && cache.is_none()
+        && varlen.is_none()
+        && !pack_gqa
+        && splits == 1
+        && params.softcap.is_none()
+        && !tuning.direct_store;
+    let plain_kernel = variant.own_kernel_name(dtype, OwnKernel::Plain).filter(|_| plain_call);
+    let name = match (&cluster_kernel, &page_maps, plain_kernel) {
+        (Some((cluster, _)), _, _) => *cluster,
+        (None, Some(pw), _) => pw.name,
+        (None, None, Some(plain)) => plain,
+        (None, None, None) => variant.kernel_name(dtype),
     };
     // The kernel's own shared-memory size (kernels/smem_table.cpp, measured by the build).
     let smem = attention_smem(name)?;
@@ -1102,7 +1133,7 @@ mod tests {
             }
         }
         for (v, dtype) in picked {
-            let own = [OwnKernel::ClusterMerge, OwnKernel::PageWarp].map(|kind| v.own_kernel_name(dtype, kind));
+            let own = [OwnKernel::ClusterMerge, OwnKernel::PageWarp, OwnKernel::Plain].map(|kind| v.own_kernel_name(dtype, kind));
             for name in own.into_iter().flatten().chain([v.kernel_name(dtype)]) {
                 let smem = attention_smem(name).unwrap_or_else(|e| panic!("{name}: {e}"));
                 assert!(smem > 1024 && smem <= 227 * 1024, "{name}: {smem} bytes");
