@@ -188,7 +188,7 @@ __device__ __forceinline__ TileScales tile_scales(const FwdParams& p, const Tile
     const int q_blocks = max(q_descale_blocks<Tr>(p), 1), k_blocks = max(k_descale_blocks<Tr>(p), 1);
     // A warpgroup whose rows all lie past the sequence's end (the last tile) reads the last
     // block's descale: its rows are never stored.
-    const int q_block = q_descale_blocks<Tr>(p) > 0 ? min(t.m_block * Tr::kConsumerWGs + wg, q_blocks - 1) : 0;
+    const int q_block = q_descale_blocks<Tr>(p) > 0 ? min(t.m_block * Tr::kConsumerWGs + wg, q_descale_blocks<Tr>(p) - 1) : 0;
     const int q_head = p.q_descale_per_kv_head ? t.kv_head : t.head;
     float qk = p.q_descale == nullptr
                    ? 1.f

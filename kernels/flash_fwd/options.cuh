@@ -11,30 +11,37 @@ namespace fa3 {
 
 // Pack-GQA: a tile holds the q heads of one kv head (FwdParams::pack_gqa).
 template <class Tr> __device__ __forceinline__ bool packs_gqa(const FwdParams& p) {
-    return !Tr::kPlain && p.pack_gqa != 0;
+    if constexpr (Tr::kPlain) return false;
+    else return p.pack_gqa != 0;
 }
 // Varlen: sequences addressed through cu_q / cu_k.
 template <class Tr> __device__ __forceinline__ bool is_varlen(const FwdParams& p) {
-    return !Tr::kPlain && p.cu_q != nullptr;
+    if constexpr (Tr::kPlain) return false;
+    else return p.cu_q != nullptr;
 }
 // Split-KV: a tile's key blocks shared by num_splits CTAs.
 template <class Tr> __device__ __forceinline__ bool is_split(const FwdParams& p) {
-    return !Tr::kPlain && p.num_splits.d > 1;
+    if constexpr (Tr::kPlain) return false;
+    else return p.num_splits.d > 1;
 }
 // Softcap (0: none).
 template <class Tr> __device__ __forceinline__ float softcap_pre(const FwdParams& p) {
-    return Tr::kPlain ? 0.f : p.softcap_pre;
+    if constexpr (Tr::kPlain) return 0.f;
+    else return p.softcap_pre;
 }
 // O stored from registers even where the TMA store applies (a tuning value).
 template <class Tr> __device__ __forceinline__ bool stores_direct(const FwdParams& p) {
-    return !Tr::kPlain && p.direct_store != 0;
+    if constexpr (Tr::kPlain) return false;
+    else return p.direct_store != 0;
 }
 // FP8 descales per block of query rows / keys (0: one per sequence and head).
 template <class Tr> __device__ __forceinline__ int q_descale_blocks(const FwdParams& p) {
-    return Tr::kPlain ? 0 : p.q_descale_blocks;
+    if constexpr (Tr::kPlain) return 0;
+    else return p.q_descale_blocks;
 }
 template <class Tr> __device__ __forceinline__ int k_descale_blocks(const FwdParams& p) {
-    return Tr::kPlain ? 0 : p.k_descale_blocks;
+    if constexpr (Tr::kPlain) return 0;
+    else return p.k_descale_blocks;
 }
 
 }  // namespace fa3

@@ -79,9 +79,13 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
     // running at the same time read (heads inner over all heads streamed them from HBM and ran up
     // to 25% slower at seqlen 512, version 4).
     int in_section, hb_in_section, tile_head;
-    int share = tile;
-    t.split = 0;
-    if (!Tr::kPlain) share = p.num_splits.divmod(tile, t.split);  // (one split: share = tile)
+    int share;
+    if constexpr (Tr::kPlain) {  // one split (options.cuh)
+        share = tile;
+        t.split = 0;
+    } else {
+        share = p.num_splits.divmod(tile, t.split);
+    }
     const int section = p.l2_section_tiles.divmod(share, in_section);
     const FastDiv& pairs = section < p.l2_full_sections ? p.l2_section : p.l2_last_section;
     const int m_rev = pairs.divmod(in_section, hb_in_section);
