@@ -1133,7 +1133,8 @@ mod tests {
             }
         }
         for (v, dtype) in picked {
-            let own = [OwnKernel::ClusterMerge, OwnKernel::PageWarp, OwnKernel::Plain].map(|kind| v.own_kernel_name(dtype, kind));
+            let own = [OwnKernel::ClusterMerge, OwnKernel::PageWarp, OwnKernel::Plain]
+                .map(|kind| v.own_kernel_name(dtype, kind));
             for name in own.into_iter().flatten().chain([v.kernel_name(dtype)]) {
                 let smem = attention_smem(name).unwrap_or_else(|e| panic!("{name}: {e}"));
                 assert!(smem > 1024 && smem <= 227 * 1024, "{name}: {smem} bytes");
