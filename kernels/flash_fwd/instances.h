@@ -65,7 +65,7 @@ FA3_FWD_KERNEL(flash_fwd_d256_e4m3, 256, 128, fa3::DT_E4M3)
 // (options.cuh, FwdTraits::kPlain), for the calls that use none of them (forward.rs,
 // OwnKernel::Plain): unmasked, causal and windowed fixed-length calls with one descale per head.
 // Those paths cost the general kernels a tile's worth of fixed time (spills and 2-2.5x the SASS);
-// without them, H200: +8-11% at 512 tokens, +2-5% at 2k, within noise from 8k
+// without them, H200: +8-13% at 512 tokens, +1-5% at 2k, 0-4% from 4k
 // (docs/kernels/forward-fp8.md, version 19).
 #define FA3_FWD_KERNEL_FP8_PLAIN(NAME, D, BN, WGS) \
     FA3_FWD_KERNEL_OF(NAME, WGS, fa3::FwdTraits<D, BN, fa3::DT_E4M3, WGS, false, false, false, true>)

@@ -169,8 +169,8 @@ enum OwnKernel {
     /// per-block descales or a cache, on kernels with those paths compiled out
     /// (`fa3::FwdTraits::kPlain`, kernels/flash_fwd/options.cuh, the `_plain` kernels). With
     /// them, the fp8 kernels had 2-2.5x the SASS and spilled; without, H200, same calls
-    /// (docs/kernels/forward-fp8.md, version 19): +8-11% at 512 tokens, +2-5% at 2k, within noise
-    /// from 8k.
+    /// (docs/kernels/forward-fp8.md, version 19): +8-13% at 512 tokens, +1-5% at 2k, 0-4% from
+    /// 4k.
     Plain,
 }
 
@@ -355,23 +355,10 @@ impl Variant {
     /// bits, two consumer warpgroups, head dims 64 and 128 (plain: every fp8 kernel that serves
     /// no cache). Same shared-memory layout.
     fn own_kernel_name(&self, dtype: DType, kind: OwnKernel) -> Option<&'static str> {
-        if let OwnKernel::Plain = kind {
-            if !self.fp8 || self.transpose_v {
-                return None;
-            }
-            return Some(match self.head_dim {
-                64 if self.consumer_wgs == 3 => "flash_fwd_d64x3_e4m3_plain",
-                64 => "flash_fwd_d64_e4m3_plain",
-                128 if self.block_n == 256 => "flash_fwd_d128_n256_e4m3_plain",
-                128 => "flash_fwd_d128_e4m3_plain",
-                _ => "flash_fwd_d256_e4m3_plain",
-            });
-        }
-        if self.fp8 || self.consumer_wgs != 2 {
-            return None;
-        }
         // d64 bf16, d128 bf16, d64 f16, d128 f16 (kernels/flash_fwd/kernel.cu).
         let names = match kind {
+            OwnKernel::Plain => return self.plain_kernel_name(),
+            _ if self.fp8 || self.consumer_wgs != 2 => return None,
             OwnKernel::ClusterMerge => [
                 "flash_fwd_d64_bf16_cm",
                 "flash_fwd_d128_bf16_cm",
@@ -384,7 +371,6 @@ impl Variant {
                 "flash_fwd_d64_f16_pw",
                 "flash_fwd_d128_f16_pw",
             ],
-            OwnKernel::Plain => unreachable!("handled above"),
         };
         let head_dim = match self.head_dim {
             64 => 0,
@@ -392,6 +378,21 @@ impl Variant {
             _ => return None,
         };
         Some(names[head_dim + if dtype == DType::BF16 { 0 } else { 2 }])
+    }
+
+    /// The fp8 kernel's `_plain` twin ([`OwnKernel::Plain`]); none for the `_tv` kernels (KV-cache
+    /// calls) and the 16-bit ones.
+    fn plain_kernel_name(&self) -> Option<&'static str> {
+        if !self.fp8 || self.transpose_v {
+            return None;
+        }
+        Some(match self.head_dim {
+            64 if self.consumer_wgs == 3 => "flash_fwd_d64x3_e4m3_plain",
+            64 => "flash_fwd_d64_e4m3_plain",
+            128 if self.block_n == 256 => "flash_fwd_d128_n256_e4m3_plain",
+            128 => "flash_fwd_d128_e4m3_plain",
+            _ => "flash_fwd_d256_e4m3_plain",
+        })
     }
 
     /// Query rows per tile: 64 per consumer warpgroup.
@@ -1141,6 +1142,48 @@ mod tests {
                 if v.consumer_wgs == 1 {
                     assert!(2 * (smem + 1024) <= 228 * 1024, "{name}: {smem} bytes, two CTAs an SM");
                 }
+            }
+        }
+    }
+
+    /// Every fp8 kernel but the KV-cache ones has a `_plain` twin of the same tile, and no 16-bit
+    /// kernel has one (host logic only; the kernels exist:
+    /// `every_picked_kernel_has_its_shared_memory_from_the_build`).
+    #[test]
+    fn fp8_plain_twins() {
+        let default = Tuning::default();
+        let fp8 = |d: usize, uneven: bool, seqlen: usize, cache: bool| {
+            let v = Variant::pick_fp8(d, d, uneven, seqlen, seqlen, WG_ROWS, &default, cache).unwrap();
+            (
+                v.kernel_name(DType::F8E4M3),
+                v.own_kernel_name(DType::F8E4M3, OwnKernel::Plain),
+            )
+        };
+        let twin = |general: &str| Some(format!("{general}_plain"));
+        for (d, uneven, seqlen) in [
+            (64, false, 512),
+            (64, true, 512),
+            (64, false, 16384),
+            (128, false, 256),
+            (128, false, 4096),
+            (256, true, 2048),
+        ] {
+            let (general, plain) = fp8(d, uneven, seqlen, false);
+            assert!(!general.ends_with("_tv"), "{general}");
+            assert_eq!(
+                plain.map(str::to_string),
+                twin(general),
+                "d{d} uneven {uneven} seqlen {seqlen}"
+            );
+        }
+        for d in [64, 128, 256] {
+            let (general, plain) = fp8(d, true, 1, true);
+            assert!(general.ends_with("_tv") && plain.is_none(), "{general}: {plain:?}");
+        }
+        for d in [64, 128, 256] {
+            let v = Variant::pick(d, d, false, 4096, None).unwrap();
+            for dtype in [DType::BF16, DType::F16] {
+                assert_eq!(v.own_kernel_name(dtype, OwnKernel::Plain), None);
             }
         }
     }
