@@ -3,6 +3,9 @@
 // value, a constant the compiler folds, so that their paths leave the kernel: the fp8 kernels
 // carried them as 2-2.5x their SASS (docs/kernels/forward-fp8.md, session 70). The attention
 // window (causal included), sinks and a negative scale stay run-time values in every kernel.
+// (The KV cache's fields, page table, key counts and cache rows, are folded the same way by
+// FwdTraits::kServesCache where load.cuh and scheduler.cuh read them: off in every fp8 kernel but
+// the `_tv` ones, the plain ones included.)
 #pragma once
 
 #include "params.cuh"
