@@ -113,15 +113,16 @@ struct PendingStore {
 };
 
 // Thread 0 of a warpgroup: the bulk tensor stores of pass `pass`'s column blocks of its staged O
-// rows (traits.cuh kOutPasses), at `at`'s coordinates.
+// rows (traits.cuh kOutPasses), at `at`'s coordinates, from the staging tile's blocks `block0`..
+// (past the tile's own: the V^T writer's buffer, kOutWholeWhenFree).
 template <class Tr>
 __device__ __forceinline__ void issue_o_stores(const FwdParams& p, SharedStorage<Tr>& s, int wg, int pass,
-                                               const PendingStore& at) {
+                                               const PendingStore& at, int block0 = 0) {
 #pragma unroll
     for (int b = 0; b < Tr::kOutPassBlocks; ++b) {
         const int c = pass * Tr::kOutPassBlocks + b;
         if (c * Tr::kOutColElems < p.head_dim_v)
-            tma_store_4d(&p.tma_o, s.o + b * Tr::kBlockM * Tr::kOutColElems + wg * 64 * Tr::kOutColElems,
+            tma_store_4d(&p.tma_o, s.o + (block0 + b) * Tr::kBlockM * Tr::kOutColElems + wg * 64 * Tr::kOutColElems,
                          c * Tr::kOutColElems, at.row, at.head, at.batch);
     }
     bulk_commit_group();
@@ -135,6 +136,44 @@ __device__ __forceinline__ void issue_pending_store(const FwdParams& p, SharedSt
         if (tid != 0 || pending.row < 0) return;
         issue_o_stores<Tr>(p, s, wg, Tr::kOutPasses - 1, pending);
         pending.row = -1;
+    }
+}
+
+// Stages O's chunks [J0, J1) (8 columns each) of this warpgroup's rows into the staging tile's
+// column blocks from J0 / chunks per block - kShift (epilogue below).
+template <class Tr, int J0, int J1, int kShift>
+__device__ __forceinline__ void stage_o(const FwdParams& p, uint32_t o_smem, const float (&o)[Tr::kORegs],
+                                        const float (&inv_sum)[2], int tid, int row_in_tile, int quad_lane) {
+    constexpr int kChunks = Tr::kOutSwizzle / 16;
+    if constexpr (Tr::kWideStoresO) {
+        // One stmatrix per 8-column chunk j of the warp's 16 rows: its two 8 x 8 matrices are
+        // rows +0..7 and +8..15, the thread's word of each is its own column pair (the
+        // accumulator layout), and lane 8m + i (m < 2) names the shared-memory row of matrix
+        // m's row i: 16 contiguous bytes, so each row's chunk is swizzled alone.
+        const int lane = tid % 32, m = lane / 8 % 2;
+        const int r = row_in_tile - lane / 4 + 8 * m + lane % 8;  // the row this lane addresses
+        const int row_xor = (r * Tr::kOutSwizzle / 128) % kChunks;
+#pragma unroll
+        for (int j = J0; j < J1; ++j) {
+            const uint32_t w[2] = {pack_out<Tr>(p, o[4 * j] * inv_sum[0], o[4 * j + 1] * inv_sum[0]),
+                                   pack_out<Tr>(p, o[4 * j + 2] * inv_sum[1], o[4 * j + 3] * inv_sum[1])};
+            const int c = j / kChunks - kShift, chunk = (j % kChunks) ^ row_xor;
+            stmatrix_x2(o_smem + 2 * (c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8), w);
+        }
+    } else {
+        // 4-byte stores of the thread's own column pairs.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row_in_tile + 8 * h;
+            const int row_xor = (r * Tr::kOutSwizzle / 128) % kChunks;
+#pragma unroll
+            for (int j = J0; j < J1; ++j) {
+                const int c = j / kChunks - kShift, chunk = (j % kChunks) ^ row_xor;
+                const uint32_t elem = c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8 + 2 * quad_lane;
+                st_shared_u32(o_smem + 2 * elem,
+                              pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h], o[4 * j + 2 * h + 1] * inv_sum[h]));
+            }
+        }
     }
 }
 
@@ -163,11 +202,20 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         const int bar = epilogue_barrier(wg);
         // The staging rows are free once this warpgroup's previous store has read them (issued
         // here if no S came since to issue it under).
+        bool whole = false;  // kOutWholeWhenFree: every column at once (the writer has stopped)
         if (tid == 0) {
             issue_pending_store<Tr>(p, s, wg, tid, pending);
             bulk_wait_group_read<0>();
+            if constexpr (Tr::kOutWholeWhenFree) {
+                whole = ld_shared_u32(smem_u32(&s.vt_fill_free)) != 0;
+                __threadfence_block();
+            }
         }
-        named_barrier_sync(bar, 128);
+        if constexpr (Tr::kOutWholeWhenFree) {
+            whole = named_barrier_sync_or(bar, 128, whole);  // thread 0's answer, for every thread
+        } else {
+            named_barrier_sync(bar, 128);
+        }
         trace_fine(wg + 1, tc, 1);
         const uint32_t o_smem = smem_u32(s.o);
         const PendingStore at{t.q_row0 + wg_row0, t.head, t.tma_batch};
@@ -175,54 +223,39 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         // rows of kOutSwizzle bytes; TMA's swizzle stores the 16-byte chunk u of row r at chunk
         // u ^ ((r * kOutSwizzle / 128) % chunks per row): u ^ (r % 8) for 128B, u ^ (r / 2 % 4) for 64B.
         // Pass `pass` stages column blocks pass * kOutPassBlocks.. into the tile's blocks 0.. (fp8
-        // d256: two passes, the first one's stores issued and read in between).
-        constexpr int kChunks = Tr::kOutSwizzle / 16, kPassJ = Tr::kORegs / 4 / Tr::kOutPasses;
-#pragma unroll
-        for (int pass = 0; pass < Tr::kOutPasses; ++pass) {
-            if (pass > 0) {
+        // d256: two passes, the first one's stores issued and read in between), or, staged whole,
+        // every block into the tile's and then the V^T writer's buffer's (kOutWholeWhenFree).
+        constexpr int kPassJ = Tr::kORegs / 4 / Tr::kOutPasses;
+        if (Tr::kOutWholeWhenFree && whole) {
+            // The first pass's columns into the writer's buffer (the blocks past the tile's), the
+            // last pass's into the tile, where two passes leave them; the first pass's stores go
+            // out after the barrier below, without a wait.
+            static_assert(!Tr::kOutWholeWhenFree ||
+                              offsetof(SharedStorage<Tr>, vt_fill) == offsetof(SharedStorage<Tr>, o) + sizeof(s.o),
+                          "the writer's buffer follows the staging tile");
+            stage_o<Tr, 0, kPassJ, -Tr::kOutPassBlocks>(p, o_smem, o, inv_sum, tid, row_in_tile, quad_lane);
+            stage_o<Tr, kPassJ, 2 * kPassJ, Tr::kOutPassBlocks>(p, o_smem, o, inv_sum, tid, row_in_tile, quad_lane);
+        } else {
+            stage_o<Tr, 0, kPassJ, 0>(p, o_smem, o, inv_sum, tid, row_in_tile, quad_lane);
+            if constexpr (Tr::kOutPasses == 2) {
+                trace_fine(wg + 1, tc, 2);  // (stamps 2 and 3: the first pass's)
+                fence_proxy_async_smem();
+                named_barrier_sync(bar, 128);
+                trace_fine(wg + 1, tc, 3);
                 if (tid == 0) {
-                    issue_o_stores<Tr>(p, s, wg, pass - 1, at);
+                    issue_o_stores<Tr>(p, s, wg, 0, at);
                     bulk_wait_group_read<0>();
                 }
                 named_barrier_sync(bar, 128);
+                stage_o<Tr, kPassJ, 2 * kPassJ, Tr::kOutPassBlocks>(p, o_smem, o, inv_sum, tid, row_in_tile, quad_lane);
             }
-            if constexpr (Tr::kWideStoresO) {
-                // One stmatrix per 8-column chunk j of the warp's 16 rows: its two 8 x 8 matrices are
-                // rows +0..7 and +8..15, the thread's word of each is its own column pair (the
-                // accumulator layout), and lane 8m + i (m < 2) names the shared-memory row of matrix
-                // m's row i: 16 contiguous bytes, so each row's chunk is swizzled alone.
-                const int lane = tid % 32, m = lane / 8 % 2;
-                const int r = row_in_tile - lane / 4 + 8 * m + lane % 8;  // the row this lane addresses
-                const int row_xor = (r * Tr::kOutSwizzle / 128) % kChunks;
-#pragma unroll
-                for (int j = pass * kPassJ; j < (pass + 1) * kPassJ; ++j) {
-                    const uint32_t w[2] = {pack_out<Tr>(p, o[4 * j] * inv_sum[0], o[4 * j + 1] * inv_sum[0]),
-                                           pack_out<Tr>(p, o[4 * j + 2] * inv_sum[1], o[4 * j + 3] * inv_sum[1])};
-                    const int c = j / kChunks - pass * Tr::kOutPassBlocks, chunk = (j % kChunks) ^ row_xor;
-                    stmatrix_x2(o_smem + 2 * (c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8),
-                                w);
-                }
-            } else {
-                // 4-byte stores of the thread's own column pairs.
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = row_in_tile + 8 * h;
-                    const int row_xor = (r * Tr::kOutSwizzle / 128) % kChunks;
-#pragma unroll
-                    for (int j = pass * kPassJ; j < (pass + 1) * kPassJ; ++j) {
-                        const int c = j / kChunks - pass * Tr::kOutPassBlocks, chunk = (j % kChunks) ^ row_xor;
-                        const uint32_t elem =
-                            c * Tr::kBlockM * Tr::kOutColElems + r * Tr::kOutColElems + chunk * 8 + 2 * quad_lane;
-                        st_shared_u32(o_smem + 2 * elem, pack_out<Tr>(p, o[4 * j + 2 * h] * inv_sum[h],
-                                                                      o[4 * j + 2 * h + 1] * inv_sum[h]));
-                    }
-                }
-            }
-            if (pass == 0) trace_fine(wg + 1, tc, 2);  // (stamps 2 and 3: the first pass's)
-            fence_proxy_async_smem();
-            named_barrier_sync(bar, 128);
-            if (pass == 0) trace_fine(wg + 1, tc, 3);
         }
+        static_assert(Tr::kOutPasses <= 2, "one or two passes");
+        if (Tr::kOutPasses == 1) trace_fine(wg + 1, tc, 2);
+        fence_proxy_async_smem();
+        named_barrier_sync(bar, 128);
+        if (Tr::kOutPasses == 1) trace_fine(wg + 1, tc, 3);
+        if (Tr::kOutWholeWhenFree && whole && tid == 0) issue_o_stores<Tr>(p, s, wg, 0, at, Tr::kOutPassBlocks);
         if (tid == 0) pending = at;
         trace_fine(wg + 1, tc, 4);
     } else {

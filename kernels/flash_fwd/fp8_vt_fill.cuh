@@ -151,6 +151,12 @@ template <class Tr> __device__ void vt_fill(const FwdParams& p, SharedStorage<Tr
         __syncwarp();
         u = next;
     }
+    if (leader) {
+        // Every unit's load has landed, its transpose passed the barrier and its store has been
+        // performed: the buffer is free (the epilogue's whole staging, traits.cuh kOutWholeWhenFree).
+        __threadfence_block();
+        st_shared_u32(smem_u32(&s.vt_fill_free), 1u);
+    }
 }
 
 // The TMA thread, before its first V^T load of a pair in calls with the fill: waits until every

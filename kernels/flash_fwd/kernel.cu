@@ -60,7 +60,10 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
                 mbar_init(&s.pages_empty[i], 2);  // the TMA thread (K) and the V thread
             }
         }
-        if constexpr (Tr::kVtFill) mbar_init(&s.vt_fill_full, 1);
+        if constexpr (Tr::kVtFill) {
+            mbar_init(&s.vt_fill_full, 1);
+            s.vt_fill_free = p.vt_done == nullptr;  // no writer in this call (fp8_vt_fill.cuh)
+        }
         if constexpr (Tr::kSerialConsumer) s.zero = 0;
         mbar_init(&s.tile_full, 1);
         // The consumers, the TMA thread and (paged caches) the V thread release a tile index;

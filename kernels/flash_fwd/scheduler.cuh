@@ -235,10 +235,26 @@ __device__ __forceinline__ int receive_tile(const FwdParams& p, SharedStorage<Tr
         uint32_t idx_word, valid_word;
         ld_shared_v2(slot_addr + offsetof(TileSlot, idx), idx_word, valid_word);
         tile = (int)uniform(idx_word);
+        // A plain kernel's tile (fixed length, one split, no cache: options.cuh) moves only its
+        // indices and key range; the other fields follow from the parameters, as get_tile makes
+        // them (22 redux.sync a tile → 9).
+        constexpr int kPlainFrom = offsetof(TileInfo, n_min) / 4, kPlainTo = offsetof(TileInfo, split) / 4;
 #pragma unroll
-        for (int i = 0; i < kWords * 4; ++i) w[i] = uniform(w[i]);
+        for (int i = 0; i < kWords * 4; ++i) {
+            if (!Tr::kPlain || i < kPlainTo || i >= kPlainFrom) w[i] = uniform(w[i]);
+        }
         memcpy(&t, w, sizeof(TileInfo));
         valid = (tile < num_tiles(p)) & (uniform(valid_word) != 0);
+        if constexpr (Tr::kPlain) {
+            t.split = 0;
+            t.seqlen_q = p.seqlen_q;
+            t.seqlen_k = p.seqlen_k;
+            t.q_row0 = t.k_row0 = 0;
+            t.tma_batch = t.kv_batch = t.batch;
+            t.out_tok0 = (int64_t)t.batch * p.seqlen_q;
+            t.lse_row0 = (int64_t)t.batch * p.lse_batch_stride + (int64_t)t.head * p.lse_head_stride;
+            valid = tile < num_tiles(p);
+        }
     } else {
         const TileSlot& slot = s.tile[k & 1];
         tile = (int)uniform((uint32_t)slot.idx);

@@ -5,6 +5,8 @@
 
 namespace fa3 {
 
+// (receive_tile copies a plain kernel's first four and last four words only, and makes the others:
+// keep the indices first and the key range last.)
 struct alignas(16) TileInfo {
     int m_block, head, kv_head, batch;
     int split;                // split-KV: which share of the key blocks (0 without splits)

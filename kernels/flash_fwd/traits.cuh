@@ -110,8 +110,10 @@ struct FwdTraits {
     // instead of four 4-byte stores (session 59: fp8 d64 +1%, fp8 d128 -1..+2%, 16-bit even).
     // Not in fp8 d256 on the pre-pass, whose consumers spill at 240 registers: the direct code
     // (compiled there only for varlen tails) grew its spill loads from 184 to 336 bytes and its
-    // calls ran 1-7% slower, stmatrix to 332 bytes and 1-3% slower; it keeps 4-byte stores.
-    static constexpr bool kWideStoresO = !(kFp8 && !kTransposeV && kHeadDim_ == 256);
+    // calls ran 1-7% slower, stmatrix to 332 bytes and 1-3% slower; it keeps 4-byte stores. The
+    // plain d256 kernel (options.cuh) spills less and takes stmatrix (session 72: 104 / 160 → 92 /
+    // 144 bytes of spills, within noise on an H200).
+    static constexpr bool kWideStoresO = !(kFp8 && !kTransposeV && kHeadDim_ == 256 && !kPlain);
     // The staging tile holds the column blocks of kOutPasses passes at a time: fp8 d256 stages O in
     // two passes of 128 columns (32 KiB), so that the other 32 KiB hold the V^T writer's unit
     // (kVtFill; its smem was full). The epilogue stages a pass, has its bulk stores read it, then
@@ -194,6 +196,12 @@ struct FwdTraits {
     static constexpr int kVtFillUnitKeys = 128;
     static constexpr int kVtFillUnitCols = kVtBoxRows;
     static constexpr int kVtFillBytes = kVtFill ? 2 * kVtFillUnitKeys * kVtFillUnitCols : 16;
+    // fp8 d256's two staging passes (kOutPasses) only while the writer runs: its buffer follows the
+    // staging tile, so once it has stopped (or never ran: V^T by the pre-pass) the epilogue stages
+    // every column at once in both, and no warpgroup waits inside its epilogue for the first
+    // pass's stores to read the staging tile (SharedStorage::vt_fill_free; H200, session 72:
+    // +1.5..+2.5% at d256 causal 512-2k, ±1% from 4k).
+    static constexpr bool kOutWholeWhenFree = kOutPasses == 2 && kVtFill;
     // receive_tile (scheduler.cuh) loads the whole slot before it looks at the index: fp8 +0.2..+3.9%
     // in most cells; bf16 d128 unmasked ran 1-2% slower at 2k-16k with it (ptxas's schedule of its
     // loop, not the copy), so the 16-bit kernels keep the index-first copy (forward-sm90.md v37).
@@ -238,6 +246,7 @@ template <class Tr> struct SharedStorage {
     alignas(8) uint64_t pages_empty[Tr::kPageSlots];  // K's and V's boxes of that block went out
     int block_pages[Tr::kPageSlots][Tr::kMaxBlockBoxes];  // a block's page indices, box by box
     int zero;  // 0 (kSerialConsumer: a value ptxas cannot fold, mainloop.cuh consumer_serial)
+    int vt_fill_free;  // kVtFill: the writer has stopped, its buffer is free (last, as above)
 };
 
 }  // namespace fa3

@@ -21,6 +21,17 @@ __device__ __forceinline__ void named_barrier_sync(int id, int count) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+// named_barrier_sync that also answers whether any of the `count` threads passed `pred` true
+// (bar.red.or): one thread's value reaches all of them.
+__device__ __forceinline__ bool named_barrier_sync_or(int id, int count, bool pred) {
+    uint32_t any;
+    asm volatile(
+        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+        : "=r"(any)
+        : "r"((uint32_t)pred), "r"(id), "r"(count)
+        : "memory");
+    return any != 0;
+}
 
 // A value that is the same in every lane of the warp, moved to the uniform datapath: redux.sync's
 // result lives in a uniform register, so ptxas keeps what derives from it (loop bounds,
