@@ -228,13 +228,12 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         constexpr int kPassJ = Tr::kORegs / 4 / Tr::kOutPasses;
         if (Tr::kOutWholeWhenFree && whole) {
             // The first pass's columns into the writer's buffer (the blocks past the tile's), the
-            // last pass's into the tile, where two passes leave them; the first pass's stores go
-            // out after the barrier below, without a wait.
+            // last pass's into the tile below, where two passes leave them; the first pass's
+            // stores go out after the last barrier, without a wait.
             static_assert(!Tr::kOutWholeWhenFree ||
                               offsetof(SharedStorage<Tr>, vt_fill) == offsetof(SharedStorage<Tr>, o) + sizeof(s.o),
                           "the writer's buffer follows the staging tile");
             stage_o<Tr, 0, kPassJ, -Tr::kOutPassBlocks>(p, o_smem, o, inv_sum, tid, row_in_tile, quad_lane);
-            stage_o<Tr, kPassJ, 2 * kPassJ, Tr::kOutPassBlocks>(p, o_smem, o, inv_sum, tid, row_in_tile, quad_lane);
         } else {
             stage_o<Tr, 0, kPassJ, 0>(p, o_smem, o, inv_sum, tid, row_in_tile, quad_lane);
             if constexpr (Tr::kOutPasses == 2) {
@@ -247,9 +246,10 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
                     bulk_wait_group_read<0>();
                 }
                 named_barrier_sync(bar, 128);
-                stage_o<Tr, kPassJ, 2 * kPassJ, Tr::kOutPassBlocks>(p, o_smem, o, inv_sum, tid, row_in_tile, quad_lane);
             }
         }
+        if constexpr (Tr::kOutPasses == 2)
+            stage_o<Tr, kPassJ, 2 * kPassJ, Tr::kOutPassBlocks>(p, o_smem, o, inv_sum, tid, row_in_tile, quad_lane);
         static_assert(Tr::kOutPasses <= 2, "one or two passes");
         if (Tr::kOutPasses == 1) trace_fine(wg + 1, tc, 2);
         fence_proxy_async_smem();

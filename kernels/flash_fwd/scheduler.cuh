@@ -72,6 +72,17 @@ template <class Tr> __device__ __forceinline__ void row_sinks_log2(const FwdPara
     }
 }
 
+// A fixed-length call's lengths and coordinates of tile t's sequence, from t.batch and t.head.
+__device__ __forceinline__ void fixed_length_fields(const FwdParams& p, TileInfo& t) {
+    t.seqlen_q = p.seqlen_q;
+    t.seqlen_k = p.seqlen_k;
+    t.q_row0 = 0;
+    t.k_row0 = 0;
+    t.tma_batch = t.batch;
+    t.out_tok0 = (int64_t)t.batch * p.seqlen_q;
+    t.lse_row0 = (int64_t)t.batch * p.lse_batch_stride + (int64_t)t.head * p.lse_head_stride;
+}
+
 // Decodes tile index `tile`; false when the tile lies past its sequence's end (varlen).
 template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p, int tile, TileInfo& t) {
     // Splits innermost (consecutive CTAs take the key shares of one tile), then the pairs of a
@@ -109,13 +120,7 @@ template <class Tr> __device__ __forceinline__ bool get_tile(const FwdParams& p,
         t.out_tok0 = q0;
         t.lse_row0 = (int64_t)t.head * p.lse_head_stride + q0;
     } else {
-        t.seqlen_q = p.seqlen_q;
-        t.seqlen_k = p.seqlen_k;
-        t.q_row0 = 0;
-        t.k_row0 = 0;
-        t.tma_batch = t.batch;
-        t.out_tok0 = (int64_t)t.batch * p.seqlen_q;
-        t.lse_row0 = (int64_t)t.batch * p.lse_batch_stride + (int64_t)t.head * p.lse_head_stride;
+        fixed_length_fields(p, t);
     }
     if (Tr::kServesCache && p.seqused_k != nullptr) {
         // A KV cache's key count, clamped to what the cache holds; its keys start at the cache
@@ -247,12 +252,8 @@ __device__ __forceinline__ int receive_tile(const FwdParams& p, SharedStorage<Tr
         valid = (tile < num_tiles(p)) & (uniform(valid_word) != 0);
         if constexpr (Tr::kPlain) {
             t.split = 0;
-            t.seqlen_q = p.seqlen_q;
-            t.seqlen_k = p.seqlen_k;
-            t.q_row0 = t.k_row0 = 0;
-            t.tma_batch = t.kv_batch = t.batch;
-            t.out_tok0 = (int64_t)t.batch * p.seqlen_q;
-            t.lse_row0 = (int64_t)t.batch * p.lse_batch_stride + (int64_t)t.head * p.lse_head_stride;
+            fixed_length_fields(p, t);
+            t.kv_batch = t.batch;
             valid = tile < num_tiles(p);
         }
     } else {
