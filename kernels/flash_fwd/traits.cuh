@@ -38,6 +38,14 @@ struct FwdTraits {
     // 316 at d128 on 256 keys and 136 / 248 at d64 on three warpgroups; without, 156 / 240, 56 / 76
     // and 84 / 128, at the same speed (docs/kernels/forward-fp8.md, sessions 70-71).
     static constexpr bool kServesCache = (!kFp8 || kTransposeV) && !kPlain;
+    // The consumer warpgroup's index made warp-uniform once, through redux.sync (kernel.cu), so
+    // that ptxas keeps what derives from it (this warpgroup's Q rows, the operand descriptors,
+    // barrier ids) on the uniform datapath: the descriptors then need no redux.sync at a tile's
+    // start nor before each wgmma (OperandDescs). fp8 kernels without kTransposeV only: spills
+    // d256 plain 64 / 92 bytes → 8 / 8, and +0.2..+7.3% over the 30 fp8 cells of an H200 A/B;
+    // the 16-bit kernels lost up to 14% with it (d64 unmasked) and keep the per-thread index
+    // (docs/kernels/forward-fp8.md, version 21).
+    static constexpr bool kUniformWarpgroup = kFp8 && !kTransposeV;
     static constexpr int kElemBytes = kFp8 ? 1 : 2;
     using Elem = typename std::conditional<kFp8, uint8_t, uint16_t>::type;
     static constexpr int kBlockM = 64 * kConsumerWGs;  // query rows per tile
