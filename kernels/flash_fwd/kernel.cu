@@ -24,6 +24,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
     uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023);
     SharedStorage<Tr>& s = *reinterpret_cast<SharedStorage<Tr>*>(base);
 
+    // fp8 (traits.cuh kUniformWarpgroup): made warp-uniform here, once, for ptxas's sake.
     const int wg = Tr::kUniformWarpgroup ? (int)uniform(threadIdx.x / 128) : threadIdx.x / 128;
     const int tid = threadIdx.x % 128;
     // One consumer warpgroup computes; with kTransposeV the other transposes V (params.cuh).

@@ -124,9 +124,9 @@ template <class Tr> struct OperandDescs {
     static constexpr uint32_t kVStageStep = Tr::kVStageBytes >> 4;  // s.v[1] - s.v[0]
     uint32_t q_, k0, v0;
     __device__ __forceinline__ OperandDescs(SharedStorage<Tr>& s, int wg, int q_stage)
-        : q_(held(smem_desc_lo(smem_u32(s.q[q_stage]) + wg * 64 * Tr::kSwizzle, 16))),
-          k0(held(smem_desc_lo(smem_u32(s.k[0]), 16))),
-          v0(held(smem_desc_lo(smem_u32(s.v[0]), Tr::kFp8 ? 16 : Tr::kKVColBlockBytes))) {}
+        : q_(uniform_desc(smem_desc_lo(smem_u32(s.q[q_stage]) + wg * 64 * Tr::kSwizzle, 16))),
+          k0(uniform_desc(smem_desc_lo(smem_u32(s.k[0]), 16))),
+          v0(uniform_desc(smem_desc_lo(smem_u32(s.v[0]), Tr::kFp8 ? 16 : Tr::kKVColBlockBytes))) {}
     // With a per-thread warpgroup index (not kUniformWarpgroup) ptxas cannot know these are the
     // same in every lane: the ring position lives in per-thread registers, and uniform() moves
     // each result back to the uniform datapath so the wgmma loop adds its k-step offsets there.
@@ -134,10 +134,13 @@ template <class Tr> struct OperandDescs {
     // register and then spent an R2UR (and its latency) before every Q·Kᵀ k-step's wgmma. With
     // kUniformWarpgroup every input is uniform already, and the descriptors stay on the uniform
     // datapath without a redux.sync.
-    static __device__ __forceinline__ uint32_t held(uint32_t desc) { return Tr::kUniformWarpgroup ? desc : uniform(desc); }
-    __device__ __forceinline__ uint32_t q() const { return held(q_); }
-    __device__ __forceinline__ uint32_t k(int stage) const { return held(k0 + stage * kStageStep); }
-    __device__ __forceinline__ uint32_t v(int stage) const { return held(v0 + stage * kVStageStep); }
+    // A descriptor on the uniform datapath: as it is with kUniformWarpgroup, else through uniform().
+    static __device__ __forceinline__ uint32_t uniform_desc(uint32_t desc) {
+        return Tr::kUniformWarpgroup ? desc : uniform(desc);
+    }
+    __device__ __forceinline__ uint32_t q() const { return uniform_desc(q_); }
+    __device__ __forceinline__ uint32_t k(int stage) const { return uniform_desc(k0 + stage * kStageStep); }
+    __device__ __forceinline__ uint32_t v(int stage) const { return uniform_desc(v0 + stage * kVStageStep); }
 };
 
 // S = Q·Kᵀ: k-step kk reads column block kk / kSteps and its 32-byte slice kk % kSteps of the rows

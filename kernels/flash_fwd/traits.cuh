@@ -43,8 +43,9 @@ struct FwdTraits {
     // barrier ids) on the uniform datapath: the descriptors then need no redux.sync at a tile's
     // start nor before each wgmma (OperandDescs). fp8 kernels without kTransposeV only: spills
     // d256 plain 64 / 92 bytes → 8 / 8, and +0.2..+7.3% over the 30 fp8 cells of an H200 A/B;
-    // the 16-bit kernels lost up to 14% with it (d64 unmasked) and keep the per-thread index
-    // (docs/kernels/forward-fp8.md, version 21).
+    // the 16-bit kernels lost up to 14% with it (d64 unmasked) and keep the per-thread index, as
+    // do the kTransposeV kernels (fp8 KV caches: one round of their A/B read neutral;
+    // docs/kernels/forward-fp8.md, version 21).
     static constexpr bool kUniformWarpgroup = kFp8 && !kTransposeV;
     static constexpr int kElemBytes = kFp8 ? 1 : 2;
     using Elem = typename std::conditional<kFp8, uint8_t, uint16_t>::type;
