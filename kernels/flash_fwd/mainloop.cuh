@@ -44,16 +44,36 @@ template <class Tr> __device__ __forceinline__ RowMask row_mask(const FwdParams&
 }
 
 // Sets masked scores to -inf. k0: the first key of the block; col0 = 2 * (lane % 4).
+// The thread's score of column c = 8j + e (a compile-time constant) is key k0 + col0 + c, so the
+// limits are moved to column units once and each compare takes c as an immediate: one ISETP and
+// one FSEL a score and row bound, where key-unit compares took a VIADD per column pair besides.
+// A row's lower bound cuts the block only in windowed calls: without it (causal, and every
+// block right of a window's left edge) only the upper bound is compared.
 template <int kSRegs>
 __device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const RowMask& rm, int k0, int col0) {
+    const int base = k0 + col0;
+    const int lo[2] = {rm.lo[0] - base, rm.lo[1] - base}, hi[2] = {rm.hi[0] - base, rm.hi[1] - base};
+    if (lo[0] <= 0 && lo[1] <= 0) {
 #pragma unroll
-    for (int j = 0; j < kSRegs / 4; ++j) {
+        for (int j = 0; j < kSRegs / 4; ++j) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+            for (int h = 0; h < 2; ++h) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int k = k0 + 8 * j + col0 + e;
-                if (k < rm.lo[h] || k >= rm.hi[h]) s[4 * j + 2 * h + e] = -INFINITY;
+                for (int e = 0; e < 2; ++e) {
+                    if (8 * j + e >= hi[h]) s[4 * j + 2 * h + e] = -INFINITY;
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < kSRegs / 4; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = 8 * j + e;
+                    if (c < lo[h] || c >= hi[h]) s[4 * j + 2 * h + e] = -INFINITY;
+                }
             }
         }
     }
