@@ -206,10 +206,7 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, SharedStorage<Tr>& 
         if (tid == 0) {
             issue_pending_store<Tr>(p, s, wg, tid, pending);
             bulk_wait_group_read<0>();
-            if constexpr (Tr::kOutWholeWhenFree) {
-                whole = ld_shared_u32(smem_u32(&s.vt_fill_free)) != 0;
-                __threadfence_block();
-            }
+            if constexpr (Tr::kOutWholeWhenFree) whole = mbar_test(&s.vt_fill_stopped, 0);
         }
         if constexpr (Tr::kOutWholeWhenFree) {
             whole = named_barrier_sync_or(bar, 128, whole);  // thread 0's answer, for every thread

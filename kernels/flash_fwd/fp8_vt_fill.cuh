@@ -79,6 +79,25 @@ __device__ __forceinline__ void vt_fill_load(const FwdParams& p, int u, SharedSt
     tma_load_4d(&p.tma_v_rows, in, &s.vt_fill_full, w.col0, w.row, w.kv_head, w.batch);
 }
 
+// The launch leaves vt_done zeroed for the next one, so the host zeroes it once, not per call
+// (crates/flash-attn/src/cuda/mod.rs vt_fill_counts; a memset per call cost a stream operation).
+// Warp 2, after its CTA's writer loop: lane 0 waits until its CTA's TMA thread has stopped
+// reading the counts, then counts the CTA done (vt_done[vt_pairs + 1]); the last CTA, whose
+// atomic follows every other CTA's claims, publications and reads (fences on both sides), clears
+// all of them.
+template <class Tr> __device__ __forceinline__ void vt_fill_reset(const FwdParams& p, SharedStorage<Tr>& s, int lane) {
+    int last = 0;
+    if (lane == 0) {
+        mbar_wait(&s.tma_done, 0);
+        __threadfence();
+        last = atomicAdd(p.vt_done + p.vt_pairs + 1, 1) == (int)gridDim.x - 1;
+        __threadfence();
+    }
+    if (__shfl_sync(0xffffffffu, last, 0)) {
+        for (int i = lane; i < p.vt_pairs + 2; i += 32) p.vt_done[i] = 0;
+    }
+}
+
 // The writer's loop, on warps 2 and 3 of the producer warpgroup (w = 0, 1): claim a unit,
 // transpose it (each warp half of its head-dim bytes), store it, publish it, until every unit is
 // claimed. Lane 0 of warp 2 (the leader) claims, loads, stores and publishes; the warps meet at
@@ -151,12 +170,10 @@ template <class Tr> __device__ void vt_fill(const FwdParams& p, SharedStorage<Tr
         __syncwarp();
         u = next;
     }
-    if (leader) {
-        // Every unit's load has landed, its transpose passed the barrier and its store has been
-        // performed: the buffer is free (the epilogue's whole staging, traits.cuh kOutWholeWhenFree).
-        __threadfence_block();
-        st_shared_u32(smem_u32(&s.vt_fill_free), 1u);
-    }
+    // Every unit's load has landed, its transpose passed the barrier and its store has been
+    // performed: the buffer is free (the epilogue's whole staging, traits.cuh kOutWholeWhenFree).
+    if (leader) mbar_arrive(&s.vt_fill_stopped);
+    if (w == 0) vt_fill_reset<Tr>(p, s, lane);
 }
 
 // The TMA thread, before its first V^T load of a pair in calls with the fill: waits until every

@@ -63,7 +63,8 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         }
         if constexpr (Tr::kVtFill) {
             mbar_init(&s.vt_fill_full, 1);
-            s.vt_fill_free = p.vt_done == nullptr;  // no writer in this call (fp8_vt_fill.cuh)
+            mbar_init(&s.vt_fill_stopped, 1);
+            mbar_init(&s.tma_done, 1);
         }
         if constexpr (Tr::kSerialConsumer) s.zero = 0;
         mbar_init(&s.tile_full, 1);
@@ -71,6 +72,10 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         // with kPageWarp every lane of the page warp too.
         mbar_init(&s.tile_empty, 128 * consumers + 1 + (paged_v_thread<Tr>(p) ? (Tr::kPageWarp ? 33 : 1) : 0));
         mbar_init_fence();
+        // No writer in this call (fp8_vt_fill.cuh): its buffer is free from the start.
+        if constexpr (Tr::kVtFill) {
+            if (p.vt_done == nullptr) mbar_arrive(&s.vt_fill_stopped);
+        }
     }
     __syncthreads();
     // A KV-cache call's append kernel may still be running (the host launches this kernel to
@@ -85,6 +90,7 @@ template <class Tr> __device__ __forceinline__ void flash_fwd(const FwdParams& p
         const bool v_thread = paged_v_thread<Tr>(p);
         if (tid == 0) {
             producer<Tr>(p, s, {true, !v_thread});  // the TMA thread
+            if constexpr (Tr::kVtFill) mbar_arrive(&s.tma_done);  // no more reads of vt_done (fp8_vt_fill.cuh)
             trace_life(2);
         }
         if (tid == 64 && v_thread) producer<Tr>(p, s, {false, true});  // a paged cache's V

@@ -147,7 +147,8 @@ struct alignas(64) FwdParams {
     // FP8 calls with V^T written by the kernel itself (fp8_vt_fill.cuh; null vt_done: the
     // pre-pass wrote it before the launch): V and the V^T it fills, as the pre-pass has them;
     // vt_done: vt_pairs counts of units written, one per (sequence, kv head), then the count of
-    // units claimed; zero at launch. A pair is ready at vt_units_per_pair units.
+    // units claimed and the count of CTAs done; zero at launch, and cleared by the launch's last
+    // CTA (vt_fill_reset). A pair is ready at vt_units_per_pair units.
     Fp8PrepassParams vt_src;
     int* vt_done;
     int vt_units_per_pair;

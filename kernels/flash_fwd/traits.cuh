@@ -208,7 +208,7 @@ struct FwdTraits {
     // fp8 d256's two staging passes (kOutPasses) only while the writer runs: its buffer follows the
     // staging tile, so once it has stopped (or never ran: V^T by the pre-pass) the epilogue stages
     // every column at once in both, and no warpgroup waits inside its epilogue for the first
-    // pass's stores to read the staging tile (SharedStorage::vt_fill_free; H200, session 72:
+    // pass's stores to read the staging tile (SharedStorage::vt_fill_stopped; H200, session 72:
     // +1.5..+2.5% at d256 causal 512-2k, ±1% from 4k).
     static constexpr bool kOutWholeWhenFree = kOutPasses == 2 && kVtFill;
     // receive_tile (scheduler.cuh) loads the whole slot before it looks at the index: fp8 +0.2..+3.9%
@@ -255,7 +255,11 @@ template <class Tr> struct SharedStorage {
     alignas(8) uint64_t pages_empty[Tr::kPageSlots];  // K's and V's boxes of that block went out
     int block_pages[Tr::kPageSlots][Tr::kMaxBlockBoxes];  // a block's page indices, box by box
     int zero;  // 0 (kSerialConsumer: a value ptxas cannot fold, mainloop.cuh consumer_serial)
-    int vt_fill_free;  // kVtFill: the writer has stopped, its buffer is free (last, as above)
+    // kVtFill (last, as above): the writer has stopped, its buffer is free (one arrival, from the
+    // writer's leader or, in calls without the writer, at the start); the TMA thread has stopped
+    // reading vt_done (vt_fill_reset).
+    alignas(8) uint64_t vt_fill_stopped;
+    alignas(8) uint64_t tma_done;
 };
 
 }  // namespace fa3

@@ -530,6 +530,29 @@ fn fp8_small_for_sanitizer() -> Result<()> {
     Ok(())
 }
 
+/// The in-kernel V^T writer's counts (one buffer per device and thread, which each launch leaves
+/// zeroed: crates/flash-attn/src/cuda/mod.rs `vt_fill_counts`) across calls on one thread: few
+/// (sequence, kv head) pairs, more pairs than the buffer holds (it grows), few again, each call
+/// against the reference. A launch that left a count behind would let the next one read V^T
+/// before it is written, or skip units.
+#[test]
+fn fp8_writer_counts_reused() -> Result<()> {
+    let dev = gpu()?;
+    let mut rng = TestRng::fresh("gpu-fp8-writer-counts");
+    // (batch, heads, kv heads, head dim): 2, 90 (past the first buffer's 64) and 3 pairs.
+    for (round, (batch, heads, kv_heads, d)) in [(1, 4, 2, 128), (9, 20, 10, 64), (3, 1, 1, 256), (1, 4, 2, 128)]
+        .into_iter()
+        .enumerate()
+    {
+        let shape = AttnShape::new((batch, 70, 200, heads, kv_heads, d, d));
+        let (q, k, v) = shape.random_qkv(&mut rng, DType::F32, &dev)?;
+        let o = Opts::new(shape.scale()).causal_if(round % 2 == 1);
+        let what = format!("fp8 writer counts, call {round}: {batch} x {kv_heads} pairs, d{d}");
+        check_fp8((&q, &k, &v), Granularity::Head, o, DType::BF16, &what)?;
+    }
+    Ok(())
+}
+
 #[test]
 fn fp8_errors() -> Result<()> {
     let dev = gpu()?;

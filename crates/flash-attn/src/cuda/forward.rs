@@ -956,13 +956,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             )?,
             None => TmaDesc([0; 16]),
         };
-        let (vt_done, _vt_done_sync) = match vt_fill {
-            Some(f) => {
-                let (ptr, sync) = f.done.device_ptr(&stream);
-                (ptr, Some(sync))
-            }
-            None => (0, None),
-        };
+        let vt_done = vt_fill.map_or(0, |f| f.done);
         let (o_accum_ptr, _o_accum_sync) = optional_ptr_mut(&mut o_accum, &stream);
         let (lse_accum_ptr, _lse_accum_sync) = optional_ptr_mut(&mut lse_accum, &stream);
         let p = FwdParams {

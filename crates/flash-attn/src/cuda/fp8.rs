@@ -2,11 +2,11 @@
 //! kernel variants (kernels/flash_fwd/, `FwdTraits::kFp8`; docs/kernels/forward-fp8.md). The
 //! launch itself is the 16-bit forward's (`forward_t` in forward.rs) with these pieces plugged in.
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, CudaStorage, Layout, Result, Storage, Tensor};
 
-use super::{device_addr, geometry, input_ptr, kernel, launch_with_params};
+use super::{device_addr, geometry, input_ptr, kernel, launch_with_params, vt_fill_counts};
 use crate::descale::Fp8Call;
 use crate::params::Dims;
 
@@ -80,11 +80,15 @@ pub(super) struct TransposedV {
 }
 
 /// What the forward kernel needs to write V^T itself (kernels/flash_fwd/fp8_vt_fill.cuh):
-/// `FwdParams::vt_src`, `vt_done` (`pairs` counters of units written and the count of units
-/// claimed, zeroed here), `vt_units_per_pair`.
+/// `FwdParams::vt_src`, `vt_done` (the device address of `pairs` counts of units written, the count
+/// of units claimed and the count of CTAs done: zero at launch, and zero again after it),
+/// `vt_units_per_pair`.
 pub(super) struct VtFill {
     pub src: PrepassParams,
-    pub done: CudaSlice<i32>,
+    pub done: u64,
+    /// The counts' own zeroed allocation, where the thread's buffer was too small during a CUDA
+    /// graph capture (`vt_fill_counts`); kept alive until the launch is queued.
+    pub _own_counts: Option<CudaSlice<i32>>,
     pub units_per_pair: usize,
     pub pairs: usize,
 }
@@ -164,9 +168,19 @@ pub(super) fn transpose_v(
         };
         if writer == VtWriter::ForwardKernel {
             let pairs = dims.batch * dims.kv_heads;
+            // The pairs' counts, the claims and the CTAs done.
+            let (done, _own_counts) = match vt_fill_counts(dev, pairs + 2)? {
+                Some(addr) => (addr, None),
+                None => {
+                    let own = dev.alloc_zeros::<i32>(pairs + 2)?;
+                    let addr = own.device_ptr(&stream).0;
+                    (addr, Some(own))
+                }
+            };
             Some(VtFill {
                 src: p,
-                done: dev.alloc_zeros::<i32>(pairs + 1)?,
+                done,
+                _own_counts,
                 // Key units of each unit of head-dim rows (fp8_vt_fill.cuh vt_fill_unit).
                 units_per_pair: keys_padded.div_ceil(VT_FILL_KEYS)
                     * dims.head_dim_v.div_ceil(vt_box_rows(kernel_head_dim)),

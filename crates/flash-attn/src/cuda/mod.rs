@@ -91,6 +91,36 @@ fn tile_counter(dev: &CudaDevice) -> Result<u64> {
     Ok(addr)
 }
 
+/// The device address of the calling thread's fp8 V^T writer counts on this device, at least
+/// `len` i32 (kernels/flash_fwd/fp8_vt_fill.cuh: a count of units written per (sequence, kv head),
+/// the count of units claimed, the count of CTAs done), zeroed when made; every launch leaves them
+/// zero (the last CTA to finish clears them), so no memset per call. One buffer per (device,
+/// thread), as [`tile_counter`]'s, grown (a fresh zeroed one) when a call has more pairs than any
+/// before it on this thread; the old one is freed in stream order, after the launches that use it.
+///
+/// A call captured into a CUDA graph that needs a larger buffer than the thread's gets a zeroed
+/// allocation of its own (`None` here: the caller allocates it in the capture, where the graph
+/// owns it), so that the thread's buffer is never graph memory.
+fn vt_fill_counts(dev: &CudaDevice, len: usize) -> Result<Option<u64>> {
+    type Counts = HashMap<(DeviceId, std::thread::ThreadId), CudaSlice<i32>>;
+    static COUNTS: OnceLock<Mutex<Counts>> = OnceLock::new();
+    let mut counts = COUNTS.get_or_init(Default::default).lock().unwrap();
+    let stream = dev.cuda_stream();
+    let key = (dev.id(), std::thread::current().id());
+    if let Some(c) = counts.get(&key) {
+        if c.len() >= len {
+            return Ok(Some(c.device_ptr(&stream).0));
+        }
+    }
+    if is_capturing(&stream) {
+        return Ok(None);
+    }
+    let c = dev.alloc_zeros::<i32>(len.next_power_of_two().max(64))?;
+    let addr = c.device_ptr(&stream).0;
+    counts.insert(key, c);
+    Ok(Some(addr))
+}
+
 /// Makes `dev`'s context the calling thread's current one. cudarc's own calls do this; the TMA
 /// descriptors are encoded by a raw driver call, which fails (CUDA_ERROR_INVALID_CONTEXT) on a
 /// thread whose first GPU work is an attention call.
