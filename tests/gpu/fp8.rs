@@ -539,7 +539,8 @@ fn fp8_small_for_sanitizer() -> Result<()> {
 fn fp8_writer_counts_reused() -> Result<()> {
     let dev = gpu()?;
     let mut rng = TestRng::fresh("gpu-fp8-writer-counts");
-    // (batch, heads, kv heads, head dim): 2, 90 (past the first buffer's 64) and 3 pairs.
+    // (batch, heads, kv heads, head dim): 2, 90 and 3 pairs. 90 pairs need 92 counts, past a
+    // fresh buffer's 64: the buffer grows here unless an earlier call on this thread grew it.
     for (round, (batch, heads, kv_heads, d)) in [(1, 4, 2, 128), (9, 20, 10, 64), (3, 1, 1, 256), (1, 4, 2, 128)]
         .into_iter()
         .enumerate()
