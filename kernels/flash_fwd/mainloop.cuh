@@ -43,39 +43,37 @@ template <class Tr> __device__ __forceinline__ RowMask row_mask(const FwdParams&
     return rm;
 }
 
+// Sets the thread's scores of columns c = 8j + e (a compile-time constant) past `hi` (and, kLo,
+// before `lo`) to -inf: limits in column units, so each compare takes c as an immediate.
+template <bool kLo, int kSRegs>
+__device__ __forceinline__ void mask_columns(float (&s)[kSRegs], const int (&lo)[2], const int (&hi)[2]) {
+#pragma unroll
+    for (int j = 0; j < kSRegs / 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = 8 * j + e;
+                if ((kLo && c < lo[h]) || c >= hi[h]) s[4 * j + 2 * h + e] = -INFINITY;
+            }
+        }
+    }
+}
+
 // Sets masked scores to -inf. k0: the first key of the block; col0 = 2 * (lane % 4).
-// The thread's score of column c = 8j + e (a compile-time constant) is key k0 + col0 + c, so the
-// limits are moved to column units once and each compare takes c as an immediate: one ISETP and
-// one FSEL a score and row bound, where key-unit compares took a VIADD per column pair besides.
-// A row's lower bound cuts the block only in windowed calls: without it (causal, and every
-// block right of a window's left edge) only the upper bound is compared.
+// The thread's score of column c is key k0 + col0 + c, so the limits are moved to column units
+// once (mask_columns): one ISETP and one FSEL a score and row bound, where key-unit compares took
+// a VIADD per column pair besides. A row's lower bound cuts the block only in windowed calls:
+// without it (causal, and every block right of a window's left edge) only the upper bound is
+// compared.
 template <int kSRegs>
 __device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const RowMask& rm, int k0, int col0) {
     const int base = k0 + col0;
     const int lo[2] = {rm.lo[0] - base, rm.lo[1] - base}, hi[2] = {rm.hi[0] - base, rm.hi[1] - base};
     if (lo[0] <= 0 && lo[1] <= 0) {
-#pragma unroll
-        for (int j = 0; j < kSRegs / 4; ++j) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    if (8 * j + e >= hi[h]) s[4 * j + 2 * h + e] = -INFINITY;
-                }
-            }
-        }
+        mask_columns<false>(s, lo, hi);
     } else {
-#pragma unroll
-        for (int j = 0; j < kSRegs / 4; ++j) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int c = 8 * j + e;
-                    if (c < lo[h] || c >= hi[h]) s[4 * j + 2 * h + e] = -INFINITY;
-                }
-            }
-        }
+        mask_columns<true>(s, lo, hi);
     }
 }
 

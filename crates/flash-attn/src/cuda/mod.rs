@@ -72,23 +72,13 @@ struct TmaDesc([u64; 16]);
 /// captured calls split short caches, eager ones do not.) So a thread's first call on a device
 /// must not be a captured one: that is an error.
 fn tile_counter(dev: &CudaDevice) -> Result<u64> {
-    type Counters = HashMap<(DeviceId, std::thread::ThreadId), CudaSlice<i32>>;
-    static COUNTERS: OnceLock<Mutex<Counters>> = OnceLock::new();
-    let mut counters = COUNTERS.get_or_init(Default::default).lock().unwrap();
-    let stream = dev.cuda_stream();
-    let key = (dev.id(), std::thread::current().id());
-    if let Some(c) = counters.get(&key) {
-        return Ok(c.device_ptr(&stream).0);
-    }
-    if is_capturing(&stream) {
-        bail!(
+    static COUNTERS: OnceLock<ThreadBuffers> = OnceLock::new();
+    match thread_buffer(&COUNTERS, dev, 2, 2)? {
+        Some(addr) => Ok(addr),
+        None => bail!(
             "flash-attn3: this thread's first attention call on this device is being captured into a CUDA graph; run one call eagerly first on the same thread (it sets up the scheduler counters)"
-        )
+        ),
     }
-    let c = dev.alloc_zeros::<i32>(2)?;
-    let addr = c.device_ptr(&stream).0;
-    counters.insert(key, c);
-    Ok(addr)
 }
 
 /// The device address of the calling thread's fp8 V^T writer counts on this device, at least
@@ -102,22 +92,37 @@ fn tile_counter(dev: &CudaDevice) -> Result<u64> {
 /// allocation of its own (`None` here: the caller allocates it in the capture, where the graph
 /// owns it), so that the thread's buffer is never graph memory.
 fn vt_fill_counts(dev: &CudaDevice, len: usize) -> Result<Option<u64>> {
-    type Counts = HashMap<(DeviceId, std::thread::ThreadId), CudaSlice<i32>>;
-    static COUNTS: OnceLock<Mutex<Counts>> = OnceLock::new();
-    let mut counts = COUNTS.get_or_init(Default::default).lock().unwrap();
+    static COUNTS: OnceLock<ThreadBuffers> = OnceLock::new();
+    thread_buffer(&COUNTS, dev, len, len.next_power_of_two().max(64))
+}
+
+/// Zeroed i32 buffers that kernels leave zeroed, one per (device, thread) ([`tile_counter`] says why).
+type ThreadBuffers = Mutex<HashMap<(DeviceId, std::thread::ThreadId), CudaSlice<i32>>>;
+
+/// The device address of the calling thread's buffer in `buffers` on `dev`, of at least `len` i32:
+/// the one it has, or a fresh zeroed one of `alloc_len` that replaces it (the old one freed in
+/// stream order). `None` where a fresh one is needed while the stream is captured into a CUDA
+/// graph: allocated there, it would be the graph's memory.
+fn thread_buffer(
+    buffers: &OnceLock<ThreadBuffers>,
+    dev: &CudaDevice,
+    len: usize,
+    alloc_len: usize,
+) -> Result<Option<u64>> {
+    let mut buffers = buffers.get_or_init(Default::default).lock().unwrap();
     let stream = dev.cuda_stream();
     let key = (dev.id(), std::thread::current().id());
-    if let Some(c) = counts.get(&key) {
-        if c.len() >= len {
-            return Ok(Some(c.device_ptr(&stream).0));
+    if let Some(b) = buffers.get(&key) {
+        if b.len() >= len {
+            return Ok(Some(b.device_ptr(&stream).0));
         }
     }
     if is_capturing(&stream) {
         return Ok(None);
     }
-    let c = dev.alloc_zeros::<i32>(len.next_power_of_two().max(64))?;
-    let addr = c.device_ptr(&stream).0;
-    counts.insert(key, c);
+    let b = dev.alloc_zeros::<i32>(alloc_len)?;
+    let addr = b.device_ptr(&stream).0;
+    buffers.insert(key, b);
     Ok(Some(addr))
 }
 
